@@ -1,0 +1,41 @@
+# The README's two commands: `make demo` (train the default model) and `make test` (the whole suite).
+# Both create or reuse .venv through scripts/install.sh, the same install path CI and Docker use.
+SHELL := /bin/bash
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Everything a run writes stays inside the project (temp files, JIT-built ops, wandb caches).
+export TMPDIR := $(CURDIR)/.tmp
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
+export WANDB_MODE ?= offline
+export WANDB_DIR := $(CURDIR)/runs
+export WANDB_CACHE_DIR := $(CURDIR)/.tmp/wandb-cache
+export WANDB_CONFIG_DIR := $(CURDIR)/.tmp/wandb-config
+export WANDB_SILENT := true
+export DS_ACCELERATOR ?= cpu
+export PYTHONUNBUFFERED := 1
+export OMP_NUM_THREADS ?= 1
+
+NPROC ?= 2
+DEMO_DATA ?= data/default
+DEMO_RUN ?= configs/runs/demo.yaml
+
+.PHONY: venv demo test lint clean
+
+venv:
+	@mkdir -p $(TMPDIR) $(TORCH_EXTENSIONS_DIR)
+	@scripts/install.sh $(VENV) dev
+
+demo: venv
+	$(BIN)/dist-trainer prepare --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12000000
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m dist_trainer.cli train --config $(DEMO_RUN)
+	$(BIN)/dist-trainer generate --checkpoint runs/demo --prompt "def main(" --max-new-tokens 80
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf runs .tmp .pytest_cache

@@ -1,0 +1,397 @@
+"""One dataclass tree for a run: model, parallel layout, optimiser, data, training.
+
+Loaded from YAML with dotted CLI overrides; precedence is CLI > file > defaults.
+Every field is documented where it is declared. ``Config.validate`` raises
+``ValueError`` naming the offending values and what would be valid; it runs
+before any process group is created (the world size is checked separately by
+``ParallelConfig.resolve`` once the launcher has told us how many ranks there are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+PRESET_DIR = CONFIG_ROOT / "models"
+
+POS_EMBEDDINGS = ("learned", "sinusoidal", "rope")
+NORMS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+CHECKPOINTING = ("none", "every_k", "full")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class ModelConfig:
+    """The one model definition's shape. Presets live in configs/models/*.yaml."""
+
+    preset: str | None = None  # name of a configs/models/ preset used as the base (applied first)
+    vocab_size: int = 50257  # tokens in the vocabulary (TP pads internally when tp does not divide it)
+    d_model: int = 768  # hidden size h
+    n_layers: int = 12  # transformer blocks L
+    n_heads: int = 12  # attention (query) heads a
+    n_kv_heads: int | None = None  # key/value heads: None = n_heads (MHA), 1 = MQA, between = GQA
+    d_ff: int | None = None  # MLP inner size; None = 4 * d_model
+    max_seq_len: int = 1024  # longest sequence; sizes learned position tables and RoPE caches
+    pos_embedding: str = "learned"  # learned (GPT-2, BERT) | sinusoidal (fixed) | rope (Llama)
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm: str = "layernorm"  # layernorm (GPT-2, BERT) | rmsnorm (Llama)
+    norm_eps: float = 1e-5  # epsilon of every norm (BERT uses 1e-12, Llama 1e-5/1e-6)
+    norm_placement: str = "pre"  # pre (GPT-2, Llama: final norm) | post (BERT: embedding norm, none final)
+    activation: str = "gelu"  # gelu | gelu_tanh | relu | swiglu (gated: adds a gate projection)
+    bias: bool = True  # biases in linears and layernorms (Llama: none)
+    tie_embeddings: bool = True  # output head shares the token-embedding weight
+    dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
+    causal: bool = True  # True: decoder, causal-LM objective; False: encoder, masked-LM objective
+    n_token_types: int = 0  # BERT segment embeddings (2); 0 = none
+    pooler: bool = False  # BERT pooler (dense + tanh on the first token); not used by the MLM loss
+    init_std: float = 0.02  # std of normal init for every weight matrix and embedding
+    scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+        _choice(self, "pos_embedding", POS_EMBEDDINGS)
+        _choice(self, "norm", NORMS)
+        _choice(self, "norm_placement", NORM_PLACEMENTS)
+        _choice(self, "activation", ACTIVATIONS)
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                f"choose n_heads among the divisors of {self.d_model}"
+            )
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
+                f"n_kv_heads must be a divisor of {self.n_heads} (1 = MQA, {self.n_heads} = MHA)"
+            )
+        if self.pos_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got d_model/n_heads = {self.head_dim}")
+        if self.pos_embedding == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.ffn_dim < 1:
+            raise ValueError(f"model.d_ff={self.d_ff} must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.n_token_types < 0:
+            raise ValueError(f"model.n_token_types={self.n_token_types} must be >= 0")
+        if self.init_std <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is laid out over ranks. Degrees multiply to the world size."""
+
+    tp_size: int = 1  # tensor-parallel degree (Megatron column/row split); a TP group stays in a node
+    pp_size: int = 1  # pipeline stages
+    dp_size: int | None = None  # data-parallel degree; None = world_size / (tp_size * pp_size)
+    zero_stage: int = 0  # 0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage
+    zero_offload: bool = False  # DeepSpeed: offload optimizer (stage 3: and parameters) to CPU
+    ds_config: str | None = None  # path of a configs/ds/*.json; None = configs/ds/zero{stage}.json
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
+    activation_checkpointing: str = "none"  # none | every_k (every checkpoint_every-th layer) | full
+    checkpoint_every: int = 1  # with every_k: recompute layers whose index % k == 0
+    sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    n_microbatches: int | None = None  # pipeline micro-batches per step; None = gradient-accumulation steps
+    layout: str = "manual"  # manual | auto (the planner picks tp/pp/dp/zero)
+    timeout_s: float = 600.0  # collective timeout: a dead or stalled peer fails the job after this
+
+    def grad_accum_steps(self, dp_size: int) -> int:
+        """Micro-batches each DP rank runs per optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * dp_size)
+
+    def resolve(self, world_size: int) -> int:
+        """Check the degrees against the world size; return the DP degree."""
+        model_parallel = self.tp_size * self.pp_size
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp_size*pp_size = "
+                f"{self.tp_size}*{self.pp_size} = {model_parallel}"
+            )
+        dp = world_size // model_parallel
+        if self.dp_size is not None and self.dp_size != dp:
+            raise ValueError(
+                f"tp_size*pp_size*dp_size = {self.tp_size}*{self.pp_size}*{self.dp_size} = "
+                f"{model_parallel * self.dp_size} does not equal the world size {world_size}; "
+                f"with this tp and pp, dp_size must be {dp} (or left unset)"
+            )
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"parallel.global_batch_size={self.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp_size = {self.micro_batch_size}*{dp} = {per_step}; "
+                f"use a multiple of {per_step}"
+            )
+        return dp
+
+    def validate(self) -> None:
+        _positive(self, "tp_size", "pp_size", "micro_batch_size", "global_batch_size",
+                  "checkpoint_every", "pp_virtual_stages")
+        if self.dp_size is not None and self.dp_size < 1:
+            raise ValueError(f"parallel.dp_size={self.dp_size} must be >= 1 or unset")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.zero_offload and self.zero_stage == 0:
+            raise ValueError("parallel.zero_offload=true needs parallel.zero_stage 1, 2 or 3")
+        _choice(self, "activation_checkpointing", CHECKPOINTING)
+        _choice(self, "pp_schedule", PP_SCHEDULES)
+        _choice(self, "layout", ("manual", "auto"))
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"parallel.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"parallel.micro_batch_size={self.micro_batch_size}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr."""
+
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
+    min_lr: float = 3e-5  # floor of the cosine decay
+    warmup_steps: int = 10  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # decoupled weight decay on matrices; never on biases, norms, embeddings
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.95  # Adam second-moment decay (0.95 as in GPT-3/Llama)
+    eps: float = 1e-8  # Adam epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim.lr={self.lr} must be > 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+            raise ValueError(
+                f"optim.warmup_steps={self.warmup_steps}, weight_decay={self.weight_decay}, "
+                f"grad_clip={self.grad_clip} must be >= 0 and eps={self.eps} > 0"
+            )
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    """Token shards written by `dist-trainer prepare`."""
+
+    path: str = "data/default"  # folder with meta.json, tokenizer.json and the train/val shards
+    seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len)
+    mlm_probability: float = 0.15  # encoders: share of tokens selected for masked-LM (80/10/10 split)
+
+    def validate(self) -> None:
+        _positive(self, "seq_len")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"data.mlm_probability={self.mlm_probability} must be in (0, 1)")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging; offline by default so nothing leaves the machine."""
+
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "dist_trainer"  # wandb project name
+    run_name: str | None = None  # None = the output folder's name
+
+    def validate(self) -> None:
+        _choice(self, "mode", ("offline", "online", "disabled"))
+
+
+@dataclass
+class TrainConfig:
+    """The loop: steps, precision, logging, evaluation and checkpoints."""
+
+    max_steps: int = 300  # optimizer steps
+    seed: int = 1234  # seeds init, dropout and the data order
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + dynamic loss scaling, CUDA only)
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
+    backend: str | None = None  # process-group backend; None = nccl on CUDA, gloo on CPU
+    out_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ and wandb/ go here
+    log_every: int = 1  # write metrics every N steps
+    eval_every: int = 100  # validation loss every N steps; 0 disables
+    eval_batches: int = 4  # micro-batches per evaluation on each DP rank
+    save_every: int = 100  # checkpoint every N steps (and at the end); 0 = only at the end
+    keep_checkpoints: int = 2  # keep the last K checkpoints
+    resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = table lookup by device
+    progress: bool = True  # show a progress bar on rank 0
+
+    def validate(self) -> None:
+        _positive(self, "max_steps", "log_every", "eval_batches", "keep_checkpoints")
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "device", ("auto", "cpu", "cuda"))
+        if self.backend is not None:
+            _choice(self, "backend", ("gloo", "nccl"))
+        if self.eval_every < 0 or self.save_every < 0:
+            raise ValueError(
+                f"train.eval_every={self.eval_every} and train.save_every={self.save_every} must be >= 0"
+            )
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self) -> Config:
+        for section in (self.model, self.parallel, self.optim, self.data, self.train, self.wandb):
+            section.validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
+        if self.train.precision == "fp16" and self.train.device == "cpu":
+            raise ValueError("train.precision=fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    section = _section_name(obj)
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{section}.{name}={value!r} must be a positive integer")
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ValueError(f"{_section_name(obj)}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _section_name(obj: Any) -> str:
+    for name, f in Config.__dataclass_fields__.items():
+        if f.default_factory is type(obj):  # type: ignore[comparison-overlap]
+            return name
+    return type(obj).__name__
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """The fields of a model preset: a name in configs/models/ or a YAML path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ValueError(f"model preset {name_or_path!r} not found; known presets: {', '.join(known)}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"model preset {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def model_config(name_or_path: str, **overrides: Any) -> ModelConfig:
+    """A validated ModelConfig from a preset name or YAML file, with field overrides."""
+    cfg = _build(ModelConfig, {**load_preset(name_or_path), **overrides}, "model")
+    cfg.preset = name_or_path
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults < YAML file < dotted CLI overrides (``model.n_layers=4``), validated."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        tree = yaml.safe_load(text) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        if not name:
+            raise ValueError(f"override {item!r} must be dotted: section.field=value")
+        tree.setdefault(section, {})
+        if not isinstance(tree[section], dict):
+            raise ValueError(f"config section {section!r} must be a mapping")
+        tree[section][name] = value
+    return config_from_dict(tree).validate()
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+    unknown = set(tree) - set(sections)
+    if unknown:
+        raise ValueError(f"unknown config sections {sorted(unknown)}; valid: {sorted(sections)}")
+    model_fields = dict(tree.get("model") or {})
+    if model_fields.get("preset"):
+        model_fields = {**load_preset(model_fields["preset"]), **model_fields}
+    built = {}
+    for name, cls in sections.items():
+        fields = model_fields if name == "model" else (tree.get(name) or {})
+        built[name] = _build(cls, fields, name)
+    return Config(**built)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``--model.n_layers=4`` or ``model.n_layers=4`` -> ("model.n_layers", 4); YAML typing."""
+    item = item[2:] if item.startswith("--") else item
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise ValueError(f"override {item!r} must look like section.field=value")
+    return key, yaml.safe_load(raw) if raw != "" else None
+
+
+def _build(cls: type, fields: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(fields) - valid
+    if unknown:
+        raise ValueError(f"unknown {section} fields {sorted(unknown)}; valid: {sorted(valid)}")
+    return cls(**{k: _coerce(v, hints[k], f"{section}.{k}") for k, v in fields.items()})
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check a YAML value against the field's annotation (ints may stand for floats)."""
+    args = typing.get_args(hint)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ValueError(f"{name} may not be null")
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML reads "3e-4" as a string
+        except ValueError:
+            pass
+    if base in (int, float, str, bool) and (not isinstance(value, base) or
+                                            (base is int and isinstance(value, bool))):
+        raise ValueError(f"{name}={value!r} must be of type {base.__name__}")
+    return value

@@ -1,0 +1,308 @@
+"""The one model definition: GPT-2, Llama and BERT families from one ModelConfig.
+
+Pure torch: nothing here knows how it is parallelised. Regimes rewrite modules by
+name (``parallel/tensor_parallel.py``), split ``layers`` into stages
+(``parallel/pipeline.py``) or hand the module to DeepSpeed. The loss is a module
+(``self.loss``) so that tensor parallelism can swap in a vocab-parallel one.
+
+Module names (the TP plan refers to them):
+  tok_emb, pos_emb, type_emb, emb_norm,
+  layers.{i}.attn_norm, layers.{i}.attn.{q,k,v,o}_proj,
+  layers.{i}.mlp_norm, layers.{i}.mlp.{up,gate,down}_proj,
+  final_norm, head (absent when tied), pooler, loss
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dist_trainer.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 whatever the autocast dtype, cast back to the input's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            w = None if self.weight is None else self.weight.float()
+            b = None if self.bias is None else self.bias.float()
+            return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (seq_len, head_dim/2) for rotary embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, H, T, D) by the position's angle; in fp32."""
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def sinusoidal_table(seq_len: int, dim: int) -> torch.Tensor:
+    """Fixed sine/cosine positions (Vaswani et al. 2017, section 3.5): (seq_len, dim)."""
+    pos = torch.arange(seq_len, dtype=torch.float64).unsqueeze(1)
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    table = torch.zeros(seq_len, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * div)
+    table[:, 1::2] = torch.cos(pos * div)
+    return table.float()
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped key/value heads through SDPA.
+
+    Head counts are read off the projection widths at run time, so a TP rank whose
+    q/k/v projections hold a slice of the heads runs unchanged.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.causal = cfg.causal
+        self.dropout = cfg.dropout
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.o_proj.residual_out = True  # scaled init (GPT-2 paper, section 2.3)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """Feed-forward block: up -> activation -> down, gated (SwiGLU, Shazeer 2020) when asked."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.activation = cfg.activation
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias) if cfg.activation == "swiglu" else None
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.down_proj.residual_out = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up_proj(x)
+        if self.gate_proj is not None:
+            h = F.silu(self.gate_proj(x)) * up
+        elif self.activation == "relu":
+            h = F.relu(up)
+        else:
+            h = F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.down_proj(h)
+
+
+class Block(nn.Module):
+    """One transformer layer; pre-norm (GPT-2/Llama) or post-norm (BERT)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.drop(self.attn(self.attn_norm(x), rope))
+            return x + self.drop(self.mlp(self.mlp_norm(x)))
+        x = self.attn_norm(x + self.drop(self.attn(x, rope)))
+        return self.mlp_norm(x + self.drop(self.mlp(x)))
+
+
+class LMLoss(nn.Module):
+    """Token cross-entropy in fp32, mean over targets that are not IGNORE_INDEX."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX
+        )
+
+
+class Transformer(nn.Module):
+    """Decoder (causal LM) or encoder (masked LM) transformer, configured by ModelConfig."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_embedding == "learned" else None
+        self.type_emb = nn.Embedding(cfg.n_token_types, cfg.d_model) if cfg.n_token_types else None
+        post = cfg.norm_placement == "post"
+        self.emb_norm = build_norm(cfg) if post else None  # BERT normalises the embedding sum
+        self.emb_drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = None if post else build_norm(cfg)  # post-norm layers end normalised
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
+        self.loss = LMLoss()
+        self.checkpointed: frozenset[int] = frozenset()
+        self._init_buffers()
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    def _init_buffers(self) -> None:
+        cfg = self.cfg
+        if cfg.pos_embedding == "rope":
+            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        elif cfg.pos_embedding == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, zero biases, unit norms; residual outputs scaled.
+
+        Parameters are drawn in module order from the global RNG, so the same seed gives
+        the same model in every regime (TP shards are cut from this full draw).
+        """
+        cfg = self.cfg
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.scaled_residual_init else cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, cfg.init_std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        if cfg.pos_embedding in ("rope", "sinusoidal"):
+            self._init_buffers()  # recompute after to_empty() left them uninitialised
+
+    def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
+        """none | every_k (layers whose index % every == 0) | full (all layers)."""
+        n = len(self.layers)
+        if mode == "none":
+            self.checkpointed = frozenset()
+        elif mode == "full":
+            self.checkpointed = frozenset(range(n))
+        elif mode == "every_k":
+            self.checkpointed = frozenset(i for i in range(n) if i % every == 0)
+        else:
+            raise ValueError(f"activation checkpointing mode {mode!r} is not none, every_k or full")
+
+    def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, C) input of the first layer."""
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise RuntimeError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb.weight[:T]
+        elif self.cfg.pos_embedding == "sinusoidal":
+            x = x + self.pos_table[:T].to(x.dtype)
+        if self.type_emb is not None:
+            types = torch.zeros_like(tokens) if token_types is None else token_types
+            x = x + self.type_emb(types)
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
+        return self.emb_drop(x)
+
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.rope_cos, self.rope_sin) if self.cfg.pos_embedding == "rope" else None
+
+    def run_layers(self, x: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+        rope = self.rope()
+        for i, layer in enumerate(self.layers, start=first_layer):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope)
+        return x
+
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_emb.weight if self.head is None else self.head.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, then the head)."""
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return F.linear(x, self.output_weight())
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""
+        if self.pooler is None:
+            raise RuntimeError("this model has no pooler (model.pooler=false)")
+        return torch.tanh(self.pooler(hidden[:, 0]))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) when targets is None, else the scalar mean loss."""
+        logits = self.logits(self.run_layers(self.embed(tokens, token_types)))
+        return logits if targets is None else self.loss(logits, targets)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
+    """The model, initialised on CPU from ``seed`` (so every regime draws the same weights)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Transformer(cfg)
+    return Transformer(cfg).to(device)

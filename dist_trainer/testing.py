@@ -1,0 +1,102 @@
+"""Run a function on N gloo ranks in fresh processes and gather what each returned.
+
+Every multi-rank test (and benchmark) uses ``run_distributed``::
+
+    def work(rank: int, world_size: int, scale: float) -> float:
+        ...                                   # the process group is already up
+        return value                          # must be picklable
+
+    results = run_distributed(work, world_size=2, args=(0.5,))   # [value_rank0, value_rank1]
+
+A rank that raises makes ``run_distributed`` raise ``DistributedTestError`` with every
+failing rank's traceback; a rank that hangs is killed after ``timeout`` seconds and
+reported as such, so a broken collective fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks failed or timed out; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
+            out_dir: str, timeout: float, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        # Skip interpreter teardown: gloo/DeepSpeed threads sometimes abort at exit
+        # ("terminate called without an active exception") after the work is done.
+        os._exit(0)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300.0,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dist_test_") as out_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, port, args, out_dir, timeout, env or {}))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        failures: list[str] = []
+        for p in procs:
+            p.join(timeout + 60)
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                failures.append(f"rank {rank}: still running after {timeout + 60:.0f}s; killed")
+        results: list[Any] = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                if not any(f.startswith(f"rank {rank}:") for f in failures):
+                    failures.append(f"rank {rank}: exited with code {procs[rank].exitcode} and no result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                failures.append(f"rank {rank}: {value}")
+            results.append(value)
+    if failures:
+        raise DistributedTestError("\n".join(failures))
+    return results
