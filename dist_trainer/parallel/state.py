@@ -1,0 +1,109 @@
+"""ParallelState: the (dp, pp, tp) grid of ranks, its process groups, this rank's coordinates.
+
+The whole topology is ``grid = torch.arange(world).view(dp, pp, tp)``: tp varies fastest,
+so the ranks of a TP group are consecutive and, with tp_size <= GPUs per node, stay
+inside one node (TP all-reduces are the most frequent and want NVLink). The state is
+an object passed explicitly to whatever needs a group: there are no module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dist_trainer.config import ParallelConfig
+from dist_trainer.parallel.comm import AxisGroup, CommCounter
+
+AXES = ("dp", "pp", "tp")
+
+
+@dataclass
+class ParallelState:
+    dp: AxisGroup
+    pp: AxisGroup
+    tp: AxisGroup
+    rank: int
+    world_size: int
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def coordinates(self) -> dict[str, int]:
+        return {"dp": self.dp.rank, "pp": self.pp.rank, "tp": self.tp.rank}
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: dp {self.dp.rank}/{self.dp.size}, "
+                f"pp {self.pp.rank}/{self.pp.size}, tp {self.tp.rank}/{self.tp.size}")
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        """One process, no process groups: every collective is a no-op."""
+        counter = CommCounter()
+        axes = {a: AxisGroup(a, 1, 0, None, (0,), counter) for a in AXES}
+        return cls(**axes, rank=0, world_size=1, counter=counter)
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig, world_size: int | None = None, rank: int | None = None) -> ParallelState:
+        """Validate the degrees against the world size, then create one group per grid line.
+
+        ``dist.new_group`` is collective: every rank creates every group, in the same order.
+        """
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        dp_size = parallel.resolve(world_size)  # raises ValueError before any group is made
+        if world_size == 1:
+            return cls.single()
+        if not initialized:
+            raise RuntimeError("ParallelState.build needs an initialised default process group for world_size > 1")
+        grid = torch.arange(world_size).view(dp_size, parallel.pp_size, parallel.tp_size)
+        d, p, t = (int(c) for c in (grid == rank).nonzero()[0])
+        counter = CommCounter()
+        lines = {
+            "tp": [grid[i, j, :] for i in range(dp_size) for j in range(parallel.pp_size)],
+            "pp": [grid[i, :, k] for i in range(dp_size) for k in range(parallel.tp_size)],
+            "dp": [grid[:, j, k] for j in range(parallel.pp_size) for k in range(parallel.tp_size)],
+        }
+        mine = {"tp": grid[d, p, :], "pp": grid[d, :, t], "dp": grid[:, p, t]}
+        coord = {"dp": d, "pp": p, "tp": t}
+        axes = {}
+        for axis in ("tp", "pp", "dp"):
+            my_ranks = tuple(int(r) for r in mine[axis])
+            group = None
+            for line in lines[axis]:
+                ranks = [int(r) for r in line]
+                if len(ranks) == 1:
+                    continue
+                g = dist.new_group(ranks)
+                if tuple(ranks) == my_ranks:
+                    group = g
+            axes[axis] = AxisGroup(axis, len(my_ranks), coord[axis], group, my_ranks, counter)
+        return cls(**axes, rank=rank, world_size=world_size, counter=counter)
