@@ -1,0 +1,101 @@
+"""``dist-trainer`` entry point: parse, build, run, close. The logic lives in the modules.
+
+    dist-trainer prepare  --input PATH... --out DIR --vocab-size N
+    dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
+    dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
+    dist-trainer params | memory | plan ...                             (the planner)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _register_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model (run under torchrun/deepspeed/accelerate/srun for >1 rank)",
+                       description="Train. Any --section.field=value after the options overrides the config "
+                                   "file (precedence: CLI > file > defaults), e.g. --model.n_layers=4.")
+    p.add_argument("--config", help="run config YAML (configs/runs/*.yaml); defaults apply where absent")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from dist_trainer.config import load_config
+    from dist_trainer.train.distributed import shutdown_distributed
+    from dist_trainer.train.summary import print_summary
+    from dist_trainer.train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.train()
+        if trainer.env.rank == 0:
+            print_summary(cfg, result)
+    finally:
+        shutdown_distributed()
+    if trainer.env.distributed:
+        # Skip interpreter teardown: gloo/DeepSpeed threads sometimes abort at exit
+        # ("terminate called without an active exception") after the work is done.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _register_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="folder with tokenizer.json (default: the run's data.path)")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from dist_trainer.train.generate import generate_text
+
+    text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                         args.seed, args.data)
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dist_trainer.data import prepare
+    from dist_trainer.planner import cli as planner_cli
+
+    parser = argparse.ArgumentParser(prog="dist-trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    prepare.register(sub)
+    _register_train(sub)
+    _register_generate(sub)
+    planner_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0] and "=" in a)]
+        if bad:
+            parser.error(f"unrecognised arguments {bad}; overrides look like --section.field=value")
+        args.overrides = extra
+    elif extra:
+        parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad user input: one clear line, no traceback
+        print(f"dist-trainer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

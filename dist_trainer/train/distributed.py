@@ -1,0 +1,110 @@
+"""Who am I, on which device, talking over which backend: read from whichever launcher started us.
+
+torchrun/torchelastic, the ``deepspeed`` launcher and ``accelerate launch`` all export
+RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT). A bare ``srun`` exports
+SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID instead, and Open MPI its OMPI_COMM_WORLD_*
+variables. The device follows the local rank (cuda:LOCAL_RANK on GPU nodes); the backend
+follows the device (nccl on CUDA, gloo on CPU) unless the config names one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# (rank, world size, local rank, local world size) variable names, by launcher, in lookup order.
+_LAUNCHER_VARS = (
+    ("torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), "TORCHELASTIC_RUN_ID"),
+    ("deepspeed", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE"), "CROSS_RANK"),
+    ("accelerate", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), "ACCELERATE_DYNAMO_BACKEND"),
+    ("env", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), "RANK"),
+    ("slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"), "SLURM_PROCID"),
+    ("mpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE"), "OMPI_COMM_WORLD_RANK"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str  # torchrun | deepspeed | accelerate | env | slurm | mpi | none
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Rank, world and local rank from the launcher's variables; one process when none is set."""
+    env = os.environ if environ is None else environ
+    for name, (rank_var, world_var, local_var, local_world_var), marker in _LAUNCHER_VARS:
+        if marker not in env or rank_var not in env:
+            continue
+        try:
+            rank = int(env[rank_var])
+            world = int(env.get(world_var, "1"))
+            local = int(env.get(local_var, "0"))
+            # SLURM_NTASKS_PER_NODE may read "4(x2)"; its first number is this node's count
+            local_world = int(str(env.get(local_world_var, world)).split("(")[0])
+        except ValueError as exc:
+            raise ValueError(f"{name} launcher variables are not integers: {exc}") from exc
+        if not 0 <= rank < world or not 0 <= local < max(local_world, 1):
+            raise ValueError(
+                f"{name} launcher gave rank {rank} of world {world}, local rank {local} of {local_world}"
+            )
+        return LaunchEnv(name, rank, world, local, local_world)
+    return LaunchEnv("none", 0, 1, 0, 1)
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is asked for or available (with ``auto``), else cpu."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but CUDA is not available on this machine; use cpu or auto")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"local rank {local_rank} has no GPU: this node has {count}")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def pick_backend(device: torch.device, requested: str | None) -> str:
+    if requested is not None:
+        if requested == "nccl" and device.type != "cuda":
+            raise ValueError("train.backend=nccl needs CUDA devices; use gloo on CPU")
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: LaunchEnv, device: torch.device, backend: str | None, timeout_s: float) -> None:
+    """Create the default process group (a no-op for one process or when one exists).
+
+    ``timeout_s`` bounds every collective: a dead or stalled peer makes the survivors fail
+    with an error instead of hanging forever.
+    """
+    if not env.distributed or dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if env.launcher in ("slurm", "mpi"):  # init_method env:// reads these
+        os.environ.setdefault("RANK", str(env.rank))
+        os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        pick_backend(device, backend), rank=env.rank, world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s), **kwargs,
+    )
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,48 @@
+"""AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dist_trainer.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay 2-D weights; never biases, norm weights or embeddings (GPT-3 / Megatron practice).
+
+    Parameters are listed in ``named_parameters`` order so every regime builds the same groups.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = name.endswith("_emb.weight")
+        (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        foreach=False,  # the same per-tensor arithmetic in every regime, for exact parity
+    )
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Linear warmup to ``lr`` over warmup_steps, then cosine decay to ``min_lr`` at max_steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
