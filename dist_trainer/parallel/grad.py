@@ -1,0 +1,68 @@
+"""Gradient steps that tensor parallelism adds between backward and the optimizer step.
+
+``finalize_tp_grads``: parameters replicated on every TP rank but fed only a part of the
+work (sequence-parallel norms and row-parallel biases, replicated GQA k/v projections;
+flagged ``p.tp_reduce_grad``) hold partial gradients after backward; one flat all-reduce
+over TP sums them (Megatron-core's ``finalize_model_grads`` does the same for its
+sequence-parallel parameters).
+
+``clip_grad_norm_``: the global 2-norm over every rank's shards, counting a TP-sharded
+parameter's shards once each and a TP-replicated parameter once (on TP rank 0 only,
+Megatron's ``param_is_not_tensor_parallel_duplicate``), reduced over TP and PP. DP ranks
+hold identical gradients after DDP's all-reduce, so DP is not reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from dist_trainer.parallel.state import ParallelState
+
+
+def _params(params_or_model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    params = params_or_model.parameters() if isinstance(params_or_model, nn.Module) else params_or_model
+    return list({id(p): p for p in params}.values())  # a tied weight once
+
+
+def finalize_tp_grads(model: nn.Module, state: ParallelState) -> None:
+    """Sum the partial gradients of ``tp_reduce_grad`` parameters over TP, in one all-reduce.
+
+    Call after backward (after DDP's gradient all-reduce) and before clipping. No-op at tp=1.
+    """
+    if state.tp.size == 1:
+        return
+    grads = [p.grad for p in _params(model) if getattr(p, "tp_reduce_grad", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = state.tp.all_reduce(_flatten_dense_tensors(grads))
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_norm: float,
+                    state: ParallelState) -> torch.Tensor:
+    """Scale gradients in place so that their global 2-norm is at most ``max_norm``.
+
+    Returns the norm before clipping (fp32 scalar), the same on every rank. Matches
+    ``torch.nn.utils.clip_grad_norm_`` on the single-process model: coefficient
+    max_norm / (norm + 1e-6), clamped to 1.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm={max_norm} must be > 0")
+    params = [p for p in _params(params_or_model) if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if hasattr(p, "tp_split_dim") or state.tp.rank == 0:
+            sq += p.grad.detach().float().pow(2).sum()
+    state.tp.all_reduce(sq)
+    state.pp.all_reduce(sq)  # each stage holds different layers
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return norm

@@ -1,0 +1,255 @@
+"""apply_tensor_parallel: turn the plain model into its Megatron TP version, in place.
+
+A declarative plan (torchtitan's ``parallelize_module`` idea, written out by hand) maps
+module-name patterns of ``dist_trainer.model`` to parallel styles; each style replaces or
+decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section 3):
+
+    tok_emb                vocab-parallel embedding (g, or reduce-scatter under SP)
+    layers.*.attn          enter the TP region once: f (or SP all-gather) for q, k and v
+    layers.*.attn.q_proj   column-parallel: heads split across ranks
+    layers.*.attn.k/v_proj column-parallel when tp divides n_kv_heads, else replicated
+    layers.*.attn.o_proj   row-parallel: g (or SP reduce-scatter), bias added once
+    layers.*.mlp           enter the TP region once for up and gate
+    layers.*.mlp.up/gate   column-parallel
+    layers.*.mlp.down_proj row-parallel
+    head                   column-parallel, vocabulary split (untied models)
+    loss                   vocab-parallel cross-entropy
+
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) adds: norms and dropout
+run on sequence shards (their parameters get partial gradients, summed by
+``finalize_tp_grads``), the embedding output is scattered into shards, and the head
+input is all-gathered. The model-level flow changes in two places only, through methods
+bound on the instance (model.py stays untouched): ``model.logits`` returns this rank's
+vocabulary shard of the logits (what ``model.loss`` consumes), and ``model.forward``
+without targets gathers the full logits for generation.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.model import Transformer
+from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.tp_comms import enter_tp_region, gather_from_sequence, gather_from_tp, scatter_to_sequence
+from dist_trainer.parallel.tp_layers import (
+    ColumnParallelLinear,
+    ReplicatedKVLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLoss,
+    mark_partial_grad,
+    padded_size,
+)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_tp(model_cfg: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError if ``model_cfg`` cannot be split over ``tp_size`` ranks.
+
+    Pure arithmetic: call it before any process group exists. k/v heads never fail:
+    when tp does not divide n_kv_heads they are replicated (see ReplicatedKVLinear).
+    """
+    if tp_size < 1:
+        raise ValueError(f"parallel.tp_size={tp_size} must be >= 1")
+    if model_cfg.n_heads % tp_size:
+        raise ValueError(
+            f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp_size={tp_size}: "
+            f"attention heads are split across TP ranks; valid tp_size: {_divisors(model_cfg.n_heads)}"
+        )
+    if model_cfg.ffn_dim % tp_size:
+        raise ValueError(
+            f"the MLP width (model.d_ff={model_cfg.ffn_dim}) is not divisible by parallel.tp_size={tp_size}; "
+            f"valid tp_size: {[d for d in _divisors(model_cfg.ffn_dim) if model_cfg.n_heads % d == 0]}"
+        )
+    local_vocab = padded_size(model_cfg.vocab_size, tp_size) // tp_size
+    if (tp_size - 1) * local_vocab >= model_cfg.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_cfg.vocab_size} padded to a multiple of parallel.tp_size={tp_size} "
+            f"leaves TP rank {tp_size - 1} with padding rows only ({local_vocab} rows per rank); "
+            f"use a tp_size whose vocabulary shards all hold real tokens (vocab_size >= tp_size*(rows-1)+1)"
+        )
+
+
+@dataclass
+class TPContext:
+    """What the styles and the bound model methods need; stored as ``model.tp_context``."""
+
+    cfg: ModelConfig
+    group: AxisGroup
+    sequence_parallel: bool
+    embed_reduce_scatter: bool  # SP and nothing is added to the token embedding: reduce-scatter in tok_emb
+
+
+# ---- styles: each returns the module that replaces the matched one --------------------
+
+
+class Style:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        raise NotImplementedError
+
+
+class EnterRegion(Style):
+    """``f`` (or the SP all-gather) on the module's first input, once for all its projections."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        def hook(_: nn.Module, args: tuple) -> tuple:
+            return (enter_tp_region(args[0], ctx.group, ctx.sequence_parallel), *args[1:])
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
+class ScatterInputToSequence(Style):
+    """SP: split the (replicated) embedding sum into sequence shards before this module."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        module.register_forward_pre_hook(lambda _, args: (scatter_to_sequence(args[0], ctx.group), *args[1:]))
+        return module
+
+
+class Colwise(Style):
+    """Column-parallel inside an already entered region (the parent applied EnterRegion)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return ColumnParallelLinear(module, ctx.group, copy_input=False, sequence_parallel=ctx.sequence_parallel)
+
+
+class KVColwise(Style):
+    """k/v: heads split when tp divides n_kv_heads, else replicated with partial gradients."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        cfg = ctx.cfg
+        if cfg.kv_heads % ctx.group.size == 0:
+            return Colwise().apply(module, ctx)
+        return ReplicatedKVLinear(module, ctx.group, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
+
+
+class Rowwise(Style):
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return RowParallelLinear(module, ctx.group, input_is_parallel=True, sequence_parallel=ctx.sequence_parallel)
+
+
+class VocabEmbedding(Style):
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return VocabParallelEmbedding(module, ctx.group, reduce_scatter_output=ctx.embed_reduce_scatter)
+
+
+class VocabLoss(Style):
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return VocabParallelLoss(ctx.group, ctx.cfg.vocab_size)
+
+
+class SequenceSharded(Style):
+    """SP: the module runs on a sequence shard, so its parameters' gradients are partial."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        for p in module.parameters():
+            mark_partial_grad(p, ctx.group)
+        return module
+
+
+def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]]:
+    """The table: module-name pattern (``*`` = one name component) -> style."""
+    plan: list[tuple[str, Style]] = [
+        ("tok_emb", VocabEmbedding()),
+        ("layers.*.attn", EnterRegion()),
+        ("layers.*.attn.q_proj", Colwise()),
+        ("layers.*.attn.k_proj", KVColwise()),
+        ("layers.*.attn.v_proj", KVColwise()),
+        ("layers.*.attn.o_proj", Rowwise()),
+        ("layers.*.mlp", EnterRegion()),
+        ("layers.*.mlp.up_proj", Colwise()),
+        ("layers.*.mlp.gate_proj", Colwise()),
+        ("layers.*.mlp.down_proj", Rowwise()),
+        ("head", Colwise()),  # entered by the bound logits(), after the final norm
+        ("loss", VocabLoss()),
+    ]
+    if sequence_parallel:
+        plan += [(name, SequenceSharded()) for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "final_norm")]
+        if not _embed_reduce_scatter(cfg, sequence_parallel):
+            # Positions / token types are added to the full sequence, then the sum is split
+            # (Megatron-core's LanguageModelEmbedding does the same when it adds positions).
+            plan.append(("emb_norm" if cfg.norm_placement == "post" else "emb_drop", ScatterInputToSequence()))
+        if cfg.norm_placement == "post":
+            plan.append(("emb_norm", SequenceSharded()))
+    return plan
+
+
+def _embed_reduce_scatter(cfg: ModelConfig, sequence_parallel: bool) -> bool:
+    return sequence_parallel and cfg.pos_embedding == "rope" and not cfg.n_token_types
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
+def apply_tensor_parallel(model: Transformer, state: ParallelState, sequence_parallel: bool = False) -> Transformer:
+    """Shard ``model`` (plain, fully initialised) over ``state.tp`` in place; return it.
+
+    A no-op for tp_size 1. Parameter names stay those of the plain model, so
+    ``reshard`` and the optimizer see the same keys in every layout.
+    """
+    group = state.tp
+    cfg = model.cfg
+    validate_tp(cfg, group.size)
+    if group.size == 1:
+        return model
+    if hasattr(model, "tp_context"):
+        raise RuntimeError("apply_tensor_parallel: this model is already tensor-parallel")
+    ctx = TPContext(cfg, group, sequence_parallel, _embed_reduce_scatter(cfg, sequence_parallel))
+    plan = tp_plan(cfg, sequence_parallel)
+    for name, module in list(model.named_modules()):
+        for pattern, style in plan:
+            if _matches(pattern, name):
+                new = style.apply(module, ctx)
+                if new is not module:
+                    parent, _, child = name.rpartition(".")
+                    setattr(model.get_submodule(parent), child, new)
+                    module = new
+    model.tp_context = ctx
+    model.logits = types.MethodType(_tp_logits, model)
+    model.forward = types.MethodType(_tp_forward, model)
+    if sequence_parallel and model.pooler is not None:
+        model.pool = types.MethodType(_sp_pool(type(model).pool), model)
+    return model
+
+
+def _tp_logits(self: Transformer, x: torch.Tensor) -> torch.Tensor:
+    """(B, T or T/t, C) last hidden state -> (B, T, V_padded/t): this rank's vocabulary shard.
+
+    The head input passes through ``f`` (or the SP all-gather) and meets the local
+    vocabulary rows of the head, or of the shared embedding when tied."""
+    ctx: TPContext = self.tp_context
+    if self.final_norm is not None:
+        x = self.final_norm(x)
+    x = enter_tp_region(x, ctx.group, ctx.sequence_parallel)
+    return F.linear(x, self.output_weight())
+
+
+def _tp_forward(self: Transformer, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+    """As Transformer.forward: the scalar loss (same on every TP rank), or full (B, T, V) logits."""
+    local = self.logits(self.run_layers(self.embed(tokens, token_types)))
+    if targets is not None:
+        return self.loss(local, targets)
+    return gather_from_tp(local, self.tp_context.group)[..., : self.cfg.vocab_size]
+
+
+def _sp_pool(pool: types.FunctionType) -> types.FunctionType:
+    """Under SP the last hidden state is a sequence shard: gather it before pooling token 0."""
+
+    def sp_pool(self: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        return pool(self, gather_from_sequence(hidden, self.tp_context.group))
+
+    return sp_pool
