@@ -1,0 +1,183 @@
+"""`dist-trainer params | memory | plan`: thin entry points over the planner (parse, compute, print)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from dist_trainer.config import ModelConfig, model_config
+from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
+from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.hardware import get_hardware, hardware_profiles
+from dist_trainer.planner.memory import GiB, Layout, Overheads, RankMemory, TrainingOptions, predict_all_stages
+from dist_trainer.planner.params import param_breakdown
+from dist_trainer.planner.scale import max_model
+from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the params, memory and plan subcommands to the dist-trainer parser."""
+    p = subparsers.add_parser("params", help="exact parameter count, per module")
+    _model_args(p)
+    p.set_defaults(func=run_params)
+
+    m = subparsers.add_parser("memory", help="predicted per-rank memory of one layout")
+    _model_args(m)
+    _option_args(m)
+    m.add_argument("--tp", type=int, default=1)
+    m.add_argument("--pp", type=int, default=1)
+    m.add_argument("--dp", type=int, default=1)
+    m.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
+    m.add_argument("--micro-batch", type=int, default=1)
+    m.add_argument("--microbatches", type=int, default=1, help="micro-batches per DP rank per step")
+    m.add_argument("--seq-len", type=int, default=None, help="default: model.max_seq_len")
+    m.add_argument("--checkpointing", default="none", choices=RECOMPUTE)
+    m.add_argument("--checkpoint-every", type=int, default=1)
+    m.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
+    m.add_argument("--pp-schedule", default="1f1b")
+    m.add_argument("--virtual-stages", type=int, default=1)
+    m.set_defaults(func=run_memory)
+
+    q = subparsers.add_parser("plan", help="search layouts for N GPUs, rank by estimated step time")
+    _model_args(q)
+    _option_args(q)
+    q.add_argument("--gpus", type=int, required=True)
+    q.add_argument("--gpus-per-node", type=int, required=True)
+    q.add_argument("--gpu-memory-gb", type=float, default=None, help="GiB per GPU; default: the hardware's")
+    q.add_argument("--seq-len", type=int, required=True)
+    q.add_argument("--global-batch", type=int, required=True)
+    q.add_argument("--hardware", default="A100-80GB", help=f"one of {', '.join(hardware_profiles())}")
+    q.add_argument("--top", type=int, default=5)
+    q.add_argument("--out", default=None, help="write run.yaml, ds_config.json (ZeRO) and launch.sh here")
+    q.add_argument("--max-model", action="store_true", help="largest scaled family model per ZeRO stage")
+    q.set_defaults(func=run_plan)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name (configs/models) or YAML file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _option_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd"))
+    p.add_argument("--attention-kernel", default="flash", choices=("flash", "math"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--cuda-context-gb", type=float, default=0.5)
+    p.add_argument("--fragmentation", type=float, default=0.05)
+
+
+def _load_model(name: str) -> ModelConfig:
+    return model_config(name)
+
+
+def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
+    opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
+                           attention_kernel=args.attention_kernel, device=args.device)
+    over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
+    return opts, over
+
+
+def run_params(args: argparse.Namespace) -> int:
+    cfg = _load_model(args.model)
+    bd = param_breakdown(cfg)
+    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "share": tot / bd.total}
+            for name, each, n, tot in bd.rows()]
+    if args.json:
+        print(json.dumps({"model": args.model, "total": bd.total, "per_layer": bd.layer_total,
+                          "n_layers": bd.n_layers, "breakdown": rows}, indent=2))
+        return 0
+    print(f"{'module':<26}{'each':>16}{'x':>5}{'total':>18}{'share':>9}")
+    for r in rows:
+        print(f"{r['module']:<26}{r['per_instance']:>16,}{r['instances']:>5}{r['total']:>18,}{r['share']:>9.2%}")
+    print(f"{'one layer':<26}{bd.layer_total:>16,}")
+    print(f"{'total':<26}{'':>21}{bd.total:>18,}")
+    return 0
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    cfg = _load_model(args.model)
+    opts, over = _options(args)
+    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, zero_stage=args.zero,
+                    zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
+                    activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
+                    sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)
+    stages = predict_all_stages(cfg, layout, seq_len=args.seq_len or cfg.max_seq_len, options=opts, overheads=over)
+    if args.json:
+        print(json.dumps({"layout": layout.__dict__, "stages": [s.to_dict() for s in stages]}, indent=2))
+        return 0
+    print(describe(layout))
+    for s in stages:
+        print(f"stage {s.pp_rank}: " + _memory_line(s))
+        for k, v in s.detail.items():
+            print(f"    {k:<40}{v / GiB:>10.3f} GiB")
+    return 0
+
+
+def _memory_line(m: RankMemory) -> str:
+    return (f"params {m.params / GiB:.2f}  grads {m.grads / GiB:.2f}  optimizer {m.optimizer / GiB:.2f}  "
+            f"activations {m.activations / GiB:.2f}  overheads {m.overheads / GiB:.2f}  "
+            f"= {m.device_total / GiB:.2f} GiB on device, host {m.host / GiB:.2f} GiB")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    cfg = _load_model(args.model)
+    opts, over = _options(args)
+    hw = get_hardware(args.hardware)
+    memory = round(args.gpu_memory_gb * GiB) if args.gpu_memory_gb else hw.memory_bytes
+    shape = dict(n_gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory, seq_len=args.seq_len,
+                 global_batch=args.global_batch, hardware=hw, options=opts, overheads=over)
+    if args.max_model:
+        start = time.perf_counter()
+        rows = max_model(cfg, **shape)
+        found = [{"zero_stage": r.zero_stage, "n_params": r.n_params,
+                  "model": None if r.model is None else {k: getattr(r.model, k) for k in
+                                                         ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
+                  "layout": None if r.planned is None else r.planned.layout.__dict__} for r in rows]
+        if args.json:
+            print(json.dumps({"max_model": found, "seconds": time.perf_counter() - start}, indent=2))
+        else:
+            for r in rows:
+                what = ("nothing fits" if r.planned is None
+                        else f"{r.n_params / 1e9:.1f}B  ({describe(r.planned.layout)})")
+                print(f"ZeRO-{r.zero_stage}: {what}")
+            print(f"searched in {time.perf_counter() - start:.2f} s")
+        return 0
+    res = plan_layouts(cfg, **shape)
+    top = res.layouts[: args.top]
+    if args.json:
+        print(json.dumps({"seconds": res.seconds, "n_considered": res.n_considered, "n_fit": len(res.layouts),
+                          "layouts": [p.to_dict() for p in top], "over_by": res.over_by, "notes": res.notes,
+                          "closest": None if res.closest is None else res.closest.to_dict()}, indent=2))
+    else:
+        print(f"{res.n_considered} layouts considered, {len(res.layouts)} fit in {memory / GiB:.1f} GiB "
+              f"({res.seconds:.2f} s)")
+        for i, p in enumerate(top, 1):
+            print(f"{i}. {describe(p.layout)}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
+                  f"bubble {p.time.bubble:.3f} s  tp {p.time.tp_comm:.3f} s  dp {p.time.dp_comm:.3f} s\n   "
+                  + _memory_line(p.memory))
+        for note in res.notes:
+            print(note)
+    if args.out and top:
+        _write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+    return 0 if top else 1
+
+
+def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
+                gpus_per_node: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
+    ds = deepspeed_config_dict(best.layout, options=opts)
+    if ds is not None:
+        (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+        run["parallel"]["ds_config"] = str(out / "ds_config.json")
+    (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
+    cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str(out / "run.yaml"))
+    (out / "launch.sh").write_text(f"#!/usr/bin/env bash\n# {describe(best.layout)}\nset -euo pipefail\n{cmd}\n")
+    (out / "launch.sh").chmod(0o755)

@@ -1,0 +1,259 @@
+"""Per-rank memory: parameters, gradients, optimizer states, activations, overheads; host bytes apart.
+
+Model states follow ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, sections 3.1 and 5): with mixed precision
+and Adam a rank keeps 2 Psi (16-bit params) + 2 Psi (16-bit grads) + K Psi (K = 12: fp32 master, momentum,
+variance); stage 1 shards the K Psi over the DP degree, stage 2 also the gradients, stage 3 also the parameters.
+Megatron-LM's distributed optimizer also keeps an fp32 copy of 16-bit gradients in the optimizer shard
+(``fp32_grad_copy``: its README's 20 = 4 + 16 bytes per parameter for fp16 params and grads).
+Activations come from ``activations.py`` (the tensors our model saves), overheads are explicit terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.planner import activations as act
+from dist_trainer.planner.params import RankParams, check_tp, rank_params, stage_layer_counts
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout, in the terms of dist_trainer.config.ParallelConfig (degrees are *_size)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    zero_stage: int = 0
+    zero_offload: bool = False  # optimizer states (stage 3: and parameters) live in host memory
+    micro_batch_size: int = 1
+    n_microbatches: int = 1  # micro-batches per DP rank per step (pipeline micro-batches = grad accumulation)
+    activation_checkpointing: str = "none"  # none | selective | every_k | full
+    checkpoint_every: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    stage_layers: tuple[int, ...] | None = None  # uneven split: layers per stage
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.n_microbatches * self.dp_size
+
+    def validate(self, cfg: ModelConfig) -> None:
+        for name in ("tp_size", "pp_size", "dp_size", "micro_batch_size", "n_microbatches", "checkpoint_every",
+                     "pp_virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout.{name}={getattr(self, name)} must be >= 1")
+        check_tp(cfg, self.tp_size)
+        stage_layer_counts(cfg.n_layers, self.pp_size, self.stage_layers)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.zero_offload and self.zero_stage == 0:
+            raise ValueError("layout.zero_offload needs zero_stage 1, 2 or 3")
+        if self.activation_checkpointing not in act.RECOMPUTE:
+            raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                             f"{', '.join(act.RECOMPUTE)}")
+        if self.pp_schedule not in act.PP_SCHEDULES:
+            raise ValueError(f"layout.pp_schedule={self.pp_schedule!r} is not one of {', '.join(act.PP_SCHEDULES)}")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("layout.sequence_parallel needs tp_size > 1")
+        if self.pp_virtual_stages > 1 and (self.pp_schedule != "interleaved_1f1b" or
+                                           cfg.n_layers % (self.pp_size * self.pp_virtual_stages)):
+            raise ValueError(f"pp_virtual_stages={self.pp_virtual_stages} needs pp_schedule=interleaved_1f1b and "
+                             f"pp_size*v dividing n_layers={cfg.n_layers}")
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Precision, optimizer and kernel choices that change the bytes."""
+
+    precision: str = "bf16"  # fp32 | bf16 | fp16 (16-bit model + fp32 master) | amp_bf16 | amp_fp16 (autocast)
+    grad_dtype: str | None = None  # fp32 | bf16 | fp16; None = the parameters' dtype
+    optimizer: str = "adamw"  # adam | adamw | sgd
+    sgd_momentum: bool = True
+    fp32_grad_copy: bool = False  # optimizer keeps an fp32 copy of 16-bit grads (Megatron's distributed optimizer)
+    attention_kernel: str = "flash"  # flash (no s x s saved) | math
+    device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
+    sp_saves_gathered_input: bool = False
+
+    def validate(self) -> None:
+        if self.precision not in act.PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(act.PRECISIONS)}")
+        if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
+            raise ValueError(f"grad_dtype={self.grad_dtype!r} is not one of fp32, bf16, fp16")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+
+    @property
+    def param_bytes(self) -> int:
+        return 2 if self.precision in ("bf16", "fp16") else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.param_bytes if self.grad_dtype is None else DTYPE_BYTES[self.grad_dtype]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """K of the ZeRO paper: fp32 master copy (16-bit models), moments, optional fp32 gradient copy."""
+        master = 4 if self.param_bytes == 2 else 0
+        moments = 8 if self.optimizer in ("adam", "adamw") else (4 if self.sgd_momentum else 0)
+        grad_copy = 4 if self.fp32_grad_copy and self.grad_bytes < 4 else 0
+        return master + moments + grad_copy
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Framework memory outside the model states and activations; every term is explicit and reported apart."""
+
+    cuda_context: int = 512 * 2**20  # CUDA context + cuBLAS/NCCL workspaces (measure with an empty process)
+    fragmentation: float = 0.05  # caching-allocator slack, as a fraction of states + activations
+    ddp_grad_buckets: bool = True  # torch DDP (gradient_as_bucket_view=False) copies every gradient into buckets
+    zero_bucket_elements: int = 500_000_000  # DeepSpeed reduce_bucket_size default
+    host_buffer_factor: float = 1.0  # DeepSpeed's estimators use 1.5 for pinned host buffers
+
+    @classmethod
+    def none(cls) -> Overheads:
+        return cls(cuda_context=0, fragmentation=0.0, ddp_grad_buckets=False, zero_bucket_elements=0)
+
+
+DEFAULT_OPTIONS = TrainingOptions()  # frozen: safe as a shared default argument
+DEFAULT_OVERHEADS = Overheads()
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one rank (device) plus the host bytes of offloaded states."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    overheads: int
+    host: int
+    pp_rank: int = 0
+    detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_total(self) -> int:
+        return self.model_states + self.activations + self.overheads
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "model_states": self.model_states, "device_total": self.device_total}
+
+
+def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, zero_offload: bool = False,
+                      options: TrainingOptions = DEFAULT_OPTIONS) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, host) bytes of one rank holding ``n_params`` before DP/ZeRO sharding."""
+    options.validate()
+    p = n_params * options.param_bytes
+    g = n_params * options.grad_bytes
+    o = n_params * options.optimizer_bytes
+    shard = dp_size
+    if zero_stage >= 1:
+        o //= shard
+    if zero_stage >= 2:
+        g //= shard
+    if zero_stage >= 3:
+        p //= shard
+    host = 0
+    if zero_offload:
+        # DeepSpeed's CPU Adam keeps the optimizer partition and an fp32 gradient partition in host memory.
+        host, o = o + 4 * n_params // shard, 0
+        if zero_stage >= 2:
+            g = 0  # reduced gradients stream to the host partition; the GPU keeps only buckets
+        if zero_stage == 3:
+            host, p = host + p, 0
+    return p, g, o, host
+
+
+def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
+                           pp_rank: int) -> dict[str, int]:
+    """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
+    spec = act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
+                              precision=options.precision, attention_kernel=options.attention_kernel,
+                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input)
+    costs = act.layer_costs(cfg, spec)
+    counts = stage_layer_counts(cfg.n_layers, layout.pp_size, layout.stage_layers)
+    first = sum(counts[:pp_rank])
+    return act.stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                 layer_ids=range(first, first + counts[pp_rank]),
+                                 tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
+                                 last=pp_rank == layout.pp_size - 1,
+                                 in_flight=_in_flight(layout, pp_rank))
+
+
+def _in_flight(layout: Layout, pp_rank: int) -> float:
+    if layout.pp_size == 1:
+        return 1.0  # gradient accumulation runs one micro-batch's forward and backward at a time
+    return act.in_flight_microbatches(layout.pp_schedule, pp_size=layout.pp_size, pp_rank=pp_rank,
+                                      n_microbatches=layout.n_microbatches, virtual_stages=layout.pp_virtual_stages)
+
+
+def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: dict[str, int], *,
+                seq_len: int, options: TrainingOptions, overheads: Overheads, pp_rank: int) -> RankMemory:
+    """Assemble one rank's memory from its parameter count and activation terms (shared by the search)."""
+    p, g, o, host = model_state_bytes(rp.total, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
+                                      zero_offload=layout.zero_offload, options=options)
+    detail = {f"activations.{k}": v for k, v in activations.items()}
+    over: dict[str, int] = {}
+    if options.device == "cuda":
+        over["cuda_context"] = overheads.cuda_context
+    if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
+        over["ddp_grad_buckets"] = rp.total * options.grad_bytes
+    if layout.dp_size > 1 and layout.zero_stage > 0:
+        over["zero_reduce_bucket"] = min(overheads.zero_bucket_elements, rp.total) * options.grad_bytes
+    if layout.zero_stage == 3:
+        # DeepSpeed's estimate_zero3_model_states_mem_needs: the largest layer gathered (params + grads).
+        over["zero3_gathered_layer"] = rp.largest_layer * (options.param_bytes + options.grad_bytes)
+    if layout.pp_size > 1:  # receive buffers for the activation (forward) and its gradient (backward)
+        spec_rep = 1 / layout.tp_size if layout.sequence_parallel else 1
+        over["pp_p2p_buffers"] = round(2 * layout.micro_batch_size * seq_len * cfg.d_model * spec_rep * 2)
+    act_total = sum(activations.values())
+    over["fragmentation"] = round(overheads.fragmentation * (p + g + o + act_total))
+    detail.update({f"overheads.{k}": v for k, v in over.items()})
+    host = round(host * overheads.host_buffer_factor)
+    return RankMemory(params=p, grads=g, optimizer=o, activations=act_total, overheads=sum(over.values()),
+                      host=host, pp_rank=pp_rank, detail=detail)
+
+
+def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                       options: TrainingOptions = DEFAULT_OPTIONS,
+                       overheads: Overheads = DEFAULT_OVERHEADS) -> list[RankMemory]:
+    """One RankMemory per pipeline stage (every TP and DP rank of a stage holds the same bytes)."""
+    cfg.validate()
+    layout.validate(cfg)
+    options.validate()
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+    out = []
+    for r in range(layout.pp_size):
+        rp = rank_params(cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=r,
+                         stage_layers=layout.stage_layers)
+        acts = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=r)
+        out.append(rank_memory(cfg, layout, rp, acts, seq_len=seq_len, options=options, overheads=overheads,
+                               pp_rank=r))
+    return out
+
+
+def predict_rank_memory(cfg: ModelConfig, layout: Layout, *, seq_len: int,
+                        options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
+                        pp_rank: int | None = None) -> RankMemory:
+    """Bytes on a rank of stage ``pp_rank``; None = the stage with the largest device total."""
+    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=options, overheads=overheads)
+    if pp_rank is not None:
+        if not 0 <= pp_rank < layout.pp_size:
+            raise ValueError(f"pp_rank={pp_rank} must be in [0, {layout.pp_size})")
+        return stages[pp_rank]
+    return max(stages, key=lambda m: m.device_total)

@@ -1,0 +1,216 @@
+"""Exact parameter counts of dist_trainer.model.Transformer, per module kind, per rank.
+
+Closed forms read off the module definitions in ``dist_trainer/model.py``:
+
+* ``nn.Linear(i, o, bias)`` holds ``i*o (+ o)``; ``nn.Embedding(n, h)`` holds ``n*h``;
+* ``LayerNorm`` holds ``h`` weights ``(+ h)`` biases when ``model.bias``; ``RMSNorm`` holds ``h`` (no bias);
+* RoPE and sinusoidal positions are buffers, not parameters;
+* pre-norm models end with a ``final_norm``; post-norm models (BERT) normalise the embedding sum
+  (``emb_norm``) and have no final norm;
+* a tied head is the token embedding (counted once); an untied head is ``Linear(h, V, bias=False)``.
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, section 3): q/k/v and MLP up/gate are
+column-parallel (weights and biases split), o/down are row-parallel (weights split, biases replicated),
+norms, position/type embeddings and the pooler are replicated, the token embedding and an untied head
+are vocab-parallel with the vocabulary padded up to a multiple of tp. Key/value projections are split
+when tp divides n_kv_heads and replicated otherwise (each rank keeps every kv head).
+
+Pipeline parallelism: the embeddings sit on the first stage, final norm + head (+ pooler) on the last;
+with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding as its head (Megatron
+keeps a word-embedding copy on the last stage and all-reduces its gradient with the first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dist_trainer.config import ModelConfig
+
+# Module kinds in the order the model builds them (names follow dist_trainer/model.py).
+EMBEDDING_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")
+LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj", "down_proj")
+TAIL_MODULES = ("final_norm", "head", "pooler")
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rows after padding up to a multiple of tp (so every rank holds the same slice)."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    if cfg.norm == "rmsnorm":
+        return cfg.d_model  # RMSNorm: weight only
+    return cfg.d_model * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
+
+
+def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError when tp cannot split this model the Megatron way."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size={tp_size} must be >= 1")
+    if cfg.n_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide model.n_heads={cfg.n_heads}; "
+                         f"use a divisor of {cfg.n_heads}")
+    if cfg.ffn_dim % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the MLP width {cfg.ffn_dim}")
+
+
+def kv_sharded(cfg: ModelConfig, tp_size: int) -> bool:
+    """True when tp divides the kv heads (split); False: every rank keeps all kv heads (replicated)."""
+    return cfg.kv_heads % tp_size == 0
+
+
+def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
+    """Parameters of the first-stage embedding modules on one TP rank."""
+    h = cfg.d_model
+    return {
+        "tok_emb": padded_vocab(cfg.vocab_size, tp_size) // tp_size * h if tp_size > 1 else cfg.vocab_size * h,
+        "pos_emb": cfg.max_seq_len * h if cfg.pos_embedding == "learned" else 0,
+        "type_emb": cfg.n_token_types * h,
+        "emb_norm": norm_params(cfg) if cfg.norm_placement == "post" else 0,
+    }
+
+
+def layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
+    """Parameters of one transformer layer on one TP rank."""
+    check_tp(cfg, tp_size)
+    h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
+    f = cfg.ffn_dim // t
+    return {
+        "attn_norm": norm_params(cfg),
+        "q_proj": h * (h // t) + bias * (h // t),  # column-parallel: output rows split
+        "k_proj": h * kv_local + bias * kv_local,
+        "v_proj": h * kv_local + bias * kv_local,
+        "o_proj": (h // t) * h + bias * h,  # row-parallel: bias replicated, added after the all-reduce
+        "mlp_norm": norm_params(cfg),
+        "up_proj": h * f + bias * f,
+        "gate_proj": (h * f + bias * f) if cfg.activation == "swiglu" else 0,
+        "down_proj": f * h + bias * h,
+    }
+
+
+def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
+    """Parameters of the last-stage modules: final norm, head (untied, or a tied copy when pp > 1), pooler."""
+    head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
+    has_head = not cfg.tie_embeddings or pp_size > 1
+    return {
+        "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,
+        "head": head_rows * cfg.d_model if has_head else 0,
+        "pooler": cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model if cfg.pooler else 0,
+    }
+
+
+@dataclass(frozen=True)
+class ParamBreakdown:
+    """Per-module counts: embeddings (once), one layer (times n_layers), tail (once)."""
+
+    embedding: dict[str, int]
+    per_layer: dict[str, int]
+    n_layers: int
+    tail: dict[str, int]
+
+    @property
+    def layer_total(self) -> int:
+        return sum(self.per_layer.values())
+
+    @property
+    def total(self) -> int:
+        return sum(self.embedding.values()) + self.n_layers * self.layer_total + sum(self.tail.values())
+
+    def rows(self) -> list[tuple[str, int, int, int]]:
+        """(module, count per instance, instances, count in total) for every non-empty module."""
+        out = [(f"embedding.{k}", v, 1, v) for k, v in self.embedding.items() if v]
+        out += [(f"layers.*.{k}", v, self.n_layers, v * self.n_layers) for k, v in self.per_layer.items() if v]
+        out += [(k, v, 1, v) for k, v in self.tail.items() if v]
+        return out
+
+
+def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
+    """The whole model's counts (single rank); ``.total`` equals count_parameters(build_model(cfg))."""
+    cfg.validate()
+    return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers, tail_params(cfg))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Unique parameters of the model (a tied head counts once)."""
+    return param_breakdown(cfg).total
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul per token: every layer's linears and the output projection.
+
+    Embedding lookups, norms and biases do no matmul; the head (tied or not) does. Used by cost.py.
+    """
+    h, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    mlp_mats = 3 if cfg.activation == "swiglu" else 2
+    linears = 2 * h * h + 2 * h * kv_dim + mlp_mats * h * cfg.ffn_dim
+    return cfg.n_layers * linears + cfg.vocab_size * cfg.d_model
+
+
+def stage_layer_counts(n_layers: int, pp_size: int, stage_layers: Sequence[int] | None = None) -> list[int]:
+    """Layers per pipeline stage: an even split, or an explicit uneven list that sums to n_layers."""
+    if pp_size < 1:
+        raise ValueError(f"pp_size={pp_size} must be >= 1")
+    if stage_layers is not None:
+        counts = list(stage_layers)
+        if len(counts) != pp_size or sum(counts) != n_layers or min(counts) < 1:
+            raise ValueError(f"stage_layers={counts} must hold pp_size={pp_size} positive counts summing to "
+                             f"n_layers={n_layers}")
+        return counts
+    if n_layers % pp_size:
+        raise ValueError(f"pp_size={pp_size} does not divide n_layers={n_layers}; use a divisor of {n_layers} "
+                         f"or pass stage_layers (an uneven split)")
+    return [n_layers // pp_size] * pp_size
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one rank of a (tp, pp) grid; ``replicated`` are identical on every TP rank."""
+
+    modules: dict[str, int]
+    sharded: int
+    replicated: int
+    largest_layer: int  # the biggest single module, for ZeRO-3's gathered working set
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
+                stage_layers: Sequence[int] | None = None) -> RankParams:
+    """Parameters on one rank at pipeline stage ``pp_rank`` (identical for every TP rank of the stage)."""
+    cfg.validate()
+    check_tp(cfg, tp_size)
+    counts = stage_layer_counts(cfg.n_layers, pp_size, stage_layers)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} must be in [0, {pp_size})")
+    modules: dict[str, int] = {}
+    replicated = 0
+    one_layer = layer_params(cfg, tp_size)
+    rep_layer = 2 * norm_params(cfg) + int(cfg.bias) * 2 * cfg.d_model  # norms + row-parallel biases
+    if tp_size > 1 and not kv_sharded(cfg, tp_size):
+        rep_layer += one_layer["k_proj"] + one_layer["v_proj"]
+    if tp_size == 1:
+        rep_layer = 0
+    if pp_rank == 0:
+        emb = embedding_params(cfg, tp_size)
+        modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
+        if tp_size > 1:
+            replicated += emb["pos_emb"] + emb["type_emb"] + emb["emb_norm"]
+    n_here = counts[pp_rank]
+    for name, v in one_layer.items():
+        if v:
+            modules[f"layers.*.{name}"] = v * n_here
+    replicated += rep_layer * n_here
+    if pp_rank == pp_size - 1:
+        tail = tail_params(cfg, tp_size, pp_size=pp_size)
+        modules.update({k: v for k, v in tail.items() if v})
+        if tp_size > 1:
+            replicated += tail["final_norm"] + tail["pooler"]
+    total = sum(modules.values())
+    largest = max([*one_layer.values(), *embedding_params(cfg, tp_size).values(),
+                   *tail_params(cfg, tp_size, pp_size=pp_size).values()])
+    return RankParams(modules=modules, sharded=total - replicated, replicated=replicated, largest_layer=largest)

@@ -1,0 +1,234 @@
+"""Enumerate every valid layout for N GPUs, drop those that do not fit, rank the rest by estimated step time.
+
+The enumeration prunes early: model states depend only on (tp, pp, zero stage, offload), so when they alone
+overflow the GPU the micro-batch, recomputation, SP and schedule loops are skipped (one minimal-activation
+layout is still priced, to say how close it comes). Activation costs per token are computed once per (tp, sp)
+and scaled, so a layout costs a few multiplications.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.planner import activations as act
+from dist_trainer.planner.cost import StepTime, estimate_step_time
+from dist_trainer.planner.hardware import HardwareProfile, get_hardware
+from dist_trainer.planner.memory import (
+    DEFAULT_OPTIONS,
+    DEFAULT_OVERHEADS,
+    Layout,
+    Overheads,
+    RankMemory,
+    TrainingOptions,
+    rank_memory,
+)
+from dist_trainer.planner.params import RankParams, rank_params
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    layout: Layout
+    memory: RankMemory  # the rank with the most device bytes (first or last pipeline stage)
+    time: StepTime
+    fits: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return {"layout": self.layout.__dict__, "memory": self.memory.to_dict(), "time": self.time.to_dict(),
+                "fits": self.fits}
+
+
+@dataclass
+class PlanResult:
+    layouts: list[PlannedLayout]  # fitting layouts, fastest first
+    closest: PlannedLayout | None  # when nothing fits: the layout with the fewest device bytes
+    gpu_memory_bytes: int
+    n_considered: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> PlannedLayout | None:
+        return self.layouts[0] if self.layouts else None
+
+    @property
+    def over_by(self) -> int:
+        """Bytes by which the closest layout exceeds the GPU memory (0 when something fits)."""
+        if self.layouts or self.closest is None:
+            return 0
+        return self.closest.memory.device_total - self.gpu_memory_bytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Planner:
+    """Caches per (tp, pp) parameters and per (tp, sp) activation costs for one model and batch shape."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, options: TrainingOptions, overheads: Overheads,
+                 hw: HardwareProfile, gpus_per_node: int, memory: int) -> None:
+        self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
+        self.hw, self.gpus_per_node, self.memory = hw, gpus_per_node, memory
+        self._params: dict[tuple[int, int, int], RankParams] = {}
+        self._costs: dict[tuple[int, bool], act.LayerCosts] = {}
+
+    def params(self, tp: int, pp: int, rank: int) -> RankParams:
+        key = (tp, pp, rank)
+        if key not in self._params:
+            self._params[key] = rank_params(self.cfg, tp_size=tp, pp_size=pp, pp_rank=rank)
+        return self._params[key]
+
+    def costs(self, tp: int, sp: bool) -> act.LayerCosts:
+        if (tp, sp) not in self._costs:
+            o = self.options
+            spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
+                                      attention_kernel=o.attention_kernel, device=o.device,
+                                      sp_saves_gathered_input=o.sp_saves_gathered_input)
+            self._costs[(tp, sp)] = act.layer_costs(self.cfg, spec)
+        return self._costs[(tp, sp)]
+
+    def memory_of(self, layout: Layout) -> RankMemory:
+        """The worst rank: with even stages it is the first (most in flight) or the last (head and logits)."""
+        p = layout.pp_size
+        per_stage = self.cfg.n_layers // p
+        worst: RankMemory | None = None
+        for r in sorted({0, p - 1}):
+            in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
+                layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
+                virtual_stages=layout.pp_virtual_stages)
+            acts = act.stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
+                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                         layer_ids=range(r * per_stage, (r + 1) * per_stage),
+                                         tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                         last=r == p - 1, in_flight=in_flight)
+            mem = rank_memory(self.cfg, layout, self.params(layout.tp_size, p, r), acts, seq_len=self.seq_len,
+                              options=self.options, overheads=self.overheads, pp_rank=r)
+            if worst is None or mem.device_total > worst.device_total:
+                worst = mem
+        assert worst is not None
+        return worst
+
+    def price(self, layout: Layout) -> PlannedLayout:
+        mem = self.memory_of(layout)
+        t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
+                               gpus_per_node=self.gpus_per_node, options=self.options,
+                               n_params_rank=self.params(layout.tp_size, layout.pp_size, 0).total)
+        return PlannedLayout(layout, mem, t, mem.device_total <= self.memory)
+
+
+def _schedules(pp: int, m: int, n_layers: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for s in allowed:
+        if s == "interleaved_1f1b":
+            if n_layers % (2 * pp) == 0 and m % pp == 0:  # Megatron: m a multiple of p for interleaving
+                out.append((s, 2))
+        else:
+            out.append((s, 1))
+    return out
+
+
+def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
+                 global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
+                 options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
+                 zero_stages: tuple[int, ...] = (0, 1, 2, 3), allow_offload: bool = True,
+                 checkpointing: tuple[str, ...] = ("none", "every_k", "full"),
+                 pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None) -> PlanResult:
+    """Every valid layout of ``model`` on ``n_gpus``, the fitting ones ranked by estimated step time.
+
+    Valid: tp divides gpus_per_node (a TP group stays in a node), the heads and the MLP width; pp divides
+    n_layers; dp = n_gpus/(tp*pp) divides global_batch; the micro-batch divides the per-DP batch; with pp > 1
+    there are at least pp micro-batches. "selective" recomputation is not enumerated: with a flash kernel our
+    layer saves no s x s matrix, so it would save nothing (see docs/planner.md).
+    """
+    start = time.perf_counter()
+    model.validate()
+    options.validate()
+    for name, v in (("n_gpus", n_gpus), ("gpus_per_node", gpus_per_node), ("seq_len", seq_len),
+                    ("global_batch", global_batch), ("gpu_memory_bytes", gpu_memory_bytes)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+    if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
+        raise ValueError(f"n_gpus={n_gpus} is not a multiple of gpus_per_node={gpus_per_node}")
+    if seq_len > model.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    hw = get_hardware(hardware)
+    pl = _Planner(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes)
+    fitting: list[PlannedLayout] = []
+    closest: PlannedLayout | None = None
+    considered = 0
+    for tp in _divisors(min(gpus_per_node, n_gpus)):
+        if n_gpus % tp or model.n_heads % tp or model.ffn_dim % tp:
+            continue
+        for pp in _divisors(model.n_layers):
+            if n_gpus % (tp * pp):
+                continue
+            dp = n_gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            if pp > 1 and per_dp < pp:
+                continue  # fewer micro-batches than stages: 1F1B cannot fill the pipeline
+            for zero in zero_stages:
+                if zero > 0 and dp == 1:
+                    continue  # ZeRO shards over DP: nothing to shard
+                for offload in ((False, True) if zero > 0 and allow_offload else (False,)):
+                    base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload)
+                    # Model states alone (micro-batch independent): prune when they overflow.
+                    states = pl.memory_of(replace(base, micro_batch_size=1, n_microbatches=per_dp,
+                                                  activation_checkpointing="full",
+                                                  sequence_parallel=tp > 1))
+                    considered += 1
+                    if states.device_total > gpu_memory_bytes:
+                        cand = pl.price(replace(base, micro_batch_size=1, n_microbatches=per_dp,
+                                                activation_checkpointing="full", sequence_parallel=tp > 1))
+                        if closest is None or cand.memory.device_total < closest.memory.device_total:
+                            closest = cand
+                        continue
+                    for mb in _divisors(per_dp):
+                        m = per_dp // mb
+                        if pp > 1 and m < pp:
+                            continue
+                        for sched, v in _schedules(pp, m, model.n_layers, pp_schedules):
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                for ck in checkpointing:
+                                    lay = replace(base, micro_batch_size=mb, n_microbatches=m,
+                                                  activation_checkpointing=ck, checkpoint_every=2 if ck == "every_k"
+                                                  else 1, sequence_parallel=sp, pp_schedule=sched,
+                                                  pp_virtual_stages=v)
+                                    considered += 1
+                                    planned = pl.price(lay)
+                                    if planned.fits:
+                                        fitting.append(planned)
+                                    elif closest is None or planned.memory.device_total < closest.memory.device_total:
+                                        closest = planned
+    # Equal times (DP communication hidden behind backward): prefer the simpler layout, then the smaller one.
+    fitting.sort(key=lambda x: (round(x.time.total, 9), x.layout.zero_stage, x.layout.zero_offload,
+                                x.layout.tp_size * x.layout.pp_size, x.memory.device_total))
+    if top_k is not None:
+        fitting = fitting[:top_k]
+    notes = [] if fitting else [_nothing_fits_note(closest, gpu_memory_bytes)]
+    return PlanResult(fitting, None if fitting else closest, gpu_memory_bytes, considered,
+                      time.perf_counter() - start, notes)
+
+
+def _nothing_fits_note(closest: PlannedLayout | None, memory: int) -> str:
+    if closest is None:
+        return "no valid layout: check that the GPU count, heads, layers and global batch have common divisors"
+    over = closest.memory.device_total - memory
+    return (f"nothing fits in {memory / 2**30:.1f} GiB; closest: {describe(closest.layout)} needs "
+            f"{closest.memory.device_total / 2**30:.1f} GiB, over by {over / 2**30:.1f} GiB")
+
+
+def describe(layout: Layout) -> str:
+    ck = layout.activation_checkpointing + (f"/{layout.checkpoint_every}" if layout.activation_checkpointing ==
+                                            "every_k" else "")
+    s = (f"tp={layout.tp_size} pp={layout.pp_size} dp={layout.dp_size} zero={layout.zero_stage}"
+         f"{'+offload' if layout.zero_offload else ''} mb={layout.micro_batch_size} m={layout.n_microbatches} "
+         f"ckpt={ck}{' sp' if layout.sequence_parallel else ''}")
+    if layout.pp_size > 1:
+        s += f" {layout.pp_schedule}" + (f"(v={layout.pp_virtual_stages})" if layout.pp_virtual_stages > 1 else "")
+    return s
