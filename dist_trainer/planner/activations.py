@@ -61,7 +61,9 @@ class ActivationSpec:
     precision: str = "fp32"
     attention_kernel: str = "flash"
     device: str = "cuda"  # dropout masks are bool on CUDA, the activation dtype on CPU
-    sp_saves_gathered_input: bool = False  # True: column-parallel linears keep the all-gathered input (not Megatron)
+    # Our TP regime all-gathers the SP shard in an autograd Function before F.linear, so the linear keeps the
+    # gathered input (parallel/tp_layers.py); Megatron keeps the shard and re-gathers in backward (False).
+    sp_saves_gathered_input: bool = True
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:

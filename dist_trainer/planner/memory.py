@@ -82,7 +82,7 @@ class TrainingOptions:
     fp32_grad_copy: bool = False  # optimizer keeps an fp32 copy of 16-bit grads (Megatron's distributed optimizer)
     attention_kernel: str = "flash"  # flash (no s x s saved) | math
     device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
-    sp_saves_gathered_input: bool = False
+    sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:

@@ -1,0 +1,139 @@
+"""Layout search validity, the nothing-fits answer, the 1T/3072 timing, emitted configs and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_trainer.config import ModelConfig, config_from_dict, model_config
+from dist_trainer.planner.cli import register
+from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.memory import GiB, predict_rank_memory
+from dist_trainer.planner.params import count_params
+from dist_trainer.planner.scale import max_model
+from dist_trainer.planner.search import plan_layouts
+
+
+def test_every_returned_layout_is_valid_and_fits() -> None:
+    cfg = model_config("llama2-7b")
+    n, g, mem = 32, 8, 40 * GiB
+    res = plan_layouts(cfg, n_gpus=n, gpus_per_node=g, gpu_memory_bytes=mem, seq_len=2048, global_batch=128,
+                       hardware="A100-40GB")
+    assert res.layouts and res.closest is None and res.over_by == 0
+    times = [round(p.time.total, 9) for p in res.layouts]  # ties are broken by simplicity, then memory
+    assert times == sorted(times)
+    for p in res.layouts:
+        lay = p.layout
+        assert lay.tp_size * lay.pp_size * lay.dp_size == n
+        assert g % lay.tp_size == 0 and cfg.n_heads % lay.tp_size == 0
+        assert cfg.n_layers % lay.pp_size == 0
+        assert lay.global_batch_size == 128
+        assert p.memory.device_total <= mem
+        # the search's cached arithmetic agrees with the public per-rank API
+        again = predict_rank_memory(cfg, lay, seq_len=2048, pp_rank=p.memory.pp_rank)
+        assert again.device_total == p.memory.device_total
+        assert 0 < p.time.mfu < 1
+
+
+def test_nothing_fits_says_what_comes_closest() -> None:
+    res = plan_layouts(model_config("llama2-13b"), n_gpus=2, gpus_per_node=2, gpu_memory_bytes=4 * GiB,
+                       seq_len=1024, global_batch=8, hardware="A100-80GB", allow_offload=False)
+    assert res.layouts == [] and res.closest is not None
+    assert res.over_by == res.closest.memory.device_total - 4 * GiB > 0
+    assert "over by" in res.notes[0]
+
+
+def test_one_trillion_parameters_on_3072_gpus_is_fast() -> None:
+    cfg = ModelConfig(vocab_size=51200, d_model=25600, n_layers=128, n_heads=160, max_seq_len=2048)
+    assert count_params(cfg) > 1.0e12
+    start = time.perf_counter()
+    res = plan_layouts(cfg, n_gpus=3072, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=2048,
+                       global_batch=3072, hardware="A100-80GB")
+    elapsed = time.perf_counter() - start
+    print(f"1T on 3072 GPUs: {res.n_considered} layouts in {elapsed:.2f} s")
+    assert elapsed < 10  # the issue asks < 2 s on this machine; loose here because CI cores are shared
+    assert res.layouts
+
+
+def test_emitted_config_loads_and_resolves() -> None:
+    cfg = model_config("gpt2")
+    res = plan_layouts(cfg, n_gpus=16, gpus_per_node=8, gpu_memory_bytes=16 * GiB, seq_len=1024, global_batch=64,
+                       hardware="V100-32GB")
+    best = res.best
+    assert best is not None
+    run = run_config_dict(cfg, best.layout, seq_len=1024)
+    loaded = config_from_dict(run).validate()
+    assert loaded.parallel.resolve(16) == best.layout.dp_size
+    assert loaded.model.n_layers == cfg.n_layers
+    zero = next(p for p in res.layouts if p.layout.zero_stage > 0)
+    ds = deepspeed_config_dict(zero.layout)
+    assert ds is not None and ds["zero_optimization"]["stage"] == zero.layout.zero_stage
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
+        zero.layout.dp_size
+    assert launch_command(zero.layout, gpus_per_node=8).startswith("deepspeed --num_nodes 2 --num_gpus 8")
+    plain = next(p for p in res.layouts if p.layout.zero_stage == 0)
+    assert launch_command(plain.layout, gpus_per_node=8).startswith("torchrun --nnodes 2 --nproc_per_node 8")
+
+
+def test_max_model_grows_with_memory() -> None:
+    base = model_config("gpt2")
+    small = max_model(base, n_gpus=8, gpus_per_node=8, gpu_memory_bytes=16 * GiB, seq_len=1024, global_batch=64)
+    large = max_model(base, n_gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=1024, global_batch=64)
+    assert [r.zero_stage for r in small] == [0, 1, 2, 3]
+    for s, lg in zip(small, large):
+        assert s.planned is not None and s.planned.memory.device_total <= 16 * GiB
+        assert lg.n_params > s.n_params
+    assert small[3].n_params >= small[0].n_params  # a higher stage may use any lower one
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="dist-trainer")
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    rc = args.func(args)
+    return rc, capsys.readouterr().out
+
+
+def test_cli_params_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _cli(["params", "--model", "bert-base", "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and data["total"] == 109_482_240
+    assert sum(r["total"] for r in data["breakdown"]) == data["total"]
+    assert sum(r["share"] for r in data["breakdown"]) == pytest.approx(1.0)
+
+
+def test_cli_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _cli(["memory", "--model", "gpt2", "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "1",
+                    "--micro-batch", "2", "--microbatches", "4", "--sp", "--seq-len", "512", "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and len(data["stages"]) == 2
+    for st in data["stages"]:
+        assert st["device_total"] == sum(st[k] for k in ("params", "grads", "optimizer", "activations", "overheads"))
+
+
+def test_cli_plan_json_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _cli(["plan", "--model", "gpt2", "--gpus", "16", "--gpus-per-node", "8", "--gpu-memory-gb", "16",
+                    "--seq-len", "1024", "--global-batch", "64", "--top", "3", "--json", "--out", str(tmp_path)],
+                   capsys)
+    data = json.loads(out)
+    assert rc == 0 and 1 <= len(data["layouts"]) <= 3
+    assert (tmp_path / "run.yaml").is_file() and (tmp_path / "launch.sh").is_file()
+    best = data["layouts"][0]["layout"]
+    assert (tmp_path / "ds_config.json").is_file() == (best["zero_stage"] > 0)
+    assert "dist_trainer.cli train --config" in (tmp_path / "launch.sh").read_text()
+    rc, out = _cli(["plan", "--model", "llama2-13b", "--gpus", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "8",
+                    "--seq-len", "1024", "--global-batch", "8"], capsys)
+    assert rc == 1 and "over by" in out
+
+
+def test_bad_input_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="gpus_per_node=8"):
+        plan_layouts(model_config("gpt2"), n_gpus=12, gpus_per_node=8, gpu_memory_bytes=GiB, seq_len=128,
+                     global_batch=8)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        plan_layouts(model_config("gpt2"), n_gpus=8, gpus_per_node=8, gpu_memory_bytes=GiB, seq_len=128,
+                     global_batch=8, hardware="TPU")
