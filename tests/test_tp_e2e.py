@@ -120,6 +120,9 @@ def _tp_worker(rank: int, world_size: int, runs: list[tuple[str, bool]]) -> dict
             tokens = make_batches(cfg, 1)[0][0]
             with torch.no_grad():
                 out[(name, "logits")] = model(tokens)
+        if cfg.pooler:  # BERT pooler: replicated; under SP its input is gathered first
+            with torch.no_grad():
+                out[(name, sp, "pool")] = model.pool(model.run_layers(model.embed(make_batches(cfg, 1)[0][0])))
         out[(name, sp)] = tp_train(model, state, make_batches(cfg, STEPS))
     return out
 
@@ -156,8 +159,12 @@ def test_tp2_matches_single_process_gpt2_llama_bert_with_and_without_sp() -> Non
         plain = build_model(cfg, seed=SEED)
         with torch.no_grad():
             logits_ref = plain(make_batches(cfg, 1)[0][0])
+            pool_ref = plain.pool(plain.run_layers(plain.embed(make_batches(cfg, 1)[0][0]))) if cfg.pooler else None
         for rank_result in results:
             torch.testing.assert_close(rank_result[(name, "logits")], logits_ref, rtol=1e-5, atol=1e-6)
+            if cfg.pooler:
+                for sp in (False, True):
+                    torch.testing.assert_close(rank_result[(name, sp, "pool")], pool_ref, rtol=1e-5, atol=1e-6)
             for sp in (False, True):
                 _assert_losses_match(f"{name} tp=2 sp={sp}", rank_result[(name, sp)], expected)
 
