@@ -269,6 +269,12 @@ class Config:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        tp = self.parallel.tp_size
+        if self.parallel.sequence_parallel and self.data.seq_len % tp:
+            raise ValueError(
+                f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={self.data.seq_len} "
+                f"must be divisible by parallel.tp_size={tp}"
+            )
         if self.train.precision == "fp16" and self.train.device == "cpu":
             raise ValueError("train.precision=fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU")
         return self

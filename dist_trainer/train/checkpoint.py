@@ -217,3 +217,43 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if latest is not None:
             return latest
     raise ValueError(f"no complete checkpoint found at {p}")
+
+
+def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int,
+                specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's model and optimizer state from a checkpoint saved at any tp size.
+
+    Same tp: the rank's own files. Another tp: every saved TP shard of this stage is
+    merged into full tensors with the *saved* layout's specs (kept in meta.json, since
+    whether a tensor is split can depend on tp, e.g. GQA k/v), then cut for this rank
+    with the current specs. Optimizer moments reshard with the same code as weights.
+    """
+    from dist_trainer.parallel.reshard import ShardSpec, merge_tp_shards, slice_for_tp
+
+    old_tp = meta["layout"]["tp"]
+    if old_tp == tp_size:
+        return (load_file(path / shard_name("model", tp_rank, pp_rank)),
+                load_file(path / shard_name("optim", tp_rank, pp_rank)))
+    if "tp_specs" not in meta:
+        raise ValueError(f"checkpoint {path} has no tp_specs in meta.json; it cannot be resharded to tp={tp_size}")
+    old_specs = {n: ShardSpec(*v) for n, v in meta["tp_specs"].items()}
+    models = [load_file(path / shard_name("model", r, pp_rank)) for r in range(old_tp)]
+    full = merge_tp_shards([{n: m[n] for n in old_specs} for m in models], old_specs)
+    model_state = slice_for_tp(full, specs_now, tp_rank, tp_size)
+    optims = [load_file(path / shard_name("optim", r, pp_rank)) for r in range(old_tp)]
+    names = list(optims[0]["state"])  # parameters that have optimizer state (a grad-less pooler has none)
+    new_state: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for key in optims[0]["state"][names[0]] if names else ():
+        per_rank = [{n: o["state"][n][key] for n in names} for o in optims]
+        if per_rank[0][names[0]].ndim == 0:  # Adam's step count: the same scalar on every rank
+            merged = per_rank[0]
+            for n in names:
+                new_state[n][key] = merged[n]
+            continue
+        sub_old = {n: old_specs[n] for n in names}
+        sub_new = {n: specs_now[n] for n in names}
+        sliced = slice_for_tp(merge_tp_shards(per_rank, sub_old), sub_new, tp_rank, tp_size)
+        for n in names:
+            new_state[n][key] = sliced[n]
+    optim_state = {**optims[0], "state": new_state}
+    return model_state, optim_state

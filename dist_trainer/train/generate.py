@@ -8,6 +8,7 @@ import torch
 
 from dist_trainer.config import Config, config_from_dict
 from dist_trainer.model import Transformer, build_model
+from dist_trainer.parallel.reshard import tp_shard_specs
 from dist_trainer.train import checkpoint as ckpt
 
 
@@ -20,12 +21,10 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     model = build_model(cfg.model, device="meta")
     model.to_empty(device="cpu")
     model.reset_parameters()
-    if (layout["tp"], layout["pp"]) != (1, 1):
-        raise ValueError(
-            f"checkpoint {step_path} is sharded tp={layout['tp']}, pp={layout['pp']}; "
-            "convert it to tp=1, pp=1 first with dist-trainer convert-checkpoint"
-        )
-    state = ckpt.load_file(step_path / ckpt.shard_name("model", 0, 0))
+    if layout["pp"] != 1:
+        raise ValueError(f"checkpoint {step_path} has pp={layout['pp']} stages; only pp=1 loads as one model yet")
+    state, _ = ckpt.load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0,
+                                specs_now=tp_shard_specs(model))  # TP shards merged into full tensors
     model.load_state_dict(state)
     return model.to(device).eval(), cfg
 

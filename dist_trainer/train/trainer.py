@@ -30,7 +30,10 @@ from dist_trainer.data.dataset import TokenDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.model import Transformer, build_model, count_parameters
 from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.parallel.grad import clip_grad_norm_, finalize_tp_grads
+from dist_trainer.parallel.reshard import tp_shard_specs
 from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel, validate_tp
 from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, flops_per_token, memory_bytes, peak_flops
@@ -46,8 +49,8 @@ class TrainResult:
     metrics_path: str | None = None
 
 
-def _counting_allreduce_hook(dp: AxisGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's own all-reduce (mean over dp), recorded in the project's communication counter."""
+def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejects string annotations here
+    """DDP's own all-reduce (mean over dp) of a dist.GradBucket, recorded in the communication counter."""
     buf = bucket.buffer()
     dp.counter.record("all_reduce", "dp", buf.numel() * buf.element_size())
     return default_hooks.allreduce_hook(dp.group, bucket)
@@ -59,6 +62,7 @@ class Trainer:
         self.cfg = cfg
         self.env = detect_launch_env()
         self.dp_size = cfg.parallel.resolve(self.env.world_size)  # ValueError before any group exists
+        validate_tp(cfg.model, cfg.parallel.tp_size)
         self.device = pick_device(cfg.train.device, self.env.local_rank)
         if cfg.train.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("train.precision=fp16 needs CUDA (dynamic loss scaling); use bf16 or fp32 on CPU")
@@ -91,6 +95,9 @@ class Trainer:
         model = build_model(self.cfg.model, seed=self.cfg.train.seed)
         model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
                                            self.cfg.parallel.checkpoint_every)
+        # Megatron TP: the full model is drawn from the seed, then each rank keeps its slices,
+        # so every layout starts from the single-process weights.
+        apply_tensor_parallel(model, self.state, self.cfg.parallel.sequence_parallel)
         return model.to(self.device)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -130,6 +137,7 @@ class Trainer:
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float()
+        finalize_tp_grads(self.model, self.state)  # partial grads of TP-replicated params (SP norms, ...)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip_gradients()
@@ -145,10 +153,9 @@ class Trainer:
         return {"loss": float(mean_loss), "grad_norm": float(grad_norm), "lr": lr}
 
     def _clip_gradients(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.cfg.optim.grad_clip > 0:
-            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=False)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+        """Global grad norm over every rank's shards (TP-replicated params once), clipped if asked."""
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        return clip_grad_norm_(self.model, max_norm, self.state)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -185,9 +192,6 @@ class Trainer:
             dt = time.perf_counter() - t0
             self.step = step + 1
             result.losses[step] = metrics["loss"]
-            if step > 0 or cfg.train.max_steps == 1:  # the first step pays one-off warm-up costs
-                elapsed += dt
-                timed_tokens += tokens_per_step
             record: dict[str, Any] = {"step": self.step, **metrics, "step_time_s": dt,
                                       "tokens_per_s": tokens_per_step / dt,
                                       "mfu": fpt * tokens_per_step / dt / peak,
@@ -200,6 +204,11 @@ class Trainer:
             self.logger.advance()
             if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps:
                 result.checkpoint = str(self.save())
+            # Throughput counts whole iterations (logging, eval and saves included): what a user sees.
+            # The first step pays one-off warm-up costs and is left out unless it is the only one.
+            if step > 0 or cfg.train.max_steps - step == 1:
+                elapsed += time.perf_counter() - t0
+                timed_tokens += tokens_per_step
         result.tokens_per_s = timed_tokens / elapsed if elapsed else 0.0
         self.logger.close()
         return result
@@ -228,7 +237,8 @@ class Trainer:
                        "world": self.env.world_size},
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      "global_batch_size": cfg.parallel.global_batch_size, "seed": cfg.train.seed},
-            "regime": "ddp",
+            "regime": "tp+ddp" if self.state.tp_size > 1 else "ddp",
+            "tp_specs": {n: [s.dim, s.full_size] for n, s in tp_shard_specs(self.model).items()},
         }
         return ckpt.save_checkpoint(
             self.ckpt_root, self.step, rank=self.env.rank, tp_rank=self.state.tp_rank,
@@ -243,9 +253,10 @@ class Trainer:
             return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
         check_resumable(meta, self.cfg, self.state)
-        model_state = ckpt.load_file(path / ckpt.shard_name("model", self.state.tp_rank, self.state.pp_rank))
+        model_state, optim_state = ckpt.load_shards(
+            path, meta, tp_rank=self.state.tp_rank, tp_size=self.state.tp_size, pp_rank=self.state.pp_rank,
+            specs_now=tp_shard_specs(self.model))
         self.model.load_state_dict(model_state)
-        optim_state = ckpt.load_file(path / ckpt.shard_name("optim", self.state.tp_rank, self.state.pp_rank))
         ckpt.load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
         if self.scaler is not None and "scaler" in optim_state:
             self.scaler.load_state_dict(optim_state["scaler"])
@@ -270,8 +281,8 @@ def check_resumable(meta: dict[str, Any], cfg: Config, state: ParallelState) -> 
             f"this run has {cfg.parallel.global_batch_size}, {cfg.train.seed}: the data order would change"
         )
     layout = meta["layout"]
-    if (layout["tp"], layout["pp"]) != (state.tp_size, state.pp_size):
+    if layout["pp"] != state.pp_size:  # tp and dp may change: shards are merged and re-cut on load
         raise ValueError(
-            f"checkpoint layout tp={layout['tp']}, pp={layout['pp']} differs from this run's "
-            f"tp={state.tp_size}, pp={state.pp_size}; convert it first (dist-trainer convert-checkpoint)"
+            f"checkpoint has pp={layout['pp']} stages, this run pp={state.pp_size}; "
+            "resuming across pipeline sizes is not supported yet"
         )
