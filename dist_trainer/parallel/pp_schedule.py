@@ -1,0 +1,194 @@
+"""Pipeline schedules on ``torch.distributed.pipelining``, over the pp process group.
+
+``build_schedule`` wraps this rank's ``StageModule``s in ``PipelineStage``s (p2p on
+``state.pp.group``) and picks the library schedule named by ``parallel.pp_schedule``:
+
+    gpipe             ScheduleGPipe             all forwards, then all backwards (Huang et al. 2019)
+    1f1b              Schedule1F1B              PipeDream-flush (Narayanan et al. 2021, section 2.2)
+    interleaved_1f1b  ScheduleInterleaved1F1B   v model chunks per rank, bubble / v (same paper)
+    zero_bubble       ScheduleInterleavedZeroBubble  split input/weight backward (Qi et al. 2024)
+
+``validate_pipeline`` is pure arithmetic, for the config check before any group exists.
+The library scales gradients by 1 / n_microbatches (``scale_grads=True``), so with a
+per-micro-batch mean loss the gradient is that of the mean over the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.parallel.grad import clip_grad_norm_
+from dist_trainer.parallel.pipeline import StageModule
+from dist_trainer.parallel.state import ParallelState
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+def validate_pipeline(pp_size: int, schedule_name: str, n_microbatches: int, batch_size: int,
+                      virtual_stages: int = 1) -> None:
+    """Raise ValueError unless ``batch_size`` sequences (per dp rank) run under this schedule."""
+    if schedule_name not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule_name!r} is not one of {tuple(SCHEDULES)}")
+    if n_microbatches < 1:
+        raise ValueError(f"parallel.n_microbatches={n_microbatches} must be >= 1")
+    if batch_size % n_microbatches:
+        raise ValueError(
+            f"the batch of {batch_size} sequences per dp rank does not split into n_microbatches={n_microbatches} "
+            f"equal micro-batches; choose n_microbatches among the divisors of {batch_size}"
+        )
+    if virtual_stages > 1 and schedule_name not in MULTI_STAGE:
+        raise ValueError(
+            f"parallel.pp_virtual_stages={virtual_stages} needs a multi-stage schedule {MULTI_STAGE}, "
+            f"not {schedule_name!r}"
+        )
+    # 1F1B keeps pp_size micro-batches in flight in its warm-up; the interleaved schedules
+    # run rounds of pp_size micro-batches (torch: n_microbatches % rounds == 0; Megatron
+    # requires n_microbatches % pp_size == 0 for interleaving).
+    if schedule_name != "gpipe" and n_microbatches < pp_size:
+        raise ValueError(
+            f"parallel.pp_schedule={schedule_name!r} needs n_microbatches >= pp_size, "
+            f"got n_microbatches={n_microbatches} < pp_size={pp_size}"
+        )
+    if schedule_name in MULTI_STAGE and n_microbatches % pp_size:
+        raise ValueError(
+            f"parallel.pp_schedule={schedule_name!r} needs n_microbatches to be a multiple of pp_size={pp_size}, "
+            f"got {n_microbatches}"
+        )
+
+
+def _embedding_group(state: ParallelState) -> AxisGroup | None:
+    """The (first stage, last stage) pair of this rank's pp line, for the tied-embedding grads.
+
+    ``dist.new_group`` is collective over the world: every rank creates every pair, in the
+    same grid order as ``ParallelState.build``. pp_size 2 reuses the pp group itself.
+    """
+    pp, tp = state.pp_size, state.tp_size
+    if pp == 1:
+        return None
+    if pp == 2:
+        return state.pp
+    dp = state.world_size // (pp * tp)
+    grid = torch.arange(state.world_size).view(dp, pp, tp)
+    mine = (state.pp.ranks[0], state.pp.ranks[-1])
+    group = None
+    for d in range(dp):
+        for t in range(tp):
+            pair = [int(grid[d, 0, t]), int(grid[d, pp - 1, t])]
+            g = dist.new_group(pair)
+            if tuple(pair) == mine:
+                group = g
+    if state.pp_rank not in (0, pp - 1):
+        return None
+    return AxisGroup("pp", 2, 0 if state.pp_rank == 0 else 1, group, mine, state.counter)
+
+
+@dataclass
+class PipelineSchedule:
+    """The library schedule plus the two things it does not do for this model.
+
+    ``step``: one forward/backward over the batch; the mean loss on the rank holding the
+    last stage (None elsewhere). ``finalize_grads``: sum the tied embedding's gradients
+    between the first and last stage (call after ``step``, before clipping).
+    """
+
+    schedule: object  # a torch.distributed.pipelining schedule
+    stages: list[StageModule]
+    pipeline_stages: list[PipelineStage]
+    n_microbatches: int
+    embedding_group: AxisGroup | None
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    def step(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """tokens are read on the first stage's rank, targets on the last's; others may pass None."""
+        checks = ((tokens, self.has_first_stage, "tokens"), (targets, self.has_last_stage, "targets"))
+        for batch, needed, what in checks:
+            if needed and batch is not None and batch.shape[0] % self.n_microbatches:
+                raise RuntimeError(
+                    f"{what} batch of shape {tuple(batch.shape)}: dim 0 is not divisible by "
+                    f"n_microbatches={self.n_microbatches}"
+                )
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first_stage else ()
+        if self.has_last_stage:
+            self.schedule.step(*args, target=targets, losses=losses)
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        self.schedule.step(*args)
+        return None
+
+    def finalize_grads(self) -> None:
+        if self.embedding_group is None:
+            return
+        # the embedding on the first stage, its head copy on the last: each rank holds one
+        owner = next(s for s in self.stages if s.is_first or s.is_last)
+        weight = owner.model.tok_emb.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        self.embedding_group.all_reduce(weight.grad)
+
+    def clip_grad_norm_(self, max_norm: float, state: ParallelState) -> torch.Tensor:
+        """``grad.clip_grad_norm_`` over this rank's stages, the tied head copy left out of the norm.
+
+        Call after ``finalize_grads``: the copy then holds the same gradient as stage 0's
+        embedding, which the norm counts once; the copy is scaled by the same coefficient.
+        """
+        params = [p for s in self.stages for p in s.parameters()]
+        norm = clip_grad_norm_(
+            [p for p in params if not getattr(p, "pp_shared_copy", False)], max_norm, state)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if getattr(p, "pp_shared_copy", False) and p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+
+def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatches: int, schedule_name: str,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PipelineSchedule:
+    """Wrap ``stages`` (from ``split_into_stages`` for ``state.pp_rank``) in the named schedule.
+
+    Collective: every rank of the world calls it (the tied-embedding groups are created here).
+    """
+    virtual = len(stages)
+    if schedule_name not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule_name!r} is not one of {tuple(SCHEDULES)}")
+    if virtual == 0:
+        raise ValueError("build_schedule: no stages given for this rank")
+    validate_pipeline(state.pp_size, schedule_name, n_microbatches, n_microbatches, virtual)
+    if state.pp_size == 1 and state.world_size > 1:
+        raise ValueError("build_schedule needs pp_size > 1 in a multi-rank run (pp_size 1 runs the plain model)")
+    device = next(stages[0].parameters()).device
+    pipeline_stages = [
+        PipelineStage(s, s.stage_index, s.num_stages, device, group=state.pp.group) for s in stages
+    ]
+    cls = SCHEDULES[schedule_name]
+    if schedule_name in MULTI_STAGE:
+        schedule = cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    else:
+        schedule = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    tied = stages[0].model.cfg.tie_embeddings
+    group = _embedding_group(state) if tied else None
+    return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
