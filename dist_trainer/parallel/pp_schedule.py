@@ -15,8 +15,10 @@ per-micro-batch mean loss the gradient is that of the mean over the whole batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -192,3 +194,48 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
     tied = stages[0].model.cfg.tie_embeddings
     group = _embedding_group(state) if tied else None
     return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
+
+
+class StageAction(NamedTuple):
+    """One compute action a stage ran: F forward, B full backward, I input-grad, W weight-grad."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+
+
+def trace_actions(pipe: PipelineSchedule) -> list[StageAction]:
+    """Record every compute action this rank's stages run from now on, in execution order.
+
+    Wraps the ``PipelineStage`` instances' chunk methods (the schedules' only way to
+    compute), so the trace is what ran, not what a schedule's IR says should run. Used by
+    the schedule-order tests and benchmarks/pipeline_bubble.py.
+    """
+    trace: list[StageAction] = []
+    for stage in pipe.pipeline_stages:
+        def wrap(fn: Callable, kind_of: Callable[[dict], str], index: int = stage.stage_index) -> Callable:
+            def run(chunk: int, *args, **kwargs):
+                start = time.perf_counter()
+                out = fn(chunk, *args, **kwargs)
+                trace.append(StageAction(index, kind_of(kwargs), chunk, start, time.perf_counter()))
+                return out
+            return run
+
+        stage.forward_one_chunk = wrap(stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = wrap(stage.backward_one_chunk,
+                                        lambda kw: "B" if kw.get("full_backward", True) else "I")
+        stage.backward_weight_one_chunk = wrap(stage.backward_weight_one_chunk, lambda kw: "W")
+    return trace
+
+
+def peak_in_flight(trace: list[StageAction], stage: int) -> int:
+    """Most micro-batches of ``stage`` forwarded and not yet done backward (B, or W after I) at once."""
+    held, peak = 0, 0
+    for action in trace:
+        if action.stage != stage:
+            continue
+        held += {"F": 1, "B": -1, "W": -1}.get(action.kind, 0)
+        peak = max(peak, held)
+    return peak
