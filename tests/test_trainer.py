@@ -72,7 +72,7 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tiny_data: Path, 
     trainer.train()
     good = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     assert good is not None and good.name == "step_00000002"
-    real_save = ckpt._atomic_save
+    real_save = ckpt.atomic_save
 
     def dying_save(obj: object, path: Path) -> None:
         if path.name.startswith("optim"):
@@ -80,13 +80,13 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tiny_data: Path, 
             raise KeyboardInterrupt("killed while writing")
         real_save(obj, path)
 
-    monkeypatch.setattr(ckpt, "_atomic_save", dying_save)
+    monkeypatch.setattr(ckpt, "atomic_save", dying_save)
     trainer.step = 3
     with pytest.raises(KeyboardInterrupt):
         trainer.save()
     assert (tmp_path / "checkpoints" / "step_00000003.tmp").is_dir()  # the wreck stays aside
     assert ckpt.latest_checkpoint(tmp_path / "checkpoints") == good
-    monkeypatch.setattr(ckpt, "_atomic_save", real_save)
+    monkeypatch.setattr(ckpt, "atomic_save", real_save)
     resumed = Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 3, "resume": True}))
     assert resumed.step == 2
 

@@ -98,7 +98,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
     part = path.with_suffix(path.suffix + ".part")
     with open(part, "wb") as f:
         torch.save(obj, f)
@@ -121,31 +121,29 @@ def save_checkpoint(
     step: int,
     *,
     rank: int,
-    tp_rank: int,
-    pp_rank: int,
-    dp_rank: int,
-    model_state: dict[str, torch.Tensor],
-    optim_state: dict[str, Any],
+    write_shards: Callable[[Path], dict[str, Any]],
     meta: dict[str, Any],
     barrier: Callable[[], None],
     keep: int,
 ) -> Path:
-    """Write this rank's part of checkpoint ``step``; rank 0 publishes it once all are done."""
+    """Write checkpoint ``step``: every rank calls this; rank 0 publishes once all are done.
+
+    ``write_shards(folder)`` is the engine's part (model and optimizer files of this rank,
+    or DeepSpeed's own files); it returns entries to add to meta.json.
+    """
     final = step_dir(ckpt_root, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    if dp_rank == 0:
-        _atomic_save(model_state, tmp / shard_name("model", tp_rank, pp_rank))
-        _atomic_save(optim_state, tmp / shard_name("optim", tp_rank, pp_rank))
-    _atomic_save(rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    extra = write_shards(tmp)
+    atomic_save(rng_state(), tmp / f"rng_rank{rank:05d}.pt")
     barrier()
     if rank == 0:
-        files = sorted(p.name for p in tmp.iterdir())
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         _atomic_write_text(tmp / "meta.json", json.dumps(
-            {**meta, "step": step, "format": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True))
+            {**meta, **extra, "step": step, "format": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True))
         if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop the old
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
