@@ -183,7 +183,11 @@ class Trainer:
 
 
 def build_engine(cfg: Config, state: ParallelState, device: torch.device) -> Engine:
-    """The regime's engine for this config."""
+    """The regime's engine for this config: DeepSpeed ZeRO, or DDP with optional TP."""
+    if cfg.parallel.zero_stage > 0:
+        from dist_trainer.parallel.zero import ZeroEngine  # DeepSpeed is imported only when asked for
+
+        return ZeroEngine(cfg, state, device)
     return DataParallelEngine(cfg, state, device)
 
 
