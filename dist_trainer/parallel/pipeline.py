@@ -243,9 +243,6 @@ def split_into_stages(
             # a tied head on the last stage is this rank's own tok_emb: the same module as
             # stage 0's when this rank owns both (pp_size 1), a second copy on another rank
             setattr(model, name, module)
-        if s == num_stages - 1 and model.head is None and 0 not in mine:
-            # the head copy: counted once (on stage 0) in the grad norm, as Megatron's param_is_not_shared
-            model.tok_emb.weight.pp_shared_copy = True
         model._init_buffers()  # rope / sinusoidal tables, recomputed on CPU
         stages.append(StageModule(model, s, num_stages, starts[s]).to(device))
     return stages

@@ -172,7 +172,9 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PipelineSchedule:
     """Wrap ``stages`` (from ``split_into_stages`` for ``state.pp_rank``) in the named schedule.
 
-    Collective: every rank of the world calls it (the tied-embedding groups are created here).
+    Apply tensor parallelism to each ``stage.model`` first, and pass the last stage's
+    ``model.loss`` as ``loss_fn`` (the vocab-parallel one under TP). Collective: every rank
+    of the world calls it (the tied-embedding groups are created here).
     """
     virtual = len(stages)
     if schedule_name not in SCHEDULES:
@@ -192,6 +194,11 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
     else:
         schedule = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     tied = stages[0].model.cfg.tie_embeddings
+    for s in stages:
+        if tied and s.is_last and not s.is_first and not any(t.is_first for t in stages):
+            # the head copy is counted once (on stage 0) in the grad norm, as Megatron's
+            # param_is_not_shared; marked here, after any TP rewrite replaced the Parameter
+            s.model.tok_emb.weight.pp_shared_copy = True
     group = _embedding_group(state) if tied else None
     return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
 
