@@ -116,7 +116,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
     n_microbatches: int | None = None  # pipeline micro-batches per step; None = gradient-accumulation steps
-    layout: str = "manual"  # manual | auto (the planner picks tp/pp/dp/zero)
+    layout: str = "manual"  # manual | auto (the planner picks tp/dp/zero/micro-batch/checkpointing for the world)
+    device_memory_gb: float | None = None  # layout=auto: memory per rank to plan for; None = read from CUDA
+    hardware: str | None = None  # layout=auto: planner hardware profile (A100-80GB, H100-80GB, cpu...); None = detect
     timeout_s: float = 600.0  # collective timeout: a dead or stalled peer fails the job after this
 
     def grad_accum_steps(self, dp_size: int) -> int:

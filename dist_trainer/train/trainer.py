@@ -28,6 +28,7 @@ from dist_trainer.model import count_parameters
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tensor_parallel import validate_tp
 from dist_trainer.train import checkpoint as ckpt
+from dist_trainer.train.autolayout import choose_layout, compare, measured_model_state_bytes
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.engine import DataParallelEngine, Engine
 from dist_trainer.train.metrics import MetricsLogger, flops_per_token, memory_bytes, peak_flops
@@ -46,11 +47,14 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, log: bool = True) -> None:
         cfg.validate()
-        self.cfg = cfg
         self.env = detect_launch_env()
+        self.device = pick_device(cfg.train.device, self.env.local_rank)
+        self.auto_layout = None
+        if cfg.parallel.layout == "auto":  # the planner picks the layout for this world, before any group exists
+            cfg, self.auto_layout = choose_layout(cfg, self.env.world_size, self.env.local_world_size, self.device)
+        self.cfg = cfg
         self.dp_size = cfg.parallel.resolve(self.env.world_size)  # ValueError before any group exists
         validate_tp(cfg.model, cfg.parallel.tp_size)
-        self.device = pick_device(cfg.train.device, self.env.local_rank)
         if cfg.train.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("train.precision=fp16 needs CUDA (dynamic loss scaling); use bf16 or fp32 on CPU")
         self.out_dir = Path(cfg.train.out_dir)
@@ -71,6 +75,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
         notes = self._resume() if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
+        if self.auto_layout is not None:
+            notes.insert(0, self.auto_layout.describe())
         for note in notes:
             self.logger.write(note)
 
@@ -125,6 +131,12 @@ class Trainer:
                                       "mfu": fpt * tokens_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
                                       **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()}}
+            if self.auto_layout is not None and self.step == min(3, cfg.train.max_steps):
+                states = measured_model_state_bytes(self.model, getattr(self.engine, "optimizer", None))
+                record.update(compare(self.auto_layout, states, dt))
+                self.logger.write(f"layout=auto after step {self.step}: model states predicted "
+                                  f"{record['planner/predicted_model_state_bytes']:,} B, measured {states:,} B; "
+                                  f"step predicted {self.auto_layout.planned.time.total:.3f} s, measured {dt:.3f} s")
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                 record["eval_loss"] = result.eval_losses[self.step] = self.evaluate()
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:

@@ -1,0 +1,121 @@
+"""``--parallel.layout=auto``: the trainer asks the planner for the layout of this world.
+
+The planner searches every layout for the real world size, node shape and device memory
+(read from CUDA, or ``parallel.device_memory_gb`` on CPU) and ranks those that fit by
+estimated step time. The trainer takes the fastest one it can run, logs it with its
+predicted per-rank memory and step time, and after the first steps logs predicted
+against measured (``compare``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dist_trainer.config import Config
+from dist_trainer.planner.emit import parallel_config_dict
+from dist_trainer.planner.hardware import get_hardware, hardware_profiles
+from dist_trainer.planner.memory import GiB, Overheads, TrainingOptions
+from dist_trainer.planner.search import PlannedLayout, plan_layouts
+
+# Regimes the trainer's engines run today; the planner also prices the others.
+RUNNABLE_ZERO_STAGES = (0,)
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    planned: PlannedLayout
+    hardware: str
+    device_memory: int
+    considered: int
+
+    def describe(self) -> str:
+        lay, mem, t = self.planned.layout, self.planned.memory, self.planned.time
+        return (f"layout=auto chose tp={lay.tp_size} pp={lay.pp_size} dp={lay.dp_size} zero={lay.zero_stage} "
+                f"micro_batch={lay.micro_batch_size} ckpt={lay.activation_checkpointing} "
+                f"sp={lay.sequence_parallel} of {self.considered} layouts on {self.hardware} "
+                f"({self.device_memory / GiB:.1f} GiB per device); predicted per rank: model states "
+                f"{mem.model_states / GiB:.4f} GiB, activations {mem.activations / GiB:.4f} GiB, "
+                f"total {mem.device_total / GiB:.4f} GiB; step {t.total:.3f} s")
+
+
+def _device_memory(cfg: Config, device: torch.device) -> int:
+    if cfg.parallel.device_memory_gb is not None:
+        return int(cfg.parallel.device_memory_gb * GiB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    raise ValueError("parallel.layout=auto on CPU needs parallel.device_memory_gb (the memory per rank to plan for)")
+
+
+def _hardware(cfg: Config, device: torch.device) -> str:
+    if cfg.parallel.hardware is not None:
+        get_hardware(cfg.parallel.hardware)  # ValueError naming the known profiles
+        return cfg.parallel.hardware
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for profile in hardware_profiles():
+            if profile.split("-")[0] in name:
+                return profile
+        return "A100-80GB"
+    return "cpu"
+
+
+def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
+    """The planner's terms for what this trainer really runs (autocast over fp32 parameters)."""
+    precision = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[cfg.train.precision]
+    # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
+    kernel = "flash" if cfg.model.dropout == 0 else "math"
+    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel)
+
+
+def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> tuple[Config, AutoLayout]:
+    """A copy of ``cfg`` whose parallel section is the planner's best runnable layout."""
+    memory = _device_memory(cfg, device)
+    hardware = _hardware(cfg, device)
+    options = planner_options(cfg, device)
+    overheads = Overheads() if device.type == "cuda" else Overheads.none()
+    result = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=max(1, gpus_per_node),
+                          gpu_memory_bytes=memory, seq_len=cfg.data.seq_len,
+                          global_batch=cfg.parallel.global_batch_size, hardware=hardware, options=options,
+                          overheads=overheads, zero_stages=RUNNABLE_ZERO_STAGES, allow_offload=False,
+                          checkpointing=("none", "every_k", "full"), pp_schedules=("1f1b",))
+    runnable = [p for p in result.layouts if p.layout.pp_size == 1]  # pipeline stages: not in the trainer yet
+    if not runnable:
+        closest = result.closest or (result.layouts[0] if result.layouts else None)
+        over = "" if closest is None else (
+            f"; the closest (tp={closest.layout.tp_size}, pp={closest.layout.pp_size}, "
+            f"dp={closest.layout.dp_size}, zero={closest.layout.zero_stage}) needs "
+            f"{closest.memory.device_total / GiB:.2f} GiB, {max(0, closest.memory.device_total - memory) / GiB:.2f} "
+            "GiB over")
+        raise ValueError(f"layout=auto: no runnable layout of this model fits {memory / GiB:.2f} GiB per rank on "
+                         f"{world_size} ranks with global batch {cfg.parallel.global_batch_size}{over}")
+    best = runnable[0]
+    fields = parallel_config_dict(best.layout)
+    for key in ("pp_schedule", "pp_virtual_stages", "n_microbatches"):
+        fields.pop(key)  # pipeline fields keep their configured values (pp_size is 1)
+    parallel = dataclasses.replace(cfg.parallel, **fields, layout="manual")
+    chosen = dataclasses.replace(cfg, parallel=parallel)
+    chosen.validate()
+    return chosen, AutoLayout(best, hardware, memory, result.n_considered)
+
+
+def measured_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes this rank really holds in parameters, gradients (as large as the parameters) and optimizer state."""
+    params = {id(p): p for p in model.parameters()}.values()
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    optim_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim_bytes += sum(t.numel() * t.element_size() for t in state.values()
+                               if torch.is_tensor(t) and t.ndim > 0)
+    return 2 * param_bytes + optim_bytes
+
+
+def compare(auto: AutoLayout, measured_states: int, measured_step_s: float) -> dict[str, float]:
+    """Predicted against measured, for the log line and the metrics file."""
+    predicted = auto.planned.memory.model_states
+    return {"planner/predicted_model_state_bytes": predicted, "planner/measured_model_state_bytes": measured_states,
+            "planner/model_state_ratio": measured_states / predicted if predicted else float("nan"),
+            "planner/predicted_step_s": auto.planned.time.total, "planner/measured_step_s": measured_step_s}

@@ -1,0 +1,53 @@
+"""--parallel.layout=auto: the trainer runs the planner's choice and checks it against what it measures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_trainer.planner.search import plan_layouts
+from dist_trainer.testing import run_distributed
+from dist_trainer.train.autolayout import choose_layout, planner_options
+from dist_trainer.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+
+def _auto_run(rank: int, world: int, data: Path, out: Path) -> dict:
+    cfg = tiny_config(data, out, parallel={"layout": "auto", "device_memory_gb": 1.0},
+                      train={"max_steps": 3, "log_every": 1})
+    trainer = Trainer(cfg)
+    trainer.train()
+    p = trainer.cfg.parallel
+    return {"tp": p.tp_size, "dp": trainer.dp_size, "zero": p.zero_stage, "micro": p.micro_batch_size,
+            "ckpt": p.activation_checkpointing, "sp": p.sequence_parallel}
+
+
+def test_layout_auto_runs_the_planners_best_layout(tiny_data: Path, tmp_path: Path) -> None:
+    chosen = run_distributed(_auto_run, 2, (tiny_data, tmp_path))[0]
+    cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0})
+    cpu = torch.device("cpu")
+    ranked = plan_layouts(cfg.model, n_gpus=2, gpus_per_node=2, gpu_memory_bytes=2**30, seq_len=cfg.data.seq_len,
+                          global_batch=cfg.parallel.global_batch_size, hardware="cpu",
+                          options=planner_options(cfg, cpu), zero_stages=(0,), allow_offload=False,
+                          pp_schedules=("1f1b",))
+    best = next(p.layout for p in ranked.layouts if p.layout.pp_size == 1)
+    assert (chosen["tp"], chosen["dp"], chosen["micro"]) == (best.tp_size, best.dp_size, best.micro_batch_size)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    check = next(r for r in records if "planner/model_state_ratio" in r)
+    # the planner's model-state bytes against the tensor bytes this rank really holds: within 1%
+    assert abs(check["planner/model_state_ratio"] - 1.0) <= 0.01, check
+
+
+def test_layout_auto_nothing_fits_names_the_closest(tiny_data: Path, tmp_path: Path) -> None:
+    cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1e-5})
+    with pytest.raises(ValueError, match=r"no runnable layout .* fits 0.00 GiB per rank on 2 ranks.*GiB over"):
+        choose_layout(cfg, 2, 2, torch.device("cpu"))
+
+
+def test_layout_auto_on_cpu_needs_a_memory_figure(tiny_data: Path, tmp_path: Path) -> None:
+    cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto"})
+    with pytest.raises(ValueError, match="needs parallel.device_memory_gb"):
+        choose_layout(cfg, 2, 2, torch.device("cpu"))
