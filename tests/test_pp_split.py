@@ -83,3 +83,35 @@ def test_layer_balance_gives_remainder_to_middle_stages() -> None:
         counts = layers_per_stage(ModelConfig(**{**GPT, "n_layers": n_layers}), stages, "layers")
         assert sum(counts) == n_layers and max(counts) - min(counts) <= 1
         assert counts[0] <= min(counts[1:-1] or [counts[0]]) and counts[-1] <= min(counts[1:-1] or [counts[-1]])
+
+
+def _saved_bytes(stage: torch.nn.Module, x: torch.Tensor) -> int:
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage(x).sum().backward()
+    return total
+
+
+def test_activation_checkpointing_inside_a_stage_uses_global_layer_ids() -> None:
+    cfg = ModelConfig(**GPT)
+    (last,) = split_into_stages(cfg, 2, 1, seed=0)  # layers 2 and 3
+    full = build_model(cfg, seed=0)
+    full.set_activation_checkpointing("every_k", every=2)
+    last.set_activation_checkpointing("every_k", every=2)
+    assert last.model.checkpointed == full.checkpointed & set(last.layer_ids) == {2}
+    x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
+    last.set_activation_checkpointing("none")
+    plain = _saved_bytes(last, x)
+    grads = [p.grad.clone() for p in last.parameters()]
+    last.zero_grad()
+    last.set_activation_checkpointing("full")
+    assert last.model.checkpointed == {2, 3}
+    assert _saved_bytes(last, x) < plain  # recomputed layers keep only their inputs
+    for p, g in zip(last.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
