@@ -3,6 +3,7 @@
     dist-trainer prepare  --input PATH... --out DIR --vocab-size N
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
+    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
 """
 
@@ -65,6 +66,20 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as one plain model (safetensors + config.json)")
+    p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
+    p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from dist_trainer.train.export import export_safetensors
+
+    print(export_safetensors(args.checkpoint, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dist_trainer.data import prepare
     from dist_trainer.planner import cli as planner_cli
@@ -75,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.register(sub)
     _register_train(sub)
     _register_generate(sub)
+    _register_export(sub)
     planner_cli.register(sub)
     return parser
 

@@ -139,3 +139,17 @@ def test_generate_from_checkpoint(tiny_data: Path, tmp_path: Path) -> None:
     text = generate_text(tmp_path, "def ", max_new_tokens=10, seed=1)
     assert text.startswith("def ") and len(text) > len("def ")
     assert text == generate_text(tmp_path, "def ", max_new_tokens=10, seed=1)  # seeded sampling
+
+
+def test_export_safetensors_round_trip(tiny_data: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from dist_trainer.cli import main
+
+    Trainer(tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 1})).train()
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    tensors = load_file(str(tmp_path / "export" / "model.safetensors"))
+    saved = ckpt.load_file(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints") / "model_tp00_pp00.pt")
+    assert set(tensors) == set(saved)
+    assert all(torch.equal(tensors[k], saved[k]) for k in saved)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["d_model"] == 32
