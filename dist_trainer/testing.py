@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,8 +66,12 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300.0,
-                    env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+                    env: dict[str, str] | None = None, join_grace: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    ``timeout`` bounds each collective; a rank still alive ``timeout + join_grace`` seconds
+    after the start is killed and reported.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dist_test_") as out_dir:
@@ -77,13 +82,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
         for p in procs:
             p.start()
         failures: list[str] = []
+        deadline = time.monotonic() + timeout + join_grace
         for p in procs:
-            p.join(timeout + 60)
+            p.join(max(0.0, deadline - time.monotonic()))
         for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join()
-                failures.append(f"rank {rank}: still running after {timeout + 60:.0f}s; killed")
+                failures.append(f"rank {rank}: still running after {timeout + join_grace:.0f}s; killed")
         results: list[Any] = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
