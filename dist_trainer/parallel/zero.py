@@ -1,0 +1,208 @@
+"""The DeepSpeed ZeRO regime (Rajbhandari et al. 2019, arXiv 1910.02054): stages 1, 2 and 3, optional offload.
+
+``ZeroEngine`` implements the trainer's Engine interface around ``deepspeed.initialize``:
+
+- the model is ``build_model``'s, drawn from ``train.seed`` (the same weights as DDP's); under stage 3 it is
+  constructed inside ``deepspeed.zero.Init`` so each parameter is partitioned as soon as its module exists, and
+  the seed's draw is replayed one module at a time (``_init_partitioned``): no rank ever holds the whole model;
+- the optimizer is our AdamW over ``train.optim.param_groups`` (torch's, ``foreach=False``, for exact parity
+  with DDP; DeepSpeedCPUAdam in AdamW mode when the optimizer is offloaded), its LR set by the Trainer;
+- DeepSpeed's gradient accumulation is the number of micro-batches the Trainer passes, its clipping
+  ``optim.grad_clip``; its data-parallel group is our ParallelState's (handed over through ``mpu``);
+- checkpoints are DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` inside the trainer's folder
+  (exact resume); ``zero_checkpoint.export_fp32`` consolidates one into this project's model file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_trainer.config import Config
+from dist_trainer.model import RMSNorm, Transformer, build_model
+from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.zero_config import engine_config, validate_zero_config
+from dist_trainer.train.engine import Engine
+from dist_trainer.train.optim import param_groups, set_lr
+
+DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
+
+
+def quiet_deepspeed() -> None:
+    """Use the existing torch.distributed (gloo) group without DeepSpeed's shared-memory all-reduce op.
+
+    deepspeed.comm.TorchBackend JIT-compiles ``deepspeed_shm_comm`` on CPU whenever
+    ``deepspeed.ops.__compatible_ops__`` marks it compatible (deepspeed/comm/torch.py, build_shm_op), ~25 s per
+    fresh process; the dict is cached in the module (``deepspeed/ops/__init__.py``), so marking the op unavailable
+    makes DeepSpeed fall back to torch.distributed's gloo collectives, which is what we run anyway.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed.ops
+
+    # Setting the dict before its first access also skips DeepSpeed's probe of every op (compiler subprocesses);
+    # comm/torch.py is its only reader in 0.19.8, and a missing entry reads as "not compatible".
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+
+
+class _Mpu:
+    """DeepSpeed's model-parallel-unit protocol over our ParallelState (tp is 1: see zero_config.check_layout)."""
+
+    def __init__(self, state: ParallelState) -> None:
+        self.state = state
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.state.dp.group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.state.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.state.dp_size
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.state.tp.group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.state.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.state.tp_size
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+
+@torch.no_grad()
+def _init_partitioned(model: Transformer) -> None:
+    """Replay ``Transformer.reset_parameters`` on a ZeRO-3 model, gathering one module's params at a time.
+
+    Same modules, same order, same draws from the global RNG (seeded identically on every rank), so the
+    partitions are the slices of the single-process draw; ``tests/test_zero_parity.py`` checks it bit for bit.
+    Under ``zero.Init`` the constructor's own call found only empty partitions and drew nothing.
+    """
+    import deepspeed
+
+    cfg = model.cfg
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.scaled_residual_init else cfg.init_std
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
+            if isinstance(module, nn.Linear):
+                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, cfg.init_std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+
+class ZeroEngine(Engine):
+    """DeepSpeed ZeRO stage 1/2/3 (optionally offloaded) behind the trainer's Engine interface."""
+
+    def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
+        quiet_deepspeed()
+        import deepspeed
+
+        self.cfg = cfg
+        self.state = state
+        self.device = device
+        self.stage = cfg.parallel.zero_stage
+        self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "")
+        self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
+        model = self._build_model(deepspeed)
+        groups = param_groups(model, cfg.optim.weight_decay)
+        if cfg.parallel.zero_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                         eps=cfg.optim.eps, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                          eps=cfg.optim.eps, foreach=False)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=engine_config(self.ds_config), mpu=_Mpu(state),
+            dist_init_required=False)
+        self.model: Transformer = self.engine.module
+
+    def _build_model(self, deepspeed: Any) -> Transformer:
+        mcfg = self.cfg.model
+        if self.stage < 3:
+            model = build_model(mcfg, seed=self.cfg.train.seed)
+        else:
+            torch.manual_seed(self.cfg.train.seed)
+            # zero.Init reads only the zero_optimization section; its batch assertion would use the world size
+            # before our mpu is consulted, so the batch keys stay with deepspeed.initialize.
+            # No dtype argument: Init._set_dtype in 0.19.8 reads ``dtype or fp16 if fp16_supported else bf16 if
+            # <bound method, always true> ...``, so on CPU an explicit float32 becomes bfloat16; with dtype=None it
+            # takes the precision from the config's bf16/fp16 sections instead.
+            init_config = {"zero_optimization": self.ds_config["zero_optimization"],
+                           "train_micro_batch_size_per_gpu": self.cfg.parallel.micro_batch_size,
+                           "bf16": self.ds_config["bf16"], "fp16": self.ds_config["fp16"]}
+            with deepspeed.zero.Init(data_parallel_group=self.state.dp.group, config_dict_or_path=init_config,
+                                     remote_device="cpu" if self.cfg.parallel.zero_offload else None,
+                                     mpu=_Mpu(self.state)):
+                model = Transformer(mcfg)
+            _init_partitioned(model)
+        model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
+                                           self.cfg.parallel.checkpoint_every)
+        return model.to(self.device)
+
+    # ------------------------------------------------------------------ steps
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        n = len(batches)
+        if n != self.engine.gradient_accumulation_steps():
+            raise RuntimeError(f"ZeroEngine got {n} micro-batches; DeepSpeed was configured for "
+                               f"{self.engine.gradient_accumulation_steps()} per step")
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            # No autocast: with bf16/fp16 DeepSpeed itself holds 16-bit params and fp32 master weights.
+            loss = self.engine(batch["tokens"], batch["targets"])
+            self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
+            if i < n - 1:
+                self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
+            loss_sum += loss.detach().float()
+        return loss_sum
+
+    def optimizer_step(self, lr: float) -> torch.Tensor:
+        set_lr(self.optimizer, lr)  # ZeRO's wrapper shares the client optimizer's param_groups
+        self.engine.step()  # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(0.0 if norm is None else float(norm))
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.engine.eval()
+        loss = self.engine(batch["tokens"], batch["targets"]).float()  # stage 3: DeepSpeed's hooks gather
+        self.engine.train()
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_shards(self, folder: Path) -> dict[str, Any]:
+        # Every rank writes its own partition (DeepSpeed's zero_pp_rank_* files) under folder/DS_TAG.
+        self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
+        return {"zero_stage": self.stage, "zero_offload": self.cfg.parallel.zero_offload, "deepspeed_tag": DS_TAG}
+
+    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
+        tag = meta.get("deepspeed_tag")
+        if tag is None:
+            raise ValueError(f"checkpoint {folder} was written by the {meta.get('regime')!r} regime, not ZeRO; "
+                             "convert it with dist_trainer.parallel.zero_checkpoint.to_zero_start")
+        path, _ = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise ValueError(f"DeepSpeed found no checkpoint {tag!r} in {folder}")

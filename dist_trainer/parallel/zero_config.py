@@ -1,0 +1,184 @@
+"""The DeepSpeed JSON of a ZeRO run: read configs/ds/*.json, check it, fill in what our Config owns.
+
+One source of truth: batch sizes, gradient accumulation, precision, clipping, the optimizer's
+hyper-parameters and the LR schedule belong to our Config. A JSON may leave them out (they are
+filled in) or repeat them; a repeated value that disagrees raises ``ValueError`` naming both.
+Keys outside an allow-list raise too, so a typo (``"zero_optimisation"``) is never silently
+ignored by DeepSpeed's permissive parser. Everything here runs before any process group exists:
+``Trainer.__init__`` calls :func:`validate_zero_config` next to ``cfg.parallel.resolve``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dist_trainer.config import CONFIG_ROOT, Config
+
+DS_CONFIG_DIR = CONFIG_ROOT / "ds"
+
+# Top-level keys of DeepSpeed 0.19.8's config (deepspeed/runtime/constants.py and the sections parsed in
+# deepspeed/runtime/config.py) that make sense for this trainer. Pipeline, elasticity, compression, sparse
+# attention, autotuning, curriculum and MoE sections are left out on purpose: this regime does not use them.
+TOP_LEVEL_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown",
+    "dump_state", "memory_breakdown", "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "checkpoint", "comms_logger", "flops_profiler", "activation_checkpointing",
+    "aio", "tensorboard", "csv_monitor", "wandb", "comment",
+})
+# Keys this module writes from our Config (the "owned" ones).
+OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+              "optimizer", "scheduler", "fp16", "bf16")
+OFFLOAD_DEVICES = ("cpu", "none")  # "nvme" needs an NVMe path and the async-I/O op: not on these machines
+
+
+def zero_optimization_keys() -> frozenset[str]:
+    """Every key DeepSpeed 0.19.8's DeepSpeedZeroConfig accepts (field names and their aliases)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return frozenset(k for n, f in DeepSpeedZeroConfig.model_fields.items() for k in {n, f.alias} if k)
+
+
+def default_ds_config_path(stage: int, offload: bool) -> Path:
+    return DS_CONFIG_DIR / f"zero{stage}{'_offload' if offload else ''}.json"
+
+
+def read_ds_json(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        known = sorted(x.name for x in DS_CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"parallel.ds_config={str(path)!r} is not a file; shipped configs: {', '.join(known)}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"DeepSpeed config {p} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"DeepSpeed config {p} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def owned_values(cfg: Config, dp_size: int) -> dict[str, Any]:
+    """The DeepSpeed keys our Config decides, as DeepSpeed spells them."""
+    p, o = cfg.parallel, cfg.optim
+    return {
+        "train_batch_size": p.global_batch_size,
+        "train_micro_batch_size_per_gpu": p.micro_batch_size,
+        "gradient_accumulation_steps": p.grad_accum_steps(dp_size),
+        "gradient_clipping": o.grad_clip,
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        "fp16": {"enabled": cfg.train.precision == "fp16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
+                                                  "weight_decay": o.weight_decay}},
+        # Recorded for the reader; the Trainer itself sets the LR every step (train/optim.lr_at), so the
+        # section is checked here and not handed to DeepSpeed.
+        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": o.warmup_steps,
+                                                           "total_num_steps": cfg.train.max_steps,
+                                                           "cos_min_ratio": o.min_lr / o.lr}},
+    }
+
+
+def _conflicts(path: str, ours: Any, theirs: Any) -> list[str]:
+    """Leaves where the JSON sets a value that differs from ours (absent keys are fine: we fill them)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for k, v in theirs.items():
+            if k not in ours:
+                if path.endswith(".params"):
+                    out.append(f"{path}.{k}={v!r} (not a setting this trainer owns or knows)")
+                continue
+            out.extend(_conflicts(f"{path}.{k}", ours[k], v))
+        return out
+    if isinstance(ours, list) and isinstance(theirs, list):
+        same = len(ours) == len(theirs) and all(float(a) == float(b) for a, b in zip(ours, theirs))
+    elif isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(theirs, bool):
+        same = float(ours) == float(theirs)
+    else:
+        same = ours == theirs
+    return [] if same else [f"{path}: JSON {theirs!r} vs our config {ours!r}"]
+
+
+def _merge(theirs: Any, ours: Any) -> Any:
+    """Ours over theirs, keeping the JSON's extra sub-keys (e.g. fp16.initial_scale_power)."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        return {**theirs, **{k: _merge(theirs.get(k), v) for k, v in ours.items()}}
+    return ours
+
+
+def check_device(cfg: Config, zero: dict[str, Any], device_type: str) -> None:
+    """Refuse a stage/offload combination this device cannot run, naming it."""
+    for section in ("offload_optimizer", "offload_param"):
+        dev = (zero.get(section) or {}).get("device", "none")
+        if dev not in OFFLOAD_DEVICES:
+            raise ValueError(f"zero_optimization.{section}.device={dev!r} cannot run here: "
+                             f"supported offload devices are {', '.join(OFFLOAD_DEVICES)} (nvme needs an NVMe path "
+                             "and DeepSpeed's async-I/O op)")
+    if "offload_param" in zero and (zero["offload_param"] or {}).get("device", "none") != "none" and zero["stage"] != 3:
+        raise ValueError(f"zero_optimization.offload_param needs stage 3, the JSON has stage {zero['stage']}")
+    if cfg.train.precision == "fp16" and device_type != "cuda":
+        raise ValueError(f"ZeRO with train.precision=fp16 needs CUDA (dynamic loss scaling); device is {device_type}")
+
+
+def check_layout(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.pp_size > 1:
+        raise ValueError(f"parallel.zero_stage={p.zero_stage} with parallel.pp_size={p.pp_size}: this trainer's "
+                         "pipeline engine is its own, not DeepSpeed's PipelineModule; use zero_stage 0 with pp")
+    if p.tp_size > 1:
+        # DeepSpeed's mpu path needs Megatron's `tensor_model_parallel` parameter attribute (to count TP-split
+        # params once in the grad norm, deepspeed/runtime/utils.py is_model_parallel_parameter) and cannot
+        # finalize our sequence-parallel norm grads; stage 3 partitions params across the TP shards too.
+        raise ValueError(f"parallel.zero_stage={p.zero_stage} with parallel.tp_size={p.tp_size} is not supported: "
+                         "DeepSpeed's model-parallel unit does not understand this trainer's TP layers "
+                         "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
+    if p.activation_checkpointing != "none" and p.zero_stage == 3:
+        raise ValueError("parallel.activation_checkpointing with zero_stage 3 is not supported here: "
+                         "torch.utils.checkpoint recomputation re-gathers partitioned params outside DeepSpeed's "
+                         "trace; use zero_stage 1 or 2, or activation_checkpointing=none")
+
+
+def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") -> dict[str, Any]:
+    """The full DeepSpeed config of this run, or ValueError. Call before init_process_group.
+
+    ``dp_size`` is ``cfg.parallel.resolve(world_size)``; ``device_type`` is "cpu" or "cuda".
+    """
+    p = cfg.parallel
+    if p.zero_stage not in (1, 2, 3):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage}: the ZeRO regime needs 1, 2 or 3")
+    check_layout(cfg)
+    path = p.ds_config or default_ds_config_path(p.zero_stage, p.zero_offload)
+    data = read_ds_json(path)
+    unknown = sorted(set(data) - TOP_LEVEL_KEYS)
+    if unknown:
+        raise ValueError(f"DeepSpeed config {path} has unknown or unsupported keys {unknown}; "
+                         f"valid: {sorted(TOP_LEVEL_KEYS)}")
+    zero = dict(data.get("zero_optimization") or {})
+    bad_zero = sorted(set(zero) - zero_optimization_keys())
+    if bad_zero:
+        raise ValueError(f"DeepSpeed config {path}: unknown zero_optimization keys {bad_zero}; "
+                         f"DeepSpeed 0.19.8 accepts {sorted(zero_optimization_keys())}")
+    zero.setdefault("stage", p.zero_stage)
+    if zero["stage"] != p.zero_stage:
+        raise ValueError(f"DeepSpeed config {path}: zero_optimization.stage={zero['stage']} vs our config "
+                         f"parallel.zero_stage={p.zero_stage}")
+    offloaded = any((zero.get(s) or {}).get("device", "none") != "none" for s in ("offload_optimizer", "offload_param"))
+    if offloaded != p.zero_offload:
+        raise ValueError(f"DeepSpeed config {path} {'offloads' if offloaded else 'offloads nothing'} but our config "
+                         f"has parallel.zero_offload={p.zero_offload}; pick the matching configs/ds/*_offload.json")
+    check_device(cfg, zero, device_type)
+    ours = owned_values(cfg, dp_size)
+    conflicts = [c for k in OWNED_KEYS if k in data for c in _conflicts(k, ours[k], data[k])]
+    if conflicts:
+        raise ValueError(f"DeepSpeed config {path} contradicts our config (fill these from the YAML/CLI, or drop them "
+                         f"from the JSON): {'; '.join(conflicts)}")
+    out = {**data, **{k: _merge(data.get(k), v) for k, v in ours.items()}, "zero_optimization": zero}
+    out.setdefault("steps_per_print", 2**31 - 1)  # our MetricsLogger reports; keep DeepSpeed's stdout quiet
+    out.setdefault("zero_allow_untested_optimizer", True)  # the client torch AdamW (exact parity with DDP)
+    return out
+
+
+def engine_config(full: dict[str, Any]) -> dict[str, Any]:
+    """What deepspeed.initialize receives: the optimizer is built by us, the LR set by the Trainer."""
+    return {k: v for k, v in full.items() if k not in ("optimizer", "scheduler", "comment")}
