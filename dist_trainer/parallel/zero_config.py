@@ -20,14 +20,15 @@ DS_CONFIG_DIR = CONFIG_ROOT / "ds"
 
 # Top-level keys of DeepSpeed 0.19.8's config (deepspeed/runtime/constants.py and the sections parsed in
 # deepspeed/runtime/config.py) that make sense for this trainer. Pipeline, elasticity, compression, sparse
-# attention, autotuning, curriculum and MoE sections are left out on purpose: this regime does not use them.
+# attention, autotuning, curriculum and MoE sections are left out on purpose: this regime does not use them;
+# DeepSpeed's activation_checkpointing (ours is parallel.activation_checkpointing) and its monitors (tensorboard,
+# wandb, csv_monitor write under ~ or to the network; our MetricsLogger reports) are refused too.
 TOP_LEVEL_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown",
     "dump_state", "memory_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "checkpoint", "comms_logger", "flops_profiler", "activation_checkpointing",
-    "aio", "tensorboard", "csv_monitor", "wandb", "comment",
+    "communication_data_type", "checkpoint", "comms_logger", "flops_profiler", "aio", "comment",
 })
 # Keys this module writes from our Config (the "owned" ones).
 OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
