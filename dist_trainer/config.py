@@ -236,7 +236,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ and wandb/ go here
     log_every: int = 1  # write metrics every N steps
     eval_every: int = 100  # validation loss every N steps; 0 disables
-    eval_batches: int = 4  # micro-batches per evaluation on each DP rank
+    eval_batches: int = 4  # micro-batches per evaluation in all, split over DP ranks (a multiple of dp_size)
     save_every: int = 100  # checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the last K checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints

@@ -9,6 +9,7 @@ an object passed explicitly to whatever needs a group: there are no module globa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,7 @@ class ParallelState:
         grid = torch.arange(world_size).view(dp_size, parallel.pp_size, parallel.tp_size)
         d, p, t = (int(c) for c in (grid == rank).nonzero()[0])
         counter = CommCounter()
+        timeout = timedelta(seconds=parallel.timeout_s)
         lines = {
             "tp": [grid[i, j, :] for i in range(dp_size) for j in range(parallel.pp_size)],
             "pp": [grid[i, :, k] for i in range(dp_size) for k in range(parallel.tp_size)],
@@ -102,7 +104,8 @@ class ParallelState:
                 ranks = [int(r) for r in line]
                 if len(ranks) == 1:
                     continue
-                g = dist.new_group(ranks)
+                # every group inherits the configured timeout: a dead peer fails the job, not hangs it
+                g = dist.new_group(ranks, timeout=timeout)
                 if tuple(ranks) == my_ranks:
                     group = g
             axes[axis] = AxisGroup(axis, len(my_ranks), coord[axis], group, my_ranks, counter)

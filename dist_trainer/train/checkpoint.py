@@ -62,25 +62,29 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load a by-name optimizer state into ``optimizer`` (built over ``model``).
+
+    ``saved`` may hold more parameters than this rank (a merged full state): each current
+    group takes its own names from the saved group of the same index. A parameter that never
+    had a gradient (an MLM run's pooler) has no state, as in torch.
+    """
     names = {id(p): n for n, p in model.named_parameters()}
-    name_to_index = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name_to_index[names[id(p)]] = index
-            index += 1
-    missing = set(name_to_index) - set(saved["state"]) if saved["state"] else set()
-    if missing:
-        raise ValueError(f"checkpoint optimizer state lacks parameters {sorted(missing)[:5]}")
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"checkpoint has {len(saved['param_groups'])} optimizer groups, the model {len(optimizer.param_groups)}"
         )
+    name_to_index: dict[str, int] = {}
+    groups = []
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        current = [names[id(p)] for p in group["params"]]
+        absent = set(current) - set(saved_group["params"])
+        if absent:
+            raise ValueError(f"checkpoint optimizer group lacks parameters {sorted(absent)[:5]}")
+        for n in current:
+            name_to_index[n] = len(name_to_index)
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                       "params": [name_to_index[n] for n in current]})
     state = {name_to_index[n]: s for n, s in saved["state"].items() if n in name_to_index}
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [name_to_index[n] for n in g["params"]]}
-        for g in saved["param_groups"]
-    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -217,41 +221,81 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise ValueError(f"no complete checkpoint found at {p}")
 
 
-def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int,
-                specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's model and optimizer state from a checkpoint saved at any tp size.
+def specs_file(pp_rank: int) -> str:
+    return f"tp_specs_pp{pp_rank:02d}.json"
 
-    Same tp: the rank's own files. Another tp: every saved TP shard of this stage is
-    merged into full tensors with the *saved* layout's specs (kept in meta.json, since
-    whether a tensor is split can depend on tp, e.g. GQA k/v), then cut for this rank
-    with the current specs. Optimizer moments reshard with the same code as weights.
+
+def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any]) -> None:
+    """How each parameter of this stage is split over tp ({name: [dim, full_size]}); read when resharding."""
+    _atomic_write_text(folder / specs_file(pp_rank),
+                       json.dumps({n: [s.dim, s.full_size] for n, s in specs.items()}, sort_keys=True))
+
+
+def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every (tp, pp) shard of a checkpoint merged into full tensors keyed by the plain model's names.
+
+    Weights and optimizer moments are merged with the *saved* layout's specs (whether a
+    tensor is split can depend on tp, e.g. GQA k/v). A tied embedding saved on both the
+    first and the last stage is kept once (the first stage's; the two are equal).
     """
-    from dist_trainer.parallel.reshard import ShardSpec, merge_tp_shards, slice_for_tp
+    from dist_trainer.parallel.reshard import ShardSpec, merge_tp_shards
 
-    old_tp = meta["layout"]["tp"]
-    if old_tp == tp_size:
+    layout = meta["layout"]
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for pp_rank in range(layout["pp"]):
+        specs_path = path / specs_file(pp_rank)
+        if not specs_path.is_file():
+            raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank)}; it cannot be resharded")
+        specs = {n: ShardSpec(*v) for n, v in json.loads(specs_path.read_text()).items()}
+        models = [load_file(path / shard_name("model", t, pp_rank)) for t in range(layout["tp"])]
+        for n, t in merge_tp_shards([{n: m[n] for n in specs} for m in models], specs).items():
+            model.setdefault(n, t)
+        optims = [load_file(path / shard_name("optim", t, pp_rank)) for t in range(layout["tp"])]
+        names = list(optims[0]["state"])
+        keys = list(optims[0]["state"][names[0]]) if names else []
+        for key in keys:
+            per_rank = [{n: o["state"][n][key] for n in names} for o in optims]
+            merged = per_rank[0] if per_rank[0][names[0]].ndim == 0 else merge_tp_shards(
+                per_rank, {n: specs[n] for n in names})  # Adam's step is a replicated scalar
+            for n in names:
+                state.setdefault(n, {}).setdefault(key, merged[n])
+        for i, g in enumerate(optims[0]["param_groups"]):
+            if i == len(groups):
+                groups.append({**g, "params": []})
+            groups[i]["params"] += [n for n in g["params"] if n not in groups[i]["params"]]
+    return model, {**optims[0], "state": state, "param_groups": groups}
+
+
+def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
+                specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout.
+
+    The same layout reads the rank's own files. Another one merges every shard into full
+    tensors (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the
+    current model's names and splits), for weights and optimizer moments alike.
+    """
+    from dist_trainer.parallel.reshard import slice_for_tp
+
+    layout = meta["layout"]
+    if (layout["tp"], layout["pp"]) == (tp_size, pp_size):
         return (load_file(path / shard_name("model", tp_rank, pp_rank)),
                 load_file(path / shard_name("optim", tp_rank, pp_rank)))
-    if "tp_specs" not in meta:
-        raise ValueError(f"checkpoint {path} has no tp_specs in meta.json; it cannot be resharded to tp={tp_size}")
-    old_specs = {n: ShardSpec(*v) for n, v in meta["tp_specs"].items()}
-    models = [load_file(path / shard_name("model", r, pp_rank)) for r in range(old_tp)]
-    full = merge_tp_shards([{n: m[n] for n in old_specs} for m in models], old_specs)
-    model_state = slice_for_tp(full, specs_now, tp_rank, tp_size)
-    optims = [load_file(path / shard_name("optim", r, pp_rank)) for r in range(old_tp)]
-    names = list(optims[0]["state"])  # parameters that have optimizer state (a grad-less pooler has none)
-    new_state: dict[str, dict[str, Any]] = {n: {} for n in names}
-    for key in optims[0]["state"][names[0]] if names else ():
-        per_rank = [{n: o["state"][n][key] for n in names} for o in optims]
-        if per_rank[0][names[0]].ndim == 0:  # Adam's step count: the same scalar on every rank
-            merged = per_rank[0]
-            for n in names:
-                new_state[n][key] = merged[n]
-            continue
-        sub_old = {n: old_specs[n] for n in names}
-        sub_new = {n: specs_now[n] for n in names}
-        sliced = slice_for_tp(merge_tp_shards(per_rank, sub_old), sub_new, tp_rank, tp_size)
+    full_model, full_optim = read_full_state(path, meta)
+    missing = set(specs_now) - set(full_model)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks parameters {sorted(missing)[:5]} of this model")
+    model_state = slice_for_tp({n: full_model[n] for n in specs_now}, specs_now, tp_rank, tp_size)
+    names = [n for n in specs_now if n in full_optim["state"]]
+    state: dict[str, dict[str, Any]] = {n: {} for n in names}
+    keys = list(full_optim["state"][names[0]]) if names else []
+    for key in keys:
+        tensors = {n: full_optim["state"][n][key] for n in names}
+        if tensors[names[0]].ndim == 0:
+            sliced = tensors
+        else:
+            sliced = slice_for_tp(tensors, {n: specs_now[n] for n in names}, tp_rank, tp_size)
         for n in names:
-            new_state[n][key] = sliced[n]
-    optim_state = {**optims[0], "state": new_state}
-    return model_state, optim_state
+            state[n][key] = sliced[n]
+    return model_state, {**full_optim, "state": state}

@@ -6,7 +6,7 @@ Every regime implements the same five calls, so the loop never branches on the r
 
     forward_backward(batches) -> summed loss        the step's micro-batches on this rank
     optimizer_step(lr) -> grad norm                 finalize grads, clip, step, zero grads
-    eval_loss(batch) -> loss                        no-grad forward
+    eval_loss(batches) -> summed loss               no-grad forward
     save_shards(folder)                             this rank's part of a checkpoint
     load_shards(folder, meta)                       and back, resharding where it can
 
@@ -62,7 +62,8 @@ class Engine:
     def optimizer_step(self, lr: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The summed no-grad loss of ``batches``, the same on every rank of a model replica."""
         raise NotImplementedError
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
@@ -73,7 +74,41 @@ class Engine:
         raise NotImplementedError
 
 
-class DataParallelEngine(Engine):
+class NamedShardsMixin:
+    """Checkpoint I/O for engines whose ``model`` names its parameters as the plain model does.
+
+    One writer per (tp, pp) coordinate (dp rank 0) saves weights and optimizer state by
+    name, and tp rank 0 of each stage the split specs that let another layout reshard them.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    state: ParallelState
+
+    def save_shards(self, folder: Path) -> dict[str, Any]:
+        if self.state.dp_rank == 0:  # DP replicas hold the same state: one writer per (tp, pp)
+            optim_state = ckpt.optimizer_state_by_name(self.model, self.optimizer)
+            if self.scaler is not None:
+                optim_state["scaler"] = self.scaler.state_dict()
+            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            ckpt.atomic_save(model_state, folder / ckpt.shard_name("model", self.state.tp_rank, self.state.pp_rank))
+            ckpt.atomic_save(optim_state, folder / ckpt.shard_name("optim", self.state.tp_rank, self.state.pp_rank))
+            if self.state.tp_rank == 0:
+                ckpt.write_specs(folder, self.state.pp_rank, tp_shard_specs(self.model))
+        return {}
+
+    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
+        model_state, optim_state = ckpt.load_shards(
+            folder, meta, tp_rank=self.state.tp_rank, tp_size=self.state.tp_size, pp_rank=self.state.pp_rank,
+            pp_size=self.state.pp_size, specs_now=tp_shard_specs(self.model))
+        self.model.load_state_dict(model_state)
+        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
+        if self.scaler is not None and "scaler" in optim_state:
+            self.scaler.load_state_dict(optim_state["scaler"])
+
+
+class DataParallelEngine(NamedShardsMixin, Engine):
     """DDP over the dp axis; Megatron TP (and SP) inside each replica when tp_size > 1."""
 
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
@@ -135,28 +170,11 @@ class DataParallelEngine(Engine):
         return grad_norm
 
     @torch.no_grad()
-    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         self.model.eval()
+        total = torch.zeros((), device=self.device)
         with autocast_for(self.cfg.train.precision, self.device):
-            loss = self.model(batch["tokens"], batch["targets"]).float()
+            for batch in batches:
+                total += self.model(batch["tokens"], batch["targets"]).float()
         self.model.train()
-        return loss
-
-    def save_shards(self, folder: Path) -> dict[str, Any]:
-        if self.state.dp_rank == 0:  # DP replicas hold the same state: one writer per (tp, pp)
-            optim_state = ckpt.optimizer_state_by_name(self.model, self.optimizer)
-            if self.scaler is not None:
-                optim_state["scaler"] = self.scaler.state_dict()
-            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            ckpt.atomic_save(model_state, folder / ckpt.shard_name("model", self.state.tp_rank, self.state.pp_rank))
-            ckpt.atomic_save(optim_state, folder / ckpt.shard_name("optim", self.state.tp_rank, self.state.pp_rank))
-        return {"tp_specs": {n: [s.dim, s.full_size] for n, s in tp_shard_specs(self.model).items()}}
-
-    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
-        model_state, optim_state = ckpt.load_shards(
-            folder, meta, tp_rank=self.state.tp_rank, tp_size=self.state.tp_size, pp_rank=self.state.pp_rank,
-            specs_now=tp_shard_specs(self.model))
-        self.model.load_state_dict(model_state)
-        ckpt.load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
-        if self.scaler is not None and "scaler" in optim_state:
-            self.scaler.load_state_dict(optim_state["scaler"])
+        return total

@@ -17,14 +17,13 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     step_path = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(step_path)
     cfg = config_from_dict(meta["config"])
-    layout = meta["layout"]
     model = build_model(cfg.model, device="meta")
     model.to_empty(device="cpu")
     model.reset_parameters()
-    if layout["pp"] != 1:
-        raise ValueError(f"checkpoint {step_path} has pp={layout['pp']} stages; only pp=1 loads as one model yet")
-    state, _ = ckpt.load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0,
-                                specs_now=tp_shard_specs(model))  # TP shards merged into full tensors
+    if meta.get("regime", "").startswith("zero"):
+        raise ValueError(f"checkpoint {step_path} is a DeepSpeed ZeRO checkpoint; export it first")
+    state, _ = ckpt.load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                specs_now=tp_shard_specs(model))  # every tp x pp shard merged
     model.load_state_dict(state)
     return model.to(device).eval(), cfg
 

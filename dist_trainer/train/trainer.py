@@ -33,6 +33,7 @@ from dist_trainer.train.distributed import detect_launch_env, init_distributed, 
 from dist_trainer.train.engine import DataParallelEngine, Engine
 from dist_trainer.train.metrics import MetricsLogger, flops_per_token, memory_bytes, peak_flops
 from dist_trainer.train.optim import lr_at
+from dist_trainer.train.pipeline_engine import PipelineEngine, validate_pipeline_config
 
 
 @dataclass
@@ -55,6 +56,8 @@ class Trainer:
         self.cfg = cfg
         self.dp_size = cfg.parallel.resolve(self.env.world_size)  # ValueError before any group exists
         validate_tp(cfg.model, cfg.parallel.tp_size)
+        if cfg.parallel.pp_size > 1:
+            validate_pipeline_config(cfg, self.dp_size)
         if cfg.train.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("train.precision=fp16 needs CUDA (dynamic loss scaling); use bf16 or fp32 on CPU")
         self.out_dir = Path(cfg.train.out_dir)
@@ -62,11 +65,15 @@ class Trainer:
         # Data is opened (and checked against the model) before the process group is created.
         self.train_data = TokenDataset(cfg.data.path, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
         self.val_data = TokenDataset(cfg.data.path, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
+        check_data_sizes(cfg, self.dp_size, len(self.train_data), len(self.val_data))
         init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s)
         self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
                                           cfg.train.seed)
+        micro = cfg.parallel.micro_batch_size
+        self.val_sampler = GlobalBatchSampler(len(self.val_data), cfg.train.eval_batches * micro, micro,
+                                              self.state.dp_rank, self.dp_size, cfg.train.seed)
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
         self.step = 0
@@ -97,14 +104,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over eval_batches micro-batches per DP rank of the validation split (fixed order)."""
-        micro = self.cfg.parallel.micro_batch_size
-        sampler = GlobalBatchSampler(len(self.val_data), micro * self.dp_size, micro, self.state.dp_rank,
-                                     self.dp_size, self.cfg.train.seed)
-        total = torch.zeros((), device=self.device)
-        for k in range(self.cfg.train.eval_batches):
-            total += self.engine.eval_loss(self._batch(self.val_data, sampler.micro_batches(k)[0], k))
-        return float(self.state.dp.all_reduce(total / self.cfg.train.eval_batches) / self.dp_size)
+        """Mean loss over the same eval_batches x micro_batch_size validation samples whatever the layout:
+        the eval set is one fixed 'global batch' of the validation split, sliced over DP ranks."""
+        batches = [self._batch(self.val_data, indices, 0) for indices in self.val_sampler.micro_batches(0)]
+        total = self.engine.eval_loss(batches)
+        return float(self.state.dp.all_reduce(total / len(batches)) / self.dp_size)
 
     # ------------------------------------------------------------------ loop
 
@@ -158,7 +162,8 @@ class Trainer:
         return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters on this rank; "
                 f"world {self.env.world_size} ({self.env.launcher}), tp {self.state.tp_size} x "
                 f"pp {self.state.pp_size} x dp {self.dp_size}, device {self.device}, "
-                f"{self.cfg.train.precision}, {self.engine.name}, grad accum {len(self.sampler.micro_batches(0))}")
+                f"{self.cfg.train.precision}, {self.engine.name}, "
+                f"micro-batches per step {len(self.sampler.micro_batches(0))}")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -185,7 +190,7 @@ class Trainer:
         if path is None:
             return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        check_resumable(meta, self.cfg, self.state)
+        check_resumable(meta, self.cfg)
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
         rng_path = path / f"rng_rank{self.env.rank:05d}.pt"
@@ -194,8 +199,26 @@ class Trainer:
         return [f"resumed from {path} at step {self.step}"]
 
 
+def check_data_sizes(cfg: Config, dp_size: int, n_train: int, n_val: int) -> None:
+    """The splits must hold a global batch and the eval set, split evenly over DP ranks."""
+    micro, global_batch = cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size
+    if n_train < global_batch:
+        raise ValueError(f"the train split of {cfg.data.path} has {n_train} sequences of data.seq_len="
+                         f"{cfg.data.seq_len}, fewer than one global batch of {global_batch}")
+    if not cfg.train.eval_every:
+        return
+    if cfg.train.eval_batches % dp_size:
+        raise ValueError(f"train.eval_batches={cfg.train.eval_batches} must be a multiple of dp_size={dp_size} "
+                         "(the eval set is split evenly over data-parallel ranks)")
+    if n_val < cfg.train.eval_batches * micro:
+        raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
+                         f"train.eval_batches*micro_batch_size = {cfg.train.eval_batches}*{micro}")
+
+
 def build_engine(cfg: Config, state: ParallelState, device: torch.device) -> Engine:
-    """The regime's engine for this config: DeepSpeed ZeRO, or DDP with optional TP."""
+    """The regime's engine for this config: pipeline stages, DeepSpeed ZeRO, or DDP (each with optional TP)."""
+    if cfg.parallel.pp_size > 1:
+        return PipelineEngine(cfg, state, device)
     if cfg.parallel.zero_stage > 0:
         from dist_trainer.parallel.zero import ZeroEngine  # DeepSpeed is imported only when asked for
 
@@ -203,8 +226,8 @@ def build_engine(cfg: Config, state: ParallelState, device: torch.device) -> Eng
     return DataParallelEngine(cfg, state, device)
 
 
-def check_resumable(meta: dict[str, Any], cfg: Config, state: ParallelState) -> None:
-    """Refuse a resume that would silently change the model, the data order or the layout."""
+def check_resumable(meta: dict[str, Any], cfg: Config) -> None:
+    """Refuse a resume that would silently change the model or the data order."""
     saved_model = meta["config"]["model"]
     current = cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
@@ -216,9 +239,4 @@ def check_resumable(meta: dict[str, Any], cfg: Config, state: ParallelState) -> 
             f"checkpoint was trained with global_batch_size={saved_batch}, seed={meta['data']['seed']}; "
             f"this run has {cfg.parallel.global_batch_size}, {cfg.train.seed}: the data order would change"
         )
-    layout = meta["layout"]
-    if layout["pp"] != state.pp_size:  # tp and dp may change: shards are merged and re-cut on load
-        raise ValueError(
-            f"checkpoint has pp={layout['pp']} stages, this run pp={state.pp_size}; "
-            "resuming across pipeline sizes is not supported yet"
-        )
+    # tp, pp and dp may all change: the engines merge the saved shards and cut out their own part

@@ -1,0 +1,152 @@
+"""The pipeline regime inside the trainer: this rank's stages, a pipelining schedule, DP and TP around it.
+
+``PipelineEngine`` builds only this rank's stages (``parallel/pipeline.py``), applies TP to
+each, and runs the step through the ``torch.distributed.pipelining`` schedule named by
+``parallel.pp_schedule`` (``parallel/pp_schedule.py``). What the library does not do for
+this model happens here: the gradient average over dp (one flat all-reduce, counted), the
+tied embedding's gradient sum between first and last stage, the global grad norm over all
+stages, the loss broadcast from the last stage so every rank reports the same value, and
+checkpoints under the plain model's parameter names (so they reload at any tp x pp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from dist_trainer.config import Config
+from dist_trainer.parallel.grad import finalize_tp_grads
+from dist_trainer.parallel.pipeline import StageModule, split_into_stages, stage_placement
+from dist_trainer.parallel.pp_schedule import build_schedule, validate_pipeline
+from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel
+from dist_trainer.train.engine import Engine, NamedShardsMixin, autocast_for
+from dist_trainer.train.optim import build_optimizer, set_lr
+
+_TOP_LEVEL = ("tok_emb", "pos_emb", "type_emb", "emb_norm", "final_norm", "head", "pooler")
+
+
+def n_microbatches(cfg: Config, dp_size: int) -> int:
+    """Pipeline micro-batches per step: configured, or the gradient-accumulation steps."""
+    return cfg.parallel.n_microbatches or cfg.parallel.grad_accum_steps(dp_size)
+
+
+def validate_pipeline_config(cfg: Config, dp_size: int) -> None:
+    """Everything a pipeline run needs, checked before any process group exists."""
+    p = cfg.parallel
+    stages = p.pp_size * p.pp_virtual_stages
+    if cfg.model.n_layers < stages:
+        raise ValueError(f"model.n_layers={cfg.model.n_layers} is fewer than the pipeline's stages "
+                         f"pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages} = {stages}")
+    if p.zero_stage:
+        raise ValueError(f"parallel.zero_stage={p.zero_stage} with pp_size={p.pp_size}: DeepSpeed ZeRO does not "
+                         "run with this project's pipeline stages; use zero_stage 0")
+    if cfg.train.precision == "fp16":
+        raise ValueError("train.precision=fp16 (loss scaling) is not supported with pipeline stages; use bf16")
+    per_rank = p.global_batch_size // dp_size
+    m = n_microbatches(cfg, dp_size)
+    validate_pipeline(p.pp_size, p.pp_schedule, m, per_rank, p.pp_virtual_stages)
+    eval_rows = cfg.train.eval_batches // dp_size * p.micro_batch_size
+    if cfg.train.eval_every and eval_rows % m:
+        raise ValueError(f"under pipeline stages each DP rank's eval batch (train.eval_batches/dp_size*"
+                         f"micro_batch_size = {cfg.train.eval_batches}/{dp_size}*{p.micro_batch_size}) must split "
+                         f"into n_microbatches={m}")
+
+
+class PipelineRankModule(nn.Module):
+    """This rank's stages under the plain model's names: ``layers.{global index}``, ``tok_emb``, ...
+
+    Only for naming (optimizer groups, checkpoints, resharding); the schedule runs the stages.
+    A tied head on the last stage is its own ``tok_emb`` copy, named like the original.
+    """
+
+    def __init__(self, stages: list[StageModule]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for stage in stages:
+            for name in _TOP_LEVEL:
+                module = getattr(stage.model, name, None)
+                if module is not None and not hasattr(self, name):
+                    setattr(self, name, module)
+            for i, layer in zip(stage.layer_ids, stage.model.layers):
+                self.layers[str(i)] = layer
+
+
+class PipelineEngine(NamedShardsMixin, Engine):
+    def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
+        p = cfg.parallel
+        self.cfg, self.state, self.device = cfg, state, device
+        self.scaler = None
+        self.n_micro = n_microbatches(cfg, state.dp_size)
+        self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
+                                        seed=cfg.train.seed, device="cpu")
+        for stage in self.stages:
+            apply_tensor_parallel(stage.model, state, p.sequence_parallel)
+            stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)
+            stage.to(device)
+        self.pipe = build_schedule(self.stages, state, self.n_micro, p.pp_schedule, self.stages[-1].model.loss)
+        placement = stage_placement(state.pp_size, p.pp_virtual_stages)
+        last = state.pp_size * p.pp_virtual_stages - 1
+        self.last_stage_rank = next(r for r, owned in enumerate(placement) if last in owned)
+        self.model = PipelineRankModule(self.stages)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.name = f"pp[{p.pp_schedule}]" + ("+tp" if state.tp_size > 1 else "") + ("+dp" if state.dp_size > 1 else "")
+
+    def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
+        tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
+        targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
+        stage_ids = [s.stage_index for s in self.stages]
+        try:
+            with autocast_for(self.cfg.train.precision, self.device):
+                if train:
+                    loss = self.pipe.step(tokens, targets)
+                else:
+                    losses: list[torch.Tensor] = []
+                    args = (tokens,) if self.pipe.has_first_stage else ()
+                    self.pipe.schedule.eval(*args, target=targets, losses=losses)
+                    loss = torch.stack([x.detach() for x in losses]).mean() if losses else None
+        except RuntimeError as exc:  # a dead or stalled neighbour: say which stage waited on whom
+            raise RuntimeError(
+                f"pipeline stage(s) {stage_ids} on rank {self.state.rank} (pp rank {self.state.pp_rank}) failed "
+                f"while exchanging activations with a neighbouring stage (timeout "
+                f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s): {exc}") from exc
+        out = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
+        # the loss lives on the last stage: one broadcast so every rank reports the same figure
+        self.state.pp.broadcast(out, src_axis_rank=self.last_stage_rank)
+        return out * len(batches)
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        loss_sum = self._run(batches, train=True)
+        if self.state.dp_size > 1:  # the gradient mean over dp, as DDP would, in one flat all-reduce
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = self.state.dp.all_reduce(_flatten_dense_tensors(grads)).div_(self.state.dp_size)
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        return loss_sum
+
+    def optimizer_step(self, lr: float) -> torch.Tensor:
+        for stage in self.stages:
+            finalize_tp_grads(stage.model, self.state)
+        self.pipe.finalize_grads()  # tied embedding: first-stage and last-stage copies get the summed gradient
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = self.pipe.clip_grad_norm_(max_norm, self.state)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        for stage in self.stages:
+            stage.eval()
+        try:
+            return self._run(batches, train=False)
+        finally:
+            for stage in self.stages:
+                stage.train()
+
+    def describe(self) -> dict[str, Any]:
+        return {"stages": [s.stage_index for s in self.stages], "layers": [list(s.layer_ids) for s in self.stages]}
