@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The one install path: `make demo`/`make test` (into .venv), CI, and both Docker images run it.
-#   scripts/install.sh [VENV_DIR] [EXTRAS]      e.g. scripts/install.sh .venv dev
+#   scripts/install.sh [VENV_DIR] [EXTRAS]      e.g. scripts/install.sh .venv dev   ("" = no extras)
+# TORCH_INDEX_URL, when set, is the index torch comes from (e.g. https://download.pytorch.org/whl/cpu
+# for a CPU build on a plain Linux host; the images set their own).
 # Installs torch first from the pinned constraints (a CPU build where the index offers one,
 # never an accidental multi-GB CUDA build), then DeepSpeed without build isolation (its
 # setup.py imports torch), then this package in editable mode.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$here/.venv}"
-extras="${2:-dev}"
+extras="${2-dev}"
 constraints="${DIST_TRAINER_CONSTRAINTS:-$here/requirements/constraints.txt}"
 python="${PYTHON:-python3}"
 
@@ -18,9 +20,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/dist-tr
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints")
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip setuptools wheel
+"${pip[@]}" --upgrade pip setuptools wheel  # versions pinned in the constraints file
 torch_pin="$(grep -E '^torch==' "$constraints" | head -n1)"
-"${pip[@]}" "${torch_pin:-torch}"
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "${pip[@]}" --index-url "$TORCH_INDEX_URL" "${torch_pin:-torch}"
+else
+    "${pip[@]}" "${torch_pin:-torch}"
+fi
 # DeepSpeed ships as an sdist; its build needs the torch installed above. Ops stay JIT (DS_BUILD_OPS=0)
 # except where an image builds them ahead (docker/Dockerfile sets DS_BUILD_* itself).
 DS_BUILD_OPS="${DS_BUILD_OPS:-0}" "${pip[@]}" --no-build-isolation "$(grep -E '^deepspeed==' "$constraints" | head -n1)"
