@@ -126,7 +126,7 @@ class Trainer:
             step = self.step
             self.state.counter.reset()
             t0 = time.perf_counter()
-            metrics = self.train_step(step)
+            metrics = self._guarded(self.train_step, step)
             dt = time.perf_counter() - t0
             self.step = step + 1
             result.losses[step] = metrics["loss"]
@@ -156,6 +156,22 @@ class Trainer:
         result.tokens_per_s = timed_tokens / elapsed if elapsed else 0.0
         self.logger.close()
         return result
+
+    def _guarded(self, fn: Any, step: int) -> Any:
+        """Run one step; a collective that fails (a peer died) or times out (a peer stalled) becomes
+        one clear error naming this rank, its coordinates and the step, instead of a bare backend trace."""
+        start = time.monotonic()
+        try:
+            return fn(step)
+        except (RuntimeError, dist.DistError) as exc:
+            if self.env.world_size == 1 or not _is_comm_failure(exc):
+                raise
+            raise RuntimeError(
+                f"rank {self.env.rank} ({self.state.describe()}) lost contact with its peers at step {step + 1} "
+                f"after {time.monotonic() - start:.1f}s: a rank died, or stalled past "
+                f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s. "
+                f"Resume from the last checkpoint in {self.ckpt_root} with --train.resume=true. Cause: {exc}"
+            ) from exc
 
     def describe(self) -> str:
         n = count_parameters(self.model)
@@ -197,6 +213,13 @@ class Trainer:
         if rng_path.is_file() and meta["layout"]["world"] == self.env.world_size:
             ckpt.set_rng_state(ckpt.load_file(rng_path))
         return [f"resumed from {path} at step {self.step}"]
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
 
 
 def check_data_sizes(cfg: Config, dp_size: int, n_train: int, n_val: int) -> None:

@@ -1,0 +1,47 @@
+"""A rank that dies or stalls makes the others fail fast with a clear error, instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_trainer.testing import DistributedTestError, run_distributed
+from dist_trainer.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+TIMEOUT_S = 8.0
+
+
+def _trainer_with_fault(rank: int, world: int, data: Path, out: Path, fault: str) -> None:
+    trainer = Trainer(tiny_config(data, out, parallel={"timeout_s": TIMEOUT_S}, train={"max_steps": 6}))
+    real_step = trainer.train_step
+
+    def faulty_step(step: int) -> dict:
+        if rank == 1 and step == 2:
+            if fault == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10 * TIMEOUT_S)  # stall: alive, but never joins the collective
+        return real_step(step)
+
+    trainer.train_step = faulty_step
+    trainer.train()
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_path: Path, fault: str) -> None:
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(_trainer_with_fault, 2, (tiny_data, tmp_path, fault), timeout=20, join_grace=TIMEOUT_S)
+    message = str(err.value)
+    assert "rank 0: RuntimeError: rank 0 (rank 0/2: dp 0/2" in message
+    assert "lost contact with its peers at step 3" in message
+    assert f"parallel.timeout_s={TIMEOUT_S:g}s" in message
+    waited = float(re.search(r"at step 3 after ([0-9.]+)s", message).group(1))
+    # a death is noticed at once; a stall after the configured timeout, not a default (30 min) one
+    assert waited < (TIMEOUT_S if fault == "die" else TIMEOUT_S + 10), waited
+    if fault == "stall":
+        assert waited >= TIMEOUT_S - 1, waited
