@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,8 @@ class ZeroEngine(Engine):
             model=model, optimizer=optimizer, config=engine_config(self.ds_config), mpu=_Mpu(state),
             dist_init_required=False)
         self.model: Transformer = self.engine.module
+        # Called after each micro-batch's backward (the memory experiment reads the grads held in between).
+        self.after_backward: Callable[[], None] | None = None
 
     def _build_model(self, deepspeed: Any) -> Transformer:
         mcfg = self.cfg.model
@@ -172,6 +175,8 @@ class ZeroEngine(Engine):
             # No autocast: with bf16/fp16 DeepSpeed itself holds 16-bit params and fp32 master weights.
             loss = self.engine(batch["tokens"], batch["targets"])
             self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
+            if self.after_backward is not None:
+                self.after_backward()
             if i < n - 1:
                 self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
             loss_sum += loss.detach().float()

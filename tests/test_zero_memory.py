@@ -1,0 +1,62 @@
+"""Per-rank model-state bytes under ZeRO (the tensors each rank really owns) and the memory-experiment command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dist_trainer.experiments.memory_experiment import experiment_config, measure_rank, run_experiment
+from dist_trainer.testing import run_distributed
+
+TINY = {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64}
+DS_ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("memory")
+    return out, run_experiment(TINY, [0, 1, 2, 3], 2, out)
+
+
+def test_memory_experiment_writes_table_json_chart_matching_the_prediction(experiment: tuple[Path, dict]) -> None:
+    out, result = experiment
+    assert (out / "memory.png").stat().st_size > 1000 and (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "memory.md").read_text()
+    assert table.count("\n| ") == 5  # the header and one row per stage
+    assert all(f"\n| {stage} | 2 |" in table for stage in range(4))
+    assert json.loads((out / "memory.json").read_text())["rows"][3]["stage"] == 3
+    for row in result["rows"]:
+        measured, paper = row["measured"]["model_states"], row["paper"]["model_states"]
+        assert abs(measured - paper) <= 0.01 * paper, (row["stage"], measured, paper)
+        assert row["measured"]["activations"] > 0 and row["measured"]["step_time_s"] > 0
+
+
+def test_stages_partition_what_they_should(experiment: tuple[Path, dict]) -> None:
+    """Against the DDP run's own tensors (stage 0): stage 1 shards the optimizer states (moments plus
+    DeepSpeed's fp32 master copy, one parameter-sized tensor), stage 2 also the grads, stage 3 also the params."""
+    rows = {r["stage"]: r["measured"] for r in experiment[1]["rows"]}
+    ddp = rows[0]
+    assert ddp["optimizer"] == 2 * ddp["params"]  # AdamW's two moments, fp32
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= 0.01 * b
+
+    sharded_optimizer = (ddp["optimizer"] + ddp["params"]) / 2
+    assert rows[1]["params"] == ddp["params"] and rows[1]["grads"] == ddp["grads"]
+    assert close(rows[1]["optimizer"], sharded_optimizer)
+    assert rows[2]["params"] == ddp["params"] and close(rows[2]["grads"], ddp["grads"] / 2)
+    assert close(rows[2]["optimizer"], sharded_optimizer)
+    assert close(rows[3]["params"], ddp["params"] / 2) and close(rows[3]["grads"], ddp["grads"] / 2)
+    assert close(rows[3]["optimizer"], sharded_optimizer)
+    assert len({r["activations"] for r in rows.values()}) == 1  # ZeRO does not touch activations
+
+
+def test_stage3_model_states_fall_as_one_over_n() -> None:
+    cfg2, cfg4 = (experiment_config(TINY, 3, n).to_dict() for n in (2, 4))
+    two = run_distributed(measure_rank, 2, (cfg2,), env=DS_ENV)
+    four = run_distributed(measure_rank, 4, (cfg4,), env=DS_ENV)
+    for key in ("params", "grads", "optimizer"):
+        per2, per4 = max(r[key] for r in two), max(r[key] for r in four)
+        assert abs(per4 - per2 / 2) <= 0.01 * per2 / 2, (key, per2, per4)
