@@ -45,20 +45,28 @@ def _stage3_weights(rank: int, world_size: int, data: Path, out: Path) -> dict[s
 
     from dist_trainer.model import build_model
     from dist_trainer.parallel.state import ParallelState
-    from dist_trainer.parallel.zero import ZeroEngine
+    from dist_trainer.parallel.zero import ZeroEngine, zero_param_groups
+    from dist_trainer.train.optim import param_groups
 
     cfg = tiny_config(data, out, parallel={"zero_stage": 3})
     engine = ZeroEngine(cfg, ParallelState.build(cfg.parallel, world_size, rank), torch.device("cpu"))
     params = list(engine.model.parameters())
     partition = sum(p.ds_tensor.numel() for p in params)
     full = sum(p.ds_numel for p in params)
-    reference = dict(build_model(cfg.model, seed=cfg.train.seed).named_parameters())
+    reference_model = build_model(cfg.model, seed=cfg.train.seed)
+    reference = dict(reference_model.named_parameters())
     diffs = {}
     for name, p in engine.model.named_parameters():
         assert p.numel() == 0  # partitioned: the module itself holds no full tensor
         with deepspeed.zero.GatheredParameters([p]):  # one tensor at a time
             diffs[name] = float((p.data - reference[name]).abs().max())
-    return {"max_diff": max(diffs.values()), "partition": partition, "full": full}
+    # The AdamW groups are build_model's: matrices decay, biases/norms/embeddings do not (partitioned params are
+    # empty 1-D placeholders, so the groups must be decided on their full ds_shape).
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    ref_names = {id(p): n for n, p in reference.items()}
+    expected = [[ref_names[id(p)] for p in g["params"]] for g in param_groups(reference_model, cfg.optim.weight_decay)]
+    got = [[names[id(p)] for p in g["params"]] for g in zero_param_groups(engine.model, cfg.optim.weight_decay)]
+    return {"max_diff": max(diffs.values()), "partition": partition, "full": full, "groups": (got, expected)}
 
 
 def test_stage3_is_built_partitioned_with_the_seeds_weights(tiny_data: Path, tmp_path: Path) -> None:
@@ -67,4 +75,6 @@ def test_stage3_is_built_partitioned_with_the_seeds_weights(tiny_data: Path, tmp
     out = run_distributed(_stage3_weights, 2, (tiny_data, tmp_path), env=DS_ENV)
     for r in out:
         assert r["max_diff"] == 0.0
+        got, expected = r["groups"]
+        assert got == expected and len(got[0]) > 0 and len(got[1]) > 0
         assert r["partition"] * 2 >= r["full"] and r["partition"] <= r["full"] // 2 + 64  # padding per tensor

@@ -110,6 +110,23 @@ def _init_partitioned(model: Transformer) -> None:
                     nn.init.zeros_(module.bias)
 
 
+def zero_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """``train.optim.param_groups`` for a model whose parameters may be ZeRO-3 partitions.
+
+    A partitioned parameter's tensor is an empty 1-D placeholder (its shape is ``ds_shape``), so the
+    ``p.ndim >= 2`` rule would put every matrix in the no-decay group. The full shapes decide here.
+    """
+    groups = param_groups(model, weight_decay)
+    if not any(hasattr(p, "ds_shape") for p in model.parameters()):
+        return groups
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if len(p.ds_shape) >= 2 and not name.endswith("_emb.weight") else no_decay).append(p)
+    return [{**groups[0], "params": decay}, {**groups[1], "params": no_decay}]
+
+
 class ZeroEngine(Engine):
     """DeepSpeed ZeRO stage 1/2/3 (optionally offloaded) behind the trainer's Engine interface."""
 
@@ -124,7 +141,7 @@ class ZeroEngine(Engine):
         self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "")
         self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
         model = self._build_model(deepspeed)
-        groups = param_groups(model, cfg.optim.weight_decay)
+        groups = zero_param_groups(model, cfg.optim.weight_decay)
         if cfg.parallel.zero_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
