@@ -170,6 +170,27 @@ class LMLoss(nn.Module):
         )
 
 
+@torch.no_grad()
+def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
+    """The initial values of one module's own parameters, drawn from the global RNG.
+
+    Normal(0, init_std) for linear and embedding weights, with residual output projections
+    at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases; unit norms.
+    Other modules are left alone.
+    """
+    if isinstance(module, nn.Linear):
+        scaled = cfg.scaled_residual_init and getattr(module, "residual_out", False)
+        nn.init.normal_(module.weight, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, 0.0, cfg.init_std)
+    elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+        nn.init.ones_(module.weight)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
 class Transformer(nn.Module):
     """Decoder (causal LM) or encoder (masked LM) transformer, configured by ModelConfig."""
 
@@ -204,26 +225,15 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights, zero biases, unit norms; residual outputs scaled.
+        """Every module's ``init_weights_`` in module order, then the position tables.
 
         Parameters are drawn in module order from the global RNG, so the same seed gives
-        the same model in every regime (TP shards are cut from this full draw).
+        the same model in every regime (TP shards are cut from this full draw; pipeline
+        stages and ZeRO-3 replay the same per-module draws).
         """
-        cfg = self.cfg
-        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.scaled_residual_init else cfg.init_std
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, cfg.init_std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        if cfg.pos_embedding in ("rope", "sinusoidal"):
+            init_weights_(module, self.cfg)
+        if self.cfg.pos_embedding in ("rope", "sinusoidal"):
             self._init_buffers()  # recompute after to_empty() left them uninitialised
 
     def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:

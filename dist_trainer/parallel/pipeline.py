@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model import RMSNorm, Transformer
+from dist_trainer.model import Transformer, init_weights_
 
 BALANCES = ("layers", "params")
 PLACEMENTS = ("loop", "v")
@@ -165,12 +165,10 @@ def _init_like_full_model(full: Transformer, kept: set[int]) -> None:
 
     Two passes, as on CPU: the torch constructors' own ``reset_parameters`` (nn.Linear's
     kaiming-uniform, nn.Embedding's normal), in creation order (= ``modules()`` order
-    here), then ``Transformer.reset_parameters`` (mirrored: same order, same std rule).
+    here), then ``model.init_weights_`` per module, as ``Transformer.reset_parameters``.
     The tests check the result against ``build_model`` bit for bit, so a change in
     model.py's init fails loudly there.
     """
-    cfg = full.cfg
-    residual_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if cfg.scaled_residual_init else cfg.init_std
     with torch.no_grad():
         for module in full.modules():
             if not hasattr(module, "reset_parameters") or not list(module.parameters(recurse=False)):
@@ -180,19 +178,10 @@ def _init_like_full_model(full: Transformer, kept: set[int]) -> None:
             else:  # a scratch twin draws the same numbers, then is dropped
                 copy.deepcopy(module).to_empty(device="cpu").reset_parameters()
         for module in full.modules():
-            mine = id(module) in kept
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
-                if mine:
-                    nn.init.normal_(module.weight, 0.0, std)
-                    if getattr(module, "bias", None) is not None:
-                        nn.init.zeros_(module.bias)
-                else:  # advance the global generator exactly as the full model's draw would
-                    torch.empty(module.weight.shape, dtype=module.weight.dtype).normal_(0.0, std)
-            elif mine and isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+            if not list(module.parameters(recurse=False)):
+                continue
+            target = module if id(module) in kept else copy.deepcopy(module).to_empty(device="cpu")
+            init_weights_(target, full.cfg)  # a twin advances the generator exactly as the full draw
 
 
 def split_into_stages(
