@@ -13,8 +13,9 @@ from tests.helpers import tiny_config
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def _run(rank: int, world_size: int, data: Path, out: Path, stage: int, train: dict) -> dict[int, float]:
-    sections = {"parallel": {"zero_stage": stage}, "model": {"dropout": 0.1}, "train": train}
+def _run(rank: int, world_size: int, data: Path, out: Path, stage: int, train: dict,
+         dropout: float = 0.1) -> dict[int, float]:
+    sections = {"parallel": {"zero_stage": stage}, "model": {"dropout": dropout}, "train": train}
     return Trainer(tiny_config(data, out, **sections), log=False).train().losses
 
 
@@ -37,3 +38,29 @@ def test_zero2_and_zero3_resume_exactly(tiny_data: Path, tmp_path: Path) -> None
         meta = ckpt.read_meta(step_dir)
         assert meta["zero_stage"] == stage and meta["regime"] == f"zero{stage}"
         assert any(f.startswith("deepspeed/") and "optim_states" in f for f in meta["files"])
+
+
+def _zero3_then_export(rank: int, world_size: int, data: Path, root: Path) -> dict[int, float]:
+    # No dropout: one process cannot replay two ranks' dropout streams.
+    full = _run(rank, world_size, data, root / "zero_full", 3, {"max_steps": 5}, dropout=0.0)
+    _run(rank, world_size, data, root / "zero", 3, {"max_steps": 3}, dropout=0.0)
+    return full
+
+
+def test_zero3_checkpoint_exports_to_a_single_process_that_continues(tiny_data: Path, tmp_path: Path) -> None:
+    """ZeRO-3 on 2 ranks saves at step 3; the consolidated fp32 weights and AdamW moments, written in this
+    project's format, resume in one process (2 micro-batches of 4: the same global batch) and give the ZeRO
+    run's losses for steps 3 and 4 (step 4 depends on the exported moments)."""
+    from dist_trainer.parallel.zero_checkpoint import export_single_process
+
+    zero_losses = run_distributed(_zero3_then_export, 2, (tiny_data, tmp_path), env=DS_ENV)[0]
+    step_dir = ckpt.latest_checkpoint(tmp_path / "zero" / "checkpoints")
+    exported = export_single_process(step_dir, tmp_path / "single")
+    model_state = ckpt.load_file(exported / "model_tp00_pp00.pt")
+    assert "tok_emb.weight" in model_state and model_state["tok_emb.weight"].shape == (512, 32)
+    sections = {"train": {"max_steps": 5, "resume": True}}
+    single = Trainer(tiny_config(tiny_data, tmp_path / "single", **sections), log=False)
+    assert single.step == 3
+    resumed = single.train().losses
+    for step in (3, 4):
+        assert abs(resumed[step] - zero_losses[step]) <= 1e-5 * abs(zero_losses[step]), (step, resumed, zero_losses)
