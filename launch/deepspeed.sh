@@ -32,27 +32,10 @@ Cluster without ssh:    HOSTFILE=hosts NO_SSH=1 NODE_RANK=<i> MASTER_ADDR=node0 
 USAGE
 }
 
-die() {
-    echo "launch/deepspeed.sh: error: $*" >&2
-    echo "run launch/deepspeed.sh --help for the variables it reads" >&2
-    exit 2
-}
-
-is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
-
-for arg in "$@"; do
-    case "$arg" in -h|--help) usage; exit 0 ;; esac
-done
-
-prev=""
-for arg in "$@"; do
-    config=""
-    if [ "$prev" = "--config" ]; then config="$arg"; fi
-    case "$arg" in --config=*) config="${arg#--config=}" ;; esac
-    if [ -n "$config" ] && [ ! -f "$config" ]; then die "--config $config: no such file"; fi
-    prev="$arg"
-done
-if [ "$prev" = "--config" ]; then die "--config needs a file"; fi
+LAUNCH_SCRIPT=launch/deepspeed.sh
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+check_common_args "$@"
 
 # --module: run `python -m dist_trainer.cli`; --no_local_rank: the launcher would otherwise
 # append --local_rank=N, which the trainer's CLI rejects (it reads LOCAL_RANK from the environment).

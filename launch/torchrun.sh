@@ -30,30 +30,10 @@ Two nodes:    on each node  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=node0 NPROC_PER
 EOF
 }
 
-die() {
-    echo "launch/torchrun.sh: error: $*" >&2
-    echo "run launch/torchrun.sh --help for the variables it reads" >&2
-    exit 2
-}
-
-is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
-
-for arg in "$@"; do
-    case "$arg" in -h|--help) usage; exit 0 ;; esac
-done
-
-# Fail here, before N processes each fail to read it.
-prev=""
-for arg in "$@"; do
-    config=""
-    if [ "$prev" = "--config" ]; then config="$arg"; fi
-    case "$arg" in --config=*) config="${arg#--config=}" ;; esac
-    if [ -n "$config" ] && [ ! -f "$config" ]; then
-        die "--config $config: no such file"
-    fi
-    prev="$arg"
-done
-if [ "$prev" = "--config" ]; then die "--config needs a file"; fi
+LAUNCH_SCRIPT=launch/torchrun.sh
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+check_common_args "$@"
 
 nnodes="${NNODES:-1}"
 is_uint "$nnodes" && [ "$nnodes" -ge 1 ] || die "NNODES=$nnodes must be a whole number >= 1"
