@@ -1,0 +1,147 @@
+"""A real two-node run on one machine: two network namespaces joined by a veth pair act as two hosts
+with their own addresses (tests/netns.py), and each 'host' runs its own launcher, as on a cluster.
+
+- torchrun (through launch/torchrun.sh, static rendezvous at node 0's address), 2 nodes x 2 processes:
+  tp 2 inside a node (the (dp, pp, tp) grid has tp fastest, so ranks 0-1 are node 0's TP group and
+  ranks 2-3 node 1's) and dp 2 across the nodes, so every gradient all-reduce crosses the link;
+- the deepspeed launcher (launch/deepspeed.sh in per-node NO_SSH mode, one hostfile naming the two
+  hosts by address) with ZeRO-2 over dp 4 (the ZeRO engine refuses tp > 1), so the gradient
+  reduce-scatter and the parameter all-gather span both nodes.
+
+Each must log the losses of one process running the same global batch (issue 7). Needs root or
+CAP_NET_ADMIN for `ip netns`; the module is skipped, with the reason, where that is not permitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from dist_trainer.train.trainer import Trainer
+from tests import netns
+from tests.helpers import relative_diff, tiny_config
+
+_REASON = netns.unavailable_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch"
+VENV_BIN = Path(sys.executable).parent
+STEPS = 5
+PORT = "29500"  # free by construction: each namespace is new and has no other listener
+TIMEOUT_S = 240
+
+_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+          "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "HOSTFILE", "NUM_GPUS", "NUM_NODES", "NO_SSH",
+          "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME")
+
+
+def _env(tmp_path: Path, host: netns.Host, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LEAKY and not k.startswith(("SLURM_", "OMPI_"))}
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
+        OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
+        TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), HF_HOME=str(tmp_path / "hf"),
+        # gloo binds to and advertises this interface's address: the node's own end of the link
+        GLOO_SOCKET_IFNAME=host.ifname,
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def hosts() -> tuple[netns.Host, netns.Host]:
+    with netns.two_hosts() as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """One process, 2 micro-batches of 4 per step: the losses every 4-rank layout of the same global batch
+    must reproduce (tp 2 x dp 2: one micro-batch of 4 per replica; ZeRO dp 4: 2 samples per rank)."""
+    result = Trainer(tiny_config(tiny_data, tmp_path_factory.mktemp("single"), train={"max_steps": STEPS})).train()
+    return [result.losses[s] for s in sorted(result.losses)]
+
+
+def _write_config(tiny_data: Path, tmp_path: Path, **parallel: int) -> tuple[Path, Path]:
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_data, out, parallel=parallel,
+                      train={"max_steps": STEPS, "log_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path, out
+
+
+def _rx_bytes(host: netns.Host) -> int:
+    return int(subprocess.run([*host.exec_prefix(), "cat", f"/sys/class/net/{host.ifname}/statistics/rx_bytes"],
+                              capture_output=True, text=True, check=True).stdout)
+
+
+def _run_nodes(commands: list[tuple[netns.Host, list[str], dict[str, str]]]) -> list[tuple[int, str]]:
+    """Start one launcher per host (inside its namespace), wait for all; kill every process on a timeout."""
+    procs = [subprocess.Popen([*host.exec_prefix(), *cmd], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for host, cmd, env in commands]
+    deadline = time.monotonic() + TIMEOUT_S
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the two-node run did not finish within {TIMEOUT_S}s")
+    finally:
+        for p in procs:  # processes must leave the namespaces before they are deleted
+            if p.poll() is None:
+                for child in [*psutil.Process(p.pid).children(recursive=True)]:
+                    child.kill()
+                p.kill()
+                p.wait()
+    return results
+
+
+def _check(results: list[tuple[int, str]], out: Path, reference: list[float], describe: str, engine: str) -> None:
+    for node, (rc, output) in enumerate(results):
+        assert rc == 0, f"node {node} exited {rc}:\n{output[-4000:]}"
+    assert describe in results[0][1], results[0][1][-3000:]
+    assert f", {engine}," in results[0][1], results[0][1][-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert relative_diff([r["loss"] for r in records], reference) <= 1e-5
+
+
+def test_torchrun_two_nodes_tp_inside_dp_across(hosts: tuple[netns.Host, netns.Host], tiny_data: Path,
+                                                tmp_path: Path, reference_losses: list[float]) -> None:
+    config, out = _write_config(tiny_data, tmp_path, tp_size=2)
+    rx_before = [_rx_bytes(h) for h in hosts]
+    results = _run_nodes([
+        (host, [str(LAUNCH / "torchrun.sh"), "--config", str(config)],
+         _env(tmp_path, host, NNODES="2", NODE_RANK=str(rank), NPROC_PER_NODE="2", MASTER_ADDR=hosts[0].addr,
+              MASTER_PORT=PORT))
+        for rank, host in enumerate(hosts)])
+    _check(results, out, reference_losses, "world 4 (torchrun), tp 2 x pp 1 x dp 2", "tp+ddp")
+    assert f"--nnodes 2 --node-rank 1 --master-addr {hosts[0].addr}" in results[1][1]
+    # the rendezvous and the dp all-reduces went over the link, both ways
+    assert all(_rx_bytes(h) > before for h, before in zip(hosts, rx_before))
+
+
+def test_deepspeed_two_nodes_per_node_no_ssh_zero2(hosts: tuple[netns.Host, netns.Host], tiny_data: Path,
+                                                   tmp_path: Path, reference_losses: list[float]) -> None:
+    config, out = _write_config(tiny_data, tmp_path, zero_stage=2, micro_batch_size=2)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{h.addr} slots=2\n" for h in hosts))
+    results = _run_nodes([
+        (host, [str(LAUNCH / "deepspeed.sh"), "--config", str(config)],
+         _env(tmp_path, host, HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK=str(rank), MASTER_ADDR=hosts[0].addr,
+              MASTER_PORT=PORT))
+        for rank, host in enumerate(hosts)])
+    _check(results, out, reference_losses, "world 4 (deepspeed), tp 1 x pp 1 x dp 4", "zero2")
+    assert "nnodes=2, num_local_procs=2, node_rank=1" in results[1][1]
