@@ -64,3 +64,22 @@ def test_zero3_checkpoint_exports_to_a_single_process_that_continues(tiny_data: 
     resumed = single.train().losses
     for step in (3, 4):
         assert abs(resumed[step] - zero_losses[step]) <= 1e-5 * abs(zero_losses[step]), (step, resumed, zero_losses)
+
+
+def _zero_resume_from(rank: int, world_size: int, data: Path, out: Path, stage: int) -> dict[int, float]:
+    return _run(rank, world_size, data, out, stage, {"max_steps": 5, "resume": True}, dropout=0.0)
+
+
+def test_single_process_checkpoint_starts_zero_runs(tiny_data: Path, tmp_path: Path) -> None:
+    """The reverse direction: one process trains 3 steps; ZeRO-2 and ZeRO-3 on 2 ranks resume from its
+    checkpoint (weights and AdamW moments into DeepSpeed's partitions) and match the uninterrupted run."""
+    import shutil
+
+    full = Trainer(tiny_config(tiny_data, tmp_path / "full", train={"max_steps": 5}), log=False).train().losses
+    Trainer(tiny_config(tiny_data, tmp_path / "single", train={"max_steps": 3}), log=False).train()
+    for stage in (2, 3):
+        shutil.copytree(tmp_path / "single", tmp_path / f"z{stage}")
+        resumed = run_distributed(_zero_resume_from, 2, (tiny_data, tmp_path / f"z{stage}", stage), env=DS_ENV)[0]
+        assert sorted(resumed) == [3, 4]
+        for step in (3, 4):
+            assert abs(resumed[step] - full[step]) <= 1e-5 * abs(full[step]), (stage, step, resumed, full)

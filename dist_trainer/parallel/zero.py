@@ -221,10 +221,53 @@ class ZeroEngine(Engine):
 
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
         tag = meta.get("deepspeed_tag")
-        if tag is None:
-            raise ValueError(f"checkpoint {folder} was written by the {meta.get('regime')!r} regime, not ZeRO; "
-                             "convert it with dist_trainer.parallel.zero_checkpoint.to_zero_start")
+        if tag is None:  # a DDP/TP/single-process checkpoint starts this ZeRO run
+            self._load_plain(folder, meta)
+            return
         path, _ = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if path is None:
             raise ValueError(f"DeepSpeed found no checkpoint {tag!r} in {folder}")
+
+    def _load_plain(self, folder: Path, meta: dict[str, Any]) -> None:
+        """Weights and AdamW moments by name (merged from any tp size) into DeepSpeed's partitions.
+
+        DeepSpeed's fragment API (deepspeed.utils.safe_set_full_*) writes each full tensor's slice into this
+        rank's fp32 master and optimizer-state partitions; the torch AdamW state over the flat partitions is
+        created first (it is lazy) with the saved step count.
+        """
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from dist_trainer.parallel.reshard import tp_shard_specs
+        from dist_trainer.train import checkpoint as ckpt
+
+        model_state, optim_state = ckpt.load_shards(folder, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                                    specs_now=tp_shard_specs(self.model))
+        saved = optim_state["state"]
+        missing = [n for n, _ in self.model.named_parameters() if n not in model_state]
+        if missing:
+            raise ValueError(f"checkpoint {folder} lacks parameters {missing[:5]}")
+        step = next((s["step"] for s in saved.values()), torch.tensor(0.0))
+        base = self.optimizer.optimizer
+        # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
+        # _set_fp32_optimizer_param_groups); stages 1/2 keep them in param_groups.
+        flats = list(self.optimizer.fp32_partitioned_groups_flat) if self.stage == 3 else \
+            [flat for group in base.param_groups for flat in group["params"]]
+        for flat in flats:
+            base.state[flat] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                                "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):  # stages 1/2 link fragments lazily
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+        for name, p in self.model.named_parameters():
+            full = model_state[name].to(self.device, torch.float32)
+            safe_set_full_fp32_param(p, full)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if name in saved:
+                    safe_set_full_optimizer_state(p, saved[name][key].to(self.device, torch.float32), key)
+            if self.stage == 3:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    p.data.copy_(full)
+            else:
+                p.data.copy_(full)
