@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from typing import Any
 
 from dist_trainer.config import ModelConfig
@@ -71,15 +72,49 @@ def deepspeed_config_dict(layout: Layout, *, options: TrainingOptions = DEFAULT_
     return cfg
 
 
-def launch_command(layout: Layout, *, gpus_per_node: int, config_path: str = "run.yaml") -> str:
-    """torchrun (or, with ZeRO, the deepspeed launcher) running ``dist_trainer.cli train`` on every node."""
-    n = layout.world_size
-    per_node = min(n, gpus_per_node)
-    nodes = -(-n // per_node)
-    if layout.zero_stage > 0:
-        hosts = " --hostfile hostfile" if nodes > 1 else ""
-        return (f"deepspeed --num_nodes {nodes} --num_gpus {per_node}{hosts} "
-                f"--module dist_trainer.cli train --config {config_path}")
-    rdzv = " --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500" if nodes > 1 else ""
-    return (f"torchrun --nnodes {nodes} --nproc_per_node {per_node}{rdzv} "
-            f"-m dist_trainer.cli train --config {config_path}")
+def _placeholder(var: str, what: str) -> str:
+    """``"${VAR:?what}"``: the value from the environment, or bash stops with ``VAR: what`` before launching."""
+    return f'{var}="${{{var}:?{what}}}"'
+
+
+def launch_command(layout: Layout, *, gpus_per_node: int, config_path: str = "run.yaml",
+                   launch_dir: str = "launch", no_ssh: bool = False) -> str:
+    """The project launch script that runs ``layout``, as one bash command line (run from the repo root,
+    or pass ``launch_dir`` where the scripts live, e.g. ``/opt/dist_trainer/launch`` in the images).
+
+    ZeRO stage 0 -> ``launch/torchrun.sh`` (NNODES, NPROC_PER_NODE); stages 1-3 -> ``launch/deepspeed.sh``
+    (NUM_GPUS, and for several nodes NUM_NODES with a HOSTFILE). What only the cluster knows is left as
+    ``NAME="${NAME:?...}"``: taken from the environment, or bash stops naming what to set: MASTER_ADDR and
+    NODE_RANK on every node for torchrun (and for deepspeed with ``no_ssh``, its per-node mode), HOSTFILE
+    for deepspeed. MASTER_PORT is left to the scripts (default 29500, overridable from the environment).
+    """
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    world = layout.world_size
+    per_node = min(world, gpus_per_node)
+    if world % per_node:
+        raise ValueError(f"a world of {world} processes (tp {layout.tp_size} x pp {layout.pp_size} x "
+                         f"dp {layout.dp_size}) does not fill whole nodes of gpus_per_node={gpus_per_node}; "
+                         f"every launcher starts the same number per node: plan a world that is a multiple of "
+                         f"{gpus_per_node} or at most {gpus_per_node}")
+    nodes = world // per_node
+    if no_ssh and layout.zero_stage == 0:
+        raise ValueError("no_ssh=True is the deepspeed launcher's per-node mode (zero_stage > 0); torchrun "
+                         f"never uses ssh (this layout has zero_stage={layout.zero_stage})")
+    node_rank = _placeholder("NODE_RANK", f"the index of this node, 0..{nodes - 1}")
+    master = _placeholder("MASTER_ADDR", "the address of node 0, reachable from every node")
+    args = f"--config {shlex.quote(config_path)}"
+    if layout.zero_stage == 0:
+        env = [f"NPROC_PER_NODE={per_node}"]
+        if nodes > 1:
+            env = [f"NNODES={nodes}", node_rank, master, *env]
+        return " ".join([*env, f"{launch_dir}/torchrun.sh", args])
+    env = [f"NUM_GPUS={per_node}"]
+    if nodes > 1:
+        env += [_placeholder("HOSTFILE", f"a deepspeed hostfile naming the {nodes} nodes, node 0 first "
+                                         "(launch/hostfile.example)"), f"NUM_NODES={nodes}"]
+        if no_ssh:
+            env += ["NO_SSH=1", node_rank, master]
+    elif no_ssh:
+        raise ValueError(f"no_ssh=True needs several nodes; this layout fits one ({world} <= {gpus_per_node})")
+    return " ".join([*env, f"{launch_dir}/deepspeed.sh", args])
