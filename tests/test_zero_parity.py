@@ -78,3 +78,12 @@ def test_stage3_is_built_partitioned_with_the_seeds_weights(tiny_data: Path, tmp
         got, expected = r["groups"]
         assert got == expected and len(got[0]) > 0 and len(got[1]) > 0
         assert r["partition"] * 2 >= r["full"] and r["partition"] <= r["full"] // 2 + 64  # padding per tensor
+
+
+@pytest.mark.slow
+def test_zero3_offload_losses_equal_ddp(ddp_losses: list[float], tiny_data: Path, tmp_path: Path) -> None:
+    """Optimizer and parameter partitions on the host, stepped by DeepSpeedCPUAdam in AdamW mode (its op is
+    JIT-built once into TORCH_EXTENSIONS_DIR, ~2 min on 2 cores; later runs reuse it)."""
+    zero = run_distributed(_losses, 2, (tiny_data, tmp_path, {"parallel": {"zero_stage": 3, "zero_offload": True}}),
+                           env=DS_ENV)
+    assert relative_diff(zero[0], ddp_losses) <= 1e-5
