@@ -53,6 +53,13 @@ esac
 
 max_restarts="${MAX_RESTARTS:-0}"
 is_uint "$max_restarts" || die "MAX_RESTARTS=$max_restarts must be a whole number >= 0"
+if [ "$max_restarts" -gt 0 ]; then
+    # Restarted workers must not reuse the dead generation's store entries (gloo then dials the dead
+    # workers' addresses: pytorch/pytorch#135712); a fresh c10d rendezvous per restart avoids it.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+    [ -z "${MASTER_ADDR:-}" ] || die "MAX_RESTARTS=$max_restarts needs the c10d rendezvous (RDZV_ENDPOINT," \
+                                    "or no address on one node): restarts over MASTER_ADDR reuse a stale store"
+fi
 
 cmd=("${TORCHRUN:-torchrun}" --nproc-per-node "$nproc" --max-restarts "$max_restarts")
 

@@ -74,9 +74,11 @@ def test_emitted_config_loads_and_resolves() -> None:
     assert ds is not None and ds["zero_optimization"]["stage"] == zero.layout.zero_stage
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
         zero.layout.dp_size
-    assert launch_command(zero.layout, gpus_per_node=8).startswith("deepspeed --num_nodes 2 --num_gpus 8")
+    cmd = launch_command(zero.layout, gpus_per_node=8)
+    assert cmd.startswith("NUM_GPUS=8 HOSTFILE=") and "NUM_NODES=2" in cmd
+    assert cmd.endswith("launch/deepspeed.sh --config run.yaml")
     plain = next(p for p in res.layouts if p.layout.zero_stage == 0)
-    assert launch_command(plain.layout, gpus_per_node=8).startswith("torchrun --nnodes 2 --nproc_per_node 8")
+    assert launch_command(plain.layout, gpus_per_node=8).startswith("NNODES=2 NODE_RANK=")
 
 
 def test_max_model_grows_with_memory() -> None:
@@ -124,7 +126,8 @@ def test_cli_plan_json_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert (tmp_path / "run.yaml").is_file() and (tmp_path / "launch.sh").is_file()
     best = data["layouts"][0]["layout"]
     assert (tmp_path / "ds_config.json").is_file() == (best["zero_stage"] > 0)
-    assert "dist_trainer.cli train --config" in (tmp_path / "launch.sh").read_text()
+    text = (tmp_path / "launch.sh").read_text()
+    assert "launch/torchrun.sh --config" in text or "launch/deepspeed.sh --config" in text
     rc, out = _cli(["plan", "--model", "llama2-13b", "--gpus", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "8",
                     "--seq-len", "1024", "--global-batch", "8"], capsys)
     assert rc == 1 and "over by" in out

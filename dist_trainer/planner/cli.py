@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from dist_trainer.config import ModelConfig, model_config
+from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
@@ -17,6 +17,8 @@ from dist_trainer.planner.memory import GiB, Layout, Overheads, RankMemory, Trai
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
+
+LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -178,6 +180,8 @@ def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: in
         (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
         run["parallel"]["ds_config"] = str(out / "ds_config.json")
     (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
-    cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str(out / "run.yaml"))
+    # absolute paths: launch.sh runs from any folder (the images keep the scripts in /opt/dist_trainer/launch)
+    cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str((out / "run.yaml").resolve()),
+                         launch_dir=str(LAUNCH_DIR))
     (out / "launch.sh").write_text(f"#!/usr/bin/env bash\n# {describe(best.layout)}\nset -euo pipefail\n{cmd}\n")
     (out / "launch.sh").chmod(0o755)
