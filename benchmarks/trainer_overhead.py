@@ -63,7 +63,7 @@ def raw_loop(cfg, steps: int) -> float:
         set_lr(opt, lr_at(step, cfg.optim, steps))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        float(loss.detach())
     return (steps - 1) / (time.perf_counter() - start)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -59,7 +60,12 @@ def memory_bytes(device: torch.device) -> int:
     """CUDA max allocated on GPU, resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return psutil.Process(os.getpid()).memory_info().rss
+    return _this_process().memory_info().rss
+
+
+@functools.cache
+def _this_process() -> psutil.Process:
+    return psutil.Process(os.getpid())
 
 
 class MetricsLogger:
