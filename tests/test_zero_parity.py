@@ -33,6 +33,14 @@ def test_zero_losses_equal_ddp(stage: int, ddp_losses: list[float], tiny_data: P
     assert relative_diff(zero[0], ddp_losses) <= 1e-5
 
 
+def test_zero3_with_activation_checkpointing_equals_ddp(ddp_losses: list[float], tiny_data: Path,
+                                                       tmp_path: Path) -> None:
+    """Recomputation re-gathers the partitioned params through DeepSpeed's module hooks."""
+    sections = {"parallel": {"zero_stage": 3, "activation_checkpointing": "full"}}
+    zero = run_distributed(_losses, 2, (tiny_data, tmp_path, sections), env=DS_ENV)
+    assert relative_diff(zero[0], ddp_losses) <= 1e-5
+
+
 def test_zero_accumulation_equals_ddp(ddp_losses: list[float], tiny_data: Path, tmp_path: Path) -> None:
     """2 micro-batches of 2 per rank: DeepSpeed's gradient_accumulation_steps is the Trainer's count."""
     zero = run_distributed(_losses, 2, (tiny_data, tmp_path, {"parallel": {"zero_stage": 2, "micro_batch_size": 2}}),

@@ -134,10 +134,6 @@ def check_layout(cfg: Config) -> None:
         raise ValueError(f"parallel.zero_stage={p.zero_stage} with parallel.tp_size={p.tp_size} is not supported: "
                          "DeepSpeed's model-parallel unit does not understand this trainer's TP layers "
                          "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
-    if p.activation_checkpointing != "none" and p.zero_stage == 3:
-        raise ValueError("parallel.activation_checkpointing with zero_stage 3 is not supported here: "
-                         "torch.utils.checkpoint recomputation re-gathers partitioned params outside DeepSpeed's "
-                         "trace; use zero_stage 1 or 2, or activation_checkpointing=none")
 
 
 def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") -> dict[str, Any]:
