@@ -83,3 +83,17 @@ def test_single_process_checkpoint_starts_zero_runs(tiny_data: Path, tmp_path: P
         assert sorted(resumed) == [3, 4]
         for step in (3, 4):
             assert abs(resumed[step] - full[step]) <= 1e-5 * abs(full[step]), (stage, step, resumed, full)
+
+
+def _tp_then_zero(rank: int, world_size: int, data: Path, out: Path) -> dict[int, float]:
+    Trainer(tiny_config(data, out, parallel={"tp_size": 2}, train={"max_steps": 3}), log=False).train()
+    return _run(rank, world_size, data, out, 2, {"max_steps": 5, "resume": True}, dropout=0.0)
+
+
+def test_tp_checkpoint_starts_a_zero_run(tiny_data: Path, tmp_path: Path) -> None:
+    """tp=2 trains 3 steps; ZeRO-2 (dp=2) resumes from its TP shards (merged by name) and continues like
+    the uninterrupted single-process run."""
+    full = Trainer(tiny_config(tiny_data, tmp_path / "full", train={"max_steps": 5}), log=False).train().losses
+    resumed = run_distributed(_tp_then_zero, 2, (tiny_data, tmp_path / "tp"), env=DS_ENV)[0]
+    for step in (3, 4):
+        assert abs(resumed[step] - full[step]) <= 1e-5 * abs(full[step]), (step, resumed, full)

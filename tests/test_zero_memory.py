@@ -60,3 +60,18 @@ def test_stage3_model_states_fall_as_one_over_n() -> None:
     for key in ("params", "grads", "optimizer"):
         per2, per4 = max(r[key] for r in two), max(r[key] for r in four)
         assert abs(per4 - per2 / 2) <= 0.01 * per2 / 2, (key, per2, per4)
+
+
+def test_memory_experiment_command_line_refuses_bad_stages() -> None:
+    import argparse
+
+    from dist_trainer.experiments.memory_experiment import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["memory-experiment", "--model", "tiny", "--stages", "0,4", "--nprocs", "2"])
+    with pytest.raises(ValueError, match=r"--stages='0,4': stages must be among 0,1,2,3"):
+        args.func(args)
+    args = parser.parse_args(["memory-experiment", "--stages", "one"])
+    with pytest.raises(ValueError, match=r"--stages='one' must be comma-separated integers"):
+        args.func(args)
