@@ -18,7 +18,6 @@ import torch
 
 from dist_trainer.train import checkpoint as ckpt
 
-DS_TAG = "deepspeed"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
