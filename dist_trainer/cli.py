@@ -5,6 +5,7 @@
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
     dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
+    dist-trainer memory-experiment --model PRESET --stages 0,1,2,3 --nprocs N   (ZeRO, measured vs predicted)
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from dist_trainer.data import prepare
+    from dist_trainer.experiments import memory_experiment
     from dist_trainer.planner import cli as planner_cli
 
     parser = argparse.ArgumentParser(prog="dist-trainer", description=__doc__,
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_generate(sub)
     _register_export(sub)
     planner_cli.register(sub)
+    memory_experiment.register(sub)
     return parser
 
 

@@ -304,8 +304,8 @@ class Transformer(nn.Module):
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Unique parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Unique parameters (a tied weight counts once); a ZeRO-3 partition counts its full size (ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in {id(p): p for p in model.parameters()}.values())
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:

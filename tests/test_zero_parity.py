@@ -53,7 +53,7 @@ def _stage3_weights(rank: int, world_size: int, data: Path, out: Path) -> dict[s
 
     from dist_trainer.model import build_model
     from dist_trainer.parallel.state import ParallelState
-    from dist_trainer.parallel.zero import ZeroEngine, zero_param_groups
+    from dist_trainer.parallel.zero import ZeroEngine
     from dist_trainer.train.optim import param_groups
 
     cfg = tiny_config(data, out, parallel={"zero_stage": 3})
@@ -73,7 +73,7 @@ def _stage3_weights(rank: int, world_size: int, data: Path, out: Path) -> dict[s
     names = {id(p): n for n, p in engine.model.named_parameters()}
     ref_names = {id(p): n for n, p in reference.items()}
     expected = [[ref_names[id(p)] for p in g["params"]] for g in param_groups(reference_model, cfg.optim.weight_decay)]
-    got = [[names[id(p)] for p in g["params"]] for g in zero_param_groups(engine.model, cfg.optim.weight_decay)]
+    got = [[names[id(p)] for p in g["params"]] for g in param_groups(engine.model, cfg.optim.weight_decay)]
     return {"max_diff": max(diffs.values()), "partition": partition, "full": full, "groups": (got, expected)}
 
 

@@ -117,7 +117,9 @@ def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     layout = Layout(dp_size=nprocs, zero_stage=stage, zero_offload=cfg.parallel.zero_offload,
                     micro_batch_size=cfg.parallel.micro_batch_size, n_microbatches=N_MICRO)
     planned = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len,
-                                  options=TrainingOptions(precision="fp32", device="cpu", attention_kernel="math"),
+                                  # SDPA runs its flash kernel without dropout, the math path with it
+                                  options=TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash"
+                                                          if cfg.model.dropout == 0 else "math"),
                                   overheads=Overheads.none())
     paper["model_states"] = sum(paper.values())
     return {"paper": paper, "planner": {"params": planned.params, "grads": planned.grads,

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,10 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dist_trainer.config import Config
-from dist_trainer.model import RMSNorm, Transformer, build_model
+from dist_trainer.model import Transformer, build_model, init_weights_
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.zero_config import engine_config, validate_zero_config
 from dist_trainer.train.engine import Engine
@@ -90,41 +88,12 @@ def _init_partitioned(model: Transformer) -> None:
     """
     import deepspeed
 
-    cfg = model.cfg
-    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.scaled_residual_init else cfg.init_std
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         if not own:
             continue
         with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-            if isinstance(module, nn.Linear):
-                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, cfg.init_std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-
-
-def zero_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """``train.optim.param_groups`` for a model whose parameters may be ZeRO-3 partitions.
-
-    A partitioned parameter's tensor is an empty 1-D placeholder (its shape is ``ds_shape``), so the
-    ``p.ndim >= 2`` rule would put every matrix in the no-decay group. The full shapes decide here.
-    """
-    groups = param_groups(model, weight_decay)
-    if not any(hasattr(p, "ds_shape") for p in model.parameters()):
-        return groups
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if len(p.ds_shape) >= 2 and not name.endswith("_emb.weight") else no_decay).append(p)
-    return [{**groups[0], "params": decay}, {**groups[1], "params": no_decay}]
+            init_weights_(module, model.cfg)
 
 
 class ZeroEngine(Engine):
@@ -141,7 +110,7 @@ class ZeroEngine(Engine):
         self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "")
         self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
         model = self._build_model(deepspeed)
-        groups = zero_param_groups(model, cfg.optim.weight_decay)
+        groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3
         if cfg.parallel.zero_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 

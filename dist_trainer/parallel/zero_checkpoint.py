@@ -82,12 +82,11 @@ def export_single_process(step_dir: Path, out_dir: Path) -> Path:
     groups = ckpt.optimizer_state_by_name(model, build_optimizer(model, cfg.optim))["param_groups"]
     optim_state = {"state": optim["state"], "param_groups": groups}
     layout = {"tp": 1, "pp": 1, "dp": 1, "world": 1}
-    extra = {"tp_specs": {n: [s.dim, s.full_size] for n, s in tp_shard_specs(model).items()}}
-
     def write(folder: Path) -> dict[str, Any]:
         ckpt.atomic_save({k: model_state[k] for k in model.state_dict()}, folder / ckpt.shard_name("model", 0, 0))
         ckpt.atomic_save(optim_state, folder / ckpt.shard_name("optim", 0, 0))
-        return extra
+        ckpt.write_specs(folder, 0, tp_shard_specs(model))  # so another tp x pp layout can reshard it
+        return {}
 
     new_meta = {"config": meta["config"], "layout": layout, "data": meta["data"],
                 "regime": "single", "exported_from": meta.get("regime")}

@@ -83,6 +83,7 @@ class TrainingOptions:
     attention_kernel: str = "flash"  # flash (no s x s saved) | math
     device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
+    zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:
@@ -160,6 +161,10 @@ def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, z
     p = n_params * options.param_bytes
     g = n_params * options.grad_bytes
     o = n_params * options.optimizer_bytes
+    if zero_stage >= 1 and options.param_bytes == 4 and options.zero_fp32_master:
+        # DeepSpeed's ZeRO optimizers keep an fp32 master copy of their partition even when the
+        # model is fp32 (measured: 12 bytes/param of optimizer state under ZeRO-1/2/3 with fp32 AdamW)
+        o += 4 * n_params
     shard = dp_size
     if zero_stage >= 1:
         o //= shard

@@ -69,6 +69,10 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
     had a gradient (an MLM run's pooler) has no state, as in torch.
     """
     names = {id(p): n for n, p in model.named_parameters()}
+    if saved.get("param_groups") is None:  # moments only (a consolidated ZeRO state): keep this optimizer's groups
+        saved = {**saved, "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups]}
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"checkpoint has {len(saved['param_groups'])} optimizer groups, the model {len(optimizer.param_groups)}"
@@ -240,6 +244,11 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
     """
     from dist_trainer.parallel.reshard import ShardSpec, merge_tp_shards
 
+    if "deepspeed_tag" in meta:  # a ZeRO checkpoint: DeepSpeed's partitions, consolidated to fp32 by name
+        from dist_trainer.parallel.zero_checkpoint import consolidate
+
+        weights, optim = consolidate(path)
+        return weights, {"state": optim["state"], "param_groups": None}  # groups: the loading optimizer's
     layout = meta["layout"]
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -270,7 +279,7 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
 
 def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
                 specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout.
+    """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout, or by ZeRO.
 
     The same layout reads the rank's own files. Another one merges every shard into full
     tensors (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the
@@ -279,7 +288,7 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
     from dist_trainer.parallel.reshard import slice_for_tp
 
     layout = meta["layout"]
-    if (layout["tp"], layout["pp"]) == (tp_size, pp_size):
+    if (layout["tp"], layout["pp"]) == (tp_size, pp_size) and "deepspeed_tag" not in meta:
         return (load_file(path / shard_name("model", tp_rank, pp_rank)),
                 load_file(path / shard_name("optim", tp_rank, pp_rank)))
     full_model, full_optim = read_full_state(path, meta)

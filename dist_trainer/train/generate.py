@@ -13,17 +13,20 @@ from dist_trainer.train import checkpoint as ckpt
 
 
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
-    """The plain (tp=1, pp=1) model of a checkpoint folder, run folder or step folder."""
+    """The plain model of a checkpoint (any tp x pp layout, or ZeRO): run folder, checkpoints/ or step folder."""
     step_path = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(step_path)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")
     model.to_empty(device="cpu")
     model.reset_parameters()
-    if meta.get("regime", "").startswith("zero"):
-        raise ValueError(f"checkpoint {step_path} is a DeepSpeed ZeRO checkpoint; export it first")
-    state, _ = ckpt.load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                specs_now=tp_shard_specs(model))  # every tp x pp shard merged
+    if "deepspeed_tag" in meta:  # a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32
+        from dist_trainer.parallel.zero_checkpoint import consolidate
+
+        state = consolidate(step_path)[0]
+    else:
+        state, _ = ckpt.load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                    specs_now=tp_shard_specs(model))  # every tp x pp shard merged
     model.load_state_dict(state)
     return model.to(device).eval(), cfg
 

@@ -20,7 +20,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         is_embedding = name.endswith("_emb.weight")
-        (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is a 1-D placeholder: use its full shape
+        (decay if ndim >= 2 and not is_embedding else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

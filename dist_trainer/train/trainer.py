@@ -58,6 +58,10 @@ class Trainer:
         validate_tp(cfg.model, cfg.parallel.tp_size)
         if cfg.parallel.pp_size > 1:
             validate_pipeline_config(cfg, self.dp_size)
+        if cfg.parallel.zero_stage > 0:
+            from dist_trainer.parallel.zero_config import validate_zero_config  # DeepSpeed only when asked for
+
+            validate_zero_config(cfg, self.dp_size, self.device.type)
         if cfg.train.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("train.precision=fp16 needs CUDA (dynamic loss scaling); use bf16 or fp32 on CPU")
         self.out_dir = Path(cfg.train.out_dir)
@@ -174,7 +178,7 @@ class Trainer:
             ) from exc
 
     def describe(self) -> str:
-        n = count_parameters(self.model)
+        n = count_parameters(self.model)  # ZeRO-3 partitions count as what this rank holds
         return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters on this rank; "
                 f"world {self.env.world_size} ({self.env.launcher}), tp {self.state.tp_size} x "
                 f"pp {self.state.pp_size} x dp {self.dp_size}, device {self.device}, "
