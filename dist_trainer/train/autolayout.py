@@ -17,11 +17,8 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.planner.emit import parallel_config_dict
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
-from dist_trainer.planner.memory import GiB, Overheads, TrainingOptions
+from dist_trainer.planner.memory import GiB, Layout, Overheads, TrainingOptions
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
-
-# Regimes the trainer's engines run today; the planner also prices the others.
-RUNNABLE_ZERO_STAGES = (0,)
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,12 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
 
 
 def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> tuple[Config, AutoLayout]:
-    """A copy of ``cfg`` whose parallel section is the planner's best runnable layout."""
+    """A copy of ``cfg`` whose parallel section is the planner's fastest layout that this trainer runs.
+
+    Layouts are tried in the planner's order and the first that passes every pre-launch check
+    of the regimes (TP against the model, pipeline schedule against the batch, ZeRO against
+    tp/pp and the device) is taken.
+    """
     memory = _device_memory(cfg, device)
     hardware = _hardware(cfg, device)
     options = planner_options(cfg, device)
@@ -79,26 +81,51 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     result = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=max(1, gpus_per_node),
                           gpu_memory_bytes=memory, seq_len=cfg.data.seq_len,
                           global_batch=cfg.parallel.global_batch_size, hardware=hardware, options=options,
-                          overheads=overheads, zero_stages=RUNNABLE_ZERO_STAGES, allow_offload=False,
-                          checkpointing=("none", "every_k", "full"), pp_schedules=("1f1b",))
-    runnable = [p for p in result.layouts if p.layout.pp_size == 1]  # pipeline stages: not in the trainer yet
-    if not runnable:
-        closest = result.closest or (result.layouts[0] if result.layouts else None)
-        over = "" if closest is None else (
-            f"; the closest (tp={closest.layout.tp_size}, pp={closest.layout.pp_size}, "
-            f"dp={closest.layout.dp_size}, zero={closest.layout.zero_stage}) needs "
-            f"{closest.memory.device_total / GiB:.2f} GiB, {max(0, closest.memory.device_total - memory) / GiB:.2f} "
-            "GiB over")
-        raise ValueError(f"layout=auto: no runnable layout of this model fits {memory / GiB:.2f} GiB per rank on "
-                         f"{world_size} ranks with global batch {cfg.parallel.global_batch_size}{over}")
-    best = runnable[0]
-    fields = parallel_config_dict(best.layout)
-    for key in ("pp_schedule", "pp_virtual_stages", "n_microbatches"):
-        fields.pop(key)  # pipeline fields keep their configured values (pp_size is 1)
-    parallel = dataclasses.replace(cfg.parallel, **fields, layout="manual")
-    chosen = dataclasses.replace(cfg, parallel=parallel)
-    chosen.validate()
-    return chosen, AutoLayout(best, hardware, memory, result.n_considered)
+                          overheads=overheads, allow_offload=False, checkpointing=("none", "every_k", "full"))
+    refused: list[str] = []
+    for planned in result.layouts:
+        candidate = _config_for(cfg, planned.layout)
+        try:
+            check_runnable(candidate, world_size, device)
+        except ValueError as exc:
+            refused.append(str(exc))
+            continue
+        return candidate, AutoLayout(planned, hardware, memory, result.n_considered)
+    closest = result.closest or (result.layouts[0] if result.layouts else None)
+    over = "" if closest is None else (
+        f"; the closest (tp={closest.layout.tp_size}, pp={closest.layout.pp_size}, "
+        f"dp={closest.layout.dp_size}, zero={closest.layout.zero_stage}) needs "
+        f"{closest.memory.device_total / GiB:.2f} GiB, {max(0, closest.memory.device_total - memory) / GiB:.2f} "
+        "GiB over")
+    why = f"; {len(refused)} that fit cannot run here, e.g.: {refused[0]}" if refused else ""
+    raise ValueError(f"layout=auto: no runnable layout of this model fits {memory / GiB:.2f} GiB per rank on "
+                     f"{world_size} ranks with global batch {cfg.parallel.global_batch_size}{over}{why}")
+
+
+def _config_for(cfg: Config, layout: Layout) -> Config:
+    fields = parallel_config_dict(layout)
+    if layout.pp_size == 1:
+        for key in ("pp_schedule", "pp_virtual_stages", "n_microbatches"):
+            fields.pop(key)  # pipeline fields keep their configured values
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **fields, layout="manual"))
+
+
+def check_runnable(cfg: Config, world_size: int, device: torch.device) -> None:
+    """Every check the trainer makes before launch, for one candidate layout (ValueError if refused)."""
+    from dist_trainer.parallel.tensor_parallel import validate_tp
+    from dist_trainer.train.pipeline_engine import validate_pipeline_config
+
+    cfg.validate()
+    dp = cfg.parallel.resolve(world_size)
+    validate_tp(cfg.model, cfg.parallel.tp_size)
+    if cfg.parallel.pp_size > 1:
+        validate_pipeline_config(cfg, dp)
+    if cfg.parallel.zero_stage > 0:
+        from dist_trainer.parallel.zero_config import validate_zero_config
+
+        validate_zero_config(cfg, dp, device.type)
+    if cfg.train.eval_every and cfg.train.eval_batches % dp:
+        raise ValueError(f"train.eval_batches={cfg.train.eval_batches} is not a multiple of dp_size={dp}")
 
 
 def measured_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
