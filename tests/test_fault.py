@@ -17,8 +17,8 @@ from tests.helpers import tiny_config
 TIMEOUT_S = 8.0
 
 
-def _trainer_with_fault(rank: int, world: int, data: Path, out: Path, fault: str) -> None:
-    trainer = Trainer(tiny_config(data, out, parallel={"timeout_s": TIMEOUT_S}, train={"max_steps": 6}))
+def _trainer_with_fault(rank: int, world: int, data: Path, out: Path, fault: str, parallel: dict) -> None:
+    trainer = Trainer(tiny_config(data, out, parallel={"timeout_s": TIMEOUT_S, **parallel}, train={"max_steps": 6}))
     real_step = trainer.train_step
 
     def faulty_step(step: int) -> dict:
@@ -32,12 +32,21 @@ def _trainer_with_fault(rank: int, world: int, data: Path, out: Path, fault: str
     trainer.train()
 
 
-@pytest.mark.parametrize("fault", ["die", "stall"])
-def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize("fault,parallel,coordinates", [
+    ("die", {}, "dp 0/2, pp 0/1"),
+    ("stall", {}, "dp 0/2, pp 0/1"),
+    ("die", {"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2"),
+    ("stall", {"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2"),
+])
+def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_path: Path, fault: str,
+                                                          parallel: dict, coordinates: str) -> None:
     with pytest.raises(DistributedTestError) as err:
-        run_distributed(_trainer_with_fault, 2, (tiny_data, tmp_path, fault), timeout=20, join_grace=TIMEOUT_S)
+        run_distributed(_trainer_with_fault, 2, (tiny_data, tmp_path, fault, parallel), timeout=20,
+                        join_grace=TIMEOUT_S)
     message = str(err.value)
-    assert "rank 0: RuntimeError: rank 0 (rank 0/2: dp 0/2" in message
+    assert f"rank 0: RuntimeError: rank 0 (rank 0/2: {coordinates}" in message
+    if parallel.get("pp_size"):  # the pipeline names the stage that waited on its neighbour
+        assert "pipeline stage(s) [0] on rank 0 (pp rank 0) failed while exchanging activations" in message
     assert "lost contact with its peers at step 3" in message
     assert f"parallel.timeout_s={TIMEOUT_S:g}s" in message
     waited = float(re.search(r"at step 3 after ([0-9.]+)s", message).group(1))
