@@ -91,3 +91,13 @@ def test_pipeline_bad_layouts_fail_before_launch(tiny_data: Path, tmp_path: Path
         cfg = tiny_config(tiny_data, tmp_path, **s)
         with pytest.raises(ValueError, match=message):
             validate_pipeline_config(cfg, 1)
+
+
+def test_trainer_3d_dp2_pp2_tp2_on_8_ranks(tiny_data: Path, tmp_path: Path) -> None:
+    """dp x pp x tp = 2 x 2 x 2: the full grid on 8 gloo processes, against one process."""
+    single = _run(0, 1, tiny_data, tmp_path / "single", _sections())
+    sections = _sections(pp_size=2, tp_size=2, pp_schedule="1f1b")
+    out = run_distributed(_run, 8, (tiny_data, tmp_path / "3d", sections), timeout=600)
+    assert all(o["losses"] == out[0]["losses"] for o in out)
+    assert relative_diff([out[0]["losses"][s] for s in range(10)], [single["losses"][s] for s in range(10)]) <= 1e-5
+    assert relative_diff([out[0]["eval"][s] for s in (0, 5, 10)], [single["eval"][s] for s in (0, 5, 10)]) <= 1e-5
