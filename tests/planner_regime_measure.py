@@ -1,0 +1,198 @@
+"""Measure what a tensor-parallel or pipeline rank of the real Trainer holds, for checking the planner.
+
+Per rank and layout (run inside ``run_distributed``):
+
+- model states: the bytes of this rank's parameters, their gradients (read after a backward, before the
+  optimizer step's ``zero_grad`` clears them) and AdamW's ``exp_avg``/``exp_avg_sq`` (after one real step),
+  each storage counted once;
+- activations: the peak bytes of tensors saved for backward that are alive at once during one step's
+  ``forward_backward``. A ``saved_tensors_hooks`` pack wraps each saved tensor in a holder object that the
+  autograd graph owns; a ``weakref.finalize`` on the holder fires when the graph releases it (after that
+  node's backward ran), and a per-storage refcount turns this into the live bytes of unique storages.
+  Parameters and buffers are excluded (model state, as in tests/planner_measure.py). With TP this is one
+  micro-batch's saved tensors; under a pipeline schedule it is the stage's peak over the micro-batches the
+  schedule keeps in flight, which is what the planner's ``in_flight`` factor models.
+
+Kept out of dist_trainer/planner (pure arithmetic); used by tests/test_planner_regimes.py and
+benchmarks/planner_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from dist_trainer.config import Config, config_from_dict
+from dist_trainer.data.batch import collate
+from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
+from dist_trainer.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+# fp32, dropout 0 (so CPU SDPA runs its flash kernel), the saved-tensor figure with no overhead terms
+OPTIONS = TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash", sp_saves_gathered_input=True)
+
+
+class SavedPeak:
+    """Context manager: live and peak bytes of the unique non-state storages saved for backward."""
+
+    def __init__(self, state_tensors: Iterable[torch.Tensor]) -> None:
+        self.state = {t.untyped_storage().data_ptr() for t in state_tensors}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> object:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.state or storage.nbytes() == 0:
+            return t
+        holder = _Holder(t)
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Holder) else packed  # type: ignore[return-value]
+
+    def __enter__(self) -> SavedPeak:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def case_config(data: Path, out: Path, sections: dict) -> Config:
+    """tiny_config with the case's sections; a "data" section (tiny_config's own argument name) merged after."""
+    sections = dict(sections)
+    data_fields = sections.pop("data", {})
+    tree = tiny_config(data, out, **sections).to_dict()
+    tree["data"].update(data_fields)
+    return config_from_dict(tree).validate()
+
+
+def measure_case(data: Path, out: Path, sections: dict) -> dict:
+    """One layout on this rank: measured model states and peak saved activations next to the planner's."""
+    trainer = Trainer(case_config(data, out, sections), log=False)
+    engine, cfg = trainer.engine, trainer.cfg
+
+    def batches(step: int) -> list[dict[str, torch.Tensor]]:
+        return [collate(trainer.train_data, idx, causal=cfg.model.causal, step=step, seed=cfg.train.seed)
+                for idx in trainer.sampler.micro_batches(step)]
+
+    trainer.train_step(0)  # creates AdamW's moments
+    modules = [s.model for s in getattr(engine, "stages", [])] or [engine.model]
+    state = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    step_batches = batches(1)
+    n_micro = len(step_batches)
+    with SavedPeak(state) as tracker:
+        if cfg.parallel.pp_size == 1:  # one micro-batch: TP's per-micro-batch activations
+            engine.forward_backward(step_batches[:1])
+        else:  # the whole schedule step: the stage's peak over its in-flight micro-batches
+            engine.forward_backward(step_batches)
+    params = list(engine.model.parameters())
+    grads = _unique_bytes(p.grad for p in params)
+    moments = [v for s in engine.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.ndim > 0]  # Adam's "step" is a scalar per parameter
+    measured = {"params": _unique_bytes(params), "grads": grads, "optimizer": _unique_bytes(moments)}
+    measured["model_states"] = measured["params"] + measured["grads"] + measured["optimizer"]
+    measured["activations"] = tracker.peak
+    engine.optimizer.zero_grad(set_to_none=True)
+
+    p = cfg.parallel
+    layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
+                    n_microbatches=n_micro, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule)
+    pred = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=OPTIONS,
+                               overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
+    predicted = {"params": pred.params, "grads": pred.grads, "optimizer": pred.optimizer,
+                 "model_states": pred.model_states, "activations": pred.activations}
+    return {"rank": trainer.state.rank, "tp_rank": trainer.state.tp_rank, "pp_rank": trainer.state.pp_rank,
+            "n_microbatches": n_micro, "measured": measured, "predicted": predicted}
+
+
+def measure_cases(rank: int, world: int, data: Path, out: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """``run_distributed`` entry: every named case (tiny_config sections) on this rank, one Trainer each."""
+    return {name: measure_case(data, out / name, sections) for name, sections in cases.items()}
+
+
+def _libc_tune() -> object:
+    """glibc: serve every allocation of 64 KiB or more by mmap, so a freed tensor leaves the RSS at once
+    (M_MMAP_THRESHOLD = -3, mallopt(3)); then RSS growth tracks the live tensors, not the free lists."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)
+    return libc
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measure_peak_rss(rank: int, world: int, data: Path, out: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """``run_distributed`` entry: peak RSS growth of each case (Trainer built and two steps run) over a
+    baseline taken after imports, data and process-group setup, with the peak reset (clear_refs 5) first;
+    next to the planner's device total for this rank (no overhead terms: none of them exists on CPU)."""
+    import gc
+
+    libc = _libc_tune()
+    results = {}
+    for name, sections in cases.items():
+        # First use of a regime costs memory no model accounts for (lazy imports such as
+        # torch.distributed.pipelining, thread pools, gloo's buffers): pay it once on a tiny twin.
+        warm = {**sections, "model": {**sections.get("model", {}), "d_model": 32, "n_heads": 4, "d_ff": None}}
+        Trainer(case_config(data, out / f"{name}-warm", warm), log=False).train_step(0)
+        cfg = case_config(data, out / name, sections)
+        gc.collect()
+        libc.malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        base = _status_kib("VmRSS")
+        trainer = Trainer(cfg, log=False)
+        for step in range(2):
+            trainer.train_step(step)
+        peak = _status_kib("VmHWM") - base
+        p = trainer.cfg.parallel
+        n_micro = len(trainer.sampler.micro_batches(0))
+        layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
+                        n_microbatches=n_micro, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule)
+        pred = predict_rank_memory(trainer.cfg.model, layout, seq_len=trainer.cfg.data.seq_len, options=OPTIONS,
+                                   overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
+        results[name] = {"rank": rank, "pp_rank": trainer.state.pp_rank, "measured": peak,
+                         "predicted": pred.device_total, "model_states": pred.model_states,
+                         "activations": pred.activations}
+        del trainer
+    return results
