@@ -153,3 +153,15 @@ def test_export_safetensors_round_trip(tiny_data: Path, tmp_path: Path) -> None:
     assert set(tensors) == set(saved)
     assert all(torch.equal(tensors[k], saved[k]) for k in saved)
     assert json.loads((tmp_path / "export" / "config.json").read_text())["d_model"] == 32
+
+
+def test_wandb_offline_run_is_written_under_the_run_folder(tiny_data: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb defaults to offline: the run lands in out_dir/wandb and nothing leaves the machine."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb; this test wants the default
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    cfg = tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 2}, wandb={"mode": "offline"})
+    Trainer(cfg).train()
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
