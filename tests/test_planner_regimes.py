@@ -16,24 +16,8 @@ from pathlib import Path
 import pytest
 
 from dist_trainer.testing import run_distributed
-from tests.planner_regime_measure import measure_cases, measure_peak_rss
+from tests.planner_regime_measure import PP_CASES, RSS_CASES, TP_CASES, measure_cases, measure_peak_rss
 
-GPT2 = {"activation": "gelu_tanh"}
-LLAMA = {"n_kv_heads": 2, "d_ff": 88, "pos_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu",
-         "bias": False, "tie_embeddings": False}
-TP_CASES = {f"tp2-{name}{'-sp' if sp else ''}": {"model": model, "parallel": {"tp_size": 2, "sequence_parallel": sp}}
-            for name, model in (("gpt2", GPT2), ("llama", LLAMA)) for sp in (False, True)}
-# 4 layers (2 per stage), 4 micro-batches of 2: GPipe keeps 4 in flight on both stages, 1F1B 2 on stage 0, 1 on 1
-PP_CASES = {f"pp2-{name}-{schedule}": {"model": {**model, "n_layers": 4},
-                                       "parallel": {"pp_size": 2, "pp_schedule": schedule, "micro_batch_size": 2}}
-            for name, model in (("gpt2", GPT2), ("llama", LLAMA)) for schedule in ("1f1b", "gpipe")}
-# several M parameters (3.3M) so that model states and activations (tens of MB) dwarf allocator noise
-BIG = {**GPT2, "d_model": 256, "n_layers": 4, "n_heads": 4}
-RSS_CASES = {"tp2": {"model": BIG, "parallel": {"tp_size": 2}, "data": {"seq_len": 64}},
-             "tp2-sp": {"model": BIG, "parallel": {"tp_size": 2, "sequence_parallel": True}, "data": {"seq_len": 64}},
-             "pp2-1f1b": {"model": BIG, "parallel": {"pp_size": 2, "micro_batch_size": 2}, "data": {"seq_len": 64}},
-             "pp2-gpipe": {"model": BIG, "parallel": {"pp_size": 2, "micro_batch_size": 2, "pp_schedule": "gpipe"},
-                           "data": {"seq_len": 64}}}
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
