@@ -73,7 +73,8 @@ def _write_config(tiny_data: Path, tmp_path: Path) -> tuple[Path, Path]:
     return path, out
 
 
-def _check_run(proc: subprocess.CompletedProcess[str], out: Path, reference: list[float], launcher: str) -> None:
+def _check_run(proc: subprocess.CompletedProcess[str], out: Path, reference: list[float], launcher: str,
+               dp: int = 2) -> None:
     log = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, log
     assert f"world 2 ({launcher})" in proc.stdout + proc.stderr, log
@@ -82,7 +83,7 @@ def _check_run(proc: subprocess.CompletedProcess[str], out: Path, reference: lis
     assert relative_diff([r["loss"] for r in records], reference) <= 1e-5
     step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((step / "meta.json").read_text())
-    assert meta["step"] == STEPS and meta["layout"]["world"] == 2 and meta["layout"]["dp"] == 2
+    assert meta["step"] == STEPS and meta["layout"]["world"] == 2 and meta["layout"]["dp"] == dp
 
 
 @pytest.mark.slow
@@ -105,12 +106,21 @@ def test_torchrun_sh_static_rendezvous(tiny_data: Path, tmp_path: Path, referenc
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}") is None,
                     reason="the accelerate CLI is not installed")
-def test_accelerate_launch_multi_cpu(tiny_data: Path, tmp_path: Path, reference_losses: list[float]) -> None:
+@pytest.mark.parametrize("overrides,dp", [
+    ([], 2),  # DDP
+    (["--parallel.tp_size=2"], 1),  # Megatron TP
+    (["--parallel.pp_size=2"], 1),  # pipeline stages
+    (["--parallel.zero_stage=2"], 2),  # DeepSpeed ZeRO-2, engine built here (no accelerate DeepSpeed plugin)
+], ids=["ddp", "tp", "pp", "zero2"])
+def test_accelerate_launch_multi_cpu(tiny_data: Path, tmp_path: Path, reference_losses: list[float],
+                                     overrides: list[str], dp: int) -> None:
+    """accelerate as the launcher only, in every regime: the same losses as one process."""
     config, out = _write_config(tiny_data, tmp_path)
     cmd = ["accelerate", "launch", "--config_file", str(LAUNCH / "accelerate" / "multi_cpu.yaml"),
-           "--main_process_port", str(_free_port()), "-m", "dist_trainer.cli", "train", "--config", str(config)]
+           "--main_process_port", str(_free_port()), "-m", "dist_trainer.cli", "train", "--config", str(config),
+           *overrides]
     # accelerate starts its workers through torch.distributed.run, so the trainer sees torchrun's variables
-    _check_run(_run(cmd, _env(tmp_path)), out, reference_losses, "torchrun")
+    _check_run(_run(cmd, _env(tmp_path)), out, reference_losses, "torchrun", dp=dp)
 
 
 @pytest.mark.slow
