@@ -224,7 +224,10 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
         over["zero3_gathered_layer"] = rp.largest_layer * (options.param_bytes + options.grad_bytes)
     if layout.pp_size > 1:  # receive buffers for the activation (forward) and its gradient (backward)
         spec_rep = 1 / layout.tp_size if layout.sequence_parallel else 1
-        over["pp_p2p_buffers"] = round(2 * layout.micro_batch_size * seq_len * cfg.d_model * spec_rep * 2)
+        # the residual stream crosses stages in the parameters' dtype (fp32 under autocast: 16-bit only
+        # for 16-bit models)
+        elem = 2 if options.precision in ("bf16", "fp16") else 4
+        over["pp_p2p_buffers"] = round(2 * layout.micro_batch_size * seq_len * cfg.d_model * spec_rep * elem)
     act_total = sum(activations.values())
     over["fragmentation"] = round(overheads.fragmentation * (p + g + o + act_total))
     detail.update({f"overheads.{k}": v for k, v in over.items()})
