@@ -115,6 +115,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    pp_balance: str = "layers"  # split stages by layer count, or by parameter count (embeddings/head included)
+    pp_stage_layers: list[int] | None = None  # explicit layers per stage (uneven splits); overrides pp_balance
     n_microbatches: int | None = None  # pipeline micro-batches per step; None = gradient-accumulation steps
     layout: str = "manual"  # manual | auto (the planner picks tp/dp/zero/micro-batch/checkpointing for the world)
     device_memory_gb: float | None = None  # layout=auto: memory per rank to plan for; None = read from CUDA
@@ -160,6 +162,12 @@ class ParallelConfig:
             raise ValueError("parallel.zero_offload=true needs parallel.zero_stage 1, 2 or 3")
         _choice(self, "activation_checkpointing", CHECKPOINTING)
         _choice(self, "pp_schedule", PP_SCHEDULES)
+        _choice(self, "pp_balance", ("layers", "params"))
+        stages = self.pp_size * self.pp_virtual_stages
+        if self.pp_stage_layers is not None and (len(self.pp_stage_layers) != stages or
+                                                 any(not isinstance(n, int) or n < 1 for n in self.pp_stage_layers)):
+            raise ValueError(f"parallel.pp_stage_layers={self.pp_stage_layers} must list {stages} positive layer "
+                             f"counts (pp_size*pp_virtual_stages = {self.pp_size}*{self.pp_virtual_stages})")
         _choice(self, "layout", ("manual", "auto"))
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")

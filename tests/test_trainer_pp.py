@@ -31,7 +31,9 @@ def test_trainer_pipeline_matches_single_process(tiny_data: Path, tmp_path: Path
     for name, parallel in [("1f1b", {"pp_size": 2, "pp_schedule": "1f1b"}),
                            ("interleaved", {"pp_size": 2, "pp_schedule": "interleaved_1f1b",
                                             "pp_virtual_stages": 2}),
-                           ("gpipe_dp2", {"pp_size": 2, "pp_schedule": "gpipe"})]:
+                           ("gpipe_dp2", {"pp_size": 2, "pp_schedule": "gpipe"}),
+                           ("uneven", {"pp_size": 2, "pp_stage_layers": [3, 1]}),
+                           ("by_params", {"pp_size": 2, "pp_balance": "params"})]:
         world = 4 if name.endswith("dp2") else 2
         out = run_distributed(_run, world, (tiny_data, tmp_path / name, _sections(**parallel)))
         assert all(o["losses"] == out[0]["losses"] for o in out), name  # every rank reports the same loss
@@ -85,6 +87,7 @@ def test_pipeline_bad_layouts_fail_before_launch(tiny_data: Path, tmp_path: Path
         ({"pp_size": 2, "n_microbatches": 3}, "does not split into n_microbatches=3"),
         ({"pp_size": 4, "pp_schedule": "1f1b", "micro_batch_size": 4, "global_batch_size": 8}, "1f1b"),
         ({"pp_size": 2, "zero_stage": 1}, "zero_stage=1 with pp_size=2"),
+        ({"pp_size": 2, "pp_stage_layers": [1, 2]}, r"pp_stage_layers=\[1, 2\] sums to 3, not model.n_layers=4"),
     ]
     for parallel, message in cases:
         s = _sections(**parallel)

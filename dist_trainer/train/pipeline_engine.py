@@ -41,6 +41,9 @@ def validate_pipeline_config(cfg: Config, dp_size: int) -> None:
     if cfg.model.n_layers < stages:
         raise ValueError(f"model.n_layers={cfg.model.n_layers} is fewer than the pipeline's stages "
                          f"pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages} = {stages}")
+    if p.pp_stage_layers is not None and sum(p.pp_stage_layers) != cfg.model.n_layers:
+        raise ValueError(f"parallel.pp_stage_layers={p.pp_stage_layers} sums to {sum(p.pp_stage_layers)}, "
+                         f"not model.n_layers={cfg.model.n_layers}")
     if p.zero_stage:
         raise ValueError(f"parallel.zero_stage={p.zero_stage} with pp_size={p.pp_size}: DeepSpeed ZeRO does not "
                          "run with this project's pipeline stages; use zero_stage 0")
@@ -82,6 +85,7 @@ class PipelineEngine(NamedShardsMixin, Engine):
         self.scaler = None
         self.n_micro = n_microbatches(cfg, state.dp_size)
         self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
+                                        balance=p.pp_balance, stage_layers=p.pp_stage_layers,
                                         seed=cfg.train.seed, device="cpu")
         for stage in self.stages:
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
