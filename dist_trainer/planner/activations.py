@@ -179,6 +179,8 @@ def checkpointed_layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> 
 def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
     """First stage, before layer 0: token ids, segment ids, the embedding norm (post-norm) and dropout mask."""
     out = [SavedTensor("embedding.token_ids", 1, 8)]
+    if spec.tp_size > 1:  # the vocab-parallel lookup keeps its bool "id outside my shard" mask
+        out.append(SavedTensor("embedding.vocab_mask", 1, 1))
     if cfg.n_token_types:
         out.append(SavedTensor("embedding.type_ids", 1, 8))
     if cfg.norm_placement == "post":
@@ -195,6 +197,8 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTens
     out.append(SavedTensor("head.input", cfg.d_model * spec.lin_in, spec.act))
     vocab = padded_vocab(cfg.vocab_size, spec.tp_size) if spec.tp_size > 1 else cfg.vocab_size
     out += [SavedTensor("loss.log_softmax", vocab / spec.tp_size, 4), SavedTensor("loss.targets", 1, 8)]
+    if spec.tp_size > 1:  # the vocab-parallel cross-entropy keeps two bool target-outside-shard masks
+        out.append(SavedTensor("loss.vocab_masks", 2, 1))
     return out
 
 
