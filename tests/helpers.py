@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from dist_trainer.config import Config, config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch"
+VENV_BIN = Path(sys.executable).parent
+
+# Variables a surrounding launcher (or an earlier test) could leak into a child job.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+                 "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "HOSTFILE", "NUM_GPUS", "NUM_NODES", "NO_SSH",
+                 "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME")
 
 TINY_VOCAB = 512
 TINY_SEQ = 32
@@ -30,3 +41,18 @@ def tiny_config(data: Path, out_dir: Path, **sections: dict) -> Config:
 def relative_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a launched job: no leaked launcher variables, the venv on PATH, everything
+    written under tmp_path or the project, wandb off, DeepSpeed on the CPU; ``extra`` last."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_"))}
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(ROOT),  # `-m dist_trainer.cli` also where the package is not pip-installed
+        TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), HF_HOME=str(tmp_path / "hf"),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env

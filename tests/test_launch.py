@@ -11,48 +11,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dist_trainer.testing import free_port
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import relative_diff, tiny_config
+from tests.helpers import LAUNCH, ROOT, VENV_BIN, relative_diff, subprocess_env, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "launch"
-VENV_BIN = Path(sys.executable).parent
 STEPS = 3
 TIMEOUT_S = 180  # a hung rendezvous fails the test instead of the whole suite
 
 # Variables a surrounding launcher or cluster could leak into the child jobs.
-_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-          "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "HOSTFILE", "NUM_GPUS", "NUM_NODES", "NO_SSH",
-          "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LEAKY and not k.startswith(("SLURM_", "OMPI_"))}
-    env.update(
-        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=str(ROOT),  # `-m dist_trainer.cli` also where the package is not pip-installed
-        TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu",
-        TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), HF_HOME=str(tmp_path / "hf"),
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
 
@@ -90,7 +62,7 @@ def _check_run(proc: subprocess.CompletedProcess[str], out: Path, reference: lis
 def test_torchrun_sh_two_processes(tiny_data: Path, tmp_path: Path, reference_losses: list[float]) -> None:
     config, out = _write_config(tiny_data, tmp_path)
     proc = _run([str(LAUNCH / "torchrun.sh"), "--config", str(config), "--train.log_every=1"],
-                _env(tmp_path, NPROC_PER_NODE="2"))
+                subprocess_env(tmp_path, NPROC_PER_NODE="2"))
     _check_run(proc, out, reference_losses, "torchrun")
 
 
@@ -98,14 +70,16 @@ def test_torchrun_sh_two_processes(tiny_data: Path, tmp_path: Path, reference_lo
 def test_torchrun_sh_static_rendezvous(tiny_data: Path, tmp_path: Path, reference_losses: list[float]) -> None:
     """The multi-node form (NNODES, NODE_RANK, MASTER_ADDR/PORT) with one node."""
     config, out = _write_config(tiny_data, tmp_path)
-    env = _env(tmp_path, NPROC_PER_NODE="2", NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    env = subprocess_env(tmp_path, NPROC_PER_NODE="2", NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
     _check_run(_run([str(LAUNCH / "torchrun.sh"), "--config", str(config)], env), out, reference_losses, "torchrun")
 
 
+HAS_ACCELERATE = shutil.which("accelerate", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}") is not None
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("accelerate", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}") is None,
-                    reason="the accelerate CLI is not installed")
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="the accelerate CLI is not installed")
 @pytest.mark.parametrize("overrides,dp", [
     ([], 2),  # DDP
     (["--parallel.tp_size=2"], 1),  # Megatron TP
@@ -117,16 +91,16 @@ def test_accelerate_launch_multi_cpu(tiny_data: Path, tmp_path: Path, reference_
     """accelerate as the launcher only, in every regime: the same losses as one process."""
     config, out = _write_config(tiny_data, tmp_path)
     cmd = ["accelerate", "launch", "--config_file", str(LAUNCH / "accelerate" / "multi_cpu.yaml"),
-           "--main_process_port", str(_free_port()), "-m", "dist_trainer.cli", "train", "--config", str(config),
+           "--main_process_port", str(free_port()), "-m", "dist_trainer.cli", "train", "--config", str(config),
            *overrides]
     # accelerate starts its workers through torch.distributed.run, so the trainer sees torchrun's variables
-    _check_run(_run(cmd, _env(tmp_path)), out, reference_losses, "torchrun", dp=dp)
+    _check_run(_run(cmd, subprocess_env(tmp_path)), out, reference_losses, "torchrun", dp=dp)
 
 
 @pytest.mark.slow
 def test_deepspeed_sh_one_node_cpu(tiny_data: Path, tmp_path: Path, reference_losses: list[float]) -> None:
     config, out = _write_config(tiny_data, tmp_path)
-    env = _env(tmp_path, NUM_GPUS="2", MASTER_PORT=str(_free_port()))
+    env = subprocess_env(tmp_path, NUM_GPUS="2", MASTER_PORT=str(free_port()))
     _check_run(_run([str(LAUNCH / "deepspeed.sh"), "--config", str(config)], env), out, reference_losses, "deepspeed")
 
 
@@ -137,10 +111,10 @@ def test_deepspeed_sh_per_node_no_ssh(tiny_data: Path, tmp_path: Path, reference
     config, out = _write_config(tiny_data, tmp_path)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two hosts, one process each\nnodeA slots=1\nnodeB slots=1\n")
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([str(LAUNCH / "deepspeed.sh"), "--config", str(config)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=_env(tmp_path, HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK=str(rank),
+                              env=subprocess_env(tmp_path, HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK=str(rank),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for rank in (0, 1)]
     results = []
@@ -164,8 +138,8 @@ def test_slurm_sbatch_with_stand_in_srun(tiny_data: Path, tmp_path: Path, refere
                                'SLURM_NODEID=0 exec "$@"\n')
     for f in fake.iterdir():
         f.chmod(0o755)
-    env = _env(tmp_path, SLURM_JOB_NODELIST="node[1]", SLURM_NNODES="1", SLURM_JOB_ID="42",
-               SLURM_SUBMIT_DIR=str(ROOT), NPROC_PER_NODE="2", MASTER_PORT=str(_free_port()))
+    env = subprocess_env(tmp_path, SLURM_JOB_NODELIST="node[1]", SLURM_NNODES="1", SLURM_JOB_ID="42",
+               SLURM_SUBMIT_DIR=str(ROOT), NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
     env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
     proc = _run(["bash", str(LAUNCH / "slurm.sbatch"), "--config", str(config)], env, cwd=tmp_path)
     assert "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in proc.stderr, proc.stderr[-3000:]
@@ -210,7 +184,7 @@ def test_launcher_refuses_bad_settings(tmp_path: Path, script: str, env_extra: d
                                        message: str) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA slots=2\n# comment\nnodeB slots=2\n")
-    env = _env(tmp_path, TORCHRUN="false", DEEPSPEED="false")  # a launch that slipped through exits 1, not 2
+    env = subprocess_env(tmp_path, TORCHRUN="false", DEEPSPEED="false")  # a launch that slipped through exits 1, not 2
     env.update({k: str(hostfile) if v == "@hosts" else v for k, v in env_extra.items()})
     proc = _run([str(LAUNCH / script), *args], env)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -219,12 +193,12 @@ def test_launcher_refuses_bad_settings(tmp_path: Path, script: str, env_extra: d
 
 @pytest.mark.parametrize("script", ["torchrun.sh", "deepspeed.sh"])
 def test_launcher_help(tmp_path: Path, script: str) -> None:
-    proc = _run([str(LAUNCH / script), "--help"], _env(tmp_path, TORCHRUN="false", DEEPSPEED="false"))
+    proc = _run([str(LAUNCH / script), "--help"], subprocess_env(tmp_path, TORCHRUN="false", DEEPSPEED="false"))
     assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: launch/{script}")
     for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         assert var in proc.stdout
 
 
 def test_slurm_sbatch_refuses_outside_an_allocation(tmp_path: Path) -> None:
-    proc = _run(["bash", str(LAUNCH / "slurm.sbatch")], _env(tmp_path))
+    proc = _run(["bash", str(LAUNCH / "slurm.sbatch")], subprocess_env(tmp_path))
     assert proc.returncode != 0 and "not inside a SLURM allocation" in proc.stderr, proc.stderr

@@ -15,9 +15,7 @@ CAP_NET_ADMIN for `ip netns`; the module is skipped, with the reason, where that
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,34 +25,18 @@ import yaml
 
 from dist_trainer.train.trainer import Trainer
 from tests import netns
-from tests.helpers import relative_diff, tiny_config
+from tests.helpers import LAUNCH, ROOT, relative_diff, subprocess_env, tiny_config
 
 _REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "launch"
-VENV_BIN = Path(sys.executable).parent
 STEPS = 5
 PORT = "29500"  # free by construction: each namespace is new and has no other listener
 TIMEOUT_S = 240
 
-_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-          "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "HOSTFILE", "NUM_GPUS", "NUM_NODES", "NO_SSH",
-          "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME")
-
-
 def _env(tmp_path: Path, host: netns.Host, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LEAKY and not k.startswith(("SLURM_", "OMPI_"))}
-    env.update(
-        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
-        OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-        TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), HF_HOME=str(tmp_path / "hf"),
-        # gloo binds to and advertises this interface's address: the node's own end of the link
-        GLOO_SOCKET_IFNAME=host.ifname,
-    )
-    env.update(extra)
-    return env
+    # gloo binds to and advertises this interface's address: the node's own end of the link
+    return subprocess_env(tmp_path, GLOO_SOCKET_IFNAME=host.ifname, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,7 @@ matching a one-process run of the same global batch.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,33 +17,12 @@ import yaml
 
 from dist_trainer.planner.emit import launch_command, parallel_config_dict
 from dist_trainer.planner.memory import Layout
+from dist_trainer.testing import free_port
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import relative_diff, tiny_config
+from tests.helpers import ROOT, relative_diff, subprocess_env, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 STEPS = 2
 TIMEOUT_S = 180
-
-_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-          "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "HOSTFILE", "NUM_GPUS", "NUM_NODES", "NO_SSH",
-          "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LEAKY and not k.startswith(("SLURM_", "OMPI_"))}
-    env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path),
-               OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-               TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), HF_HOME=str(tmp_path / "hf"))
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # ---------------------------------------------------------------- the command lines
 
@@ -87,7 +63,7 @@ def test_layouts_that_no_launcher_can_start_are_refused(layout: Layout, gpus: in
 
 def test_an_unset_placeholder_stops_bash_before_anything_starts(tmp_path: Path) -> None:
     cmd = launch_command(Layout(dp_size=2), gpus_per_node=1)
-    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=_env(tmp_path, TORCHRUN="false"),
+    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=subprocess_env(tmp_path, TORCHRUN="false"),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "NODE_RANK: the index of this node, 0..1" in proc.stderr, proc.stderr
 
@@ -121,10 +97,11 @@ def test_emitted_two_node_torchrun_command_runs(tiny_data: Path, tmp_path: Path,
     layout = Layout(dp_size=2, micro_batch_size=4)  # global batch 8, as the reference
     config, out = _config_for(layout, tiny_data, tmp_path)
     cmd = launch_command(layout, gpus_per_node=1, config_path=str(config))
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT,
-                              env=_env(tmp_path, NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                              env=subprocess_env(tmp_path, NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=port))
              for rank in (0, 1)]
     outputs = []
     try:
@@ -145,7 +122,7 @@ def test_emitted_zero_command_runs(tiny_data: Path, tmp_path: Path, reference_lo
     layout = Layout(dp_size=2, zero_stage=2, micro_batch_size=4)
     config, out = _config_for(layout, tiny_data, tmp_path)
     cmd = launch_command(layout, gpus_per_node=2, config_path=str(config))
-    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=_env(tmp_path, MASTER_PORT=str(_free_port())),
+    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=subprocess_env(tmp_path, MASTER_PORT=str(free_port())),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]

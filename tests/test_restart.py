@@ -24,26 +24,16 @@ import yaml
 
 from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import relative_diff, tiny_config
+from tests.helpers import ROOT, relative_diff, subprocess_env, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150  # a hung restart fails the test instead of the whole suite
 
-# Variables a surrounding launcher could leak into the child jobs (see tests/test_launch.py).
-_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-          "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
-
-
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LEAKY and not k.startswith(("SLURM_", "OMPI_"))}
-    env.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", WANDB_MODE="disabled",
-               PYTHONUNBUFFERED="1",
-               # torchrun's agent shares its rendezvous TCPStore with the workers by default, and a restarted
-               # generation then reads the dead generation's gloo addresses from it ("Gloo connectFullMesh
-               # failed ... Connection refused"): pytorch/pytorch#135712. Opting out gives every generation a
-               # fresh store. (The trainer could instead prefix its store by restart round: see the report.)
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    return env
+    # torchrun's agent shares its rendezvous TCPStore with the workers by default, and a restarted
+    # generation then reads the dead generation's gloo addresses from it ("Gloo connectFullMesh
+    # failed ... Connection refused"): pytorch/pytorch#135712. Opting out gives every generation a
+    # fresh store (launch/torchrun.sh does the same when MAX_RESTARTS > 0).
+    return subprocess_env(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
 def _logged(metrics: Path) -> list[dict]:
