@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import benchmark_data  # noqa: E402
 from dist_trainer.config import config_from_dict  # noqa: E402
 from dist_trainer.data.dataset import TokenDataset  # noqa: E402
-from dist_trainer.data.prepare import prepare  # noqa: E402
 from dist_trainer.data.sampler import GlobalBatchSampler  # noqa: E402
 from dist_trainer.model import build_model  # noqa: E402
 from dist_trainer.train.optim import build_optimizer, lr_at, set_lr  # noqa: E402
@@ -81,8 +80,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        prepare([stdlib / "email", stdlib / "json"], data, vocab_size=1024, max_bytes=600_000, val_fraction=0.05)
+        benchmark_data(data)
         raw, ours = [], []
         for r in range(args.rounds):
             raw.append(raw_loop(make_config(data, Path(tmp) / f"raw{r}", args.steps), args.steps))

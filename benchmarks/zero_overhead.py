@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -24,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import benchmark_data  # noqa: E402
 from dist_trainer.config import config_from_dict  # noqa: E402
-from dist_trainer.data.prepare import prepare  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
 
@@ -95,8 +94,7 @@ def main() -> None:
     env = {"DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        prepare([stdlib / "email", stdlib / "json"], data, vocab_size=1024, max_bytes=600_000, val_fraction=0.05)
+        benchmark_data(data)
         raw, ours = [], []
         for r in range(args.rounds):
             cfg = make_config(data, Path(tmp) / f"run{r}", args.steps, args.nprocs).to_dict()
