@@ -120,7 +120,7 @@ class ParallelConfig:
     n_microbatches: int | None = None  # pipeline micro-batches per step; None = gradient-accumulation steps
     layout: str = "manual"  # manual | auto (the planner picks tp/dp/zero/micro-batch/checkpointing for the world)
     device_memory_gb: float | None = None  # layout=auto: memory per rank to plan for; None = read from CUDA
-    hardware: str | None = None  # layout=auto: planner hardware profile (A100-80GB, H100-80GB, cpu...); None = detect
+    hardware: str | None = None  # planner hardware profile (A100-80GB, H100-80GB, cpu, ...) for auto and MFU
     timeout_s: float = 600.0  # collective timeout: a dead or stalled peer fails the job after this
 
     def grad_accum_steps(self, dp_size: int) -> int:
@@ -248,7 +248,7 @@ class TrainConfig:
     save_every: int = 100  # checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the last K checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
-    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = table lookup by device
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = the planner's profile of the device
     progress: bool = True  # show a progress bar on rank 0
 
     def validate(self) -> None:

@@ -43,10 +43,11 @@ def test_layout_auto_runs_the_planners_best_layout(tiny_data: Path, tmp_path: Pa
 
 
 def _runs(cfg, layout) -> bool:  # noqa: ANN001
-    from dist_trainer.train.autolayout import _config_for, check_runnable
+    from dist_trainer.train.autolayout import _config_for
+    from dist_trainer.train.prelaunch import check_layout
 
     try:
-        check_runnable(_config_for(cfg, layout), 2, torch.device("cpu"))
+        check_layout(_config_for(cfg, layout), 2, torch.device("cpu"))
     except ValueError:
         return False
     return True

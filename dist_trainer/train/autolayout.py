@@ -16,9 +16,10 @@ import torch
 
 from dist_trainer.config import Config
 from dist_trainer.planner.emit import parallel_config_dict
-from dist_trainer.planner.hardware import get_hardware, hardware_profiles
 from dist_trainer.planner.memory import GiB, Layout, Overheads, TrainingOptions
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
+from dist_trainer.train.metrics import device_hardware
+from dist_trainer.train.prelaunch import check_layout
 
 
 @dataclass(frozen=True)
@@ -46,19 +47,6 @@ def _device_memory(cfg: Config, device: torch.device) -> int:
     raise ValueError("parallel.layout=auto on CPU needs parallel.device_memory_gb (the memory per rank to plan for)")
 
 
-def _hardware(cfg: Config, device: torch.device) -> str:
-    if cfg.parallel.hardware is not None:
-        get_hardware(cfg.parallel.hardware)  # ValueError naming the known profiles
-        return cfg.parallel.hardware
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for profile in hardware_profiles():
-            if profile.split("-")[0] in name:
-                return profile
-        return "A100-80GB"
-    return "cpu"
-
-
 def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     """The planner's terms for what this trainer really runs (autocast over fp32 parameters)."""
     precision = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[cfg.train.precision]
@@ -75,7 +63,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     tp/pp and the device) is taken.
     """
     memory = _device_memory(cfg, device)
-    hardware = _hardware(cfg, device)
+    hardware = device_hardware(device, cfg.parallel.hardware).name
     options = planner_options(cfg, device)
     overheads = Overheads() if device.type == "cuda" else Overheads.none()
     result = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=max(1, gpus_per_node),
@@ -86,7 +74,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     for planned in result.layouts:
         candidate = _config_for(cfg, planned.layout)
         try:
-            check_runnable(candidate, world_size, device)
+            check_layout(candidate, world_size, device)
         except ValueError as exc:
             refused.append(str(exc))
             continue
@@ -108,24 +96,6 @@ def _config_for(cfg: Config, layout: Layout) -> Config:
         for key in ("pp_schedule", "pp_virtual_stages", "n_microbatches"):
             fields.pop(key)  # pipeline fields keep their configured values
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **fields, layout="manual"))
-
-
-def check_runnable(cfg: Config, world_size: int, device: torch.device) -> None:
-    """Every check the trainer makes before launch, for one candidate layout (ValueError if refused)."""
-    from dist_trainer.parallel.tensor_parallel import validate_tp
-    from dist_trainer.train.pipeline_engine import validate_pipeline_config
-
-    cfg.validate()
-    dp = cfg.parallel.resolve(world_size)
-    validate_tp(cfg.model, cfg.parallel.tp_size)
-    if cfg.parallel.pp_size > 1:
-        validate_pipeline_config(cfg, dp)
-    if cfg.parallel.zero_stage > 0:
-        from dist_trainer.parallel.zero_config import validate_zero_config
-
-        validate_zero_config(cfg, dp, device.type)
-    if cfg.train.eval_every and cfg.train.eval_batches % dp:
-        raise ValueError(f"train.eval_batches={cfg.train.eval_batches} is not a multiple of dp_size={dp}")
 
 
 def measured_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

@@ -11,49 +11,36 @@ from typing import Any
 import psutil
 import torch
 
-from dist_trainer.config import Config, ModelConfig
-
-# Dense peak FLOP/s per device (bf16/fp16 tensor cores; fp32 without TF32 for the CPU entry).
-# Vendor datasheets: V100 SXM2 125 TF, A100 312 TF, H100/H200 SXM 989 TF (dense, no sparsity).
-PEAK_FLOPS = {
-    "V100": 125e12,
-    "A100": 312e12,
-    "H100": 989e12,
-    "H200": 989e12,
-}
-# A nominal per-process CPU figure (one core, AVX2 FMA: 2 units x 8 fp32 lanes x 2 FLOP x ~3 GHz):
-# MFU on CPU is only a relative indicator; set train.peak_flops for a real figure.
-CPU_PEAK_FLOPS = 96e9
+from dist_trainer.config import Config
+from dist_trainer.planner.cost import step_flops
+from dist_trainer.planner.hardware import HardwareProfile, get_hardware, hardware_profiles
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus attention.
-
-    N counts the weight matrices touched per token (embedding lookups are free; the output
-    head is a matmul). Attention scores and values add 2 * 2 * s * h per layer forward for
-    a causal model's full (unmasked) kernel cost, x3 for forward + backward (PaLM appendix B,
-    Chowdhery et al. 2022). Full recomputation adds one more forward (8N instead of 6N).
-    """
-    h, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
-    kv = cfg.kv_heads * cfg.head_dim
-    gates = 3 if cfg.activation == "swiglu" else 2
-    per_layer = 2 * h * h + 2 * h * kv + gates * h * cfg.ffn_dim  # q,o + k,v + mlp matrices
-    matmul_params = L * per_layer + h * V
-    passes = 8 if recompute else 6
-    attention = (passes // 2) * 2 * L * seq_len * h  # 2 matmuls (QK^T, PV) of 2*s*h FLOPs each, per token
-    return passes * matmul_params + attention
-
-
-def peak_flops(device: torch.device, configured: float | None) -> float:
-    if configured:
-        return configured
+def device_hardware(device: torch.device, configured: str | None = None) -> HardwareProfile:
+    """The planner's hardware profile of this device: the configured name, else read off the CUDA
+    device name (A100, H100, ...), else the CPU profile. One table serves the planner and MFU."""
+    if configured is not None:
+        return get_hardware(configured)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_FLOPS.items():
-            if key in name:
-                return value
-        return PEAK_FLOPS["A100"]
-    return CPU_PEAK_FLOPS
+        for key, profile in hardware_profiles().items():
+            if key.split("-")[0] in name:
+                return profile
+        return get_hardware("A100-80GB")
+    return get_hardware("cpu")
+
+
+def model_flops_per_step(cfg: Config) -> float:
+    """Model FLOPs of one optimizer step (the planner's count: matmuls, attention, head; recomputation
+    excluded, as MFU's definition wants: Chowdhery et al. 2022, appendix B)."""
+    return step_flops(cfg.model, seq_len=cfg.data.seq_len, global_batch=cfg.parallel.global_batch_size)[0]
+
+
+def peak_flops(cfg: Config, device: torch.device) -> float:
+    """Per-device peak FLOP/s for MFU: train.peak_flops, else the profile's figure for the precision."""
+    if cfg.train.peak_flops:
+        return cfg.train.peak_flops
+    return device_hardware(device, cfg.parallel.hardware).peak_flops(cfg.train.precision)
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -26,14 +26,14 @@ from dist_trainer.data.dataset import TokenDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.model import count_parameters
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tensor_parallel import validate_tp
 from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.autolayout import choose_layout, compare, measured_model_state_bytes
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.engine import DataParallelEngine, Engine
-from dist_trainer.train.metrics import MetricsLogger, flops_per_token, memory_bytes, peak_flops
+from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.optim import lr_at
-from dist_trainer.train.pipeline_engine import PipelineEngine, validate_pipeline_config
+from dist_trainer.train.pipeline_engine import PipelineEngine
+from dist_trainer.train.prelaunch import check_layout
 
 
 @dataclass
@@ -54,22 +54,13 @@ class Trainer:
         if cfg.parallel.layout == "auto":  # the planner picks the layout for this world, before any group exists
             cfg, self.auto_layout = choose_layout(cfg, self.env.world_size, self.env.local_world_size, self.device)
         self.cfg = cfg
-        self.dp_size = cfg.parallel.resolve(self.env.world_size)  # ValueError before any group exists
-        validate_tp(cfg.model, cfg.parallel.tp_size)
-        if cfg.parallel.pp_size > 1:
-            validate_pipeline_config(cfg, self.dp_size)
-        if cfg.parallel.zero_stage > 0:
-            from dist_trainer.parallel.zero_config import validate_zero_config  # DeepSpeed only when asked for
-
-            validate_zero_config(cfg, self.dp_size, self.device.type)
-        if cfg.train.precision == "fp16" and self.device.type != "cuda":
-            raise ValueError("train.precision=fp16 needs CUDA (dynamic loss scaling); use bf16 or fp32 on CPU")
+        self.dp_size = check_layout(cfg, self.env.world_size, self.device)  # before any group exists
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
         self.train_data = TokenDataset(cfg.data.path, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
         self.val_data = TokenDataset(cfg.data.path, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
-        check_data_sizes(cfg, self.dp_size, len(self.train_data), len(self.val_data))
+        check_data_sizes(cfg, len(self.train_data), len(self.val_data))
         init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s)
         self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
@@ -120,8 +111,8 @@ class Trainer:
         cfg = self.cfg
         result = TrainResult(metrics_path=str(self.logger.path))
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
-        fpt = flops_per_token(cfg.model, cfg.data.seq_len, cfg.parallel.activation_checkpointing == "full")
-        peak = peak_flops(self.device, cfg.train.peak_flops) * self.env.world_size
+        flops_per_step = model_flops_per_step(cfg)
+        peak = peak_flops(cfg, self.device) * self.env.world_size
         if self.step == 0 and cfg.train.eval_every:
             result.eval_losses[0] = self.evaluate()
         self.logger.write(self.describe())
@@ -136,7 +127,7 @@ class Trainer:
             result.losses[step] = metrics["loss"]
             record: dict[str, Any] = {"step": self.step, **metrics, "step_time_s": dt,
                                       "tokens_per_s": tokens_per_step / dt,
-                                      "mfu": fpt * tokens_per_step / dt / peak,
+                                      "mfu": flops_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
                                       **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()}}
             if self.auto_layout is not None and self.step == min(3, cfg.train.max_steps):
@@ -226,18 +217,13 @@ def _is_comm_failure(exc: BaseException) -> bool:
     return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
 
 
-def check_data_sizes(cfg: Config, dp_size: int, n_train: int, n_val: int) -> None:
-    """The splits must hold a global batch and the eval set, split evenly over DP ranks."""
+def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
+    """The splits must hold a global batch and the eval set."""
     micro, global_batch = cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size
     if n_train < global_batch:
         raise ValueError(f"the train split of {cfg.data.path} has {n_train} sequences of data.seq_len="
                          f"{cfg.data.seq_len}, fewer than one global batch of {global_batch}")
-    if not cfg.train.eval_every:
-        return
-    if cfg.train.eval_batches % dp_size:
-        raise ValueError(f"train.eval_batches={cfg.train.eval_batches} must be a multiple of dp_size={dp_size} "
-                         "(the eval set is split evenly over data-parallel ranks)")
-    if n_val < cfg.train.eval_batches * micro:
+    if cfg.train.eval_every and n_val < cfg.train.eval_batches * micro:
         raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
                          f"train.eval_batches*micro_batch_size = {cfg.train.eval_batches}*{micro}")
 
