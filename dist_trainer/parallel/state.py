@@ -53,13 +53,6 @@ class ParallelState:
     def dp_rank(self) -> int:
         return self.dp.rank
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp.rank == self.pp.size - 1
-
-    def coordinates(self) -> dict[str, int]:
-        return {"dp": self.dp.rank, "pp": self.pp.rank, "tp": self.tp.rank}
-
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: dp {self.dp.rank}/{self.dp.size}, "
                 f"pp {self.pp.rank}/{self.pp.size}, tp {self.tp.rank}/{self.tp.size}")

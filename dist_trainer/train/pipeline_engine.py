@@ -11,8 +11,6 @@ checkpoints under the plain model's parameter names (so they reload at any tp x 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -151,6 +149,3 @@ class PipelineEngine(NamedShardsMixin, Engine):
         finally:
             for stage in self.stages:
                 stage.train()
-
-    def describe(self) -> dict[str, Any]:
-        return {"stages": [s.stage_index for s in self.stages], "layers": [list(s.layer_ids) for s in self.stages]}
