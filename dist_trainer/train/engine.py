@@ -16,6 +16,7 @@ replica when tp_size > 1. DeepSpeed ZeRO and pipeline stages provide their own.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from pathlib import Path
 from typing import Any
@@ -47,31 +48,39 @@ def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejec
     """DDP's own all-reduce (mean over dp) of a dist.GradBucket, recorded in the communication counter."""
     buf = bucket.buffer()
     dp.counter.record("all_reduce", "dp", buf.numel() * buf.element_size())
+    assert dp.group is not None, "DDP runs only over a dp group of more than one rank"
     return default_hooks.allreduce_hook(dp.group, bucket)
 
 
-class Engine:
-    """The interface every regime implements (see the module docstring)."""
+class Engine(abc.ABC):
+    """The interface every regime implements (see the module docstring).
 
-    name = "engine"
+    Abstract, so a regime that forgets a call cannot be built, and the type checker holds every
+    override to these signatures (``make test`` runs mypy): a drifted signature fails CI, not a user's run.
+    """
+
+    name: str = "engine"
     model: nn.Module  # this rank's module (its parameters are what this rank holds)
 
+    @abc.abstractmethod
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        raise NotImplementedError
+        """Forward and backward over this rank's micro-batches of one step; the summed (detached) loss."""
 
+    @abc.abstractmethod
     def optimizer_step(self, lr: float) -> torch.Tensor:
-        raise NotImplementedError
+        """Finalize gradients, clip, step at ``lr`` and zero the gradients; the global grad norm."""
 
+    @abc.abstractmethod
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The summed no-grad loss of ``batches``, the same on every rank of a model replica."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def save_shards(self, folder: Path) -> dict[str, Any]:
         """Write this rank's files into ``folder``; return what meta.json should record."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Load this rank's part of the checkpoint in ``folder`` (saved under any layout it can reshard)."""
 
 
 class NamedShardsMixin:
@@ -144,10 +153,11 @@ class DataParallelEngine(NamedShardsMixin, Engine):
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             # DDP all-reduces gradients only on the last micro-batch of the step.
-            sync = i == n - 1 or not isinstance(self.wrapped, DDP)
-            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+            wrapped = self.wrapped
+            sync = i == n - 1 or not isinstance(wrapped, DDP)
+            with wrapped.no_sync() if isinstance(wrapped, DDP) and not sync else contextlib.nullcontext():
                 with autocast_for(self.cfg.train.precision, self.device):
-                    loss = self.wrapped(batch["tokens"], batch["targets"])
+                    loss = wrapped(batch["tokens"], batch["targets"])
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float()
