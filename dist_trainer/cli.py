@@ -37,7 +37,7 @@ def run_train(args: argparse.Namespace) -> int:
             print_summary(cfg, result)
     finally:
         shutdown_distributed()
-    if trainer.env.distributed:
+    if trainer.has_process_group:
         # Skip interpreter teardown: gloo/DeepSpeed threads sometimes abort at exit
         # ("terminate called without an active exception") after the work is done.
         sys.stdout.flush()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dist_trainer.config import Config
 from dist_trainer.model import Transformer, build_model, init_weights_
+from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.zero_config import engine_config, validate_zero_config
 from dist_trainer.train.engine import Engine
@@ -54,9 +55,23 @@ class _Mpu:
 
     def __init__(self, state: ParallelState) -> None:
         self.state = state
+        # ParallelState creates no group for a one-rank axis, but DeepSpeed reduces over whatever group the mpu
+        # returns: a one-rank axis must be a group of this rank alone (None would mean the whole world).
+        # new_group is collective, so every rank creates every singleton, in rank order.
+        self._alone: dist.ProcessGroup | None = None
+        if any(a.size == 1 for a in (state.dp, state.tp)):
+            for r in range(state.world_size):
+                group = dist.new_group([r])
+                if r == state.rank:
+                    self._alone = group
+
+    def _group(self, axis: AxisGroup) -> dist.ProcessGroup:
+        group = axis.group if axis.size > 1 else self._alone
+        assert group is not None, f"no process group for the {axis.axis} axis"
+        return group
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.state.dp.group
+        return self._group(self.state.dp)
 
     def get_data_parallel_rank(self) -> int:
         return self.state.dp_rank
@@ -65,7 +80,7 @@ class _Mpu:
         return self.state.dp_size
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.state.tp.group
+        return self._group(self.state.tp)
 
     def get_model_parallel_rank(self) -> int:
         return self.state.tp_rank
@@ -175,11 +190,15 @@ class ZeroEngine(Engine):
         return torch.as_tensor(0.0 if norm is None else float(norm))
 
     @torch.no_grad()
-    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         self.engine.eval()
-        loss = self.engine(batch["tokens"], batch["targets"]).float()  # stage 3: DeepSpeed's hooks gather
-        self.engine.train()
-        return loss
+        total = torch.zeros((), device=self.device)
+        try:
+            for batch in batches:  # stage 3: DeepSpeed's module hooks gather each layer's partitions
+                total += self.engine(batch["tokens"], batch["targets"]).float()
+        finally:
+            self.engine.train()
+        return total
 
     # ------------------------------------------------------------------ checkpoints
 

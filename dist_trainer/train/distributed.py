@@ -85,24 +85,34 @@ def pick_backend(device: torch.device, requested: str | None) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(env: LaunchEnv, device: torch.device, backend: str | None, timeout_s: float) -> None:
-    """Create the default process group (a no-op for one process or when one exists).
+def init_distributed(env: LaunchEnv, device: torch.device, backend: str | None, timeout_s: float,
+                     single_process_group: bool = False) -> bool:
+    """Create the default process group (a no-op when one exists); return whether one exists now.
 
-    ``timeout_s`` bounds every collective: a dead or stalled peer makes the survivors fail
-    with an error instead of hanging forever.
+    One process gets no group, unless ``single_process_group``: DeepSpeed's ZeRO engine needs
+    ``torch.distributed`` even for one rank, so that regime gets a one-rank group on an
+    in-memory store (no port, no rendezvous). ``timeout_s`` bounds every collective: a dead or
+    stalled peer makes the survivors fail with an error instead of hanging forever.
     """
-    if not env.distributed or dist.is_initialized():
-        return
+    if dist.is_initialized():
+        return True
+    if not env.distributed:
+        if not single_process_group:
+            return False
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts it (runtime/engine.py, args check)
+        dist.init_process_group(pick_backend(device, backend), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
+        return True
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if env.launcher in ("slurm", "mpi"):  # init_method env:// reads these
         os.environ.setdefault("RANK", str(env.rank))
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         pick_backend(device, backend), rank=env.rank, world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s), **kwargs,
+        timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
     )
+    return True
 
 
 def shutdown_distributed() -> None:
