@@ -127,8 +127,8 @@ class ParallelConfig:
         """Micro-batches each DP rank runs per optimizer step."""
         return self.global_batch_size // (self.micro_batch_size * dp_size)
 
-    def resolve(self, world_size: int) -> int:
-        """Check the degrees against the world size; return the DP degree."""
+    def dp_degree(self, world_size: int) -> int:
+        """The DP degree of this layout on ``world_size`` ranks; ValueError when the degrees do not fit."""
         model_parallel = self.tp_size * self.pp_size
         if world_size % model_parallel:
             raise ValueError(
@@ -142,6 +142,11 @@ class ParallelConfig:
                 f"{model_parallel * self.dp_size} does not equal the world size {world_size}; "
                 f"with this tp and pp, dp_size must be {dp} (or left unset)"
             )
+        return dp
+
+    def resolve(self, world_size: int) -> int:
+        """Check the degrees and the batch against the world size; return the DP degree."""
+        dp = self.dp_degree(world_size)
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ValueError(
@@ -244,7 +249,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ and wandb/ go here
     log_every: int = 1  # write metrics every N steps
     eval_every: int = 100  # validation loss every N steps; 0 disables
-    eval_batches: int = 4  # micro-batches per evaluation in all, split over DP ranks (a multiple of dp_size)
+    eval_batches: int = 4  # global batches per evaluation (Megatron's eval_iters): the same samples in every layout
     save_every: int = 100  # checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the last K checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
@@ -309,7 +314,7 @@ def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 
 def _section_name(obj: Any) -> str:
     for name, f in Config.__dataclass_fields__.items():
-        if f.default_factory is type(obj):  # type: ignore[comparison-overlap]
+        if f.default_factory is type(obj):
             return name
     return type(obj).__name__
 
@@ -360,7 +365,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
-    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+    sections = {f.name: typing.cast(type, f.default_factory) for f in dataclasses.fields(Config)}
     unknown = set(tree) - set(sections)
     if unknown:
         raise ValueError(f"unknown config sections {sorted(unknown)}; valid: {sorted(sections)}")

@@ -50,11 +50,6 @@ def validate_pipeline_config(cfg: Config, dp_size: int) -> None:
     per_rank = p.global_batch_size // dp_size
     m = n_microbatches(cfg, dp_size)
     validate_pipeline(p.pp_size, p.pp_schedule, m, per_rank, p.pp_virtual_stages)
-    eval_rows = cfg.train.eval_batches // dp_size * p.micro_batch_size
-    if cfg.train.eval_every and eval_rows % m:
-        raise ValueError(f"under pipeline stages each DP rank's eval batch (train.eval_batches/dp_size*"
-                         f"micro_batch_size = {cfg.train.eval_batches}/{dp_size}*{p.micro_batch_size}) must split "
-                         f"into n_microbatches={m}")
 
 
 class PipelineRankModule(nn.Module):

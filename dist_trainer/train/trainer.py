@@ -33,7 +33,7 @@ from dist_trainer.train.engine import DataParallelEngine, Engine
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.optim import lr_at
 from dist_trainer.train.pipeline_engine import PipelineEngine
-from dist_trainer.train.prelaunch import check_layout
+from dist_trainer.train.prelaunch import check_layout, fit_micro_batch
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Trainer:
         self.auto_layout = None
         if cfg.parallel.layout == "auto":  # the planner picks the layout for this world, before any group exists
             cfg, self.auto_layout = choose_layout(cfg, self.env.world_size, self.env.local_world_size, self.device)
+        cfg, fit_note = fit_micro_batch(cfg, self.env.world_size)
         self.cfg = cfg
         self.dp_size = check_layout(cfg, self.env.world_size, self.device)  # before any group exists
         self.out_dir = Path(cfg.train.out_dir)
@@ -61,14 +62,19 @@ class Trainer:
         self.train_data = TokenDataset(cfg.data.path, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
         self.val_data = TokenDataset(cfg.data.path, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
         check_data_sizes(cfg, len(self.train_data), len(self.val_data))
-        init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s)
+        # DeepSpeed needs torch.distributed even on one process: ZeRO gets a one-rank group there.
+        self.has_process_group = init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s,
+                                                  single_process_group=cfg.parallel.zero_stage > 0)
         self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
                                           cfg.train.seed)
-        micro = cfg.parallel.micro_batch_size
-        self.val_sampler = GlobalBatchSampler(len(self.val_data), cfg.train.eval_batches * micro, micro,
-                                              self.state.dp_rank, self.dp_size, cfg.train.seed)
+        # The eval set: eval_batches global batches of the validation split, read as one large "global batch"
+        # that each DP rank cuts into its micro-batches, so every layout evaluates the same samples. Without
+        # evaluation there is none (its size is checked before launch only when evaluation is on).
+        self.val_sampler = GlobalBatchSampler(len(self.val_data), eval_set_size(cfg), cfg.parallel.micro_batch_size,
+                                              self.state.dp_rank, self.dp_size,
+                                              cfg.train.seed) if cfg.train.eval_every else None
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
         self.step = 0
@@ -77,6 +83,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
         notes = self._resume() if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
+        if fit_note is not None:
+            notes.insert(0, fit_note)
         if self.auto_layout is not None:
             notes.insert(0, self.auto_layout.describe())
         for note in notes:
@@ -99,8 +107,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the same eval_batches x micro_batch_size validation samples whatever the layout:
+        """Mean loss over the same eval_batches x global_batch_size validation samples whatever the layout:
         the eval set is one fixed 'global batch' of the validation split, sliced over DP ranks."""
+        if self.val_sampler is None:
+            raise RuntimeError("evaluate() needs train.eval_every > 0 (no eval set was built)")
         batches = [self._batch(self.val_data, indices, 0) for indices in self.val_sampler.micro_batches(0)]
         total = self.engine.eval_loss(batches)
         return float(self.state.dp.all_reduce(total / len(batches)) / self.dp_size)
@@ -219,13 +229,19 @@ def _is_comm_failure(exc: BaseException) -> bool:
 
 def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
     """The splits must hold a global batch and the eval set."""
-    micro, global_batch = cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size
+    global_batch = cfg.parallel.global_batch_size
     if n_train < global_batch:
         raise ValueError(f"the train split of {cfg.data.path} has {n_train} sequences of data.seq_len="
                          f"{cfg.data.seq_len}, fewer than one global batch of {global_batch}")
-    if cfg.train.eval_every and n_val < cfg.train.eval_batches * micro:
+    if cfg.train.eval_every and n_val < eval_set_size(cfg):
         raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
-                         f"train.eval_batches*micro_batch_size = {cfg.train.eval_batches}*{micro}")
+                         f"train.eval_batches*global_batch_size = {cfg.train.eval_batches}*{global_batch}; "
+                         f"lower train.eval_batches or prepare more validation text")
+
+
+def eval_set_size(cfg: Config) -> int:
+    """Validation sequences per evaluation: train.eval_batches global batches (independent of the layout)."""
+    return cfg.train.eval_batches * cfg.parallel.global_batch_size
 
 
 def build_engine(cfg: Config, state: ParallelState, device: torch.device) -> Engine:
