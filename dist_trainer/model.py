@@ -26,6 +26,15 @@ from dist_trainer.config import ModelConfig
 IGNORE_INDEX = -100
 
 
+def set_attrs(obj: object, **attrs: object) -> None:
+    """Tag a module or parameter with plain attributes (``residual_out``, the regimes' ``tp_*`` tags).
+
+    One place for what type checkers cannot see on ``nn.Module``/``nn.Parameter``; readers use ``getattr``.
+    """
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32."""
 
@@ -98,7 +107,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.o_proj.residual_out = True  # scaled init (GPT-2 paper, section 2.3)
+        set_attrs(self.o_proj, residual_out=True)  # scaled init (GPT-2 paper, section 2.3)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -128,7 +137,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias) if cfg.activation == "swiglu" else None
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
-        self.down_proj.residual_out = True
+        set_attrs(self.down_proj, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
@@ -187,12 +196,18 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
         nn.init.normal_(module.weight, 0.0, cfg.init_std)
     elif isinstance(module, (nn.LayerNorm, RMSNorm)):
         nn.init.ones_(module.weight)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
 
 
 class Transformer(nn.Module):
     """Decoder (causal LM) or encoder (masked LM) transformer, configured by ModelConfig."""
+
+    # buffers, registered by _init_buffers for the position embedding in use
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    pos_table: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

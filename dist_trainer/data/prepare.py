@@ -181,6 +181,7 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int, val_fraction:
         t_train = time.perf_counter() - start
         special_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
         eos_id = special_ids[EOS_TOKEN]
+        assert eos_id is not None, "the tokenizer was trained with the EOS token"
 
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
         tagged = ((t, "val" if i in val_docs else "train")

@@ -53,16 +53,17 @@ def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_nor
     """
     if max_norm <= 0:
         raise ValueError(f"clip_grad_norm_: max_norm={max_norm} must be > 0")
-    params = [p for p in _params(params_or_model) if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    owned = [(p, g) for p in _params(params_or_model) if (g := p.grad) is not None]
+    grads = [g for _, g in owned]
+    device = grads[0].device if grads else torch.device("cpu")
     # per-tensor norms (no squared temporaries), as torch.nn.utils.clip_grad_norm_ computes them
-    norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0, dtype=torch.float32)
-             for p in params if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
+             for p, g in owned if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
     sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
     state.tp.all_reduce(sq)
     state.pp.all_reduce(sq)  # each stage holds different layers
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
     return norm

@@ -173,10 +173,10 @@ def _init_like_full_model(full: Transformer, kept: set[int]) -> None:
         for module in full.modules():
             if not hasattr(module, "reset_parameters") or not list(module.parameters(recurse=False)):
                 continue
-            if id(module) in kept:
-                module.reset_parameters()
-            else:  # a scratch twin draws the same numbers, then is dropped
-                copy.deepcopy(module).to_empty(device="cpu").reset_parameters()
+            target = module if id(module) in kept else copy.deepcopy(module).to_empty(device="cpu")
+            reset = getattr(target, "reset_parameters", None)  # a scratch twin draws the same numbers, then is dropped
+            assert callable(reset), type(target)
+            reset()
         for module in full.modules():
             if not list(module.parameters(recurse=False)):
                 continue

@@ -29,7 +29,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.distributed.pipelining.schedules import _PipelineSchedule  # the schedules' common base
 
+from dist_trainer.model import set_attrs
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.grad import clip_grad_norm_
 from dist_trainer.parallel.pipeline import StageModule
@@ -111,7 +113,7 @@ class PipelineSchedule:
     between the first and last stage (call after ``step``, before clipping).
     """
 
-    schedule: object  # a torch.distributed.pipelining schedule
+    schedule: _PipelineSchedule  # a torch.distributed.pipelining schedule
     stages: list[StageModule]
     pipeline_stages: list[PipelineStage]
     n_microbatches: int
@@ -198,7 +200,7 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
         if tied and s.is_last and not s.is_first and not any(t.is_first for t in stages):
             # the head copy is counted once (on stage 0) in the grad norm, as Megatron's
             # param_is_not_shared; marked here, after any TP rewrite replaced the Parameter
-            s.model.tok_emb.weight.pp_shared_copy = True
+            set_attrs(s.model.tok_emb.weight, pp_shared_copy=True)
     group = _embedding_group(state) if tied else None
     return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
 
@@ -230,10 +232,10 @@ def trace_actions(pipe: PipelineSchedule) -> list[StageAction]:
                 return out
             return run
 
-        stage.forward_one_chunk = wrap(stage.forward_one_chunk, lambda kw: "F")
-        stage.backward_one_chunk = wrap(stage.backward_one_chunk,
-                                        lambda kw: "B" if kw.get("full_backward", True) else "I")
-        stage.backward_weight_one_chunk = wrap(stage.backward_weight_one_chunk, lambda kw: "W")
+        set_attrs(stage, forward_one_chunk=wrap(stage.forward_one_chunk, lambda kw: "F"),
+                  backward_one_chunk=wrap(stage.backward_one_chunk,
+                                          lambda kw: "B" if kw.get("full_backward", True) else "I"),
+                  backward_weight_one_chunk=wrap(stage.backward_weight_one_chunk, lambda kw: "W"))
     return trace
 
 

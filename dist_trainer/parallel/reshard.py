@@ -39,7 +39,7 @@ def tp_shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     specs = {}
     for name, p in model.named_parameters():
         dim = getattr(p, "tp_split_dim", None)
-        specs[name] = ShardSpec(dim, None if dim is None else p.tp_full_size)
+        specs[name] = ShardSpec(dim, None if dim is None else getattr(p, "tp_full_size", None))
     return specs
 
 
@@ -61,6 +61,7 @@ def merge_tp_shards(shards: list[dict[str, torch.Tensor]], specs: dict[str, Shar
             full[name] = shards[0][name].clone()
             continue
         cat = torch.cat([s[name] for s in shards], dim=spec.dim)
+        assert spec.full_size is not None, f"{name}: a split parameter records its full size"
         if cat.shape[spec.dim] < spec.full_size:
             raise RuntimeError(f"merge_tp_shards: {name} gathers to {cat.shape[spec.dim]} along dim {spec.dim}, "
                                f"expected at least {spec.full_size}")

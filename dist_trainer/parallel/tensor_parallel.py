@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model import Transformer
+from dist_trainer.model import Transformer, set_attrs
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp_comms import enter_tp_region, gather_from_sequence, gather_from_tp, scatter_to_sequence
@@ -122,6 +123,7 @@ class Colwise(Style):
     """Column-parallel inside an already entered region (the parent applied EnterRegion)."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        assert isinstance(module, nn.Linear), type(module)
         return ColumnParallelLinear(module, ctx.group, copy_input=False, sequence_parallel=ctx.sequence_parallel)
 
 
@@ -132,16 +134,19 @@ class KVColwise(Style):
         cfg = ctx.cfg
         if cfg.kv_heads % ctx.group.size == 0:
             return Colwise().apply(module, ctx)
+        assert isinstance(module, nn.Linear), type(module)
         return ReplicatedKVLinear(module, ctx.group, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
 
 
 class Rowwise(Style):
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        assert isinstance(module, nn.Linear), type(module)
         return RowParallelLinear(module, ctx.group, input_is_parallel=True, sequence_parallel=ctx.sequence_parallel)
 
 
 class VocabEmbedding(Style):
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        assert isinstance(module, nn.Embedding), type(module)
         return VocabParallelEmbedding(module, ctx.group, reduce_scatter_output=ctx.embed_reduce_scatter)
 
 
@@ -217,12 +222,18 @@ def apply_tensor_parallel(model: Transformer, state: ParallelState, sequence_par
                     parent, _, child = name.rpartition(".")
                     setattr(model.get_submodule(parent), child, new)
                     module = new
-    model.tp_context = ctx
-    model.logits = types.MethodType(_tp_logits, model)
-    model.forward = types.MethodType(_tp_forward, model)
+    set_attrs(model, tp_context=ctx, logits=types.MethodType(_tp_logits, model),
+              forward=types.MethodType(_tp_forward, model))
     if sequence_parallel and model.pooler is not None:
-        model.pool = types.MethodType(_sp_pool(type(model).pool), model)
+        set_attrs(model, pool=types.MethodType(_sp_pool(Transformer.pool), model))
     return model
+
+
+def tp_context(model: nn.Module) -> TPContext:
+    """The TPContext ``apply_tensor_parallel`` stored on ``model``."""
+    ctx = getattr(model, "tp_context", None)
+    assert isinstance(ctx, TPContext), "the model is not tensor-parallel (apply_tensor_parallel was not applied)"
+    return ctx
 
 
 def _tp_logits(self: Transformer, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +241,7 @@ def _tp_logits(self: Transformer, x: torch.Tensor) -> torch.Tensor:
 
     The head input passes through ``f`` (or the SP all-gather) and meets the local
     vocabulary rows of the head, or of the shared embedding when tied."""
-    ctx: TPContext = self.tp_context
+    ctx = tp_context(self)
     if self.final_norm is not None:
         x = self.final_norm(x)
     x = enter_tp_region(x, ctx.group, ctx.sequence_parallel)
@@ -243,13 +254,14 @@ def _tp_forward(self: Transformer, tokens: torch.Tensor, targets: torch.Tensor |
     local = self.logits(self.run_layers(self.embed(tokens, token_types)))
     if targets is not None:
         return self.loss(local, targets)
-    return gather_from_tp(local, self.tp_context.group)[..., : self.cfg.vocab_size]
+    return gather_from_tp(local, tp_context(self).group)[..., : self.cfg.vocab_size]
 
 
-def _sp_pool(pool: types.FunctionType) -> types.FunctionType:
+def _sp_pool(pool: Callable[[Transformer, torch.Tensor], torch.Tensor]
+             ) -> Callable[[Transformer, torch.Tensor], torch.Tensor]:
     """Under SP the last hidden state is a sequence shard: gather it before pooling token 0."""
 
     def sp_pool(self: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-        return pool(self, gather_from_sequence(hidden, self.tp_context.group))
+        return pool(self, gather_from_sequence(hidden, tp_context(self).group))
 
     return sp_pool

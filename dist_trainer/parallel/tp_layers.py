@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_trainer.model import IGNORE_INDEX
+from dist_trainer.model import IGNORE_INDEX, set_attrs
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.tp_comms import (
     enter_tp_region,
@@ -53,15 +53,14 @@ def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 
 def sharded_param(full: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
     p = nn.Parameter(shard_of(full.detach(), dim, group.rank, group.size))
-    p.tp_split_dim = dim
-    p.tp_full_size = full.shape[dim]
+    set_attrs(p, tp_split_dim=dim, tp_full_size=full.shape[dim])
     return p
 
 
 def mark_partial_grad(p: nn.Parameter | None, group: AxisGroup) -> None:
     """Flag a replicated parameter whose per-rank gradient is a partial sum over TP."""
     if p is not None and group.size > 1:
-        p.tp_reduce_grad = True
+        set_attrs(p, tp_reduce_grad=True)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -153,6 +152,7 @@ class ReplicatedKVLinear(nn.Module):
         q_local = n_heads // group.size
         kv_of_q = [(group.rank * q_local + j) // (n_heads // n_kv_heads) for j in range(q_local)]
         self.kv_lo, self.kv_hi = kv_of_q[0], kv_of_q[-1] + 1
+        self.head_index: torch.Tensor
         self.register_buffer("head_index", torch.tensor([k - self.kv_lo for k in kv_of_q]), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

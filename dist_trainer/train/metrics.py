@@ -6,7 +6,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 import torch
@@ -61,7 +61,7 @@ class MetricsLogger:
     def __init__(self, cfg: Config, out_dir: Path, enabled: bool, total_steps: int, start_step: int) -> None:
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
-        self._file = None
+        self._file: TextIO | None = None
         self._bar = None
         self._wandb = None
         if not enabled:
@@ -73,7 +73,8 @@ class MetricsLogger:
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self._wandb = wandb.init(
-                project=cfg.wandb.project, name=cfg.wandb.run_name or out_dir.name, mode=cfg.wandb.mode,
+                project=cfg.wandb.project, name=cfg.wandb.run_name or out_dir.name,
+                mode=cfg.wandb.mode,  # type: ignore[arg-type]  # validated: offline | online | disabled
                 dir=str(out_dir), config=cfg.to_dict(), resume="allow",
             )
         if cfg.train.progress:
@@ -84,6 +85,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb is not None:

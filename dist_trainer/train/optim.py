@@ -15,7 +15,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     Parameters are listed in ``named_parameters`` order so every regime builds the same groups.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
