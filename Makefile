@@ -18,6 +18,10 @@ export OMP_NUM_THREADS ?= 1
 NPROC ?= 2
 DEMO_DATA ?= data/default
 DEMO_RUN ?= configs/runs/demo.yaml
+DEMO_OUT ?= runs/demo
+# Appended to the demo's prepare and train commands (tests/test_doc_commands.py scales the demo down with them).
+PREPARE_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: venv demo test lint clean
 
@@ -26,16 +30,19 @@ venv:
 	@scripts/install.sh $(VENV) dev
 
 demo: venv
-	$(BIN)/dist-trainer prepare --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12000000
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m dist_trainer.cli train --config $(DEMO_RUN)
-	$(BIN)/dist-trainer generate --checkpoint runs/demo --prompt "def main(" --max-new-tokens 80
+	$(BIN)/dist-trainer prepare --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12000000 $(PREPARE_ARGS)
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m dist_trainer.cli train --config $(DEMO_RUN) \
+		--data.path=$(DEMO_DATA) --train.out_dir=$(DEMO_OUT) $(DEMO_ARGS)
+	$(BIN)/dist-trainer generate --checkpoint $(DEMO_OUT) --prompt "def main(" --max-new-tokens 80
 
 test: venv
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf runs .tmp .pytest_cache

@@ -8,11 +8,12 @@ TP and PP (2 gloo ranks, the real Trainer, tests/planner_regime_measure.py): per
 (one micro-batch under TP, the whole schedule step under PP) and the peak RSS growth of building the Trainer
 and running two steps, each next to predict_rank_memory for the same layout. ZeRO: the memory-experiment.
 
-    python benchmarks/planner_accuracy.py
+    python benchmarks/planner_accuracy.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import sysconfig
 import tempfile
@@ -86,10 +87,15 @@ def regimes() -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="one model and no multi-rank rows (a smoke run: the documentation test uses it)")
+    args = parser.parse_args()
+    models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     print(f"activation bytes per micro-batch (b={BATCH}, s={SEQ}), predicted vs measured on CPU")
     print(f"{'model':<14}{'recompute':<10}{'precision':<10}{'kernel':<7}{'predicted':>12}{'measured':>12}{'ratio':>10}")
     worst = 0.0
-    for name, cfg in MODELS.items():
+    for name, cfg in models.items():
         for ckpt in ("none", "full"):
             for precision in ("fp32", "amp_bf16"):
                 for math in (False, True):
@@ -107,7 +113,8 @@ def main() -> None:
                     worst = max(worst, abs(ratio - 1))
                     print(f"{name:<14}{ckpt:<10}{precision:<10}{kernel:<7}{pred:>12,}{measured:>12,}{ratio:>10.6f}")
     print(f"largest |ratio - 1|: {worst:.2e}")
-    regimes()
+    if not args.quick:
+        regimes()
     big = ModelConfig(vocab_size=51200, d_model=25600, n_layers=128, n_heads=160, max_seq_len=2048)
     start = time.perf_counter()
     res = plan_layouts(big, n_gpus=3072, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=2048,

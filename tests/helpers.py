@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from dist_trainer.config import Config, config_from_dict
+from dist_trainer.train.trainer import TrainResult
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -29,7 +30,8 @@ def tiny_config(data: Path, out_dir: Path, **sections: dict) -> Config:
         "parallel": {"micro_batch_size": 4, "global_batch_size": 8},
         "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2},
         "data": {"path": str(data), "seq_len": TINY_SEQ},
-        "train": {"max_steps": 10, "out_dir": str(out_dir), "eval_every": 0, "save_every": 0,
+        # evaluation and checkpoints stay on, as in a user's run: every parity test goes through them
+        "train": {"max_steps": 10, "out_dir": str(out_dir), "eval_every": 5, "eval_batches": 2, "save_every": 5,
                   "progress": False, "seed": 7},
         "wandb": {"mode": "disabled"},
     }
@@ -41,6 +43,25 @@ def tiny_config(data: Path, out_dir: Path, **sections: dict) -> Config:
 def relative_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def curves(result: TrainResult) -> dict[str, dict[int, float]]:
+    """A run's training and evaluation losses by step (picklable, for multi-rank tests)."""
+    return {"losses": dict(result.losses), "eval": dict(result.eval_losses)}
+
+
+def assert_same_curves(got: dict[str, dict[int, float]], ref: dict[str, dict[int, float]], tol: float = 1e-5,
+                       what: str = "") -> None:
+    """Training losses and eval losses of ``got`` equal ``ref``'s at every step, relative difference <= tol.
+
+    Both runs must have evaluated (the eval path is part of every regime), at the same steps."""
+    assert sorted(got["losses"]) == sorted(ref["losses"]), (what, sorted(got["losses"]), sorted(ref["losses"]))
+    assert ref["eval"] and sorted(got["eval"]) == sorted(ref["eval"]), (what, sorted(got["eval"]), sorted(ref["eval"]))
+    steps = sorted(ref["losses"])
+    train = relative_diff([got["losses"][s] for s in steps], [ref["losses"][s] for s in steps])
+    evals = sorted(ref["eval"])
+    ev = relative_diff([got["eval"][s] for s in evals], [ref["eval"][s] for s in evals])
+    assert train <= tol and ev <= tol, (what, f"train {train:.2e}", f"eval {ev:.2e}")
 
 
 def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -29,17 +29,22 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path = ROOT) -> subprocess.Co
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+# evaluation and a checkpoint inside the launched runs, as in a user's run
+TRAIN = {"max_steps": STEPS, "eval_every": STEPS, "save_every": STEPS}
+
+
 @pytest.fixture(scope="module")
 def reference_losses(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """One process, 2 micro-batches of 4 per step: the losses every 2-rank launch must reproduce."""
+    """One process, 2 micro-batches of 4 per step: the losses (and, last, the eval loss after the last step)
+    every 2-rank launch must reproduce."""
     out = tmp_path_factory.mktemp("single")
-    result = Trainer(tiny_config(tiny_data, out, train={"max_steps": STEPS})).train()
-    return [result.losses[s] for s in sorted(result.losses)]
+    result = Trainer(tiny_config(tiny_data, out, train=TRAIN)).train()
+    return [result.losses[s] for s in sorted(result.losses)] + [result.eval_losses[STEPS]]
 
 
 def _write_config(tiny_data: Path, tmp_path: Path) -> tuple[Path, Path]:
     out = tmp_path / "run"
-    cfg = tiny_config(tiny_data, out, train={"max_steps": STEPS, "save_every": STEPS})
+    cfg = tiny_config(tiny_data, out, train=TRAIN)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     return path, out
@@ -52,7 +57,7 @@ def _check_run(proc: subprocess.CompletedProcess[str], out: Path, reference: lis
     assert f"world 2 ({launcher})" in proc.stdout + proc.stderr, log
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert relative_diff([r["loss"] for r in records], reference) <= 1e-5
+    assert relative_diff([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference) <= 1e-5
     step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((step / "meta.json").read_text())
     assert meta["step"] == STEPS and meta["layout"]["world"] == 2 and meta["layout"]["dp"] == dp

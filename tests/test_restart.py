@@ -127,7 +127,7 @@ def test_torchrun_restarts_after_a_worker_is_killed_and_resumes_exactly(tiny_dat
     # And every step of the restarted generation equals an uninterrupted run of the same global batch
     # (one process, 2 micro-batches: DDP over 2 ranks sums the same gradients; fp32 summation order differs).
     reference = Trainer(tiny_config(tiny_data, tmp_path / "reference",
-                                    train={"max_steps": RESTART_STEPS, "save_every": 0})).train().losses
+                                    train={"max_steps": RESTART_STEPS})).train().losses
     after = sorted(again)
     assert relative_diff([again[s] for s in after], [reference[s - 1] for s in after]) <= 1e-5
     assert relative_diff([first[s] for s in sorted(first)], [reference[s - 1] for s in sorted(first)]) <= 1e-5

@@ -12,26 +12,26 @@ from dist_trainer.testing import run_distributed
 from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.generate import generate_text, load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import relative_diff, tiny_config
+from tests.helpers import assert_same_curves, curves, tiny_config
 
 
-def _train_losses(rank: int, world_size: int, data: Path, out: Path, sections: dict) -> list[float]:
-    trainer = Trainer(tiny_config(data, out, **sections))
-    result = trainer.train()
-    return [result.losses[s] for s in sorted(result.losses)]
+def _train_curves(rank: int, world_size: int, data: Path, out: Path, sections: dict) -> dict:
+    return curves(Trainer(tiny_config(data, out, **sections)).train())
 
 
 def test_ddp_two_ranks_equals_one_process(tiny_data: Path, tmp_path: Path) -> None:
     """Same global batch of 8: one process (2 micro-batches of 4) vs 2 DDP ranks, with and without
-    accumulation on each rank. fp32, 10 steps, relative difference <= 1e-5."""
-    single = _train_losses(0, 1, tiny_data, tmp_path / "single", {})
-    ddp = run_distributed(_train_losses, 2, (tiny_data, tmp_path / "ddp", {}))
-    ddp_accum = run_distributed(_train_losses, 2, (tiny_data, tmp_path / "ddp_accum",
+    accumulation on each rank. fp32, 10 steps, evaluation every 5 and checkpoints on: training and eval
+    losses within relative 1e-5."""
+    single = _train_curves(0, 1, tiny_data, tmp_path / "single", {})
+    ddp = run_distributed(_train_curves, 2, (tiny_data, tmp_path / "ddp", {}))
+    ddp_accum = run_distributed(_train_curves, 2, (tiny_data, tmp_path / "ddp_accum",
                                                    {"parallel": {"micro_batch_size": 2}}))
-    assert len(single) == 10 and single[-1] < single[0]
-    assert ddp[0] == ddp[1]  # every rank reports the same (dp-averaged) loss
-    assert relative_diff(ddp[0], single) <= 1e-5
-    assert relative_diff(ddp_accum[0], single) <= 1e-5
+    assert len(single["losses"]) == 10 and single["losses"][9] < single["losses"][0]
+    assert sorted(single["eval"]) == [0, 5, 10] and single["eval"][10] < single["eval"][0]
+    assert ddp[0] == ddp[1]  # every rank reports the same (dp-averaged) losses
+    assert_same_curves(ddp[0], single, what="ddp")
+    assert_same_curves(ddp_accum[0], single, what="ddp+accumulation")
 
 
 def test_resume_is_bitwise_exact(tiny_data: Path, tmp_path: Path) -> None:

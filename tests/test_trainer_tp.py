@@ -14,7 +14,7 @@ import yaml
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import relative_diff, tiny_config
+from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
 
 # A Llama-style tiny model: GQA (2 kv heads), swiglu, rope, rmsnorm, untied, no bias; a vocabulary
 # of 512 is divisible by 2 and 4, so the padded-vocab path is covered by the layer tests instead.
@@ -22,20 +22,20 @@ LLAMA = {"n_kv_heads": 2, "activation": "swiglu", "pos_embedding": "rope", "norm
          "bias": False, "tie_embeddings": False}
 
 
-def _run(rank: int, world: int, data: Path, out: Path, sections: dict) -> dict[int, float]:
-    return Trainer(tiny_config(data, out, **sections)).train().losses
+def _run(rank: int, world: int, data: Path, out: Path, sections: dict) -> dict:
+    return curves(Trainer(tiny_config(data, out, **sections)).train())
 
 
 def test_trainer_tp_and_tp_dp_match_single_process(tiny_data: Path, tmp_path: Path) -> None:
+    """Training and eval losses (evaluation every 5 steps, checkpoints on) equal one process's."""
     sections = {"model": LLAMA, "optim": {"lr": 3e-3}}
     single = _run(0, 1, tiny_data, tmp_path / "single", sections)
     tp2_sp = run_distributed(_run, 2, (tiny_data, tmp_path / "tp2", {
         **sections, "parallel": {"tp_size": 2, "sequence_parallel": True}}))[0]
     tp2_dp2 = run_distributed(_run, 4, (tiny_data, tmp_path / "tp2dp2", {
         **sections, "parallel": {"tp_size": 2}}))[0]
-    ref = [single[s] for s in range(10)]
-    assert relative_diff([tp2_sp[s] for s in range(10)], ref) <= 1e-5
-    assert relative_diff([tp2_dp2[s] for s in range(10)], ref) <= 1e-5
+    assert_same_curves(tp2_sp, single, what="tp2+sp")
+    assert_same_curves(tp2_dp2, single, what="tp2 x dp2")
 
 
 def _save_then_continue(rank: int, world: int, data: Path, out: Path, tp: int) -> dict[int, float]:
@@ -47,7 +47,7 @@ def _save_then_continue(rank: int, world: int, data: Path, out: Path, tp: int) -
 
 def _resume_at(rank: int, world: int, data: Path, out: Path, tp: int) -> dict[int, float]:
     sections = {"model": LLAMA, "optim": {"lr": 3e-3}, "parallel": {"tp_size": tp},
-                "train": {"max_steps": 5, "save_every": 0, "resume": True, "out_dir": str(out)}}
+                "train": {"max_steps": 5, "save_every": 5, "resume": True, "out_dir": str(out)}}
     trainer = Trainer(tiny_config(data, out, **sections))
     assert trainer.step == 3, trainer.step
     return trainer.train().losses

@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--tp", type=int, default=1)
     m.add_argument("--pp", type=int, default=1)
     m.add_argument("--dp", type=int, default=1)
-    m.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (parallel.zero_stage)")
     m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
     m.add_argument("--micro-batch", type=int, default=1)
     m.add_argument("--microbatches", type=int, default=1, help="micro-batches per DP rank per step")
@@ -183,5 +184,6 @@ def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: in
     # absolute paths: launch.sh runs from any folder (the images keep the scripts in /opt/dist_trainer/launch)
     cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str((out / "run.yaml").resolve()),
                          launch_dir=str(LAUNCH_DIR))
-    (out / "launch.sh").write_text(f"#!/usr/bin/env bash\n# {describe(best.layout)}\nset -euo pipefail\n{cmd}\n")
+    # extra arguments are the trainer's overrides: `bash plan/launch.sh --train.max_steps=100`
+    (out / "launch.sh").write_text(f"#!/usr/bin/env bash\n# {describe(best.layout)}\nset -euo pipefail\n{cmd} \"$@\"\n")
     (out / "launch.sh").chmod(0o755)

@@ -1,0 +1,217 @@
+"""Every command the README, docs/launching.md and docs/planner.md show, run as a user would type it.
+
+The test reads the documents themselves: each command of a fenced ``bash`` block (continuation lines
+joined, trailing comments dropped) runs in a scratch workspace that looks like a checkout (configs/,
+launch/, benchmarks/, the Makefile and .venv linked in), in document order, so `generate` reads the
+checkpoint the README's own training lines wrote and the trainer reads the data the README's own
+`prepare` line wrote. Commands are scaled down only by arguments appended to them (a few steps with
+evaluation and a checkpoint inside them; less text to tokenize; one benchmark round), and must exit 0;
+a failure names the document line. A command that needs what this machine does not have (a cluster,
+Docker, GPUs) is listed in NOT_RUN with the reason; a command no rule knows fails the test, so a new
+line in a document is run (or explained) without anyone remembering to add it here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, subprocess_env
+
+DOCS = ("README.md", "docs/launching.md", "docs/planner.md")
+LINKED = ("configs", "launch", "benchmarks", "scripts", "requirements", "Makefile", "pyproject.toml", ".venv")
+
+# 2 optimizer steps, evaluation and a checkpoint at step 2 (one global batch of validation text)
+TRAIN_SCALE = "--train.max_steps=2 --train.eval_every=2 --train.save_every=2 --train.eval_batches=1"
+PREPARE_SCALE = "--max-bytes 1000000"  # 1 MB of text instead of 12 MB
+SUMMARY = ("=== dist-trainer summary ===", "eval loss")  # what every training command prints on rank 0
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    doc: str
+    line: int
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """How to run a command: arguments appended, text its output must contain, a follow-up check."""
+
+    append: str = ""
+    expect: tuple[str, ...] = ()
+    then: Callable[[Path, dict[str, str]], None] | None = field(default=None, compare=False)
+    timeout: int = 600
+
+
+def _strip_comment(line: str) -> str:
+    """Drop a trailing ``# comment`` that is outside quotes and follows whitespace."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def doc_commands(doc: str) -> list[DocCommand]:
+    """The commands of every ```bash block of ``doc``, continuation lines joined, comments dropped."""
+    commands: list[DocCommand] = []
+    in_block, text, start = False, "", 0
+    for n, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_block = not in_block and line[3:].strip() in ("bash", "sh")
+            continue
+        if not in_block:
+            continue
+        body = _strip_comment(line)
+        if not text and not body.strip():
+            continue
+        if not text:
+            start = n
+        if body.endswith("\\"):
+            text += body[:-1].strip() + " "
+            continue
+        commands.append(DocCommand(doc, start, (text + body.strip()).strip()))
+        text = ""
+    return commands
+
+
+# ---------------------------------------------------------------- what is not run here, and why
+
+NOT_RUN: list[tuple[str, str]] = [
+    (r"^make test\b", "the suite itself: CI runs it through .ci/run"),
+    (r"^docker ", "needs a Docker engine (none here); tests/test_docker.py lints both images and their install path"),
+    (r"\bsbatch\b", "needs a SLURM cluster; tests/test_launch.py runs launch/slurm.sbatch with stand-in srun/scontrol"),
+    (r"NNODES=2|--num_machines 2|NO_SSH=1|HOSTFILE=",
+     "needs several hosts; tests/test_multinode.py runs torchrun.sh and deepspeed.sh on two network namespaces"),
+    (r"^launch/deepspeed\.sh --config", "a GPU node (one process per GPU); on CPU the launcher needs NUM_GPUS=N, "
+                                         "the next line of the document, which runs"),
+    (r"pytest tests/test_multinode\.py", "a test of this suite (needs root for network namespaces); make test runs it"),
+]
+
+
+# ---------------------------------------------------------------- how the others run
+
+
+def _run_small_plan(ws: Path, env: dict[str, str]) -> None:
+    """The same `plan --out` for a world this machine has, then the launch.sh it wrote (one node, 2 processes)."""
+    out = ws / "plan-small"
+    _shell(f"dist-trainer plan --model tiny --gpus 2 --gpus-per-node 2 --gpu-memory-gb 4 --hardware cpu "
+           f"--seq-len 128 --global-batch 16 --out {out}", ws, env)
+    proc = _shell(f"bash {out}/launch.sh {TRAIN_SCALE} --train.out_dir=runs/plan-small", ws, env)
+    for text in SUMMARY:
+        assert text in proc.stdout, f"plan-small/launch.sh: {text!r} not printed\n{proc.stdout[-2000:]}"
+
+
+def _check_export(ws: Path, env: dict[str, str]) -> None:
+    assert (ws / "export" / "model.safetensors").is_file() and (ws / "export" / "config.json").is_file()
+
+
+def _check_memory_experiment(ws: Path, env: dict[str, str]) -> None:
+    rows = json.loads((ws / "runs" / "zero_memory" / "memory.json").read_text())
+    assert rows, "memory.json is empty"
+
+
+RUN: list[tuple[str, Run]] = [
+    (r"^make demo\b", Run(append=f'PREPARE_ARGS="{PREPARE_SCALE}" DEMO_ARGS="{TRAIN_SCALE}"', expect=SUMMARY)),
+    (r"^dist-trainer prepare\b", Run(append=PREPARE_SCALE)),
+    (r"--train\.resume=true", Run(append=f"{TRAIN_SCALE} --train.max_steps=4", expect=SUMMARY)),
+    (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
+     Run(append=TRAIN_SCALE, expect=SUMMARY)),
+    (r"^dist-trainer export\b", Run(then=_check_export)),
+    (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
+    (r"^dist-trainer (generate|params|memory|plan)\b", Run()),
+    (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
+    (r"benchmarks/(trainer_overhead|zero_overhead)\.py", Run(append="--steps 3 --rounds 1")),
+    (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
+    (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
+]
+
+
+def rule_for(command: DocCommand) -> Run | str | None:
+    """The Run for ``command``, the reason it is not run here (a str), or None when no rule knows it."""
+    for pattern, reason in NOT_RUN:
+        if re.search(pattern, command.text):
+            return reason
+    for pattern, run in RUN:
+        if re.search(pattern, command.text):
+            return run
+    return None
+
+
+ALL = [c for doc in DOCS for c in doc_commands(doc)]
+RUNNABLE = [c for c in ALL if isinstance(rule_for(c), Run)]
+
+
+def _shell(command: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (f"`{command}` exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                                  f"stderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """A folder that looks like a checkout, with the inputs the documents' commands name."""
+    ws = tmp_path_factory.mktemp("docs")
+    for name in LINKED:
+        (ws / name).symlink_to(ROOT / name)
+    # `dist-trainer prepare --input corpus/ more.jsonl`: a folder of text and a JSONL file
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (ws / "corpus").mkdir()
+    for name in ("textwrap.py", "shlex.py", "glob.py"):
+        shutil.copy(stdlib / name, ws / "corpus" / name)
+    (ws / "more.jsonl").write_text("".join(json.dumps({"text": (stdlib / n).read_text()}) + "\n"
+                                          for n in ("fnmatch.py", "bisect.py")))
+    # `--config run.yaml` (docs/launching.md): a user's run config; the demo's is one
+    shutil.copy(ROOT / "configs" / "runs" / "demo.yaml", ws / "run.yaml")
+    env = subprocess_env(ws, TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"))
+    env.pop("WANDB_MODE")  # the default a user gets: offline, under the run folder
+    env.update(WANDB_CACHE_DIR=str(ws / ".wandb-cache"), WANDB_CONFIG_DIR=str(ws / ".wandb-config"))
+    return ws, env
+
+
+def test_every_documented_command_is_run_or_says_why_not() -> None:
+    """Each command of the documents has a rule; those not run here are listed with their reason."""
+    unknown = [c.where + ": " + c.text for c in ALL if rule_for(c) is None]
+    assert not unknown, "commands no rule in tests/test_doc_commands.py knows (add one):\n" + "\n".join(unknown)
+    assert len(RUNNABLE) >= 25, len(RUNNABLE)  # the documents' runnable commands are found, not silently dropped
+    for c in ALL:
+        rule = rule_for(c)
+        if isinstance(rule, str):
+            print(f"not run: {c.where}: {c.text}\n    because {rule}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", RUNNABLE, ids=[c.where for c in RUNNABLE])
+def test_documented_command_runs(command: DocCommand, workspace: tuple[Path, dict[str, str]]) -> None:
+    ws, env = workspace
+    rule = rule_for(command)
+    assert isinstance(rule, Run)
+    line = f"{command.text} {rule.append}".strip()
+    proc = subprocess.run(["bash", "-c", line], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=rule.timeout)
+    tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{command.where}: `{line}` exited {proc.returncode}\n{tail}"
+    for text in rule.expect:
+        assert text in proc.stdout, f"{command.where}: `{line}` did not print {text!r}\n{tail}"
+    if rule.then is not None:
+        rule.then(ws, env)
+    last = next((x for x in reversed(proc.stdout.splitlines()) if x.strip()), "")
+    print(f"{command.where}: {command.text}\n    last output: {last}")
