@@ -52,6 +52,21 @@ def test_zero_accumulation_equals_single_process(single: dict, tiny_data: Path, 
     assert_same_curves(zero[0], single, what="zero2+accumulation")
 
 
+def test_zero3_on_three_ranks_with_and_without_evaluation(tiny_data: Path, tmp_path: Path) -> None:
+    """A dp size the pre-launch check accepts runs whether evaluation is on or off: 3 ranks, global batch 12
+    (2 micro-batches of 2 each); the eval set (train.eval_batches global batches) is only built when used."""
+    sections = {"parallel": {"global_batch_size": 12, "micro_batch_size": 2},
+                "train": {"max_steps": 4, "eval_every": 2, "save_every": 2}}
+    ref = _curves(0, 1, tiny_data, tmp_path / "single", sections)
+    on = run_distributed(_curves, 3, (tiny_data, tmp_path / "on", {**sections, "parallel": {
+        **sections["parallel"], "zero_stage": 3}}), env=DS_ENV)[0]
+    assert_same_curves(on, ref, what="zero3 dp3, eval on")
+    off = run_distributed(_curves, 3, (tiny_data, tmp_path / "off", {
+        "parallel": {**sections["parallel"], "zero_stage": 3}, "train": {**sections["train"], "eval_every": 0}}),
+        env=DS_ENV)[0]
+    assert off["eval"] == {} and off["losses"] == on["losses"]
+
+
 def test_zero_stages_run_on_one_process(single: dict, tiny_data: Path, tmp_path: Path) -> None:
     """`dist-trainer train --parallel.zero_stage=N` without a launcher: the trainer gives DeepSpeed a one-rank
     process group; the logged losses and eval losses are the single-process run's."""
