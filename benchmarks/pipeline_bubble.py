@@ -31,8 +31,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dist_trainer.config import ModelConfig, ParallelConfig  # noqa: E402
-from dist_trainer.parallel.pipeline import split_into_stages  # noqa: E402
-from dist_trainer.parallel.pp_schedule import build_schedule, peak_in_flight, trace_actions  # noqa: E402
+from dist_trainer.parallel.pipeline.schedule import build_schedule, peak_in_flight, trace_actions  # noqa: E402
+from dist_trainer.parallel.pipeline.split import split_into_stages  # noqa: E402
 from dist_trainer.parallel.state import ParallelState  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 

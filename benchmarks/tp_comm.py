@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dist_trainer.config import ModelConfig, ParallelConfig, model_config  # noqa: E402
 from dist_trainer.model import build_model  # noqa: E402
-from dist_trainer.parallel.grad import clip_grad_norm_, finalize_tp_grads  # noqa: E402
 from dist_trainer.parallel.state import ParallelState  # noqa: E402
-from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from dist_trainer.parallel.tp.apply import apply_tensor_parallel  # noqa: E402
+from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
 TP = 2

@@ -28,7 +28,7 @@ from dist_trainer.config import config_from_dict  # noqa: E402
 from dist_trainer.data.dataset import TokenDataset  # noqa: E402
 from dist_trainer.data.sampler import GlobalBatchSampler  # noqa: E402
 from dist_trainer.model import build_model  # noqa: E402
-from dist_trainer.train.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from dist_trainer.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from dist_trainer.train.trainer import Trainer  # noqa: E402
 
 

@@ -48,7 +48,7 @@ def raw_deepspeed(rank: int, world_size: int, cfg_dict: dict) -> float:
     from dist_trainer.data.dataset import TokenDataset
     from dist_trainer.data.sampler import GlobalBatchSampler
     from dist_trainer.model import build_model
-    from dist_trainer.train.optim import build_optimizer
+    from dist_trainer.optim import build_optimizer
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False  # as ZeroEngine
     cfg = build(cfg_dict).validate()

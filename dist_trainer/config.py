@@ -163,8 +163,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp_size={self.dp_size} must be >= 1 or unset")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        if self.zero_offload and self.zero_stage == 0:
-            raise ValueError("parallel.zero_offload=true needs parallel.zero_stage 1, 2 or 3")
         _choice(self, "activation_checkpointing", CHECKPOINTING)
         _choice(self, "pp_schedule", PP_SCHEDULES)
         _choice(self, "pp_balance", ("layers", "params"))
@@ -290,8 +288,6 @@ class Config:
                 f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={self.data.seq_len} "
                 f"must be divisible by parallel.tp_size={tp}"
             )
-        if self.train.precision == "fp16" and self.train.device == "cpu":
-            raise ValueError("train.precision=fp16 needs a CUDA device (dynamic loss scaling); use bf16 on CPU")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The one model definition: GPT-2, Llama and BERT families from one ModelConfig.
 
 Pure torch: nothing here knows how it is parallelised. Regimes rewrite modules by
-name (``parallel/tensor_parallel.py``), split ``layers`` into stages
-(``parallel/pipeline.py``) or hand the module to DeepSpeed. The loss is a module
+name (``parallel/tp/apply.py``), split ``layers`` into stages
+(``parallel/pipeline/split.py``) or hand the module to DeepSpeed. The loss is a module
 (``self.loss``) so that tensor parallelism can swap in a vocab-parallel one.
 
 Module names (the TP plan refers to them):

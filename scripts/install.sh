@@ -7,8 +7,11 @@
 # never an accidental multi-GB CUDA build), then DeepSpeed without build isolation (its
 # setup.py imports torch), then this package in editable mode.
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Physical paths (cd -P): run through a symlinked copy of the tree (tests/test_doc_commands.py's workspace), it
+# still installs this checkout into the real venv, and console scripts get the real interpreter's path.
+here="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$here/.venv}"
+if [ -e "$venv" ]; then venv="$(cd -P "$venv" && pwd)"; fi
 extras="${2-dev}"
 constraints="${DIST_TRAINER_CONSTRAINTS:-$here/requirements/constraints.txt}"
 python="${PYTHON:-python3}"

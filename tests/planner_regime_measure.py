@@ -102,14 +102,6 @@ class _Holder:
         self.tensor = tensor
 
 
-def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel() > 0:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def case_config(data: Path, out: Path, sections: dict) -> Config:
     """tiny_config with the case's sections; a "data" section (tiny_config's own argument name) merged after."""
     sections = dict(sections)
@@ -138,11 +130,7 @@ def measure_case(data: Path, out: Path, sections: dict) -> dict:
             engine.forward_backward(step_batches[:1])
         else:  # the whole schedule step: the stage's peak over its in-flight micro-batches
             engine.forward_backward(step_batches)
-    params = list(engine.model.parameters())
-    grads = _unique_bytes(p.grad for p in params)
-    moments = [v for s in engine.optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.ndim > 0]  # Adam's "step" is a scalar per parameter
-    measured = {"params": _unique_bytes(params), "grads": grads, "optimizer": _unique_bytes(moments)}
+    measured = dict(engine.owned_state_bytes())  # params, grads (all alive after backward), AdamW moments
     measured["model_states"] = measured["params"] + measured["grads"] + measured["optimizer"]
     measured["activations"] = tracker.peak
     engine.optimizer.zero_grad(set_to_none=True)

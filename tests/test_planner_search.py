@@ -70,7 +70,7 @@ def test_emitted_config_loads_and_resolves() -> None:
     assert loaded.parallel.resolve(16) == best.layout.dp_size
     assert loaded.model.n_layers == cfg.n_layers
     zero = next(p for p in res.layouts if p.layout.zero_stage > 0)
-    ds = deepspeed_config_dict(zero.layout)
+    ds = deepspeed_config_dict(cfg, zero.layout, seq_len=1024)
     assert ds is not None and ds["zero_optimization"]["stage"] == zero.layout.zero_stage
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
         zero.layout.dp_size

@@ -20,11 +20,11 @@ CASES = [(2, 1, "1f1b", True), (2, 1, "gpipe", False), (1, 2, "1f1b", True)]
 
 
 def _run(rank: int, world_size: int, cases: list) -> list[list[float] | None]:
-    from dist_trainer.parallel.grad import finalize_tp_grads
-    from dist_trainer.parallel.pipeline import split_into_stages
-    from dist_trainer.parallel.pp_schedule import build_schedule
+    from dist_trainer.parallel.pipeline.schedule import build_schedule
+    from dist_trainer.parallel.pipeline.split import split_into_stages
     from dist_trainer.parallel.state import ParallelState
-    from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel
+    from dist_trainer.parallel.tp.apply import apply_tensor_parallel
+    from dist_trainer.parallel.tp.grad import finalize_tp_grads
 
     out = []
     for tp, dp, schedule_name, tied in cases:

@@ -53,8 +53,8 @@ def _reference(tied: bool) -> list[float]:
 
 
 def _pipelined(rank: int, world_size: int, cases: list) -> list[list[float] | None]:
-    from dist_trainer.parallel.pipeline import split_into_stages
-    from dist_trainer.parallel.pp_schedule import build_schedule
+    from dist_trainer.parallel.pipeline.schedule import build_schedule
+    from dist_trainer.parallel.pipeline.split import split_into_stages
     from dist_trainer.parallel.state import ParallelState
 
     state = ParallelState.build(ParallelConfig(pp_size=world_size))

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dist_trainer.config import ModelConfig, ParallelConfig
-from dist_trainer.parallel.pipeline import split_into_stages
-from dist_trainer.parallel.pp_schedule import validate_pipeline
+from dist_trainer.layout_rules import check_schedule
+from dist_trainer.parallel.pipeline.split import split_into_stages
 from dist_trainer.testing import run_distributed
 
 SEQ, BATCH = 16, 12
@@ -30,7 +30,7 @@ def _cfg() -> ModelConfig:
 
 
 def _traces(rank: int, world_size: int) -> list[dict]:
-    from dist_trainer.parallel.pp_schedule import build_schedule, peak_in_flight, trace_actions
+    from dist_trainer.parallel.pipeline.schedule import build_schedule, peak_in_flight, trace_actions
     from dist_trainer.parallel.state import ParallelState
 
     state = ParallelState.build(ParallelConfig(pp_size=world_size))
@@ -110,7 +110,7 @@ def test_multi_stage_schedules_follow_their_pipeline_order(traces: list[list[dic
 ])
 def test_bad_schedule_input_raises(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        validate_pipeline(**kwargs)
+        check_schedule(**kwargs)
 
 
 def test_too_few_layers_and_bad_stage_layers_raise() -> None:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import layers_per_stage
 from dist_trainer.model import build_model
-from dist_trainer.parallel.pipeline import layers_per_stage, split_into_stages
+from dist_trainer.parallel.pipeline.split import split_into_stages
 
 GPT = {"vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4, "max_seq_len": 16}
 LLAMA = {**GPT, "tie_embeddings": False, "norm": "rmsnorm", "pos_embedding": "rope", "activation": "swiglu",

@@ -22,7 +22,8 @@ import pytest
 import torch
 import yaml
 
-from dist_trainer.train import checkpoint as ckpt
+from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.checkpoint.convert import shard_name
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import ROOT, relative_diff, subprocess_env, tiny_config
 
@@ -188,7 +189,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_data: Path, tm
     assert (ckpt_root / "latest").read_text().strip() == latest.name
     files = {name: torch.load(latest / name, map_location="cpu", weights_only=True) for name in meta["files"]
              if name.endswith(".pt")}
-    assert ckpt.shard_name("model", 0, 0) in files and ckpt.shard_name("optim", 0, 0) in files, sorted(files)
+    assert shard_name("model", 0, 0) in files and shard_name("optim", 0, 0) in files, sorted(files)
 
     # --train.resume=true continues from that checkpoint (not from the half-written one, not from 0):
     # the resumed model holds exactly the saved weights, and its next steps have the losses an
@@ -199,7 +200,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_data: Path, tm
 
     resumed = trainer(out, True)
     assert resumed.step == step
-    saved = files[ckpt.shard_name("model", 0, 0)]
+    saved = files[shard_name("model", 0, 0)]
     current = resumed.model.state_dict()
     assert saved.keys() == current.keys()
     assert all(torch.equal(saved[n], current[n]) for n in saved)

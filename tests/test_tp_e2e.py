@@ -16,10 +16,10 @@ from torch import nn
 
 from dist_trainer.config import ModelConfig, ParallelConfig
 from dist_trainer.model import IGNORE_INDEX, Transformer, build_model
-from dist_trainer.parallel.grad import clip_grad_norm_, finalize_tp_grads
-from dist_trainer.parallel.reshard import merge_tp_shards, tp_shard_specs
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel
+from dist_trainer.parallel.tp.apply import apply_tensor_parallel
+from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads
+from dist_trainer.parallel.tp.reshard import merge_tp_shards, tp_shard_specs
 from dist_trainer.testing import run_distributed
 
 SEED = 1234

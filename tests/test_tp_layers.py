@@ -14,8 +14,8 @@ from torch import nn
 
 from dist_trainer.config import ParallelConfig
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp_comms import scatter_to_sequence
-from dist_trainer.parallel.tp_layers import (
+from dist_trainer.parallel.tp.comms import scatter_to_sequence
+from dist_trainer.parallel.tp.layers import (
     ColumnParallelLinear,
     ReplicatedKVLinear,
     RowParallelLinear,

@@ -17,10 +17,10 @@ from torch import nn
 
 from dist_trainer.config import ModelConfig, ParallelConfig
 from dist_trainer.model import build_model
-from dist_trainer.parallel.grad import finalize_tp_grads
-from dist_trainer.parallel.reshard import merge_tp_shards, slice_for_tp, tp_shard_specs
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel
+from dist_trainer.parallel.tp.apply import apply_tensor_parallel
+from dist_trainer.parallel.tp.grad import finalize_tp_grads
+from dist_trainer.parallel.tp.reshard import merge_tp_shards, slice_for_tp, tp_shard_specs
 from dist_trainer.testing import run_distributed
 from tests.test_tp_e2e import CONFIGS, SEED, gather_state, make_batches, make_optimizer, tp_model, tp_train, train_step
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.parallel.grad import clip_grad_norm_
-from dist_trainer.parallel.reshard import ShardSpec, merge_tp_shards, slice_for_tp
+from dist_trainer.layout_rules import check_tp
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tensor_parallel import validate_tp
+from dist_trainer.parallel.tp.grad import clip_grad_norm_
+from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards, slice_for_tp
 
 BASE = dict(vocab_size=64, d_model=48, n_layers=2, n_heads=6, max_seq_len=16)
 
@@ -23,17 +23,17 @@ BASE = dict(vocab_size=64, d_model=48, n_layers=2, n_heads=6, max_seq_len=16)
         ({}, 0, ["tp_size=0"]),
     ],
 )
-def test_validate_tp_rejects(overrides: dict, tp_size: int, names: list[str]) -> None:
+def test_check_tp_rejects(overrides: dict, tp_size: int, names: list[str]) -> None:
     with pytest.raises(ValueError) as err:
-        validate_tp(ModelConfig(**{**BASE, **overrides}), tp_size)
+        check_tp(ModelConfig(**{**BASE, **overrides}), tp_size)
     for name in names:
         assert name in str(err.value)
 
 
-def test_validate_tp_accepts_padding_and_replicated_kv() -> None:
-    validate_tp(ModelConfig(**{**BASE, "vocab_size": 61}), 3)  # vocab padded to 63
-    validate_tp(ModelConfig(**{**BASE, "n_kv_heads": 2}), 3)  # 2 kv heads replicated over 3 ranks
-    validate_tp(ModelConfig(**BASE), 1)
+def test_check_tp_accepts_padding_and_replicated_kv() -> None:
+    check_tp(ModelConfig(**{**BASE, "vocab_size": 61}), 3)  # vocab padded to 63
+    check_tp(ModelConfig(**{**BASE, "n_kv_heads": 2}), 3)  # 2 kv heads replicated over 3 ranks
+    check_tp(ModelConfig(**BASE), 1)
 
 
 def test_reshard_rejects_mismatched_names_and_sizes() -> None:

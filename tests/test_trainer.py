@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.testing import run_distributed
-from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.generate import generate_text, load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, tiny_config

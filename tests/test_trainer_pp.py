@@ -77,20 +77,21 @@ def test_pipeline_checkpoint_reloads_at_other_pp_and_tp(tiny_data: Path, tmp_pat
 
 
 def test_pipeline_bad_layouts_fail_before_launch(tiny_data: Path, tmp_path: Path) -> None:
-    from dist_trainer.train.pipeline_engine import validate_pipeline_config
+    from dist_trainer.layout_rules import check_layout
 
     cases = [
-        ({"pp_size": 8, "global_batch_size": 16}, "model.n_layers=4 is fewer than the pipeline's stages"),
+        ({"pp_size": 8, "global_batch_size": 16}, "model.n_layers=4 is fewer than the 8 pipeline stages"),
         ({"pp_size": 2, "n_microbatches": 3}, "does not split into n_microbatches=3"),
         ({"pp_size": 4, "pp_schedule": "1f1b", "micro_batch_size": 4, "global_batch_size": 8}, "1f1b"),
-        ({"pp_size": 2, "zero_stage": 1}, "zero_stage=1 with pp_size=2"),
-        ({"pp_size": 2, "pp_stage_layers": [1, 2]}, r"pp_stage_layers=\[1, 2\] sums to 3, not model.n_layers=4"),
+        ({"pp_size": 2, "zero_stage": 1}, "zero_stage=1 with parallel.pp_size=2"),
+        ({"pp_size": 2, "pp_stage_layers": [1, 2]}, r"pp_stage_layers=\[1, 2\] must list 2 layer counts .* summing "
+                                                    r"to model.n_layers=4"),
     ]
     for parallel, message in cases:
         s = _sections(**parallel)
         cfg = tiny_config(tiny_data, tmp_path, **s)
         with pytest.raises(ValueError, match=message):
-            validate_pipeline_config(cfg, 1)
+            check_layout(cfg, cfg.parallel.pp_size, "cpu")
 
 
 def test_trainer_3d_dp2_pp2_tp2_on_8_ranks(tiny_data: Path, tmp_path: Path) -> None:

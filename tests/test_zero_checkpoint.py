@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.testing import run_distributed
-from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -53,11 +53,11 @@ def test_zero3_checkpoint_exports_to_a_single_process_that_continues(tiny_data: 
     """ZeRO-3 on 2 ranks saves at step 3; the consolidated fp32 weights and AdamW moments, written in this
     project's format, resume in one process (2 micro-batches of 4: the same global batch) and give the ZeRO
     run's losses for steps 3 and 4 (step 4 depends on the exported moments)."""
-    from dist_trainer.parallel.zero_checkpoint import export_single_process
+    from dist_trainer.checkpoint.convert import export_zero_as_single
 
     zero_losses = run_distributed(_zero3_then_export, 2, (tiny_data, tmp_path), env=DS_ENV)[0]
     step_dir = ckpt.latest_checkpoint(tmp_path / "zero" / "checkpoints")
-    exported = export_single_process(step_dir, tmp_path / "single")
+    exported = export_zero_as_single(step_dir, tmp_path / "single")
     model_state = ckpt.load_file(exported / "model_tp00_pp00.pt")
     assert "tok_emb.weight" in model_state and model_state["tok_emb.weight"].shape == (512, 32)
     sections = {"train": {"max_steps": 5, "resume": True}}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_trainer.parallel.zero_config import (
+from dist_trainer.parallel.zero.config import (
     DS_CONFIG_DIR,
     TOP_LEVEL_KEYS,
     engine_config,

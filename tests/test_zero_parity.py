@@ -87,10 +87,10 @@ def test_zero_stages_run_on_one_process(single: dict, tiny_data: Path, tmp_path:
 def _stage3_weights(rank: int, world_size: int, data: Path, out: Path) -> dict[str, float]:
     import deepspeed
 
+    from dist_trainer.engines.zero import ZeroEngine
     from dist_trainer.model import build_model
+    from dist_trainer.optim import param_groups
     from dist_trainer.parallel.state import ParallelState
-    from dist_trainer.parallel.zero import ZeroEngine
-    from dist_trainer.train.optim import param_groups
 
     cfg = tiny_config(data, out, parallel={"zero_stage": 3})
     engine = ZeroEngine(cfg, ParallelState.build(cfg.parallel, world_size, rank), torch.device("cpu"))

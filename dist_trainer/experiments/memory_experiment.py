@@ -2,7 +2,7 @@
 
 For each stage the same model (a preset, drawn from one seed) takes the same synthetic batch on N gloo
 processes. Each rank reports the bytes it really owns in parameters, gradients and optimizer states
-(``parallel.zero_memory.owned_state_bytes``: the largest value over the micro-batches of a step, so stage 1's
+(``Engine.owned_state_bytes``: the largest value over the micro-batches of a step, so stage 1's
 full gradients during accumulation are seen), the activation bytes saved for backward (saved-tensor hooks,
 unique storages, parameters excluded), peak RSS on CPU or max allocated on CUDA, and the step time.
 Predictions: the ZeRO paper's family (Rajbhandari et al. 2019, section 3.1 and figure 1:
@@ -54,9 +54,8 @@ def _batches(cfg: Config, step: int, dp_rank: int) -> list[dict[str, torch.Tenso
 def measure_rank(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """One rank of one stage (run under dist_trainer.testing.run_distributed)."""
     from dist_trainer.config import config_from_dict as build
+    from dist_trainer.engines import build_engine
     from dist_trainer.parallel.state import ParallelState
-    from dist_trainer.parallel.zero_memory import owned_state_bytes
-    from dist_trainer.train.trainer import build_engine
 
     cfg = build(cfg_dict).validate()
     state = ParallelState.build(cfg.parallel, world_size, rank)
@@ -64,7 +63,7 @@ def measure_rank(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[s
     peak: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0}
 
     def record() -> None:
-        for k, v in owned_state_bytes(engine).items():
+        for k, v in engine.owned_state_bytes().items():
             peak[k] = max(peak[k], v)
 
     per_micro: list[set[tuple[int, int]]] = []

@@ -1,6 +1,6 @@
 """ParallelState: the (dp, pp, tp) grid of ranks, its process groups, this rank's coordinates.
 
-The whole topology is ``grid = torch.arange(world).view(dp, pp, tp)``: tp varies fastest,
+The whole topology is ``grid = arange(world).view(dp, pp, tp)`` (``layout_rules.rank_grid``): tp varies fastest,
 so the ranks of a TP group are consecutive and, with tp_size <= GPUs per node, stay
 inside one node (TP all-reduces are the most frequent and want NVLink). The state is
 an object passed explicitly to whatever needs a group: there are no module globals.
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.config import ParallelConfig
+from dist_trainer.layout_rules import rank_grid
 from dist_trainer.parallel.comm import AxisGroup, CommCounter
 
 AXES = ("dp", "pp", "tp")
@@ -78,7 +79,7 @@ class ParallelState:
             return cls.single()
         if not initialized:
             raise RuntimeError("ParallelState.build needs an initialised default process group for world_size > 1")
-        grid = torch.arange(world_size).view(dp_size, parallel.pp_size, parallel.tp_size)
+        grid = torch.tensor(rank_grid(world_size, dp_size, parallel.pp_size, parallel.tp_size))  # (dp, pp, tp)
         d, p, t = (int(c) for c in (grid == rank).nonzero()[0])
         counter = CommCounter()
         timeout = timedelta(seconds=parallel.timeout_s)

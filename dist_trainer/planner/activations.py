@@ -27,6 +27,7 @@ and Megatron run it: 16-bit residual stream).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
@@ -62,7 +63,7 @@ class ActivationSpec:
     attention_kernel: str = "flash"
     device: str = "cuda"  # dropout masks are bool on CUDA, the activation dtype on CPU
     # Our TP regime all-gathers the SP shard in an autograd Function before F.linear, so the linear keeps the
-    # gathered input (parallel/tp_layers.py); Megatron keeps the shard and re-gathers in backward (False).
+    # gathered input (parallel/tp/layers.py); Megatron keeps the shard and re-gathers in backward (False).
     sp_saves_gathered_input: bool = True
 
     def validate(self) -> None:
@@ -239,8 +240,8 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec) -> LayerCosts:
                       amp_layer_weights=amp_layer, amp_head_weights=amp_head)
 
 
-def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: range, tokens: int, first: bool,
-                      last: bool, in_flight: float) -> dict[str, int]:
+def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
+                      first: bool, last: bool, in_flight: float) -> dict[str, int]:
     """Activation terms of one pipeline stage at its peak, in bytes.
 
     ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);

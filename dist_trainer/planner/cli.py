@@ -176,7 +176,7 @@ def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: in
                 gpus_per_node: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
-    ds = deepspeed_config_dict(best.layout, options=opts)
+    ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     if ds is not None:
         (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
         run["parallel"]["ds_config"] = str(out / "ds_config.json")

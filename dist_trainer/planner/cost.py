@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.hardware import HardwareProfile
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
-from dist_trainer.planner.params import matmul_params, rank_params
+from dist_trainer.planner.params import matmul_params
+from dist_trainer.planner.rank_params import rank_params
 
 DP_OVERLAP = 0.8  # share of the backward that bucketed gradient communication can hide behind (assumption)
 
@@ -141,7 +142,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     bubble_frac = pipeline_bubble(layout.pp_size, layout.n_microbatches, layout.pp_virtual_stages, layout.pp_schedule)
     bubble = compute * bubble_frac / (1 - bubble_frac)
     n_rank = n_params_rank if n_params_rank is not None else rank_params(
-        cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=0, stage_layers=layout.stage_layers).total
+        cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=0, stage_layers=layout.pp_stage_layers,
+        virtual_stages=layout.pp_virtual_stages, balance=layout.pp_balance).total
     comm = comm_bytes_per_rank(cfg, layout, seq_len=seq_len, options=options, n_params_rank=n_rank)
     intra = hardware.intra_node_bw
     tp_time = comm.get("tp", 0.0) / intra

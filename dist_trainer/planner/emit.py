@@ -6,7 +6,8 @@ import dataclasses
 import shlex
 from typing import Any
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import ModelConfig, ParallelConfig, config_from_dict
+from dist_trainer.parallel.zero.config import ds_config_for
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
 
 # Planner precision -> train.precision (the trainer's bf16/fp16 are autocast over fp32 parameters).
@@ -14,25 +15,15 @@ _TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "amp_bf16": 
 
 
 def parallel_config_dict(layout: Layout) -> dict[str, Any]:
-    """The ``parallel`` section, with dist_trainer.config.ParallelConfig's field names."""
+    """The ``parallel`` section: every ParallelConfig field the layout has, read by name off the two dataclasses
+    (a field added to both travels without a line here)."""
     if layout.activation_checkpointing == "selective":
         raise ValueError("activation_checkpointing=selective has no ParallelConfig equivalent; "
                          "plan with none, every_k or full")
-    return {
-        "tp_size": layout.tp_size,
-        "pp_size": layout.pp_size,
-        "dp_size": layout.dp_size,
-        "zero_stage": layout.zero_stage,
-        "zero_offload": layout.zero_offload,
-        "micro_batch_size": layout.micro_batch_size,
-        "global_batch_size": layout.global_batch_size,
-        "activation_checkpointing": layout.activation_checkpointing,
-        "checkpoint_every": layout.checkpoint_every,
-        "sequence_parallel": layout.sequence_parallel,
-        "pp_schedule": layout.pp_schedule,
-        "pp_virtual_stages": layout.pp_virtual_stages,
-        "n_microbatches": layout.n_microbatches,
-    }
+    out = {f.name: getattr(layout, f.name) for f in dataclasses.fields(ParallelConfig) if hasattr(layout, f.name)}
+    if out.get("pp_stage_layers") is not None:
+        out["pp_stage_layers"] = list(out["pp_stage_layers"])  # YAML and the config hold a list
+    return out
 
 
 def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
@@ -47,29 +38,14 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
     }
 
 
-def deepspeed_config_dict(layout: Layout, *, options: TrainingOptions = DEFAULT_OPTIONS,
-                          grad_clip: float = 1.0) -> dict[str, Any] | None:
-    """DeepSpeed JSON for ZeRO layouts (None for zero_stage 0)."""
+def deepspeed_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
+                          options: TrainingOptions = DEFAULT_OPTIONS) -> dict[str, Any] | None:
+    """The DeepSpeed JSON of a ZeRO layout (None for zero_stage 0): the run config's, from the one generator
+    that fills ``configs/ds/`` files for the trainer (``parallel/zero/config.ds_config_for``)."""
     if layout.zero_stage == 0:
         return None
-    zero: dict[str, Any] = {"stage": layout.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": 500_000_000}
-    if layout.zero_offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if layout.zero_stage == 3:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    cfg: dict[str, Any] = {
-        "train_batch_size": layout.global_batch_size,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.n_microbatches,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": zero,
-    }
-    if options.precision in ("bf16", "amp_bf16"):
-        cfg["bf16"] = {"enabled": True}
-    elif options.precision in ("fp16", "amp_fp16"):
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return cfg
+    cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
+    return ds_config_for(cfg, layout.dp_size)
 
 
 def _placeholder(var: str, what: str) -> str:

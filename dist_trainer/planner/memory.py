@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import check_offload, check_schedule, check_tp, layers_per_stage
 from dist_trainer.planner import activations as act
-from dist_trainer.planner.params import RankParams, check_tp, rank_params, stage_layer_counts
+from dist_trainer.planner.rank_params import RankParams, rank_params
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -37,7 +38,8 @@ class Layout:
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
-    stage_layers: tuple[int, ...] | None = None  # uneven split: layers per stage
+    pp_balance: str = "layers"  # how layout_rules.layers_per_stage splits the layers (as the trainer does)
+    pp_stage_layers: tuple[int, ...] | None = None  # explicit (uneven) split: layers per stage
 
     @property
     def world_size(self) -> int:
@@ -53,11 +55,10 @@ class Layout:
             if getattr(self, name) < 1:
                 raise ValueError(f"layout.{name}={getattr(self, name)} must be >= 1")
         check_tp(cfg, self.tp_size)
-        stage_layer_counts(cfg.n_layers, self.pp_size, self.stage_layers)
+        self.stage_counts(cfg)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        if self.zero_offload and self.zero_stage == 0:
-            raise ValueError("layout.zero_offload needs zero_stage 1, 2 or 3")
+        check_offload(self.zero_stage, self.zero_offload)
         if self.activation_checkpointing not in act.RECOMPUTE:
             raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r} is not one of "
                              f"{', '.join(act.RECOMPUTE)}")
@@ -65,10 +66,21 @@ class Layout:
             raise ValueError(f"layout.pp_schedule={self.pp_schedule!r} is not one of {', '.join(act.PP_SCHEDULES)}")
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("layout.sequence_parallel needs tp_size > 1")
-        if self.pp_virtual_stages > 1 and (self.pp_schedule != "interleaved_1f1b" or
-                                           cfg.n_layers % (self.pp_size * self.pp_virtual_stages)):
-            raise ValueError(f"pp_virtual_stages={self.pp_virtual_stages} needs pp_schedule=interleaved_1f1b and "
-                             f"pp_size*v dividing n_layers={cfg.n_layers}")
+        if self.pp_size > 1:
+            check_schedule(self.pp_size, self.pp_schedule, self.n_microbatches,
+                           self.micro_batch_size * self.n_microbatches, self.pp_virtual_stages)
+
+    def stage_counts(self, cfg: ModelConfig) -> list[int]:
+        """Layers per stage (pp_size x pp_virtual_stages stages), split as the trainer splits them."""
+        return layers_per_stage(cfg, self.pp_size * self.pp_virtual_stages, self.pp_balance,
+                                None if self.pp_stage_layers is None else list(self.pp_stage_layers))
+
+    def rank_layer_ids(self, cfg: ModelConfig, pp_rank: int) -> list[int]:
+        """Global indices of the layers pipeline rank ``pp_rank`` holds (its stages r, r + pp, ...: the loop
+        placement of the interleaved schedule)."""
+        counts = self.stage_counts(cfg)
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        return [i for s in range(pp_rank, len(counts), self.pp_size) for i in range(starts[s], starts[s] + counts[s])]
 
 
 @dataclass(frozen=True)
@@ -183,6 +195,13 @@ def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, z
     return p, g, o, host
 
 
+def layout_rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> RankParams:
+    """The parameters pipeline rank ``pp_rank`` of ``layout`` holds (every TP and DP rank of it the same)."""
+    return rank_params(cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=pp_rank,
+                       stage_layers=layout.pp_stage_layers, virtual_stages=layout.pp_virtual_stages,
+                       balance=layout.pp_balance)
+
+
 def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
                            pp_rank: int) -> dict[str, int]:
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
@@ -190,10 +209,8 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
                               precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input)
     costs = act.layer_costs(cfg, spec)
-    counts = stage_layer_counts(cfg.n_layers, layout.pp_size, layout.stage_layers)
-    first = sum(counts[:pp_rank])
     return act.stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                 layer_ids=range(first, first + counts[pp_rank]),
+                                 layer_ids=layout.rank_layer_ids(cfg, pp_rank),
                                  tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
                                  last=pp_rank == layout.pp_size - 1,
                                  in_flight=_in_flight(layout, pp_rank))
@@ -247,8 +264,7 @@ def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
     out = []
     for r in range(layout.pp_size):
-        rp = rank_params(cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=r,
-                         stage_layers=layout.stage_layers)
+        rp = layout_rank_params(cfg, layout, r)
         acts = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=r)
         out.append(rank_memory(cfg, layout, rp, acts, seq_len=seq_len, options=options, overheads=overheads,
                                pp_rank=r))

@@ -22,15 +22,9 @@ keeps a word-embedding copy on the last stage and all-reduces its gradient with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-
-# Module kinds in the order the model builds them (names follow dist_trainer/model.py).
-EMBEDDING_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")
-LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj", "down_proj")
-TAIL_MODULES = ("final_norm", "head", "pooler")
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -42,17 +36,6 @@ def norm_params(cfg: ModelConfig) -> int:
     if cfg.norm == "rmsnorm":
         return cfg.d_model  # RMSNorm: weight only
     return cfg.d_model * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
-
-
-def check_tp(cfg: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError when tp cannot split this model the Megatron way."""
-    if tp_size < 1:
-        raise ValueError(f"tp_size={tp_size} must be >= 1")
-    if cfg.n_heads % tp_size:
-        raise ValueError(f"tp_size={tp_size} does not divide model.n_heads={cfg.n_heads}; "
-                         f"use a divisor of {cfg.n_heads}")
-    if cfg.ffn_dim % tp_size:
-        raise ValueError(f"tp_size={tp_size} does not divide the MLP width {cfg.ffn_dim}")
 
 
 def kv_sharded(cfg: ModelConfig, tp_size: int) -> bool:
@@ -72,8 +55,7 @@ def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
 
 
 def layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """Parameters of one transformer layer on one TP rank."""
-    check_tp(cfg, tp_size)
+    """Parameters of one transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``)."""
     h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
     kv_dim = cfg.kv_heads * cfg.head_dim
     kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
@@ -147,70 +129,3 @@ def matmul_params(cfg: ModelConfig) -> int:
     mlp_mats = 3 if cfg.activation == "swiglu" else 2
     linears = 2 * h * h + 2 * h * kv_dim + mlp_mats * h * cfg.ffn_dim
     return cfg.n_layers * linears + cfg.vocab_size * cfg.d_model
-
-
-def stage_layer_counts(n_layers: int, pp_size: int, stage_layers: Sequence[int] | None = None) -> list[int]:
-    """Layers per pipeline stage: an even split, or an explicit uneven list that sums to n_layers."""
-    if pp_size < 1:
-        raise ValueError(f"pp_size={pp_size} must be >= 1")
-    if stage_layers is not None:
-        counts = list(stage_layers)
-        if len(counts) != pp_size or sum(counts) != n_layers or min(counts) < 1:
-            raise ValueError(f"stage_layers={counts} must hold pp_size={pp_size} positive counts summing to "
-                             f"n_layers={n_layers}")
-        return counts
-    if n_layers % pp_size:
-        raise ValueError(f"pp_size={pp_size} does not divide n_layers={n_layers}; use a divisor of {n_layers} "
-                         f"or pass stage_layers (an uneven split)")
-    return [n_layers // pp_size] * pp_size
-
-
-@dataclass(frozen=True)
-class RankParams:
-    """Parameters held by one rank of a (tp, pp) grid; ``replicated`` are identical on every TP rank."""
-
-    modules: dict[str, int]
-    sharded: int
-    replicated: int
-    largest_layer: int  # the biggest single module, for ZeRO-3's gathered working set
-
-    @property
-    def total(self) -> int:
-        return self.sharded + self.replicated
-
-
-def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
-                stage_layers: Sequence[int] | None = None) -> RankParams:
-    """Parameters on one rank at pipeline stage ``pp_rank`` (identical for every TP rank of the stage)."""
-    cfg.validate()
-    check_tp(cfg, tp_size)
-    counts = stage_layer_counts(cfg.n_layers, pp_size, stage_layers)
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank={pp_rank} must be in [0, {pp_size})")
-    modules: dict[str, int] = {}
-    replicated = 0
-    one_layer = layer_params(cfg, tp_size)
-    rep_layer = 2 * norm_params(cfg) + int(cfg.bias) * 2 * cfg.d_model  # norms + row-parallel biases
-    if tp_size > 1 and not kv_sharded(cfg, tp_size):
-        rep_layer += one_layer["k_proj"] + one_layer["v_proj"]
-    if tp_size == 1:
-        rep_layer = 0
-    if pp_rank == 0:
-        emb = embedding_params(cfg, tp_size)
-        modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
-        if tp_size > 1:
-            replicated += emb["pos_emb"] + emb["type_emb"] + emb["emb_norm"]
-    n_here = counts[pp_rank]
-    for name, v in one_layer.items():
-        if v:
-            modules[f"layers.*.{name}"] = v * n_here
-    replicated += rep_layer * n_here
-    if pp_rank == pp_size - 1:
-        tail = tail_params(cfg, tp_size, pp_size=pp_size)
-        modules.update({k: v for k, v in tail.items() if v})
-        if tp_size > 1:
-            replicated += tail["final_norm"] + tail["pooler"]
-    total = sum(modules.values())
-    largest = max([*one_layer.values(), *embedding_params(cfg, tp_size).values(),
-                   *tail_params(cfg, tp_size, pp_size=pp_size).values()])
-    return RankParams(modules=modules, sharded=total - replicated, replicated=replicated, largest_layer=largest)

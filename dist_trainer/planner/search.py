@@ -9,11 +9,14 @@ and scaled, so a layout costs a few multiplications.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import ModelConfig, config_from_dict
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_layout, check_tp
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.cost import StepTime, estimate_step_time
+from dist_trainer.planner.emit import run_config_dict
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
 from dist_trainer.planner.memory import (
     DEFAULT_OPTIONS,
@@ -22,9 +25,10 @@ from dist_trainer.planner.memory import (
     Overheads,
     RankMemory,
     TrainingOptions,
+    layout_rank_params,
     rank_memory,
 )
-from dist_trainer.planner.params import RankParams, rank_params
+from dist_trainer.planner.rank_params import RankParams
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,22 @@ class _Planner:
                  hw: HardwareProfile, gpus_per_node: int, memory: int) -> None:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory = hw, gpus_per_node, memory
-        self._params: dict[tuple[int, int, int], RankParams] = {}
+        self._params: dict[tuple[int, int, int, int], RankParams] = {}
         self._costs: dict[tuple[int, bool], act.LayerCosts] = {}
+        self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
-    def params(self, tp: int, pp: int, rank: int) -> RankParams:
-        key = (tp, pp, rank)
+    def params(self, layout: Layout, rank: int) -> RankParams:
+        key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank)
         if key not in self._params:
-            self._params[key] = rank_params(self.cfg, tp_size=tp, pp_size=pp, pp_rank=rank)
+            self._params[key] = layout_rank_params(self.cfg, layout, rank)
         return self._params[key]
+
+    def layer_ids(self, layout: Layout) -> list[list[int]]:
+        """Per pipeline rank, the global layers it holds (the trainer's split, layout_rules.layers_per_stage)."""
+        key = (layout.pp_size, layout.pp_virtual_stages)
+        if key not in self._layers:
+            self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
+        return self._layers[key]
 
     def costs(self, tp: int, sp: bool) -> act.LayerCosts:
         if (tp, sp) not in self._costs:
@@ -90,20 +102,23 @@ class _Planner:
         return self._costs[(tp, sp)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
-        """The worst rank: with even stages it is the first (most in flight) or the last (head and logits)."""
+        """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
+        first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
+        the middle stages)."""
         p = layout.pp_size
-        per_stage = self.cfg.n_layers // p
+        layers = self.layer_ids(layout)
+        most = max(range(p), key=lambda r: (len(layers[r]), -r))
         worst: RankMemory | None = None
-        for r in sorted({0, p - 1}):
+        for r in sorted({0, most, p - 1}):
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
             acts = act.stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
                                          mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                         layer_ids=range(r * per_stage, (r + 1) * per_stage),
+                                         layer_ids=layers[r],
                                          tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
                                          last=r == p - 1, in_flight=in_flight)
-            mem = rank_memory(self.cfg, layout, self.params(layout.tp_size, p, r), acts, seq_len=self.seq_len,
+            mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
             if worst is None or mem.device_total > worst.device_total:
                 worst = mem
@@ -114,21 +129,39 @@ class _Planner:
         mem = self.memory_of(layout)
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
-                               n_params_rank=self.params(layout.tp_size, layout.pp_size, 0).total)
+                               n_params_rank=self.params(layout, 0).total)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory)
 
 
-def _schedules(pp: int, m: int, n_layers: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
+def _refuses(check: Callable[..., None], *args: object) -> bool:
+    try:
+        check(*args)
+    except ValueError:
+        return True
+    return False
+
+
+def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) candidates: one chunk per rank, or two for the multi-stage (interleaved) ones;
+    whether each runs is layout_rules' answer (``runnable``)."""
     if pp == 1:
         return [("1f1b", 1)]
-    out = []
-    for s in allowed:
-        if s == "interleaved_1f1b":
-            if n_layers % (2 * pp) == 0 and m % pp == 0:  # Megatron: m a multiple of p for interleaving
-                out.append((s, 2))
-        else:
-            out.append((s, 1))
-    return out
+    return [(s, 2 if s in MULTI_STAGE_SCHEDULES else 1) for s in allowed]
+
+
+def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
+             options: TrainingOptions = DEFAULT_OPTIONS) -> str | None:
+    """None when the trainer runs ``layout``, else the reason it refuses it.
+
+    The question is put to the trainer's own rules: ``layout_rules.check_layout`` on the config that
+    ``plan --out`` writes for this layout (the same check the trainer runs before launching it).
+    """
+    cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
+    try:
+        check_layout(cfg, layout.world_size, options.device)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
@@ -137,12 +170,14 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  zero_stages: tuple[int, ...] = (0, 1, 2, 3), allow_offload: bool = True,
                  checkpointing: tuple[str, ...] = ("none", "every_k", "full"),
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None) -> PlanResult:
-    """Every valid layout of ``model`` on ``n_gpus``, the fitting ones ranked by estimated step time.
+    """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
-    Valid: tp divides gpus_per_node (a TP group stays in a node), the heads and the MLP width; pp divides
-    n_layers; dp = n_gpus/(tp*pp) divides global_batch; the micro-batch divides the per-DP batch; with pp > 1
-    there are at least pp micro-batches. "selective" recomputation is not enumerated: with a flash kernel our
-    layer saves no s x s matrix, so it would save nothing (see docs/planner.md).
+    Enumerated: tp dividing gpus_per_node (a TP group stays in a node), pp up to n_layers, dp = n_gpus/(tp*pp)
+    dividing global_batch, micro-batches dividing the per-DP batch; each layout is then put to the trainer's
+    own rules (``runnable``: heads, MLP width and vocabulary under TP, the stage split, the schedule against its
+    micro-batches, which regimes compose, the device) and only those it accepts are priced and ranked.
+    "selective" recomputation is not enumerated: with a flash kernel our layer saves no s x s matrix, so it would
+    save nothing (see docs/planner.md).
     """
     start = time.perf_counter()
     model.validate()
@@ -160,12 +195,20 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     fitting: list[PlannedLayout] = []
     closest: PlannedLayout | None = None
     considered = 0
+    refused: dict[Layout, str | None] = {}  # runnable() per layout, recomputation aside (it decides nothing here)
+
+    def why_not(lay: Layout) -> str | None:
+        key = replace(lay, activation_checkpointing="none", checkpoint_every=1)
+        if key not in refused:
+            refused[key] = runnable(model, lay, seq_len=seq_len, options=options)
+        return refused[key]
+
     for tp in _divisors(min(gpus_per_node, n_gpus)):
-        if n_gpus % tp or model.n_heads % tp or model.ffn_dim % tp:
-            continue
-        for pp in _divisors(model.n_layers):
-            if n_gpus % (tp * pp):
-                continue
+        if n_gpus % tp or _refuses(check_tp, model, tp):
+            continue  # the same rule runnable() applies, asked once per tp instead of per layout
+        for pp in _divisors(n_gpus // tp):
+            if pp > model.n_layers:
+                break  # layout_rules: every stage holds at least one layer
             dp = n_gpus // (tp * pp)
             if global_batch % dp:
                 continue
@@ -190,15 +233,15 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                         continue
                     for mb in _divisors(per_dp):
                         m = per_dp // mb
-                        if pp > 1 and m < pp:
-                            continue
-                        for sched, v in _schedules(pp, m, model.n_layers, pp_schedules):
+                        for sched, v in _schedules(pp, pp_schedules):
                             for sp in ((False, True) if tp > 1 else (False,)):
                                 for ck in checkpointing:
                                     lay = replace(base, micro_batch_size=mb, n_microbatches=m,
                                                   activation_checkpointing=ck, checkpoint_every=2 if ck == "every_k"
                                                   else 1, sequence_parallel=sp, pp_schedule=sched,
                                                   pp_virtual_stages=v)
+                                    if why_not(lay) is not None:
+                                        continue  # the trainer refuses it: never ranked
                                     considered += 1
                                     planned = pl.price(lay)
                                     if planned.fits:

@@ -74,7 +74,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     for planned in result.layouts:
         candidate = _config_for(cfg, planned.layout)
         try:
-            check_layout(candidate, world_size, device)
+            check_layout(candidate, world_size, device.type)
         except ValueError as exc:
             refused.append(str(exc))
             continue

@@ -6,27 +6,24 @@ from pathlib import Path
 
 import torch
 
+from dist_trainer.checkpoint.convert import load_shards
+from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.config import Config, config_from_dict
 from dist_trainer.model import Transformer, build_model
-from dist_trainer.parallel.reshard import tp_shard_specs
-from dist_trainer.train import checkpoint as ckpt
+from dist_trainer.parallel.tp.reshard import tp_shard_specs
 
 
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
     """The plain model of a checkpoint (any tp x pp layout, or ZeRO): run folder, checkpoints/ or step folder."""
-    step_path = ckpt.resolve_checkpoint(path)
-    meta = ckpt.read_meta(step_path)
+    step_path = resolve_checkpoint(path)
+    meta = read_meta(step_path)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")
     model.to_empty(device="cpu")
     model.reset_parameters()
-    if "deepspeed_tag" in meta:  # a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32
-        from dist_trainer.parallel.zero_checkpoint import consolidate
-
-        state = consolidate(step_path)[0]
-    else:
-        state, _ = ckpt.load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                    specs_now=tp_shard_specs(model))  # every tp x pp shard merged
+    # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
+    state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                           specs_now=tp_shard_specs(model))
     model.load_state_dict(state)
     return model.to(device).eval(), cfg
 

@@ -4,7 +4,8 @@ Build order (a bad config fails at step 1, before any process group exists):
   1. validate the config against the launcher's world size
   2. process group + ParallelState (the (dp, pp, tp) grid)
   3. data: token shards, the stateless global-batch sampler for this DP rank
-  4. the regime's engine (train/engine.py): model from the seed, its wrapping, the optimizer
+  4. the regime's engine (engines/, picked by layout_rules.regime_of): model from the seed, its wrapping,
+     the optimizer
   5. resume from the newest checkpoint if asked
 Each step: this DP rank's micro-batches go through the engine's forward_backward, then its
 optimizer_step with the scheduled LR; metrics on rank 0, periodic eval and checkpoint.
@@ -20,20 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
+from dist_trainer.engines import build_engine
+from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
 from dist_trainer.model import count_parameters
+from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.autolayout import choose_layout, compare, measured_model_state_bytes
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
-from dist_trainer.train.engine import DataParallelEngine, Engine
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
-from dist_trainer.train.optim import lr_at
-from dist_trainer.train.pipeline_engine import PipelineEngine
-from dist_trainer.train.prelaunch import check_layout, fit_micro_batch
+from dist_trainer.train.prelaunch import check_layout
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Trainer:
             cfg, self.auto_layout = choose_layout(cfg, self.env.world_size, self.env.local_world_size, self.device)
         cfg, fit_note = fit_micro_batch(cfg, self.env.world_size)
         self.cfg = cfg
-        self.dp_size = check_layout(cfg, self.env.world_size, self.device)  # before any group exists
+        self.dp_size = check_layout(cfg, self.env.world_size, self.device.type)  # before any group exists
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
@@ -64,7 +65,7 @@ class Trainer:
         check_data_sizes(cfg, len(self.train_data), len(self.val_data))
         # DeepSpeed needs torch.distributed even on one process: ZeRO gets a one-rank group there.
         self.has_process_group = init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s,
-                                                  single_process_group=cfg.parallel.zero_stage > 0)
+                                                  single_process_group=needs_process_group(cfg.parallel))
         self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
@@ -214,7 +215,7 @@ class Trainer:
         check_resumable(meta, self.cfg)
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
-        rng_path = path / f"rng_rank{self.env.rank:05d}.pt"
+        rng_path = path / ckpt.rng_file(self.env.rank)
         if rng_path.is_file() and meta["layout"]["world"] == self.env.world_size:
             ckpt.set_rng_state(ckpt.load_file(rng_path))
         return [f"resumed from {path} at step {self.step}"]
@@ -242,17 +243,6 @@ def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
 def eval_set_size(cfg: Config) -> int:
     """Validation sequences per evaluation: train.eval_batches global batches (independent of the layout)."""
     return cfg.train.eval_batches * cfg.parallel.global_batch_size
-
-
-def build_engine(cfg: Config, state: ParallelState, device: torch.device) -> Engine:
-    """The regime's engine for this config: pipeline stages, DeepSpeed ZeRO, or DDP (each with optional TP)."""
-    if cfg.parallel.pp_size > 1:
-        return PipelineEngine(cfg, state, device)
-    if cfg.parallel.zero_stage > 0:
-        from dist_trainer.parallel.zero import ZeroEngine  # DeepSpeed is imported only when asked for
-
-        return ZeroEngine(cfg, state, device)
-    return DataParallelEngine(cfg, state, device)
 
 
 def check_resumable(meta: dict[str, Any], cfg: Config) -> None:

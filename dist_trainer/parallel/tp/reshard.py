@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dist_trainer.parallel.tp_layers import shard_of
+from dist_trainer.parallel.tp.layers import shard_of
 
 
 @dataclass(frozen=True)

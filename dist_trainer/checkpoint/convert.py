@@ -1,45 +1,41 @@
-"""Atomic, resumable checkpoints, sharded by (tp, pp) coordinate.
+"""Checkpoints by parameter name: save per (tp, pp) coordinate, merge every shard, cut any other layout's part.
 
-Layout of ``out_dir/checkpoints``::
+A step folder of the DDP, TP and pipeline regimes holds, besides what ``publish.py`` writes::
 
-    step_00000100/
-        meta.json                 step, config, layout, data position, file list; written last
-        model_tp00_pp00.pt        parameter tensors by name (dp rank 0 of each (tp, pp) writes)
-        optim_tp00_pp00.pt        optimizer state by parameter name, loss-scaler state
-        rng_rank00000.pt          every rank's RNG states (dropout streams differ per rank)
-    latest                        the name of the newest complete checkpoint
+    model_tp00_pp00.pt        parameter tensors by name (dp rank 0 of each (tp, pp) writes)
+    optim_tp00_pp00.pt        optimizer state by parameter name, loss-scaler state
+    tp_specs_pp00.json        how each parameter of the stage is split over tp
 
-Every rank writes into ``step_X.tmp``; only when all have finished (a barrier) does rank 0
-write meta.json and rename the folder into place, then point ``latest`` at it with an
-atomic replace. A crash or a kill at any moment therefore leaves the previous checkpoint
-untouched and loadable: a half-written folder keeps its ``.tmp`` name and is ignored.
-State is keyed by parameter *name* (not optimizer index), so it can be resharded to
-another layout. Loading uses ``torch.load(weights_only=True)``.
+State is keyed by the plain model's parameter *name* (not optimizer index), so another tp x pp
+layout merges every shard into full tensors (``read_full_state``) and cuts out its own part
+(``load_shards``), weights and AdamW moments alike; a ZeRO checkpoint is consolidated from
+DeepSpeed's partitions (``parallel/zero/consolidate.py``) into the same by-name form, and
+``export_zero_as_single`` writes it as a single-process checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-FORMAT_VERSION = 1
-STEP_PREFIX = "step_"
+from dist_trainer.checkpoint.publish import (
+    atomic_save,
+    atomic_write_text,
+    load_file,
+    read_meta,
+    rng_file,
+    save_checkpoint,
+)
+from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards, slice_for_tp
 
 
 def shard_name(kind: str, tp_rank: int, pp_rank: int) -> str:
     return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
-
-
-def step_dir(ckpt_root: Path, step: int) -> Path:
-    return ckpt_root / f"{STEP_PREFIX}{step:08d}"
 
 
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -92,146 +88,13 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    part = path.with_suffix(path.suffix + ".part")
-    with open(part, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-
-
-def save_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    *,
-    rank: int,
-    write_shards: Callable[[Path], dict[str, Any]],
-    meta: dict[str, Any],
-    barrier: Callable[[], None],
-    keep: int,
-) -> Path:
-    """Write checkpoint ``step``: every rank calls this; rank 0 publishes once all are done.
-
-    ``write_shards(folder)`` is the engine's part (model and optimizer files of this rank,
-    or DeepSpeed's own files); it returns entries to add to meta.json.
-    """
-    final = step_dir(ckpt_root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    extra = write_shards(tmp)
-    atomic_save(rng_state(), tmp / f"rng_rank{rank:05d}.pt")
-    barrier()
-    if rank == 0:
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        _atomic_write_text(tmp / "meta.json", json.dumps(
-            {**meta, **extra, "step": step, "format": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True))
-        if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop the old
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _atomic_write_text(ckpt_root / "latest", final.name + "\n")
-        _prune(ckpt_root, keep)
-    barrier()
-    return final
-
-
-def _prune(ckpt_root: Path, keep: int) -> None:
-    complete = sorted(list_checkpoints(ckpt_root))
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints (meta.json present, every listed file present), oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    found = []
-    for d in ckpt_root.iterdir():
-        if not d.is_dir() or not d.name.startswith(STEP_PREFIX) or not d.name[len(STEP_PREFIX):].isdigit():
-            continue
-        try:
-            meta = json.loads((d / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if all((d / f).is_file() for f in meta.get("files", [])):
-            found.append(d)
-    return sorted(found)
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    complete = list_checkpoints(ckpt_root)
-    return complete[-1] if complete else None
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{path} is not a complete checkpoint: no meta.json")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
-    return meta
-
-
-def load_file(path: Path) -> Any:
-    if not path.is_file():
-        raise ValueError(f"checkpoint file {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: say which one
-        raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from exc
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run folder, its checkpoints/ folder, or one step folder -> the step folder to load."""
-    p = Path(path)
-    for candidate_root in (p / "checkpoints", p):
-        if (candidate_root / "meta.json").is_file():
-            return candidate_root
-        latest = latest_checkpoint(candidate_root)
-        if latest is not None:
-            return latest
-    raise ValueError(f"no complete checkpoint found at {p}")
-
-
 def specs_file(pp_rank: int) -> str:
     return f"tp_specs_pp{pp_rank:02d}.json"
 
 
 def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any]) -> None:
     """How each parameter of this stage is split over tp ({name: [dim, full_size]}); read when resharding."""
-    _atomic_write_text(folder / specs_file(pp_rank),
+    atomic_write_text(folder / specs_file(pp_rank),
                        json.dumps({n: [s.dim, s.full_size] for n, s in specs.items()}, sort_keys=True))
 
 
@@ -242,12 +105,8 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
     tensor is split can depend on tp, e.g. GQA k/v). A tied embedding saved on both the
     first and the last stage is kept once (the first stage's; the two are equal).
     """
-    from dist_trainer.parallel.reshard import ShardSpec, merge_tp_shards
-
     if "deepspeed_tag" in meta:  # a ZeRO checkpoint: DeepSpeed's partitions, consolidated to fp32 by name
-        from dist_trainer.parallel.zero_checkpoint import consolidate
-
-        weights, optim = consolidate(path)
+        weights, optim = read_zero_state(path, meta)
         return weights, {"state": optim["state"], "param_groups": None}  # groups: the loading optimizer's
     layout = meta["layout"]
     model: dict[str, torch.Tensor] = {}
@@ -285,8 +144,6 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
     tensors (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the
     current model's names and splits), for weights and optimizer moments alike.
     """
-    from dist_trainer.parallel.reshard import slice_for_tp
-
     layout = meta["layout"]
     if (layout["tp"], layout["pp"]) == (tp_size, pp_size) and "deepspeed_tag" not in meta:
         return (load_file(path / shard_name("model", tp_rank, pp_rank)),
@@ -308,3 +165,58 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
         for n in names:
             state[n][key] = sliced[n]
     return model_state, {**full_optim, "state": state}
+
+
+def zero_ds_dir(step_dir: Path, meta: dict[str, Any]) -> Path:
+    """DeepSpeed's own folder inside a ZeRO step folder (its checkpoint tag)."""
+    tag = meta.get("deepspeed_tag")
+    if tag is None:
+        raise ValueError(f"checkpoint {step_dir} was written by the {meta.get('regime')!r} regime, not ZeRO")
+    return step_dir / tag
+
+
+def read_zero_state(step_dir: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A ZeRO step folder's full fp32 weights and AdamW moments by parameter name."""
+    from dist_trainer.parallel.zero.consolidate import consolidate  # DeepSpeed only when a ZeRO checkpoint is read
+
+    return consolidate(zero_ds_dir(step_dir, meta))
+
+
+def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
+    """Write a ZeRO checkpoint as a single-process checkpoint under ``out_dir/checkpoints``; return its folder.
+
+    The AdamW groups are rebuilt by name from the model (train.optim.param_groups), so the result loads with
+    ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
+    """
+    from dist_trainer.config import config_from_dict
+    from dist_trainer.model import build_model
+    from dist_trainer.optim import build_optimizer
+    from dist_trainer.parallel.tp.reshard import tp_shard_specs
+
+    meta = read_meta(step_dir)
+    model_state, optim = read_zero_state(step_dir, meta)
+    cfg = config_from_dict(meta["config"])
+    model = build_model(cfg.model, device="meta")
+    missing = set(model.state_dict()) - set(model_state)
+    if missing:
+        raise ValueError(f"ZeRO checkpoint {step_dir} lacks parameters {sorted(missing)[:5]}")
+    # The groups (hyper-parameters, decay membership) of the optimizer the DDP/TP engine builds, by name.
+    groups = optimizer_state_by_name(model, build_optimizer(model, cfg.optim))["param_groups"]
+    optim_state = {"state": optim["state"], "param_groups": groups}
+    layout = {"tp": 1, "pp": 1, "dp": 1, "world": 1}
+
+    def write(folder: Path) -> dict[str, Any]:
+        atomic_save({k: model_state[k] for k in model.state_dict()}, folder / shard_name("model", 0, 0))
+        atomic_save(optim_state, folder / shard_name("optim", 0, 0))
+        write_specs(folder, 0, tp_shard_specs(model))  # so another tp x pp layout can reshard it
+        return {}
+
+    new_meta = {"config": meta["config"], "layout": layout, "data": meta["data"],
+                "regime": "single", "exported_from": meta.get("regime")}
+    final = save_checkpoint(Path(out_dir) / "checkpoints", int(meta["step"]), rank=0, write_shards=write,
+                            meta=new_meta, barrier=lambda: None, keep=1)
+    # Dropout stream of dp rank 0 (the single process's is the same seed + 1 + 0): not this exporter's RNG.
+    rng = step_dir / rng_file(0)
+    if rng.is_file():
+        shutil.copyfile(rng, final / rng_file(0))
+    return final

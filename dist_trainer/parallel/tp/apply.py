@@ -36,50 +36,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer, set_attrs
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp_comms import enter_tp_region, gather_from_sequence, gather_from_tp, scatter_to_sequence
-from dist_trainer.parallel.tp_layers import (
+from dist_trainer.parallel.tp.comms import enter_tp_region, gather_from_sequence, gather_from_tp, scatter_to_sequence
+from dist_trainer.parallel.tp.layers import (
     ColumnParallelLinear,
     ReplicatedKVLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelLoss,
     mark_partial_grad,
-    padded_size,
 )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate_tp(model_cfg: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError if ``model_cfg`` cannot be split over ``tp_size`` ranks.
-
-    Pure arithmetic: call it before any process group exists. k/v heads never fail:
-    when tp does not divide n_kv_heads they are replicated (see ReplicatedKVLinear).
-    """
-    if tp_size < 1:
-        raise ValueError(f"parallel.tp_size={tp_size} must be >= 1")
-    if model_cfg.n_heads % tp_size:
-        raise ValueError(
-            f"model.n_heads={model_cfg.n_heads} is not divisible by parallel.tp_size={tp_size}: "
-            f"attention heads are split across TP ranks; valid tp_size: {_divisors(model_cfg.n_heads)}"
-        )
-    if model_cfg.ffn_dim % tp_size:
-        raise ValueError(
-            f"the MLP width (model.d_ff={model_cfg.ffn_dim}) is not divisible by parallel.tp_size={tp_size}; "
-            f"valid tp_size: {[d for d in _divisors(model_cfg.ffn_dim) if model_cfg.n_heads % d == 0]}"
-        )
-    local_vocab = padded_size(model_cfg.vocab_size, tp_size) // tp_size
-    if (tp_size - 1) * local_vocab >= model_cfg.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={model_cfg.vocab_size} padded to a multiple of parallel.tp_size={tp_size} "
-            f"leaves TP rank {tp_size - 1} with padding rows only ({local_vocab} rows per rank); "
-            f"use a tp_size whose vocabulary shards all hold real tokens (vocab_size >= tp_size*(rows-1)+1)"
-        )
 
 
 @dataclass
@@ -207,7 +176,7 @@ def apply_tensor_parallel(model: Transformer, state: ParallelState, sequence_par
     """
     group = state.tp
     cfg = model.cfg
-    validate_tp(cfg, group.size)
+    check_tp(cfg, group.size)
     if group.size == 1:
         return model
     if hasattr(model, "tp_context"):

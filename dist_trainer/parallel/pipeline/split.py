@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import layers_per_stage
 from dist_trainer.model import Transformer, init_weights_
+from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 
-BALANCES = ("layers", "params")
 PLACEMENTS = ("loop", "v")
 
 
@@ -94,72 +95,6 @@ def stage_placement(pp_size: int, virtual_stages: int, placement: str = "loop") 
     return [[r + k * pp_size for k in range(virtual_stages)] for r in range(pp_size)]
 
 
-def _layer_params(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(params of one block, of the first stage's extras, of the last stage's extras), from a meta model."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-
-    def count(*mods: nn.Module | None) -> int:
-        return sum(p.numel() for m in mods if m is not None for p in m.parameters())
-
-    block = count(model.layers[0])
-    first = count(model.tok_emb, model.pos_emb, model.type_emb, model.emb_norm)
-    tied_head = model.tok_emb.weight.numel() if model.head is None else 0
-    last = count(model.final_norm, model.head, model.pooler) + tied_head
-    return block, first, last
-
-
-def layers_per_stage(cfg: ModelConfig, num_stages: int, balance: str = "layers") -> list[int]:
-    """Contiguous layer counts per stage (each >= 1) summing to n_layers.
-
-    ``layers``: as even as possible, the remainder going to the middle stages first (the
-    first and last also hold the embeddings and the head). ``params``: minimise the largest
-    stage's parameter count, embeddings and head included (exact DP over the cut points).
-    """
-    n = cfg.n_layers
-    if balance not in BALANCES:
-        raise ValueError(f"pipeline balance {balance!r} is not one of {BALANCES}")
-    if n < num_stages:
-        raise ValueError(
-            f"model.n_layers={n} is fewer than the {num_stages} pipeline stages (pp_size x virtual stages); "
-            f"use at most {n} stages or a deeper model"
-        )
-    if balance == "layers":
-        base, extra = divmod(n, num_stages)
-        # extra layers go to the middle stages first: the ends also run the embeddings and the head
-        order = [*range(1, num_stages - 1), num_stages - 1, 0][:num_stages] if num_stages > 1 else [0]
-        counts = [base] * num_stages
-        for s in order[:extra]:
-            counts[s] += 1
-        return counts
-    block, first, last = _layer_params(cfg)
-    # best[s][k]: smallest max-stage cost placing the first k layers on stages 0..s-1
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, num_stages + 1):
-        extra_cost = (first if s == 1 else 0) + (last if s == num_stages else 0)
-        for k in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, k):
-                cost = max(best[s - 1][j], (k - j) * block + extra_cost)
-                if cost < best[s][k]:
-                    best[s][k], cut[s][k] = cost, j
-    counts, k = [], n
-    for s in range(num_stages, 0, -1):
-        counts.append(k - cut[s][k])
-        k = cut[s][k]
-    return counts[::-1]
-
-
-def _validate_stage_layers(stage_layers: list[int], cfg: ModelConfig, num_stages: int) -> None:
-    if len(stage_layers) != num_stages or sum(stage_layers) != cfg.n_layers or min(stage_layers) < 1:
-        raise ValueError(
-            f"stage_layers={stage_layers} must list {num_stages} counts (pp_size x virtual stages), "
-            f"each >= 1, summing to model.n_layers={cfg.n_layers}"
-        )
-
-
 def _init_like_full_model(full: Transformer, kept: set[int]) -> None:
     """Replay the draws of ``build_model``; write only into modules in ``kept``.
 
@@ -205,11 +140,7 @@ def split_into_stages(
     if virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages} must be >= 1")
     num_stages = pp_size * virtual_stages
-    if stage_layers is not None:
-        _validate_stage_layers(list(stage_layers), model_cfg, num_stages)
-        counts = list(stage_layers)
-    else:
-        counts = layers_per_stage(model_cfg, num_stages, balance)
+    counts = layers_per_stage(model_cfg, num_stages, balance, stage_layers)  # the planner prices the same split
     starts = [sum(counts[:s]) for s in range(num_stages)]
     mine = stage_placement(pp_size, virtual_stages, placement)[pp_rank]
 
@@ -219,16 +150,11 @@ def split_into_stages(
     pieces: dict[int, dict[str, nn.Module | None]] = {}
     for s in mine:
         first, last = s == 0, s == num_stages - 1
-        pieces[s] = {
-            "tok_emb": full.tok_emb if first or (last and full.head is None) else None,
-            "pos_emb": full.pos_emb if first else None,
-            "type_emb": full.type_emb if first else None,
-            "emb_norm": full.emb_norm if first else None,
-            "final_norm": full.final_norm if last else None,
-            "head": full.head if last else None,
-            "pooler": full.pooler if last else None,
-            "layers": nn.ModuleList(full.layers[starts[s]:starts[s] + counts[s]]),
-        }
+        pieces[s] = {name: getattr(full, name) if first else None for name in FIRST_STAGE_MODULES}
+        pieces[s].update({name: getattr(full, name) if last else None for name in LAST_STAGE_MODULES})
+        if last and full.head is None:  # a tied head: the last stage's own copy of the token embedding
+            pieces[s]["tok_emb"] = full.tok_emb
+        pieces[s]["layers"] = nn.ModuleList(full.layers[starts[s]:starts[s] + counts[s]])
     kept_roots = {id(m): m for p in pieces.values() for m in p.values() if m is not None}
     for m in kept_roots.values():
         m.to_empty(device="cpu")

@@ -26,7 +26,7 @@ from torch import nn
 
 from dist_trainer.model import IGNORE_INDEX, set_attrs
 from dist_trainer.parallel.comm import AxisGroup
-from dist_trainer.parallel.tp_comms import (
+from dist_trainer.parallel.tp.comms import (
     enter_tp_region,
     exit_tp_region,
     gather_from_tp,
@@ -34,16 +34,12 @@ from dist_trainer.parallel.tp_comms import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
-
-
-def padded_size(size: int, tp_size: int) -> int:
-    """``size`` rounded up to a multiple of ``tp_size``."""
-    return -(-size // tp_size) * tp_size
+from dist_trainer.planner.params import padded_vocab
 
 
 def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's contiguous slice along ``dim``, zero-padded to a multiple of tp_size first."""
-    pad = padded_size(full.shape[dim], tp_size) - full.shape[dim]
+    pad = padded_vocab(full.shape[dim], tp_size) - full.shape[dim]
     if pad:
         shape = list(full.shape)
         shape[dim] = pad
@@ -259,7 +255,7 @@ class VocabParallelLoss(nn.Module):
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
-        self.local_vocab = padded_size(vocab_size, group.size) // group.size
+        self.local_vocab = padded_vocab(vocab_size, group.size) // group.size
         self.vocab_start = group.rank * self.local_vocab
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ hyper-parameters and the LR schedule belong to our Config. A JSON may leave them
 filled in) or repeat them; a repeated value that disagrees raises ``ValueError`` naming both.
 Keys outside an allow-list raise too, so a typo (``"zero_optimisation"``) is never silently
 ignored by DeepSpeed's permissive parser. Everything here runs before any process group exists:
-``Trainer.__init__`` calls :func:`validate_zero_config` next to ``cfg.parallel.resolve``.
+``train/prelaunch.check_layout`` calls :func:`validate_zero_config`; ``plan --out`` writes its ds_config.json
+through :func:`ds_config_for`, the one generator.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_trainer.config import CONFIG_ROOT, Config
+from dist_trainer.layout_rules import check_composition, check_precision
 
 DS_CONFIG_DIR = CONFIG_ROOT / "ds"
 
@@ -73,7 +75,7 @@ def owned_values(cfg: Config, dp_size: int) -> dict[str, Any]:
         "fp16": {"enabled": cfg.train.precision == "fp16"},
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
                                                   "weight_decay": o.weight_decay}},
-        # Recorded for the reader; the Trainer itself sets the LR every step (train/optim.lr_at), so the
+        # Recorded for the reader; the Trainer itself sets the LR every step (optim.lr_at), so the
         # section is checked here and not handed to DeepSpeed.
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": o.warmup_steps,
                                                            "total_num_steps": cfg.train.max_steps,
@@ -118,44 +120,49 @@ def check_device(cfg: Config, zero: dict[str, Any], device_type: str) -> None:
                              "and DeepSpeed's async-I/O op)")
     if "offload_param" in zero and (zero["offload_param"] or {}).get("device", "none") != "none" and zero["stage"] != 3:
         raise ValueError(f"zero_optimization.offload_param needs stage 3, the JSON has stage {zero['stage']}")
-    if cfg.train.precision == "fp16" and device_type != "cuda":
-        raise ValueError(f"ZeRO with train.precision=fp16 needs CUDA (dynamic loss scaling); device is {device_type}")
-
-
-def check_layout(cfg: Config) -> None:
-    p = cfg.parallel
-    if p.pp_size > 1:
-        raise ValueError(f"parallel.zero_stage={p.zero_stage} with parallel.pp_size={p.pp_size}: this trainer's "
-                         "pipeline engine is its own, not DeepSpeed's PipelineModule; use zero_stage 0 with pp")
-    if p.tp_size > 1:
-        # DeepSpeed's mpu path needs Megatron's `tensor_model_parallel` parameter attribute (to count TP-split
-        # params once in the grad norm, deepspeed/runtime/utils.py is_model_parallel_parameter) and cannot
-        # finalize our sequence-parallel norm grads; stage 3 partitions params across the TP shards too.
-        raise ValueError(f"parallel.zero_stage={p.zero_stage} with parallel.tp_size={p.tp_size} is not supported: "
-                         "DeepSpeed's model-parallel unit does not understand this trainer's TP layers "
-                         "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
+    check_precision(cfg.train.precision, device_type)
 
 
 def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") -> dict[str, Any]:
     """The full DeepSpeed config of this run, or ValueError. Call before init_process_group.
 
-    ``dp_size`` is ``cfg.parallel.resolve(world_size)``; ``device_type`` is "cpu" or "cuda".
+    ``dp_size`` is ``cfg.parallel.resolve(world_size)``; ``device_type`` is "cpu" or "cuda". On top of
+    ``ds_config_for``: every key checked against DeepSpeed 0.19.8's own config classes (imports DeepSpeed),
+    and the offload devices against this machine.
     """
-    p = cfg.parallel
-    if p.zero_stage not in (1, 2, 3):
-        raise ValueError(f"parallel.zero_stage={p.zero_stage}: the ZeRO regime needs 1, 2 or 3")
-    check_layout(cfg)
-    path = p.ds_config or default_ds_config_path(p.zero_stage, p.zero_offload)
-    data = read_ds_json(path)
+    data, path = _read(cfg)
     unknown = sorted(set(data) - TOP_LEVEL_KEYS)
     if unknown:
         raise ValueError(f"DeepSpeed config {path} has unknown or unsupported keys {unknown}; "
                          f"valid: {sorted(TOP_LEVEL_KEYS)}")
-    zero = dict(data.get("zero_optimization") or {})
-    bad_zero = sorted(set(zero) - zero_optimization_keys())
+    bad_zero = sorted(set(data.get("zero_optimization") or {}) - zero_optimization_keys())
     if bad_zero:
         raise ValueError(f"DeepSpeed config {path}: unknown zero_optimization keys {bad_zero}; "
                          f"DeepSpeed 0.19.8 accepts {sorted(zero_optimization_keys())}")
+    out = ds_config_for(cfg, dp_size)
+    check_device(cfg, out["zero_optimization"], device_type)
+    return out
+
+
+def _read(cfg: Config) -> tuple[dict[str, Any], Path]:
+    p = cfg.parallel
+    if p.zero_stage not in (1, 2, 3):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage}: the ZeRO regime needs 1, 2 or 3")
+    path = Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage, p.zero_offload)
+    return read_ds_json(path), path
+
+
+def ds_config_for(cfg: Config, dp_size: int) -> dict[str, Any]:
+    """The one generator of DeepSpeed JSON: ``parallel.ds_config`` (default ``configs/ds/zero{stage}[_offload].json``)
+    with what our config owns filled in (batch sizes, accumulation, precision, clipping, optimizer, schedule).
+
+    A value the JSON repeats must agree with ours, its stage and offload with ``parallel.zero_*``; torch-free, so
+    ``plan --out`` writes its ds_config.json through here too.
+    """
+    p = cfg.parallel
+    check_composition(p)
+    data, path = _read(cfg)
+    zero = dict(data.get("zero_optimization") or {})
     zero.setdefault("stage", p.zero_stage)
     if zero["stage"] != p.zero_stage:
         raise ValueError(f"DeepSpeed config {path}: zero_optimization.stage={zero['stage']} vs our config "
@@ -164,7 +171,6 @@ def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") ->
     if offloaded != p.zero_offload:
         raise ValueError(f"DeepSpeed config {path} {'offloads' if offloaded else 'offloads nothing'} but our config "
                          f"has parallel.zero_offload={p.zero_offload}; pick the matching configs/ds/*_offload.json")
-    check_device(cfg, zero, device_type)
     ours = owned_values(cfg, dp_size)
     conflicts = [c for k in OWNED_KEYS if k in data for c in _conflicts(k, ours[k], data[k])]
     if conflicts:

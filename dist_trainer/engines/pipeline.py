@@ -1,8 +1,8 @@
 """The pipeline regime inside the trainer: this rank's stages, a pipelining schedule, DP and TP around it.
 
-``PipelineEngine`` builds only this rank's stages (``parallel/pipeline.py``), applies TP to
+``PipelineEngine`` builds only this rank's stages (``parallel/pipeline/split.py``), applies TP to
 each, and runs the step through the ``torch.distributed.pipelining`` schedule named by
-``parallel.pp_schedule`` (``parallel/pp_schedule.py``). What the library does not do for
+``parallel.pp_schedule`` (``parallel/pipeline/schedule.py``). What the library does not do for
 this model happens here: the gradient average over dp (one flat all-reduce, counted), the
 tied embedding's gradient sum between first and last stage, the global grad norm over all
 stages, the loss broadcast from the last stage so every rank reports the same value, and
@@ -16,40 +16,15 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.config import Config
-from dist_trainer.parallel.grad import finalize_tp_grads
-from dist_trainer.parallel.pipeline import StageModule, split_into_stages, stage_placement
-from dist_trainer.parallel.pp_schedule import build_schedule, validate_pipeline
+from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm
+from dist_trainer.layout_rules import n_microbatches
+from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
+from dist_trainer.optim import build_optimizer
+from dist_trainer.parallel.pipeline.schedule import build_schedule
+from dist_trainer.parallel.pipeline.split import StageModule, split_into_stages, stage_placement
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tensor_parallel import apply_tensor_parallel
-from dist_trainer.train.engine import Engine, NamedShardsMixin, autocast_for
-from dist_trainer.train.optim import build_optimizer, set_lr
-
-_TOP_LEVEL = ("tok_emb", "pos_emb", "type_emb", "emb_norm", "final_norm", "head", "pooler")
-
-
-def n_microbatches(cfg: Config, dp_size: int) -> int:
-    """Pipeline micro-batches per step: configured, or the gradient-accumulation steps."""
-    return cfg.parallel.n_microbatches or cfg.parallel.grad_accum_steps(dp_size)
-
-
-def validate_pipeline_config(cfg: Config, dp_size: int) -> None:
-    """Everything a pipeline run needs, checked before any process group exists."""
-    p = cfg.parallel
-    stages = p.pp_size * p.pp_virtual_stages
-    if cfg.model.n_layers < stages:
-        raise ValueError(f"model.n_layers={cfg.model.n_layers} is fewer than the pipeline's stages "
-                         f"pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages} = {stages}")
-    if p.pp_stage_layers is not None and sum(p.pp_stage_layers) != cfg.model.n_layers:
-        raise ValueError(f"parallel.pp_stage_layers={p.pp_stage_layers} sums to {sum(p.pp_stage_layers)}, "
-                         f"not model.n_layers={cfg.model.n_layers}")
-    if p.zero_stage:
-        raise ValueError(f"parallel.zero_stage={p.zero_stage} with pp_size={p.pp_size}: DeepSpeed ZeRO does not "
-                         "run with this project's pipeline stages; use zero_stage 0")
-    if cfg.train.precision == "fp16":
-        raise ValueError("train.precision=fp16 (loss scaling) is not supported with pipeline stages; use bf16")
-    per_rank = p.global_batch_size // dp_size
-    m = n_microbatches(cfg, dp_size)
-    validate_pipeline(p.pp_size, p.pp_schedule, m, per_rank, p.pp_virtual_stages)
+from dist_trainer.parallel.tp.apply import apply_tensor_parallel
+from dist_trainer.parallel.tp.grad import finalize_tp_grads
 
 
 class PipelineRankModule(nn.Module):
@@ -63,7 +38,7 @@ class PipelineRankModule(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict()
         for stage in stages:
-            for name in _TOP_LEVEL:
+            for name in FIRST_STAGE_MODULES + LAST_STAGE_MODULES:
                 module = getattr(stage.model, name, None)
                 if module is not None and not hasattr(self, name):
                     setattr(self, name, module)
@@ -76,7 +51,7 @@ class PipelineEngine(NamedShardsMixin, Engine):
         p = cfg.parallel
         self.cfg, self.state, self.device = cfg, state, device
         self.scaler = None
-        self.n_micro = n_microbatches(cfg, state.dp_size)
+        self.n_micro = n_microbatches(p, state.dp_size)
         self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
                                         balance=p.pp_balance, stage_layers=p.pp_stage_layers,
                                         seed=cfg.train.seed, device="cpu")
@@ -128,11 +103,8 @@ class PipelineEngine(NamedShardsMixin, Engine):
         for stage in self.stages:
             finalize_tp_grads(stage.model, self.state)
         self.pipe.finalize_grads()  # tied embedding: first-stage and last-stage copies get the summed gradient
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = self.pipe.clip_grad_norm_(max_norm, self.state)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.pipe.clip_grad_norm_(clip_norm(self.cfg), self.state)
+        apply_update(self.optimizer, lr)
         return grad_norm
 
     @torch.no_grad()

@@ -8,7 +8,7 @@
     interleaved_1f1b  ScheduleInterleaved1F1B   v model chunks per rank, bubble / v (same paper)
     zero_bubble       ScheduleInterleavedZeroBubble  split input/weight backward (Qi et al. 2024)
 
-``validate_pipeline`` is pure arithmetic, for the config check before any group exists.
+Whether a schedule can run a batch is ``layout_rules.check_schedule`` (pure arithmetic, before any group exists).
 The library scales gradients by 1 / n_microbatches (``scale_grads=True``), so with a
 per-micro-batch mean loss the gradient is that of the mean over the whole batch.
 """
@@ -31,11 +31,12 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule  # the schedules' common base
 
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule, rank_grid
 from dist_trainer.model import set_attrs
 from dist_trainer.parallel.comm import AxisGroup
-from dist_trainer.parallel.grad import clip_grad_norm_
-from dist_trainer.parallel.pipeline import StageModule
+from dist_trainer.parallel.pipeline.split import StageModule
 from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.tp.grad import clip_grad_norm_
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -43,39 +44,6 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-
-
-def validate_pipeline(pp_size: int, schedule_name: str, n_microbatches: int, batch_size: int,
-                      virtual_stages: int = 1) -> None:
-    """Raise ValueError unless ``batch_size`` sequences (per dp rank) run under this schedule."""
-    if schedule_name not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule_name!r} is not one of {tuple(SCHEDULES)}")
-    if n_microbatches < 1:
-        raise ValueError(f"parallel.n_microbatches={n_microbatches} must be >= 1")
-    if batch_size % n_microbatches:
-        raise ValueError(
-            f"the batch of {batch_size} sequences per dp rank does not split into n_microbatches={n_microbatches} "
-            f"equal micro-batches; choose n_microbatches among the divisors of {batch_size}"
-        )
-    if virtual_stages > 1 and schedule_name not in MULTI_STAGE:
-        raise ValueError(
-            f"parallel.pp_virtual_stages={virtual_stages} needs a multi-stage schedule {MULTI_STAGE}, "
-            f"not {schedule_name!r}"
-        )
-    # 1F1B keeps pp_size micro-batches in flight in its warm-up; the interleaved schedules
-    # run rounds of pp_size micro-batches (torch: n_microbatches % rounds == 0; Megatron
-    # requires n_microbatches % pp_size == 0 for interleaving).
-    if schedule_name != "gpipe" and n_microbatches < pp_size:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule_name!r} needs n_microbatches >= pp_size, "
-            f"got n_microbatches={n_microbatches} < pp_size={pp_size}"
-        )
-    if schedule_name in MULTI_STAGE and n_microbatches % pp_size:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule_name!r} needs n_microbatches to be a multiple of pp_size={pp_size}, "
-            f"got {n_microbatches}"
-        )
 
 
 def _embedding_group(state: ParallelState) -> AxisGroup | None:
@@ -90,12 +58,12 @@ def _embedding_group(state: ParallelState) -> AxisGroup | None:
     if pp == 2:
         return state.pp
     dp = state.world_size // (pp * tp)
-    grid = torch.arange(state.world_size).view(dp, pp, tp)
+    grid = rank_grid(state.world_size, dp, pp, tp)
     mine = (state.pp.ranks[0], state.pp.ranks[-1])
     group = None
     for d in range(dp):
         for t in range(tp):
-            pair = [int(grid[d, 0, t]), int(grid[d, pp - 1, t])]
+            pair = [grid[d][0][t], grid[d][pp - 1][t]]
             g = dist.new_group(pair)
             if tuple(pair) == mine:
                 group = g
@@ -183,7 +151,7 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
         raise ValueError(f"parallel.pp_schedule={schedule_name!r} is not one of {tuple(SCHEDULES)}")
     if virtual == 0:
         raise ValueError("build_schedule: no stages given for this rank")
-    validate_pipeline(state.pp_size, schedule_name, n_microbatches, n_microbatches, virtual)
+    check_schedule(state.pp_size, schedule_name, n_microbatches, n_microbatches, virtual)
     if state.pp_size == 1 and state.world_size > 1:
         raise ValueError("build_schedule needs pp_size > 1 in a multi-rank run (pp_size 1 runs the plain model)")
     device = next(stages[0].parameters()).device
@@ -191,7 +159,7 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
         PipelineStage(s, s.stage_index, s.num_stages, device, group=state.pp.group) for s in stages
     ]
     cls = SCHEDULES[schedule_name]
-    if schedule_name in MULTI_STAGE:
+    if schedule_name in MULTI_STAGE_SCHEDULES:
         schedule = cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     else:
         schedule = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)

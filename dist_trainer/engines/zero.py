@@ -4,111 +4,36 @@
 
 - the model is ``build_model``'s, drawn from ``train.seed`` (the same weights as DDP's); under stage 3 it is
   constructed inside ``deepspeed.zero.Init`` so each parameter is partitioned as soon as its module exists, and
-  the seed's draw is replayed one module at a time (``_init_partitioned``): no rank ever holds the whole model;
+  the seed's draw is replayed one module at a time (``parallel/zero/deepspeed.init_partitioned``): no rank ever
+  holds the whole model;
 - the optimizer is our AdamW over ``train.optim.param_groups`` (torch's, ``foreach=False``, for exact parity
   with DDP; DeepSpeedCPUAdam in AdamW mode when the optimizer is offloaded), its LR set by the Trainer;
 - DeepSpeed's gradient accumulation is the number of micro-batches the Trainer passes, its clipping
   ``optim.grad_clip``; its data-parallel group is our ParallelState's (handed over through ``mpu``);
 - checkpoints are DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` inside the trainer's folder
-  (exact resume); ``zero_checkpoint.export_fp32`` consolidates one into this project's model file.
+  (exact resume); ``parallel/zero/consolidate.py`` merges them by parameter name for every other reader.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dist_trainer.checkpoint.convert import load_shards
 from dist_trainer.config import Config
-from dist_trainer.model import Transformer, build_model, init_weights_
-from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.engines.base import Engine, seeded_model
+from dist_trainer.model import Transformer
+from dist_trainer.optim import param_groups, set_lr
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.zero_config import engine_config, validate_zero_config
-from dist_trainer.train.engine import Engine
-from dist_trainer.train.optim import param_groups, set_lr
+from dist_trainer.parallel.tp.reshard import tp_shard_specs
+from dist_trainer.parallel.zero.config import engine_config, validate_zero_config
+from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, quiet_deepspeed
+from dist_trainer.parallel.zero.memory import zero_owned_bytes
 
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
-
-
-def quiet_deepspeed() -> None:
-    """Use the existing torch.distributed (gloo) group without DeepSpeed's shared-memory all-reduce op.
-
-    deepspeed.comm.TorchBackend JIT-compiles ``deepspeed_shm_comm`` on CPU whenever
-    ``deepspeed.ops.__compatible_ops__`` marks it compatible (deepspeed/comm/torch.py, build_shm_op), ~25 s per
-    fresh process; the dict is cached in the module (``deepspeed/ops/__init__.py``), so marking the op unavailable
-    makes DeepSpeed fall back to torch.distributed's gloo collectives, which is what we run anyway.
-    """
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    import deepspeed.ops
-
-    # Setting the dict before its first access also skips DeepSpeed's probe of every op (compiler subprocesses);
-    # comm/torch.py is its only reader in 0.19.8, and a missing entry reads as "not compatible".
-    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-
-
-class _Mpu:
-    """DeepSpeed's model-parallel-unit protocol over our ParallelState (tp is 1: see zero_config.check_layout)."""
-
-    def __init__(self, state: ParallelState) -> None:
-        self.state = state
-        # ParallelState creates no group for a one-rank axis, but DeepSpeed reduces over whatever group the mpu
-        # returns: a one-rank axis must be a group of this rank alone (None would mean the whole world).
-        # new_group is collective, so every rank creates every singleton, in rank order.
-        self._alone: dist.ProcessGroup | None = None
-        if any(a.size == 1 for a in (state.dp, state.tp)):
-            for r in range(state.world_size):
-                group = dist.new_group([r])
-                if r == state.rank:
-                    self._alone = group
-
-    def _group(self, axis: AxisGroup) -> dist.ProcessGroup:
-        group = axis.group if axis.size > 1 else self._alone
-        assert group is not None, f"no process group for the {axis.axis} axis"
-        return group
-
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self._group(self.state.dp)
-
-    def get_data_parallel_rank(self) -> int:
-        return self.state.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.state.dp_size
-
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self._group(self.state.tp)
-
-    def get_model_parallel_rank(self) -> int:
-        return self.state.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.state.tp_size
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-
-
-@torch.no_grad()
-def _init_partitioned(model: Transformer) -> None:
-    """Replay ``Transformer.reset_parameters`` on a ZeRO-3 model, gathering one module's params at a time.
-
-    Same modules, same order, same draws from the global RNG (seeded identically on every rank), so the
-    partitions are the slices of the single-process draw; ``tests/test_zero_parity.py`` checks it bit for bit.
-    Under ``zero.Init`` the constructor's own call found only empty partitions and drew nothing.
-    """
-    import deepspeed
-
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if not own:
-            continue
-        with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-            init_weights_(module, model.cfg)
 
 
 class ZeroEngine(Engine):
@@ -124,6 +49,7 @@ class ZeroEngine(Engine):
         self.stage = cfg.parallel.zero_stage
         self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "")
         self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
+        self.mpu = DeepSpeedMpu(state)  # collective (it may create groups): every rank, once
         model = self._build_model(deepspeed)
         groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3
         if cfg.parallel.zero_offload:
@@ -135,31 +61,29 @@ class ZeroEngine(Engine):
             optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                           eps=cfg.optim.eps, foreach=False)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=engine_config(self.ds_config), mpu=_Mpu(state),
+            model=model, optimizer=optimizer, config=engine_config(self.ds_config), mpu=self.mpu,
             dist_init_required=False)
         self.model: Transformer = self.engine.module
         # Called after each micro-batch's backward (the memory experiment reads the grads held in between).
         self.after_backward: Callable[[], None] | None = None
 
     def _build_model(self, deepspeed: Any) -> Transformer:
-        mcfg = self.cfg.model
         if self.stage < 3:
-            model = build_model(mcfg, seed=self.cfg.train.seed)
-        else:
-            torch.manual_seed(self.cfg.train.seed)
-            # zero.Init reads only the zero_optimization section; its batch assertion would use the world size
-            # before our mpu is consulted, so the batch keys stay with deepspeed.initialize.
-            # No dtype argument: Init._set_dtype in 0.19.8 reads ``dtype or fp16 if fp16_supported else bf16 if
-            # <bound method, always true> ...``, so on CPU an explicit float32 becomes bfloat16; with dtype=None it
-            # takes the precision from the config's bf16/fp16 sections instead.
-            init_config = {"zero_optimization": self.ds_config["zero_optimization"],
-                           "train_micro_batch_size_per_gpu": self.cfg.parallel.micro_batch_size,
-                           "bf16": self.ds_config["bf16"], "fp16": self.ds_config["fp16"]}
-            with deepspeed.zero.Init(data_parallel_group=self.state.dp.group, config_dict_or_path=init_config,
-                                     remote_device="cpu" if self.cfg.parallel.zero_offload else None,
-                                     mpu=_Mpu(self.state)):
-                model = Transformer(mcfg)
-            _init_partitioned(model)
+            return seeded_model(self.cfg).to(self.device)
+        torch.manual_seed(self.cfg.train.seed)
+        # zero.Init reads only the zero_optimization section; its batch assertion would use the world size
+        # before our mpu is consulted, so the batch keys stay with deepspeed.initialize.
+        # No dtype argument: Init._set_dtype in 0.19.8 reads ``dtype or fp16 if fp16_supported else bf16 if
+        # <bound method, always true> ...``, so on CPU an explicit float32 becomes bfloat16; with dtype=None it
+        # takes the precision from the config's bf16/fp16 sections instead.
+        init_config = {"zero_optimization": self.ds_config["zero_optimization"],
+                       "train_micro_batch_size_per_gpu": self.cfg.parallel.micro_batch_size,
+                       "bf16": self.ds_config["bf16"], "fp16": self.ds_config["fp16"]}
+        with deepspeed.zero.Init(data_parallel_group=self.mpu.get_data_parallel_group(),
+                                 config_dict_or_path=init_config,
+                                 remote_device="cpu" if self.cfg.parallel.zero_offload else None, mpu=self.mpu):
+            model = Transformer(self.cfg.model)
+        init_partitioned(model)
         model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
                                            self.cfg.parallel.checkpoint_every)
         return model.to(self.device)
@@ -200,6 +124,9 @@ class ZeroEngine(Engine):
             self.engine.train()
         return total
 
+    def owned_state_bytes(self) -> dict[str, int]:
+        return zero_owned_bytes(self.optimizer, list(self.model.parameters()), self.stage)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
@@ -227,10 +154,8 @@ class ZeroEngine(Engine):
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        from dist_trainer.parallel.reshard import tp_shard_specs
-        from dist_trainer.train import checkpoint as ckpt
 
-        model_state, optim_state = ckpt.load_shards(folder, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+        model_state, optim_state = load_shards(folder, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
                                                     specs_now=tp_shard_specs(self.model))
         saved = optim_state["state"]
         missing = [n for n, _ in self.model.named_parameters() if n not in model_state]

@@ -1,0 +1,1 @@
+"""Checkpoints: publishing them safely (publish.py) and reading them in any layout (convert.py)."""

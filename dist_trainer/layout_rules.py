@@ -1,0 +1,271 @@
+"""Which layouts run: the one owner of every layout rule, torch-free.
+
+The planner's search asks it which layouts to rank, the trainer's pre-launch check asks it
+whether a config runs, before any process group exists; both get the same answer, so the
+planner ranks exactly the layouts the trainer accepts (``tests/test_layout_rules.py``
+enumerates layouts and checks the two agree). Pure arithmetic on the config: no torch.
+
+    regime_of           the engine a layout runs under (engines/__init__.py maps it to a class)
+    check_tp            TP against the model: heads, MLP width, vocabulary shards (padded)
+    layers_per_stage    the pipeline split: even by layers, by parameters, or given per stage
+    check_schedule      a pipelining schedule against its micro-batches and virtual stages
+    check_composition   which regimes compose (ZeRO with TP or PP is refused, with the reason)
+    check_precision     device limits: fp16 loss scaling needs CUDA
+    check_layout        all of the above for a run config on a world size: the pre-launch check
+    rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dist_trainer.config import PP_SCHEDULES, Config, ModelConfig, ParallelConfig
+from dist_trainer.planner.params import embedding_params, layer_params, padded_vocab, tail_params
+
+REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
+BALANCES = ("layers", "params")
+
+
+def regime_of(parallel: ParallelConfig) -> str:
+    """The regime that runs this layout: pipeline stages, DeepSpeed ZeRO, or DDP (each with TP inside)."""
+    if parallel.pp_size > 1:
+        return "pipeline"
+    if parallel.zero_stage > 0:
+        return "zero"
+    return "ddp"
+
+
+def needs_process_group(parallel: ParallelConfig) -> bool:
+    """Whether the regime needs torch.distributed even on one process (DeepSpeed's engine does)."""
+    return regime_of(parallel) == "zero"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def check_tp(model: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError if ``model`` cannot be split over ``tp_size`` ranks the Megatron way.
+
+    Query heads and the MLP width are split, so tp divides them; k/v heads never fail (when tp
+    does not divide n_kv_heads they are replicated); the vocabulary is padded to a multiple of
+    tp, and every rank's shard must hold real rows.
+    """
+    if tp_size < 1:
+        raise ValueError(f"parallel.tp_size={tp_size} must be >= 1")
+    if model.n_heads % tp_size:
+        raise ValueError(
+            f"model.n_heads={model.n_heads} is not divisible by parallel.tp_size={tp_size}: "
+            f"attention heads are split across TP ranks; valid tp_size: {_divisors(model.n_heads)}"
+        )
+    if model.ffn_dim % tp_size:
+        raise ValueError(
+            f"the MLP width (model.d_ff={model.ffn_dim}) is not divisible by parallel.tp_size={tp_size}; "
+            f"valid tp_size: {[d for d in _divisors(model.ffn_dim) if model.n_heads % d == 0]}"
+        )
+    local_vocab = padded_vocab(model.vocab_size, tp_size) // tp_size
+    if (tp_size - 1) * local_vocab >= model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model.vocab_size} padded to a multiple of parallel.tp_size={tp_size} "
+            f"leaves TP rank {tp_size - 1} with padding rows only ({local_vocab} rows per rank); "
+            f"use a tp_size whose vocabulary shards all hold real tokens (vocab_size >= tp_size*(rows-1)+1)"
+        )
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers",
+                     stage_layers: list[int] | tuple[int, ...] | None = None) -> list[int]:
+    """Contiguous layer counts per stage (each >= 1) summing to n_layers.
+
+    ``stage_layers``: given explicitly (uneven splits). ``layers``: as even as possible, the
+    remainder going to the middle stages first (the first and last also hold the embeddings and
+    the head). ``params``: minimise the largest stage's parameter count, embeddings and head
+    included (exact DP over the cut points; counts from planner/params.py, which equal the
+    model's). The trainer builds these stages and the planner prices them.
+    """
+    n = model.n_layers
+    if stage_layers is not None:
+        counts = list(stage_layers)
+        if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
+            raise ValueError(
+                f"parallel.pp_stage_layers={counts} must list {num_stages} layer counts (pp_size x virtual stages), "
+                f"each >= 1, summing to model.n_layers={n}"
+            )
+        return counts
+    if balance not in BALANCES:
+        raise ValueError(f"parallel.pp_balance={balance!r} is not one of {', '.join(BALANCES)}")
+    if n < num_stages:
+        raise ValueError(
+            f"model.n_layers={n} is fewer than the {num_stages} pipeline stages (pp_size x virtual stages); "
+            f"use at most {n} stages or a deeper model"
+        )
+    if balance == "layers":
+        base, extra = divmod(n, num_stages)
+        # extra layers go to the middle stages first: the ends also run the embeddings and the head
+        order = [*range(1, num_stages - 1), num_stages - 1, 0][:num_stages] if num_stages > 1 else [0]
+        counts = [base] * num_stages
+        for s in order[:extra]:
+            counts[s] += 1
+        return counts
+    block = sum(layer_params(model).values())
+    first = sum(embedding_params(model).values())
+    tail = tail_params(model, pp_size=num_stages)
+    last = sum(tail.values())
+    # best[s][k]: smallest max-stage cost placing the first k layers on stages 0..s-1
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        extra_cost = (first if s == 1 else 0) + (last if s == num_stages else 0)
+        for k in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, k):
+                cost = max(best[s - 1][j], (k - j) * block + extra_cost)
+                if cost < best[s][k]:
+                    best[s][k], cut[s][k] = cost, j
+    counts, k = [], n
+    for s in range(num_stages, 0, -1):
+        counts.append(k - cut[s][k])
+        k = cut[s][k]
+    return counts[::-1]
+
+
+def stage_counts(model: ModelConfig, parallel: ParallelConfig) -> list[int]:
+    """Layers per stage (pp_size x pp_virtual_stages of them) for this layout, as the trainer splits them."""
+    return layers_per_stage(model, parallel.pp_size * parallel.pp_virtual_stages, parallel.pp_balance,
+                            parallel.pp_stage_layers)
+
+
+def n_microbatches(parallel: ParallelConfig, dp_size: int) -> int:
+    """Pipeline micro-batches per step: configured, or the gradient-accumulation steps."""
+    return parallel.n_microbatches or parallel.grad_accum_steps(dp_size)
+
+
+def check_schedule(pp_size: int, schedule_name: str, n_microbatches: int, batch_size: int,
+                   virtual_stages: int = 1) -> None:
+    """Raise ValueError unless ``batch_size`` sequences (per dp rank) run under this pipelining schedule."""
+    if schedule_name not in PP_SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule_name!r} is not one of {PP_SCHEDULES}")
+    if n_microbatches < 1:
+        raise ValueError(f"parallel.n_microbatches={n_microbatches} must be >= 1")
+    if batch_size % n_microbatches:
+        raise ValueError(
+            f"the batch of {batch_size} sequences per dp rank does not split into n_microbatches={n_microbatches} "
+            f"equal micro-batches; choose n_microbatches among the divisors of {batch_size}"
+        )
+    if virtual_stages > 1 and schedule_name not in MULTI_STAGE_SCHEDULES:
+        raise ValueError(
+            f"parallel.pp_virtual_stages={virtual_stages} needs a multi-stage schedule {MULTI_STAGE_SCHEDULES}, "
+            f"not {schedule_name!r}"
+        )
+    # 1F1B keeps pp_size micro-batches in flight in its warm-up; the interleaved schedules
+    # run rounds of pp_size micro-batches (torch: n_microbatches % rounds == 0; Megatron
+    # requires n_microbatches % pp_size == 0 for interleaving).
+    if schedule_name != "gpipe" and n_microbatches < pp_size:
+        raise ValueError(
+            f"parallel.pp_schedule={schedule_name!r} needs n_microbatches >= pp_size, "
+            f"got n_microbatches={n_microbatches} < pp_size={pp_size}"
+        )
+    if schedule_name in MULTI_STAGE_SCHEDULES and n_microbatches % pp_size:
+        raise ValueError(
+            f"parallel.pp_schedule={schedule_name!r} needs n_microbatches to be a multiple of pp_size={pp_size}, "
+            f"got {n_microbatches}"
+        )
+
+
+def check_pipeline(model: ModelConfig, parallel: ParallelConfig, dp_size: int, precision: str) -> None:
+    """Everything a pipeline layout needs: a stage split, a schedule that runs the batch, a precision it takes."""
+    stage_counts(model, parallel)
+    if precision == "fp16":
+        raise ValueError("train.precision=fp16 (loss scaling) is not supported with pipeline stages; use bf16")
+    check_schedule(parallel.pp_size, parallel.pp_schedule, n_microbatches(parallel, dp_size),
+                   parallel.global_batch_size // dp_size, parallel.pp_virtual_stages)
+
+
+# ---------------------------------------------------------------- composition and devices
+
+
+def check_offload(zero_stage: int, zero_offload: bool) -> None:
+    """CPU offload is ZeRO-Offload (Ren et al. 2021, built on ZeRO-2): stages 2 and 3 (configs/ds/*_offload.json)."""
+    if zero_offload and zero_stage not in (2, 3):
+        raise ValueError(f"parallel.zero_offload=true needs parallel.zero_stage 2 or 3 (ZeRO-Offload), got "
+                         f"{zero_stage}; configs/ds ships zero2_offload.json and zero3_offload.json")
+
+
+def check_composition(parallel: ParallelConfig) -> None:
+    """Which regimes compose. DeepSpeed ZeRO runs over data parallelism only, for now; offload needs ZeRO-2/3."""
+    check_offload(parallel.zero_stage, parallel.zero_offload)
+    if parallel.zero_stage and parallel.pp_size > 1:
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.pp_size={parallel.pp_size}: this "
+                         "trainer's pipeline engine is its own, not DeepSpeed's PipelineModule; use zero_stage 0 "
+                         "with pp")
+    if parallel.zero_stage and parallel.tp_size > 1:
+        # DeepSpeed's mpu path needs Megatron's `tensor_model_parallel` parameter attribute (to count TP-split
+        # params once in the grad norm, deepspeed/runtime/utils.py is_model_parallel_parameter) and cannot
+        # finalize our sequence-parallel norm grads; stage 3 partitions params across the TP shards too.
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.tp_size={parallel.tp_size} is not "
+                         "supported: DeepSpeed's model-parallel unit does not understand this trainer's TP layers "
+                         "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    """fp16 trains with dynamic loss scaling, which this trainer runs on CUDA only."""
+    if precision == "fp16" and device_type != "cuda":
+        raise ValueError(f"train.precision=fp16 needs CUDA (dynamic loss scaling); the device is {device_type}: "
+                         "use bf16 or fp32")
+
+
+# ---------------------------------------------------------------- the whole check
+
+
+def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
+    """Raise ValueError naming the values if ``cfg``'s layout cannot run on ``world_size`` ranks of
+    ``device_type`` ("cpu" or "cuda"); return the data-parallel degree. No process group, no data, no torch."""
+    cfg.validate()
+    p = cfg.parallel
+    dp = p.resolve(world_size)
+    check_tp(cfg.model, p.tp_size)
+    check_composition(p)
+    check_precision(cfg.train.precision, device_type)
+    if p.pp_size > 1:
+        check_pipeline(cfg.model, p, dp, cfg.train.precision)
+    return dp
+
+
+def fit_micro_batch(cfg: Config, world_size: int) -> tuple[Config, str | None]:
+    """``cfg`` with a micro-batch that divides each DP rank's share of the global batch, and a note saying so.
+
+    The global batch decides the training (the same samples per step in every layout); the micro-batch only how
+    they are cut. A config written for 2 processes (global 16 = micro 8 x dp 2) run on 4 therefore keeps its
+    global batch and takes the largest micro-batch <= the configured one that divides 16 / 4 = 4 (here 4), with
+    a note, instead of refusing. A global batch that dp does not divide stays an error (``check_layout``).
+    """
+    p = cfg.parallel
+    try:
+        dp = p.dp_degree(world_size)
+    except ValueError:
+        return cfg, None  # check_layout reports it
+    per_rank, rem = divmod(p.global_batch_size, dp)
+    if rem or per_rank % p.micro_batch_size == 0:
+        return cfg, None
+    micro = max(d for d in range(1, min(p.micro_batch_size, per_rank) + 1) if per_rank % d == 0)
+    note = (f"parallel.micro_batch_size={p.micro_batch_size} does not divide the {per_rank} sequences per "
+            f"data-parallel rank (global_batch_size={p.global_batch_size} over dp_size={dp}); using "
+            f"micro_batch_size={micro} (same global batch, so the same training; pass "
+            f"--parallel.micro_batch_size to choose another divisor of {per_rank})")
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, micro_batch_size=micro)), note
+
+
+def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list[list[list[int]]]:
+    """``grid[d][p][t]`` = the global rank at those coordinates: ``arange(world).view(dp, pp, tp)``, tp fastest,
+    so the ranks of a TP group are consecutive and stay inside a node."""
+    if dp_size * pp_size * tp_size != world_size:
+        raise ValueError(f"dp*pp*tp = {dp_size}*{pp_size}*{tp_size} does not equal the world size {world_size}")
+    return [[[(d * pp_size + p) * tp_size + t for t in range(tp_size)] for p in range(pp_size)]
+            for d in range(dp_size)]

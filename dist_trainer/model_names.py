@@ -1,0 +1,12 @@
+"""The model's module names: the contract between model.py, the regimes and the planner (torch-free).
+
+``model.py`` builds modules under these names (a test checks it); the TP plan, the pipeline split, the
+checkpoints and the planner's counts all refer to them, so a name lives here once.
+"""
+
+from __future__ import annotations
+
+FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")  # before the layers (the first pipeline stage)
+LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj",
+                 "down_proj")  # one transformer block's parameterised modules (leaf names)
+LAST_STAGE_MODULES = ("final_norm", "head", "pooler")  # after the layers (the last pipeline stage)

@@ -1,0 +1,72 @@
+"""Parameters one rank holds in a (tp, pp) layout: planner/params.py's module counts cut by the trainer's rules.
+
+Megatron's TP plan (Shoeybi et al. 2019, section 3) splits the layers' linears and the vocabulary; norms,
+row-parallel biases, position/type embeddings, the pooler and (when tp does not divide the kv heads) k/v are
+replicated on every TP rank. The pipeline split is ``layout_rules.layers_per_stage``, as the trainer builds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import check_tp, layers_per_stage
+from dist_trainer.planner.params import embedding_params, kv_sharded, layer_params, norm_params, tail_params
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one rank of a (tp, pp) grid; ``replicated`` are identical on every TP rank."""
+
+    modules: dict[str, int]
+    sharded: int
+    replicated: int
+    largest_layer: int  # the biggest single module, for ZeRO-3's gathered working set
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
+                stage_layers: Sequence[int] | None = None, virtual_stages: int = 1,
+                balance: str = "layers") -> RankParams:
+    """Parameters on one rank of pipeline rank ``pp_rank`` (identical for every TP rank of the stage).
+
+    The layers are the trainer's split (``layout_rules``): pp_size x virtual_stages stages by ``balance`` or
+    ``stage_layers``, rank r holding stages r, r + pp_size, ... (the loop placement of the interleaved schedule).
+    """
+    cfg.validate()
+    check_tp(cfg, tp_size)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} must be in [0, {pp_size})")
+    counts = layers_per_stage(cfg, pp_size * virtual_stages, balance,
+                              None if stage_layers is None else list(stage_layers))
+    modules: dict[str, int] = {}
+    replicated = 0
+    one_layer = layer_params(cfg, tp_size)
+    rep_layer = 2 * norm_params(cfg) + int(cfg.bias) * 2 * cfg.d_model  # norms + row-parallel biases
+    if tp_size > 1 and not kv_sharded(cfg, tp_size):
+        rep_layer += one_layer["k_proj"] + one_layer["v_proj"]
+    if tp_size == 1:
+        rep_layer = 0
+    if pp_rank == 0:
+        emb = embedding_params(cfg, tp_size)
+        modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
+        if tp_size > 1:
+            replicated += emb["pos_emb"] + emb["type_emb"] + emb["emb_norm"]
+    n_here = sum(counts[pp_rank::pp_size])
+    for name, v in one_layer.items():
+        if v:
+            modules[f"layers.*.{name}"] = v * n_here
+    replicated += rep_layer * n_here
+    if pp_rank == pp_size - 1:
+        tail = tail_params(cfg, tp_size, pp_size=pp_size)
+        modules.update({k: v for k, v in tail.items() if v})
+        if tp_size > 1:
+            replicated += tail["final_norm"] + tail["pooler"]
+    total = sum(modules.values())
+    largest = max([*one_layer.values(), *embedding_params(cfg, tp_size).values(),
+                   *tail_params(cfg, tp_size, pp_size=pp_size).values()])
+    return RankParams(modules=modules, sharded=total - replicated, replicated=replicated, largest_layer=largest)

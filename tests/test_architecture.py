@@ -1,0 +1,140 @@
+"""The package's layering, read off its imports: no cycles, mechanisms never import the layers above them.
+
+Every ``import`` of a ``dist_trainer`` module is collected from the source (module level and inside
+functions alike: a lazy import is still a dependency), then:
+
+- the module graph has no cycle;
+- ``parallel/``, ``planner/``, ``checkpoint/`` and the bottom modules never import ``train/`` or ``engines/``;
+  ``planner/`` and ``layout_rules`` never import ``engines/``, ``train/`` or ``checkpoint/``;
+- the torch-free modules (config, layout rules, the planner) load without torch;
+- every regime ``layout_rules`` names has one engine, and the model builds modules under model_names' names.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from dist_trainer.layout_rules import REGIMES
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "dist_trainer"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: dist_trainer modules it imports}, every import statement included."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from dist_trainer.x import y`: y is a submodule when one exists, else a name in x
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            for t in targets:
+                if t.startswith("dist_trainer") and t in modules and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(import_graph()) == []
+
+
+def test_mechanisms_never_import_the_layers_above() -> None:
+    graph = import_graph()
+    upper = ("dist_trainer.train", "dist_trainer.engines", "dist_trainer.experiments", "dist_trainer.cli")
+    lower = ("dist_trainer.parallel", "dist_trainer.planner", "dist_trainer.checkpoint", "dist_trainer.layout_rules",
+             "dist_trainer.config", "dist_trainer.model", "dist_trainer.model_names", "dist_trainer.optim",
+             "dist_trainer.data")
+    bad = sorted((m, t) for m, ts in graph.items() if _in(m, *lower) for t in ts if _in(t, *upper))
+    assert bad == [], bad
+    torch_free = ("dist_trainer.planner", "dist_trainer.layout_rules")
+    bad = sorted((m, t) for m, ts in graph.items() if _in(m, *torch_free) for t in ts
+                 if _in(t, "dist_trainer.checkpoint", "dist_trainer.model", "dist_trainer.optim", "dist_trainer.data")
+                 and not _in(t, "dist_trainer.model_names"))
+    assert bad == [], bad
+    # the checkpoint package sits below the engines: parallel/ may not reach up into it either
+    bad = sorted((m, t) for m, ts in graph.items() if _in(m, "dist_trainer.parallel") for t in ts
+                 if _in(t, "dist_trainer.checkpoint"))
+    assert bad == [], bad
+
+
+def test_rules_and_planner_load_without_torch() -> None:
+    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.planner.search, dist_trainer.planner.emit; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
+    from dist_trainer.config import model_config
+    from dist_trainer.engines import ENGINES
+    from dist_trainer.model import build_model
+    from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES
+    from dist_trainer.planner.params import embedding_params, layer_params, tail_params
+
+    assert set(ENGINES) == set(REGIMES)
+    cfg = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)
+    model = build_model(cfg, "meta")
+    top = {name for name, _ in model.named_children()}
+    assert set(FIRST_STAGE_MODULES + LAST_STAGE_MODULES) <= top | {"emb_norm", "final_norm"}
+    leaves = {name.split(".")[-1] for name, m in model.layers[0].named_modules() if list(m.parameters(False))}
+    assert leaves == set(LAYER_MODULES)
+    # the planner's per-module counts are keyed by the same names
+    assert tuple(embedding_params(cfg)) == FIRST_STAGE_MODULES
+    assert tuple(layer_params(cfg)) == LAYER_MODULES
+    assert tuple(tail_params(cfg)) == LAST_STAGE_MODULES

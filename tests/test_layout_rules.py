@@ -1,0 +1,111 @@
+"""One owner per layout rule: the planner ranks exactly the layouts the trainer's pre-launch check accepts.
+
+The planner asks ``planner.search.runnable`` (layout_rules on the config ``plan --out`` writes); the trainer
+asks ``train.prelaunch.check_layout`` (layout_rules plus DeepSpeed's JSON). Enumerating layouts of several
+models over several world sizes, including ones either side could get wrong (uneven stage splits, padded
+vocabularies, replicated k/v heads, ZeRO with TP or PP, schedules without enough micro-batches), the two
+must agree on every one; and every layout ``plan`` ranks must pass the trainer's check.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from dist_trainer.config import ModelConfig, config_from_dict, model_config
+from dist_trainer.layout_rules import layers_per_stage, rank_grid
+from dist_trainer.planner.emit import run_config_dict
+from dist_trainer.planner.memory import GiB, Layout, TrainingOptions
+from dist_trainer.planner.search import plan_layouts, runnable
+from dist_trainer.train.prelaunch import check_layout
+
+MODELS = {
+    "tiny": model_config("tiny"),
+    # 6 heads, 10 layers, vocab 61 (padded under tp), 2 kv heads (replicated at tp 4 and 6... refused there)
+    "odd": ModelConfig(vocab_size=61, d_model=48, n_layers=10, n_heads=6, n_kv_heads=2, d_ff=96, max_seq_len=64,
+                       pos_embedding="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False),
+    "gpt2": model_config("gpt2"),
+}
+SEQ = 64
+
+
+def _trainer_accepts(model: ModelConfig, layout: Layout, options: TrainingOptions) -> bool:
+    cfg = config_from_dict(run_config_dict(model, layout, seq_len=SEQ, options=options))
+    try:
+        check_layout(cfg, layout.world_size, options.device)
+    except ValueError:
+        return False
+    return True
+
+
+def _layouts(world: int, n_layers: int) -> list[Layout]:
+    out = []
+    for tp, pp in itertools.product((1, 2, 3, 4, 8), (1, 2, 3, 4, 5, 16)):
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp)
+        for zero, offload, mb, m, (sched, v), sp in itertools.product(
+                (0, 1, 3), (False, True), (1, 2), (1, 2, 4), (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)),
+                (False, True)):
+            if (offload and not zero) or (pp == 1 and (sched, v) != ("1f1b", 1)) or (sp and tp == 1):
+                continue
+            out.append(Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload,
+                              micro_batch_size=mb, n_microbatches=m, sequence_parallel=sp, pp_schedule=sched,
+                              pp_virtual_stages=v))
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_planner_runnable_agrees_with_the_pre_launch_check(name: str, device: str) -> None:
+    model = MODELS[name]
+    options = TrainingOptions(precision="bf16" if device == "cuda" else "fp32", device=device)
+    checked = accepted = 0
+    for world in (1, 2, 4, 6, 8, 16):
+        for layout in _layouts(world, model.n_layers):
+            planner_says = runnable(model, layout, seq_len=SEQ, options=options)
+            trainer_says = _trainer_accepts(model, layout, options)
+            assert (planner_says is None) == trainer_says, (name, device, layout, planner_says)
+            checked += 1
+            accepted += trainer_says
+    assert checked > 500 and 0 < accepted < checked, (checked, accepted)  # both answers occur
+
+
+def test_uneven_stage_splits_are_ranked_as_the_trainer_splits_them() -> None:
+    """10 layers over 4 stages: the trainer runs [2, 3, 3, 2]; the planner used to refuse pp not dividing L."""
+    model = MODELS["odd"]
+    assert layers_per_stage(model, 4) == [2, 3, 3, 2]
+    layout = Layout(pp_size=4, dp_size=1, micro_batch_size=1, n_microbatches=4)
+    assert runnable(model, layout, seq_len=SEQ) is None
+    res = plan_layouts(model, n_gpus=4, gpus_per_node=4, gpu_memory_bytes=GiB, seq_len=SEQ, global_batch=8,
+                       hardware="A100-80GB")
+    assert any(p.layout.pp_size == 4 for p in res.layouts)
+
+
+@pytest.mark.parametrize(("name", "gpus", "per_node", "batch"), [("gpt2", 16, 8, 64), ("odd", 6, 6, 12),
+                                                                ("tiny", 8, 4, 32)])
+def test_every_ranked_layout_passes_the_trainer_check(name: str, gpus: int, per_node: int, batch: int) -> None:
+    model = MODELS[name]
+    res = plan_layouts(model, n_gpus=gpus, gpus_per_node=per_node, gpu_memory_bytes=40 * GiB, seq_len=SEQ,
+                       global_batch=batch, hardware="A100-80GB")
+    assert res.layouts
+    for planned in res.layouts:
+        assert _trainer_accepts(model, planned.layout, TrainingOptions()), planned.layout
+    # and a refused composition is never ranked (ZeRO runs over data parallelism only, for now)
+    assert not any(p.layout.zero_stage and (p.layout.tp_size > 1 or p.layout.pp_size > 1) for p in res.layouts)
+
+
+def test_rank_grid_is_tp_fastest() -> None:
+    grid = rank_grid(8, 2, 2, 2)
+    assert grid[0][0] == [0, 1] and grid[0][1] == [2, 3] and grid[1][0] == [4, 5]
+    with pytest.raises(ValueError, match="does not equal the world size 7"):
+        rank_grid(7, 2, 2, 2)
+
+
+def test_runnable_names_the_reason() -> None:
+    layout = Layout(tp_size=4, dp_size=1)
+    assert "n_heads=6 is not divisible by parallel.tp_size=4" in str(runnable(MODELS["odd"], layout, seq_len=SEQ))
+    zero_tp = replace(Layout(tp_size=2, dp_size=2), zero_stage=1)
+    assert "zero_stage=1 with parallel.tp_size=2" in str(runnable(MODELS["tiny"], zero_tp, seq_len=SEQ))
