@@ -10,6 +10,7 @@ before any process group is created (the world size is checked separately by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,9 +385,14 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, yaml.safe_load(raw) if raw != "" else None
 
 
+@functools.cache
+def _field_hints(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """(annotation per field, field names) of a config dataclass: resolved once (the planner builds many configs)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
 def _build(cls: type, fields: dict[str, Any], section: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    valid = {f.name for f in dataclasses.fields(cls)}
+    hints, valid = _field_hints(cls)
     unknown = set(fields) - valid
     if unknown:
         raise ValueError(f"unknown {section} fields {sorted(unknown)}; valid: {sorted(valid)}")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_trainer.testing import free_port
 from tests.helpers import ROOT, subprocess_env
 
 DOCS = ("README.md", "docs/launching.md", "docs/planner.md")
@@ -205,6 +206,8 @@ def test_documented_command_runs(command: DocCommand, workspace: tuple[Path, dic
     rule = rule_for(command)
     assert isinstance(rule, Run)
     line = f"{command.text} {rule.append}".strip()
+    # a free rendezvous port for launchers that default to 29500 (a command that sets its own keeps it)
+    env = {**env, "MASTER_PORT": str(free_port())}
     proc = subprocess.run(["bash", "-c", line], cwd=ws, env=env, capture_output=True, text=True,
                           timeout=rule.timeout)
     tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"

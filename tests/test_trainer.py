@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.engines import base as engine_base
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.generate import generate_text, load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
@@ -80,13 +81,13 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tiny_data: Path, 
             raise KeyboardInterrupt("killed while writing")
         real_save(obj, path)
 
-    monkeypatch.setattr(ckpt, "atomic_save", dying_save)
+    monkeypatch.setattr(engine_base, "atomic_save", dying_save)  # what the engines write their shards with
     trainer.step = 3
     with pytest.raises(KeyboardInterrupt):
         trainer.save()
     assert (tmp_path / "checkpoints" / "step_00000003.tmp").is_dir()  # the wreck stays aside
     assert ckpt.latest_checkpoint(tmp_path / "checkpoints") == good
-    monkeypatch.setattr(ckpt, "atomic_save", real_save)
+    monkeypatch.setattr(engine_base, "atomic_save", real_save)
     resumed = Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 3, "resume": True}))
     assert resumed.step == 2
 
