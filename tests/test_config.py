@@ -114,7 +114,8 @@ def test_micro_batch_is_fitted_to_the_per_rank_batch_with_a_note() -> None:
     assert fitted.parallel.micro_batch_size == 4 and fitted.parallel.global_batch_size == 16
     assert note is not None and "micro_batch_size=8 does not divide the 4 sequences" in note
     assert fit_micro_batch(cfg, 16)[0].parallel.micro_batch_size == 1
-    odd = load_config(ROOT / "configs/runs/demo.yaml", ["--parallel.global_batch_size=12", "--parallel.micro_batch_size=4"])
+    odd = load_config(ROOT / "configs/runs/demo.yaml",
+                      ["--parallel.global_batch_size=12", "--parallel.micro_batch_size=4"])
     assert fit_micro_batch(odd, 3)[0].parallel.micro_batch_size == 4  # 12 / 3 = 4 divides: unchanged
     assert fit_micro_batch(odd, 2)[0].parallel.micro_batch_size == 3  # 6 per rank: the largest divisor <= 4
     unfit, note = fit_micro_batch(odd, 8)  # 12 over dp 8 cannot be fixed by the micro-batch: left to the check
