@@ -24,7 +24,7 @@ POS_EMBEDDINGS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
-CHECKPOINTING = ("none", "every_k", "full")
+CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -110,7 +110,9 @@ class ParallelConfig:
     ds_config: str | None = None  # path of a configs/ds/*.json; None = configs/ds/zero{stage}.json
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
-    activation_checkpointing: str = "none"  # none | every_k (every checkpoint_every-th layer) | full
+    # none | selective (recompute each layer's attention core: RoPE, GQA repeat, SDPA; Korthikanti et al. 2022,
+    # section 4.2) | every_k (every checkpoint_every-th layer whole) | full (every layer whole)
+    activation_checkpointing: str = "none"
     checkpoint_every: int = 1  # with every_k: recompute layers whose index % k == 0
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble

@@ -15,9 +15,6 @@ _TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "amp_bf16": 
 
 def parallel_config_dict(layout: Layout) -> dict[str, Any]:
     """The ``parallel`` section, with dist_trainer.config.ParallelConfig's field names."""
-    if layout.activation_checkpointing == "selective":
-        raise ValueError("activation_checkpointing=selective has no ParallelConfig equivalent; "
-                         "plan with none, every_k or full")
     return {
         "tp_size": layout.tp_size,
         "pp_size": layout.pp_size,

@@ -135,14 +135,13 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
                  options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
                  zero_stages: tuple[int, ...] = (0, 1, 2, 3), allow_offload: bool = True,
-                 checkpointing: tuple[str, ...] = ("none", "every_k", "full"),
+                 checkpointing: tuple[str, ...] = ("none", "selective", "every_k", "full"),
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None) -> PlanResult:
     """Every valid layout of ``model`` on ``n_gpus``, the fitting ones ranked by estimated step time.
 
     Valid: tp divides gpus_per_node (a TP group stays in a node), the heads and the MLP width; pp divides
     n_layers; dp = n_gpus/(tp*pp) divides global_batch; the micro-batch divides the per-DP batch; with pp > 1
-    there are at least pp micro-batches. "selective" recomputation is not enumerated: with a flash kernel our
-    layer saves no s x s matrix, so it would save nothing (see docs/planner.md).
+    there are at least pp micro-batches.
     """
     start = time.perf_counter()
     model.validate()

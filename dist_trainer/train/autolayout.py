@@ -69,7 +69,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     result = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=max(1, gpus_per_node),
                           gpu_memory_bytes=memory, seq_len=cfg.data.seq_len,
                           global_batch=cfg.parallel.global_batch_size, hardware=hardware, options=options,
-                          overheads=overheads, allow_offload=False, checkpointing=("none", "every_k", "full"))
+                          overheads=overheads, allow_offload=False)
     refused: list[str] = []
     for planned in result.layouts:
         candidate = _config_for(cfg, planned.layout)
