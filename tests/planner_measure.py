@@ -1,14 +1,18 @@
-"""Measure what dist_trainer.model saves for backward, for checking the planner's activation model.
+"""Measure what dist_trainer.model holds for backward, for checking the planner's activation model.
 
-Counts the unique storages handed to ``torch.autograd.graph.saved_tensors_hooks`` during one forward
-(parameters and buffers excluded: they are model state, not activations). Used by
-tests/test_planner_activations.py and benchmarks/planner_accuracy.py; kept out of dist_trainer/planner,
-which is pure arithmetic.
+``measure_saved_bytes`` counts the unique storages handed to ``torch.autograd.graph.saved_tensors_hooks``
+during one forward (parameters and buffers excluded: they are model state, not activations);
+``measure_backward_growth`` the peak of the resident memory a backward adds (gradients and temporaries, which
+no hook sees). Used by tests/test_planner_activations.py, tests/planner_regime_measure.py and
+benchmarks/planner_accuracy.py; kept out of dist_trainer/planner, which is pure arithmetic.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -43,3 +47,38 @@ def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpoin
             loss = model(tokens, targets)
         loss.backward()  # the graph was real: backward (and any recompute) must succeed with what was saved
     return sum(s.nbytes() for s in saved.values())
+
+
+def mmap_large_allocations() -> ctypes.CDLL:
+    """glibc: serve every allocation of 64 KiB or more by mmap, so a freed tensor leaves the RSS at once
+    (M_MMAP_THRESHOLD = -3, mallopt(3)); then RSS growth tracks the live tensors, not the free lists."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)
+    return libc
+
+
+def status_bytes(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measure_backward_growth(loss: torch.Tensor) -> int:
+    """Peak bytes that ``loss.backward()`` adds to the resident memory, over what was resident before it.
+
+    PyTorch's CPU allocator keeps no statistics and the profiler misses the backward's allocations, so the
+    operating system counts: with every allocation of 64 KiB or more its own mapping (``mmap_large_allocations``),
+    a tensor's pages are resident from its first write until it is freed, and the peak resident size
+    (``VmHWM``, reset through ``/proc/self/clear_refs``) is the peak of the large tensors alive at once. This
+    sees what saved-tensor hooks cannot: the gradients and a backward's temporaries. Noise is a few pages of
+    Python and small allocations, so size the tensors in tens of MB.
+    """
+    libc = mmap_large_allocations()
+    gc.collect()
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    base = status_bytes("VmRSS")
+    loss.backward()
+    return status_bytes("VmHWM") - base

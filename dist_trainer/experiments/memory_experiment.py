@@ -129,7 +129,7 @@ def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     paper["model_states"] = sum(paper.values())
     return {"paper": paper, "planner": {"params": planned.params, "grads": planned.grads,
                                         "optimizer": planned.optimizer, "model_states": planned.model_states,
-                                        "activations": planned.activations, "host": planned.host},
+                                        "activations": planned.saved_activations, "host": planned.host},
             "n_params": {"psi": psi}}
 
 

@@ -147,6 +147,11 @@ class RankMemory:
         return self.params + self.grads + self.optimizer
 
     @property
+    def saved_activations(self) -> int:
+        """What the autograd graph holds (the saved-tensor-hook figure): activations less the backward working set."""
+        return self.activations - self.detail.get("activations.backward_working_set", 0)
+
+    @property
     def device_total(self) -> int:
         return self.model_states + self.activations + self.overheads
 
