@@ -60,7 +60,8 @@ def test_rank_memory_is_the_sum_of_its_parts_and_overheads_are_reported_apart() 
     assert bare.overheads == sum(v for k, v in bare.detail.items() if k.startswith("overheads."))
     assert full.model_states == bare.model_states and full.activations == bare.activations
     assert full.detail["overheads.cuda_context"] == Overheads().cuda_context
-    assert full.device_total == full.params + full.grads + full.optimizer + full.activations + full.overheads
+    assert full.device_total == (full.params + full.grads + full.optimizer + full.activations + full.step_buffers
+                                 + full.overheads)
     no_sp = predict_rank_memory(cfg, Layout(**{**layout.__dict__, "sequence_parallel": False}), seq_len=512,
                                 pp_rank=bare.pp_rank)
     assert no_sp.activations > full.activations

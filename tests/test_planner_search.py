@@ -114,7 +114,9 @@ def test_cli_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert rc == 0 and len(data["stages"]) == 2
     for st in data["stages"]:
-        assert st["device_total"] == sum(st[k] for k in ("params", "grads", "optimizer", "activations", "overheads"))
+        assert st["device_total"] == sum(st[k] for k in ("params", "grads", "optimizer", "activations", "step_buffers",
+                                                         "overheads"))
+        assert st["step_buffers"] > 0  # ZeRO-1 with bf16 grads: DeepSpeed's fp32 gradient partition
 
 
 def test_cli_plan_json_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,6 +70,10 @@ def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"))
     p.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd"))
+    p.add_argument("--fp32-grad-copy", default="auto", choices=("auto", "on", "off"),
+                   help="fp32 gradients beside 16-bit ones. auto: what the optimizer does (DeepSpeed ZeRO builds "
+                        "them in step(), charged as step buffers; torch AdamW none); on: a persistent copy in the "
+                        "optimizer states (Megatron's distributed optimizer); off: none")
     p.add_argument("--attention-kernel", default="flash", choices=("flash", "math"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--cuda-context-gb", type=float, default=0.5)
@@ -82,7 +86,8 @@ def _load_model(name: str) -> ModelConfig:
 
 def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
-                           attention_kernel=args.attention_kernel, device=args.device)
+                           attention_kernel=args.attention_kernel, device=args.device,
+                           fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy])
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
@@ -125,7 +130,8 @@ def run_memory(args: argparse.Namespace) -> int:
 
 def _memory_line(m: RankMemory) -> str:
     return (f"params {m.params / GiB:.2f}  grads {m.grads / GiB:.2f}  optimizer {m.optimizer / GiB:.2f}  "
-            f"activations {m.activations / GiB:.2f}  overheads {m.overheads / GiB:.2f}  "
+            f"activations {m.activations / GiB:.2f}  step buffers {m.step_buffers / GiB:.2f}  "
+            f"overheads {m.overheads / GiB:.2f}  "
             f"= {m.device_total / GiB:.2f} GiB on device, host {m.host / GiB:.2f} GiB")
 
 
