@@ -18,7 +18,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model import build_model
+from dist_trainer.model import LMLoss, build_model
 
 
 def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpointing: str = "none", every: int = 1,
@@ -82,3 +82,24 @@ def measure_backward_growth(loss: torch.Tensor) -> int:
     base = status_bytes("VmRSS")
     loss.backward()
     return status_bytes("VmHWM") - base
+
+
+def loss_backward_per_logit(rank: int, world: int, kind: str, dtype_name: str, n: int, vocab: int) -> float:
+    """``run_distributed`` entry (a fresh process keeps the mmap setting out of the caller's): the peak bytes per
+    logit that the backward of ``kind`` ("lm": the model's own loss, or "vocab_parallel": one TP rank's loss on
+    its shard, here the whole vocabulary) adds over its saved tensors, for ``n`` tokens of ``dtype_name`` logits."""
+    from dist_trainer.parallel.comm import AxisGroup, CommCounter
+    from dist_trainer.parallel.tp_layers import VocabParallelLoss
+
+    torch.set_num_threads(1)
+    # One TP rank runs the vocab-parallel loss's own arithmetic on its shard (here the whole vocabulary).
+    loss_fn = LMLoss() if kind == "lm" else VocabParallelLoss(AxisGroup("tp", 1, 0, None, (0,), CommCounter()), vocab)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    growth = []
+    for _ in range(2):  # the first backward also pays one-off costs (thread pools, first-use buffers)
+        logits = torch.randn(n, vocab, generator=gen).to(dtype).requires_grad_()  # stands for the head's output
+        loss = loss_fn(logits, torch.randint(0, vocab, (n,), generator=gen))
+        growth.append(measure_backward_growth(loss))
+        del logits, loss
+    return growth[-1] / (n * vocab)

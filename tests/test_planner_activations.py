@@ -8,7 +8,7 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
 from dist_trainer.testing import run_distributed
-from tests.planner_measure import measure_saved_bytes
+from tests.planner_measure import loss_backward_per_logit, measure_saved_bytes
 
 GPT2 = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, max_seq_len=32, activation="gelu_tanh")
 LLAMA = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=80, max_seq_len=32,
@@ -98,29 +98,6 @@ def test_in_flight_microbatches() -> None:
         assert got == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
-def _loss_growth_per_logit(rank: int, world: int, kind: str, dtype_name: str, n: int, vocab: int) -> float:
-    """``run_distributed`` entry (a fresh process: the mmap setting stays out of the test session)."""
-    import torch
-
-    from dist_trainer.model import LMLoss
-    from dist_trainer.parallel.comm import AxisGroup, CommCounter
-    from dist_trainer.parallel.tp_layers import VocabParallelLoss
-    from tests.planner_measure import measure_backward_growth
-
-    torch.set_num_threads(1)
-    # One TP rank runs the vocab-parallel loss's own arithmetic on its shard (here the whole vocabulary).
-    loss_fn = LMLoss() if kind == "lm" else VocabParallelLoss(AxisGroup("tp", 1, 0, None, (0,), CommCounter()), vocab)
-    dtype = getattr(torch, dtype_name)
-    gen = torch.Generator().manual_seed(0)
-    growth = []
-    for _ in range(2):  # the first backward also pays one-off costs (thread pools, first-use buffers)
-        logits = torch.randn(n, vocab, generator=gen).to(dtype).requires_grad_()  # stands for the head's output
-        loss = loss_fn(logits, torch.randint(0, vocab, (n,), generator=gen))
-        growth.append(measure_backward_growth(loss))
-        del logits, loss
-    return growth[-1] / (n * vocab)
-
-
 @pytest.mark.parametrize(("kind", "precision", "t", "expected"), [
     ("lm", "fp32", 1, 8.0), ("lm", "amp_bf16", 1, 8.0),  # nll_loss's and log_softmax's fp32 gradients
     ("vocab_parallel", "fp32", 2, 4.0), ("vocab_parallel", "amp_bf16", 2, 6.0),  # fp32 clone (+ its 16-bit cast)
@@ -134,7 +111,7 @@ def test_loss_backward_working_set_matches_measurement(kind: str, precision: str
     of it: it is the last of the loss's gradients, made while the one before it is still alive.
     """
     n, vocab = 2048, 8192
-    per_logit = run_distributed(_loss_growth_per_logit, 1, (kind, "float32" if precision == "fp32" else "bfloat16",
+    per_logit = run_distributed(loss_backward_per_logit, 1, (kind, "float32" if precision == "fp32" else "bfloat16",
                                                             n, vocab))[0]
     print(f"{kind} {precision}: {per_logit:.3f} bytes per logit at the peak of the loss's backward")
     cfg = ModelConfig(vocab_size=vocab * t, d_model=64, n_layers=1, n_heads=4, max_seq_len=32)
