@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from dist_trainer.config import ModelConfig, config_from_dict, model_config
 from dist_trainer.planner.cli import register
+from dist_trainer.planner.cost import estimate_step_time
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.hardware import get_hardware
 from dist_trainer.planner.memory import GiB, predict_rank_memory
 from dist_trainer.planner.params import count_params
 from dist_trainer.planner.scale import max_model, scale_model
@@ -223,3 +226,18 @@ def test_cli_memory_reports_host_memory_per_node(capsys: pytest.CaptureFixture[s
     assert data["host_memory_bytes"] == 2 * 10**12 and data["host_fits"]  # A100-80GB's DGX node: 2 TB
     rc, out = _cli([*args, "--host-memory-gb", "100"], capsys)
     assert "GiB per node (8 ranks) of 100 GiB: does not fit" in out
+
+
+def test_selective_layouts_are_planned_and_emitted_as_runnable_configs() -> None:
+    """The search offers selective recomputation and emit writes it as parallel.activation_checkpointing."""
+    cfg = model_config("llama2-7b")
+    res = plan_layouts(cfg, n_gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=4096, global_batch=64,
+                       hardware="A100-80GB", checkpointing=("selective",))
+    assert res.best is not None and res.best.layout.activation_checkpointing == "selective"
+    loaded = config_from_dict(run_config_dict(cfg, res.best.layout, seq_len=4096)).validate()
+    assert loaded.parallel.activation_checkpointing == "selective"
+    none = predict_rank_memory(cfg, replace(res.best.layout, activation_checkpointing="none"), seq_len=4096)
+    assert res.best.memory.saved_activations < none.saved_activations  # RoPE's output copy and the LSE go
+    plain = estimate_step_time(cfg, replace(res.best.layout, activation_checkpointing="none"), seq_len=4096,
+                               hardware=get_hardware("A100-80GB"), gpus_per_node=8)
+    assert res.best.time.compute > plain.compute  # the recomputed attention core
