@@ -2,7 +2,8 @@
 
 Activations: bytes the autograd graph saves for one training forward (saved-tensor hooks, unique storages,
 parameters excluded) vs dist_trainer.planner's prediction, for GPT-2, Llama (GQA, RoPE, SwiGLU) and BERT
-(post-norm) shaped tiny models, with and without recomputation, fp32 and bf16 autocast, flash and math SDPA.
+(post-norm) shaped tiny models, with no, selective and full recomputation, fp32 and bf16 autocast, flash and
+math SDPA. The loss's backward working set: peak resident growth of loss.backward() per logit.
 TP and PP (2 gloo ranks, the real Trainer, tests/planner_regime_measure.py): per rank, model-state bytes
 (parameters, gradients, AdamW moments the engine holds), the peak saved-for-backward bytes during one step
 (one micro-batch under TP, the whole schedule step under PP) and the peak RSS growth of building the Trainer
@@ -23,10 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dist_trainer.config import ModelConfig  # noqa: E402
+from dist_trainer.planner.activations import ActivationSpec, loss_backward_bytes_per_token  # noqa: E402
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions, stage_activation_bytes  # noqa: E402
 from dist_trainer.planner.search import describe, plan_layouts  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
-from tests.planner_measure import measure_saved_bytes  # noqa: E402
+from tests.planner_measure import loss_backward_per_logit, measure_saved_bytes  # noqa: E402
 from tests.planner_regime_measure import (  # noqa: E402
     PP_CASES,
     RSS_CASES,
@@ -86,6 +88,18 @@ def regimes() -> None:
                   f"{row['predicted'] / row['measured']:>9.3f}")
 
 
+def loss_backward() -> None:
+    """The loss's backward working set per logit: peak resident growth of loss.backward() on 2048 x 8192 logits."""
+    print("\nloss backward working set, bytes per logit (peak resident growth over the saved tensors)")
+    print(f"{'loss':<16}{'logits':<10}{'predicted':>10}{'measured':>10}")
+    for kind, t in (("lm", 1), ("vocab_parallel", 2)):
+        for precision, dtype in (("fp32", "float32"), ("amp_bf16", "bfloat16")):
+            got = run_distributed(loss_backward_per_logit, 1, (kind, dtype, 2048, 8192))[0]
+            cfg = ModelConfig(vocab_size=8192 * t, d_model=64, n_layers=1, n_heads=4, max_seq_len=32)
+            spec = ActivationSpec(seq_len=32, tp_size=t, precision=precision, device="cpu")
+            print(f"{kind:<16}{dtype:<10}{loss_backward_bytes_per_token(cfg, spec) / 8192:>10.2f}{got:>10.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -96,7 +110,7 @@ def main() -> None:
     print(f"{'model':<14}{'recompute':<10}{'precision':<10}{'kernel':<7}{'predicted':>12}{'measured':>12}{'ratio':>10}")
     worst = 0.0
     for name, cfg in models.items():
-        for ckpt in ("none", "full"):
+        for ckpt in ("none", "selective", "full"):
             for precision in ("fp32", "amp_bf16"):
                 for math in (False, True):
                     if cfg.dropout > 0 and not math:
@@ -114,6 +128,7 @@ def main() -> None:
                     print(f"{name:<14}{ckpt:<10}{precision:<10}{kernel:<7}{pred:>12,}{measured:>12,}{ratio:>10.6f}")
     print(f"largest |ratio - 1|: {worst:.2e}")
     if not args.quick:
+        loss_backward()
         regimes()
     big = ModelConfig(vocab_size=51200, d_model=25600, n_layers=128, n_heads=160, max_seq_len=2048)
     start = time.perf_counter()

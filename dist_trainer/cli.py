@@ -82,6 +82,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser. The modules imported here import torch only inside the functions that run,
+    so `--help` and the planner's subcommands start in a fraction of a second (tests/test_cli_startup.py)."""
     from dist_trainer.data import prepare
     from dist_trainer.experiments import memory_experiment
     from dist_trainer.planner import cli as planner_cli

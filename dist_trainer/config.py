@@ -25,7 +25,7 @@ POS_EMBEDDINGS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
-CHECKPOINTING = ("none", "every_k", "full")
+CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -111,7 +111,9 @@ class ParallelConfig:
     ds_config: str | None = None  # path of a configs/ds/*.json; None = configs/ds/zero{stage}.json
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
-    activation_checkpointing: str = "none"  # none | every_k (every checkpoint_every-th layer) | full
+    # none | selective (recompute each layer's attention core: RoPE, GQA repeat, SDPA; Korthikanti et al. 2022,
+    # section 4.2) | every_k (every checkpoint_every-th layer whole) | full (every layer whole)
+    activation_checkpointing: str = "none"
     checkpoint_every: int = 1  # with every_k: recompute layers whose index % k == 0
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
@@ -121,6 +123,12 @@ class ParallelConfig:
     n_microbatches: int | None = None  # pipeline micro-batches per step; None = gradient-accumulation steps
     layout: str = "manual"  # manual | auto (the planner picks tp/dp/zero/micro-batch/checkpointing for the world)
     device_memory_gb: float | None = None  # layout=auto: memory per rank to plan for; None = read from CUDA
+    # layout=auto limits (plan's --tp/--max-tp/--pp/--no-pp/--zero): the best layout within what the cluster or
+    # the code allows. None = no limit. layout=auto never offloads (plan --no-offload).
+    auto_tp_size: int | None = None  # only this TP degree
+    auto_max_tp_size: int | None = None  # TP degrees up to this (e.g. the GPUs that share NVLink)
+    auto_pp_size: int | None = None  # only this many pipeline stages; 1 = no pipeline
+    auto_zero_stages: list[int] | None = None  # allowed ZeRO stages (0 = DDP), e.g. [0, 1]
     hardware: str | None = None  # planner hardware profile (A100-80GB, H100-80GB, cpu, ...) for auto and MFU
     timeout_s: float = 600.0  # collective timeout: a dead or stalled peer fails the job after this
 
@@ -173,6 +181,17 @@ class ParallelConfig:
             raise ValueError(f"parallel.pp_stage_layers={self.pp_stage_layers} must list {stages} positive layer "
                              f"counts (pp_size*pp_virtual_stages = {self.pp_size}*{self.pp_virtual_stages})")
         _choice(self, "layout", ("manual", "auto"))
+        for name in ("auto_tp_size", "auto_max_tp_size", "auto_pp_size"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.auto_tp_size is not None and self.auto_max_tp_size is not None:
+            raise ValueError(f"parallel.auto_tp_size={self.auto_tp_size} and parallel.auto_max_tp_size="
+                             f"{self.auto_max_tp_size}: set one of them")
+        allowed = self.auto_zero_stages
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or
+                                    any(z not in (0, 1, 2, 3) or isinstance(z, bool) for z in allowed)):
+            raise ValueError(f"parallel.auto_zero_stages={allowed!r} must be a non-empty list of stages among "
+                             "0, 1, 2, 3")
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
         if self.global_batch_size % self.micro_batch_size:

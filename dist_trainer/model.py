@@ -108,12 +108,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         set_attrs(self.o_proj, residual_out=True)  # scaled init (GPT-2 paper, section 2.3)
+        self.recompute_core = False  # set by Transformer.set_activation_checkpointing("selective")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.recompute_core and torch.is_grad_enabled():
+            # Selective recomputation (Korthikanti et al. 2022, section 4.2): keep only the projections'
+            # outputs and run the core again in backward (the RNG state is replayed, so dropout matches).
+            y = checkpoint(self.core, q, k, v, rope, use_reentrant=False)
+        else:
+            y = self.core(q, k, v, rope)
+        return self.o_proj(y)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """RoPE, the GQA repeat, SDPA and the head merge: what selective recomputation runs twice.
+
+        Everything here is cheap to recompute against what it saves: rotated q and k, full-width k and v
+        after the repeat, and the kernel's own tensors (the s x s probabilities on the math path).
+        """
+        B, _, T, _ = q.shape
         if rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -124,8 +141,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
-        return self.o_proj(y)
+        return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
 
 
 class MLP(nn.Module):
@@ -252,16 +268,19 @@ class Transformer(nn.Module):
             self._init_buffers()  # recompute after to_empty() left them uninitialised
 
     def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
-        """none | every_k (layers whose index % every == 0) | full (all layers)."""
+        """none | selective (every layer's attention core) | every_k (layers whose index % every == 0) | full."""
         n = len(self.layers)
-        if mode == "none":
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.recompute_core = mode == "selective"
+        if mode in ("none", "selective"):
             self.checkpointed = frozenset()
         elif mode == "full":
             self.checkpointed = frozenset(range(n))
         elif mode == "every_k":
             self.checkpointed = frozenset(i for i in range(n) if i % every == 0)
         else:
-            raise ValueError(f"activation checkpointing mode {mode!r} is not none, every_k or full")
+            raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) input of the first layer."""

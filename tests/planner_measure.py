@@ -1,20 +1,24 @@
-"""Measure what dist_trainer.model saves for backward, for checking the planner's activation model.
+"""Measure what dist_trainer.model holds for backward, for checking the planner's activation model.
 
-Counts the unique storages handed to ``torch.autograd.graph.saved_tensors_hooks`` during one forward
-(parameters and buffers excluded: they are model state, not activations). Used by
-tests/test_planner_activations.py and benchmarks/planner_accuracy.py; kept out of dist_trainer/planner,
-which is pure arithmetic.
+``measure_saved_bytes`` counts the unique storages handed to ``torch.autograd.graph.saved_tensors_hooks``
+during one forward (parameters and buffers excluded: they are model state, not activations);
+``measure_backward_growth`` the peak of the resident memory a backward adds (gradients and temporaries, which
+no hook sees). Used by tests/test_planner_activations.py, tests/planner_regime_measure.py and
+benchmarks/planner_accuracy.py; kept out of dist_trainer/planner, which is pure arithmetic.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model import build_model
+from dist_trainer.model import LMLoss, build_model
 
 
 def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpointing: str = "none", every: int = 1,
@@ -43,3 +47,59 @@ def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpoin
             loss = model(tokens, targets)
         loss.backward()  # the graph was real: backward (and any recompute) must succeed with what was saved
     return sum(s.nbytes() for s in saved.values())
+
+
+def mmap_large_allocations() -> ctypes.CDLL:
+    """glibc: serve every allocation of 64 KiB or more by mmap, so a freed tensor leaves the RSS at once
+    (M_MMAP_THRESHOLD = -3, mallopt(3)); then RSS growth tracks the live tensors, not the free lists."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)
+    return libc
+
+
+def status_bytes(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measure_backward_growth(loss: torch.Tensor) -> int:
+    """Peak bytes that ``loss.backward()`` adds to the resident memory, over what was resident before it.
+
+    PyTorch's CPU allocator keeps no statistics and the profiler misses the backward's allocations, so the
+    operating system counts: with every allocation of 64 KiB or more its own mapping (``mmap_large_allocations``),
+    a tensor's pages are resident from its first write until it is freed, and the peak resident size
+    (``VmHWM``, reset through ``/proc/self/clear_refs``) is the peak of the large tensors alive at once. This
+    sees what saved-tensor hooks cannot: the gradients and a backward's temporaries. Noise is a few pages of
+    Python and small allocations, so size the tensors in tens of MB.
+    """
+    libc = mmap_large_allocations()
+    gc.collect()
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    base = status_bytes("VmRSS")
+    loss.backward()
+    return status_bytes("VmHWM") - base
+
+
+def loss_backward_per_logit(rank: int, world: int, kind: str, dtype_name: str, n: int, vocab: int) -> float:
+    """``run_distributed`` entry (a fresh process keeps the mmap setting out of the caller's): the peak bytes per
+    logit that the backward of ``kind`` ("lm": the model's own loss, or "vocab_parallel": one TP rank's loss on
+    its shard, here the whole vocabulary) adds over its saved tensors, for ``n`` tokens of ``dtype_name`` logits."""
+    from dist_trainer.parallel.comm import AxisGroup, CommCounter
+    from dist_trainer.parallel.tp.layers import VocabParallelLoss
+
+    torch.set_num_threads(1)
+    # One TP rank runs the vocab-parallel loss's own arithmetic on its shard (here the whole vocabulary).
+    loss_fn = LMLoss() if kind == "lm" else VocabParallelLoss(AxisGroup("tp", 1, 0, None, (0,), CommCounter()), vocab)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    growth = []
+    for _ in range(2):  # the first backward also pays one-off costs (thread pools, first-use buffers)
+        logits = torch.randn(n, vocab, generator=gen).to(dtype).requires_grad_()  # stands for the head's output
+        loss = loss_fn(logits, torch.randint(0, vocab, (n,), generator=gen))
+        growth.append(measure_backward_growth(loss))
+        del logits, loss
+    return growth[-1] / (n * vocab)

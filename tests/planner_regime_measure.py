@@ -30,6 +30,7 @@ from dist_trainer.data.batch import collate
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
+from tests.planner_measure import mmap_large_allocations, status_bytes
 
 # The cases tests/test_planner_regimes.py checks and benchmarks/planner_accuracy.py prints (tiny_config sections)
 GPT2 = {"activation": "gelu_tanh"}
@@ -141,7 +142,7 @@ def measure_case(data: Path, out: Path, sections: dict) -> dict:
     pred = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=OPTIONS,
                                overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
     predicted = {"params": pred.params, "grads": pred.grads, "optimizer": pred.optimizer,
-                 "model_states": pred.model_states, "activations": pred.activations}
+                 "model_states": pred.model_states, "activations": pred.saved_activations}
     return {"rank": trainer.state.rank, "tp_rank": trainer.state.tp_rank, "pp_rank": trainer.state.pp_rank,
             "n_microbatches": n_micro, "measured": measured, "predicted": predicted}
 
@@ -151,30 +152,13 @@ def measure_cases(rank: int, world: int, data: Path, out: Path, cases: dict[str,
     return {name: measure_case(data, out / name, sections) for name, sections in cases.items()}
 
 
-def _libc_tune() -> object:
-    """glibc: serve every allocation of 64 KiB or more by mmap, so a freed tensor leaves the RSS at once
-    (M_MMAP_THRESHOLD = -3, mallopt(3)); then RSS growth tracks the live tensors, not the free lists."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)
-    return libc
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def measure_peak_rss(rank: int, world: int, data: Path, out: Path, cases: dict[str, dict]) -> dict[str, dict]:
     """``run_distributed`` entry: peak RSS growth of each case (Trainer built and two steps run) over a
     baseline taken after imports, data and process-group setup, with the peak reset (clear_refs 5) first;
     next to the planner's device total for this rank (no overhead terms: none of them exists on CPU)."""
     import gc
 
-    libc = _libc_tune()
+    libc = mmap_large_allocations()
     results = {}
     for name, sections in cases.items():
         # First use of a regime costs memory no model accounts for (lazy imports such as
@@ -185,11 +169,11 @@ def measure_peak_rss(rank: int, world: int, data: Path, out: Path, cases: dict[s
         gc.collect()
         libc.malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _status_kib("VmRSS")
+        base = status_bytes("VmRSS")
         trainer = Trainer(cfg, log=False)
         for step in range(2):
             trainer.train_step(step)
-        peak = _status_kib("VmHWM") - base
+        peak = status_bytes("VmHWM") - base
         p = trainer.cfg.parallel
         n_micro = len(trainer.sampler.micro_batches(0))
         layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,

@@ -63,3 +63,22 @@ def test_layout_auto_on_cpu_needs_a_memory_figure(tiny_data: Path, tmp_path: Pat
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto"})
     with pytest.raises(ValueError, match="needs parallel.device_memory_gb"):
         choose_layout(cfg, 2, 2, torch.device("cpu"))
+
+
+def test_layout_auto_stays_within_the_configured_limits(tiny_data: Path, tmp_path: Path) -> None:
+    """parallel.auto_* are plan's --tp/--max-tp/--pp/--zero: the best layout the cluster or code allows."""
+    cpu = torch.device("cpu")
+    limits = {"auto_max_tp_size": 1, "auto_pp_size": 1, "auto_zero_stages": [0]}
+    cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, **limits})
+    chosen, _ = choose_layout(cfg, 2, 2, cpu)
+    p = chosen.parallel
+    assert (p.tp_size, p.pp_size, p.zero_stage, p.resolve(2)) == (1, 1, 0, 2)
+    cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, "auto_tp_size": 2})
+    assert choose_layout(cfg, 2, 2, cpu)[0].parallel.tp_size == 2
+    cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, "auto_pp_size": 3})
+    with pytest.raises(ValueError, match=r"every pipeline stage holds a layer: pp <= n_layers=2: pp=3"):
+        choose_layout(cfg, 2, 2, cpu)
+    with pytest.raises(ValueError, match=r"auto_tp_size=2 and parallel.auto_max_tp_size=2: set one of them"):
+        tiny_config(tiny_data, tmp_path, parallel={"auto_tp_size": 2, "auto_max_tp_size": 2})
+    with pytest.raises(ValueError, match=r"parallel.auto_zero_stages=\[4\] must be a non-empty list"):
+        tiny_config(tiny_data, tmp_path, parallel={"auto_zero_stages": [4]})

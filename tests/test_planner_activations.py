@@ -7,7 +7,8 @@ import pytest
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
-from tests.planner_measure import measure_saved_bytes
+from dist_trainer.testing import run_distributed
+from tests.planner_measure import loss_backward_per_logit, measure_saved_bytes
 
 GPT2 = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, max_seq_len=32, activation="gelu_tanh")
 LLAMA = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=80, max_seq_len=32,
@@ -21,10 +22,11 @@ B, S = 3, 24
 CASES = [
     (name, cfg, ckpt, prec, math)
     for name, cfg in (("gpt2", GPT2), ("llama_gqa_rope_swiglu", LLAMA), ("bert_postnorm", BERT))
-    for ckpt in ("none", "full", "every_k")
+    for ckpt in ("none", "selective", "full", "every_k")
     for prec in ("fp32", "amp_bf16")
     for math in (False, True)
-] + [("relu_dropout", RELU_DROPOUT, ckpt, prec, True) for ckpt in ("none", "full") for prec in ("fp32", "amp_bf16")]
+] + [("relu_dropout", RELU_DROPOUT, ckpt, prec, True) for ckpt in ("none", "selective", "full")
+     for prec in ("fp32", "amp_bf16")]
 
 
 def predicted(cfg: ModelConfig, ckpt: str, precision: str, kernel: str) -> int:
@@ -78,6 +80,9 @@ def test_megatron_layout_reproduces_korthikanti_up_to_fp32_norm_inputs(t: int, s
     assert ours - paper == pytest.approx(s * b * (4 * h + 16) * replicated_share)
     sel = s * b * sum(x.bytes_per_token for x in act.layer_saved_tensors(cfg, spec, selective=True))
     assert ours - sel == pytest.approx(5 * a * s * s * b / t)  # selective recompute drops exactly 5as^2b/t
+    # ... which is Table 2's selective rows, sbh(10 + 24/t) and sbh(34/t), up to the same fp32-norm difference
+    paper_sel = act.korthikanti_layer_bytes(s=s, b=b, h=h, a=a, t=t, sp=sp, recompute="selective")
+    assert sel - paper_sel == pytest.approx(s * b * (4 * h + 16) * replicated_share)
 
 
 def test_in_flight_microbatches() -> None:
@@ -91,3 +96,43 @@ def test_in_flight_microbatches() -> None:
         got = act.in_flight_microbatches("interleaved_1f1b", pp_size=p, pp_rank=0, n_microbatches=m,
                                          virtual_stages=v)
         assert got == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+@pytest.mark.parametrize(("kind", "precision", "t", "expected"), [
+    ("lm", "fp32", 1, 8.0), ("lm", "amp_bf16", 1, 8.0),  # nll_loss's and log_softmax's fp32 gradients
+    ("vocab_parallel", "fp32", 2, 4.0), ("vocab_parallel", "amp_bf16", 2, 6.0),  # fp32 clone (+ its 16-bit cast)
+])
+def test_loss_backward_working_set_matches_measurement(kind: str, precision: str, t: int, expected: float) -> None:
+    """When the last stage's backward starts, the loss's gradients live beside the saved fp32 log-softmax.
+
+    Measured as the peak resident growth of ``loss.backward()`` (tests/planner_measure.measure_backward_growth:
+    every tensor of 64 KiB or more is its own mapping, so the peak resident size is the peak of the tensors
+    alive) on 2048 tokens x 8192 logits. The logits' own gradient (what the head's backward takes in) is part
+    of it: it is the last of the loss's gradients, made while the one before it is still alive.
+    """
+    n, vocab = 2048, 8192
+    per_logit = run_distributed(loss_backward_per_logit, 1, (kind, "float32" if precision == "fp32" else "bfloat16",
+                                                            n, vocab))[0]
+    print(f"{kind} {precision}: {per_logit:.3f} bytes per logit at the peak of the loss's backward")
+    cfg = ModelConfig(vocab_size=vocab * t, d_model=64, n_layers=1, n_heads=4, max_seq_len=32)
+    spec = act.ActivationSpec(seq_len=32, tp_size=t, precision=precision, device="cpu")
+    planned = act.loss_backward_bytes_per_token(cfg, spec) / vocab  # per logit of this rank's shard
+    assert planned == expected
+    assert per_logit == pytest.approx(planned, rel=0.02)
+
+
+def test_backward_working_set_is_the_larger_transient_on_the_last_stage_only() -> None:
+    cfg = ModelConfig(vocab_size=50_000, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
+    opts = TrainingOptions(precision="amp_bf16", device="cuda")
+    tokens = 2 * 256
+
+    def terms(ckpt: str, pp_rank: int) -> dict[str, int]:
+        layout = Layout(pp_size=2, micro_batch_size=2, n_microbatches=4, activation_checkpointing=ckpt)
+        return stage_activation_bytes(cfg, layout, seq_len=256, options=opts, pp_rank=pp_rank)
+
+    assert terms("none", 1)["backward_working_set"] == 8 * 50_000 * tokens  # the loss's, 8V per token
+    assert terms("none", 0)["backward_working_set"] == 0  # no loss on the first stage
+    spec = act.ActivationSpec(seq_len=256, precision="amp_bf16")
+    layer = act.layer_costs(cfg, spec).full * tokens
+    assert terms("full", 0)["backward_working_set"] == round(layer)  # one recomputed layer
+    assert terms("full", 1)["backward_working_set"] == max(round(layer), 8 * 50_000 * tokens)  # never both

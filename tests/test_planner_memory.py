@@ -60,7 +60,8 @@ def test_rank_memory_is_the_sum_of_its_parts_and_overheads_are_reported_apart() 
     assert bare.overheads == sum(v for k, v in bare.detail.items() if k.startswith("overheads."))
     assert full.model_states == bare.model_states and full.activations == bare.activations
     assert full.detail["overheads.cuda_context"] == Overheads().cuda_context
-    assert full.device_total == full.params + full.grads + full.optimizer + full.activations + full.overheads
+    assert full.device_total == (full.params + full.grads + full.optimizer + full.activations + full.step_buffers
+                                 + full.overheads)
     no_sp = predict_rank_memory(cfg, Layout(**{**layout.__dict__, "sequence_parallel": False}), seq_len=512,
                                 pp_rank=bare.pp_rank)
     assert no_sp.activations > full.activations
@@ -74,6 +75,9 @@ def test_step_flops_match_megatron_formulas() -> None:
     model, hw = step_flops(cfg, seq_len=s, global_batch=B, recompute="full")
     assert model == pytest.approx(megatron_model_flops(cfg, seq_len=s, global_batch=B), rel=1e-12)
     assert hw == pytest.approx(96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-12)
+    # Selective recomputation reruns QK^T and AV: + 2Bs^2h + 2Bs^2h per layer (Korthikanti et al. 2022, appendix A)
+    sel_model, sel_hw = step_flops(cfg, seq_len=s, global_batch=B, recompute="selective")
+    assert sel_model == model and sel_hw - sel_model == pytest.approx(4 * B * s * s * h * L, rel=1e-12)
     # 6 x params x tokens is the matmul part: the attention term is what it misses.
     assert model > 6 * (count_params(cfg) - cfg.max_seq_len * h) * B * s * 0.99
 

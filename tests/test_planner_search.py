@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from dist_trainer.config import ModelConfig, config_from_dict, model_config
 from dist_trainer.planner.cli import register
+from dist_trainer.planner.cost import estimate_step_time
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.hardware import get_hardware
 from dist_trainer.planner.memory import GiB, predict_rank_memory
 from dist_trainer.planner.params import count_params
-from dist_trainer.planner.scale import max_model
+from dist_trainer.planner.scale import max_model, scale_model
 from dist_trainer.planner.search import plan_layouts
 
 
@@ -114,7 +117,9 @@ def test_cli_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert rc == 0 and len(data["stages"]) == 2
     for st in data["stages"]:
-        assert st["device_total"] == sum(st[k] for k in ("params", "grads", "optimizer", "activations", "overheads"))
+        assert st["device_total"] == sum(st[k] for k in ("params", "grads", "optimizer", "activations", "step_buffers",
+                                                         "overheads"))
+        assert st["step_buffers"] > 0  # ZeRO-1 with bf16 grads: DeepSpeed's fp32 gradient partition
 
 
 def test_cli_plan_json_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -140,3 +145,108 @@ def test_bad_input_raises_value_error() -> None:
     with pytest.raises(ValueError, match="unknown hardware"):
         plan_layouts(model_config("gpt2"), n_gpus=8, gpus_per_node=8, gpu_memory_bytes=GiB, seq_len=128,
                      global_batch=8, hardware="TPU")
+
+
+def test_offload_layouts_must_fit_the_host_memory_of_a_node() -> None:
+    """Issue 16, item 7: with offload a multi-trillion-parameter model "fitted" on one node of 8 GPUs, its
+    offloaded states needing tens of thousands of GiB of host memory. A node's ranks share its host memory.
+    (1.4T parameters: the largest that ZeRO-3 offload without TP places on the 8 GPUs at all.)"""
+    cfg = scale_model(model_config("llama2-7b"), 24, seq_len=4096)
+    psi = count_params(cfg)
+    assert 1.2e12 < psi < 1.6e12
+    shape = dict(n_gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=4096, global_batch=8,
+                 hardware="A100-80GB")
+    unbounded = plan_layouts(cfg, **shape, host_memory_bytes=10**18)
+    assert unbounded.best is not None and unbounded.best.layout.zero_offload
+    need = unbounded.best.host_per_node
+    assert need == 8 * unbounded.best.memory.host > 20_000 * GiB  # ZeRO-3: 18 Psi over the node's 8 ranks
+    res = plan_layouts(cfg, **shape)  # the default budget: A100-80GB's DGX node, 2 TB for 8 GPUs
+    assert res.host_memory_bytes == 2 * 10**12
+    assert res.layouts == []
+    assert any("fit the GPU memory but not the host memory of 1,863 GiB per node" in n for n in res.notes), res.notes
+    # the largest model that trains with offload on this node now stops where its host memory does
+    rows = max_model(model_config("llama2-7b"), **shape, offload=True, zero_stages=(3,))
+    assert rows[0].planned is not None and rows[0].planned.host_per_node <= 2 * 10**12
+    assert rows[0].n_params < 0.12e12  # 18 Psi per node <= 2 TB: Psi < 111B
+
+
+def test_plan_on_7_gpus_names_why_no_layout_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    # llama2-7b has 32 layers, so 7 GPUs run it as 7 uneven pipeline stages; the 4-layer tiny model has no layout
+    rc, out = _cli(["plan", "--model", "tiny", "--gpus", "7", "--gpus-per-node", "8", "--seq-len", "128",
+                    "--global-batch", "512"], capsys)
+    assert rc == 1
+    assert "no valid layout for 7 GPUs (8 per node)" in out
+    assert "dp = n_gpus/(tp*pp) must divide global_batch=512: dp=7 (tp=1 pp=1)" in out
+    assert "every pipeline stage holds a layer: pp <= n_layers=4: pp=7" in out
+    assert "model.n_heads=4 is not divisible by parallel.tp_size=7" in out
+    rc, out = _cli(["plan", "--model", "llama2-7b", "--gpus", "7", "--gpus-per-node", "8", "--seq-len", "4096",
+                    "--global-batch", "512"], capsys)
+    assert rc == 0 and "pp=7" in out
+
+
+def test_search_limits_give_the_best_layout_within_them() -> None:
+    cfg = model_config("llama2-7b")
+    shape = dict(n_gpus=32, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=2048, global_batch=128,
+                 hardware="A100-80GB")
+    free = plan_layouts(cfg, **shape).layouts
+    limits: list[tuple[dict, object]] = [
+        ({"tp_size": 2}, lambda lay: lay.tp_size == 2),
+        ({"max_tp_size": 2}, lambda lay: lay.tp_size <= 2),
+        ({"pp_size": 1}, lambda lay: lay.pp_size == 1),
+        ({"pp_size": 4}, lambda lay: lay.pp_size == 4),
+        ({"zero_stages": (0, 1)}, lambda lay: lay.zero_stage <= 1),
+        ({"allow_offload": False}, lambda lay: not lay.zero_offload),
+    ]
+    for kwargs, ok in limits:
+        got = plan_layouts(cfg, **shape, **kwargs).layouts
+        assert got and all(ok(p.layout) for p in got), kwargs  # type: ignore[operator]
+        # the same ranking as the unconstrained search, filtered: the best layout the limits allow
+        assert [p.layout for p in got] == [p.layout for p in free if ok(p.layout)], kwargs  # type: ignore[operator]
+    bad = plan_layouts(cfg, **shape, pp_size=3)
+    assert bad.layouts == [] and "tp*pp must divide n_gpus=32: 1*3, 2*3, 4*3, 8*3" in bad.notes[0]
+
+
+def test_cli_plan_limits_and_max_model_honours_them(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--model", "llama2-7b", "--gpus", "64", "--gpus-per-node", "8", "--seq-len", "4096",
+              "--global-batch", "512", "--json"]
+    rc, out = _cli(["plan", *common, "--max-tp", "2", "--no-pp", "--zero", "0,1", "--no-offload", "--top", "50"],
+                   capsys)
+    layouts = [p["layout"] for p in json.loads(out)["layouts"]]
+    assert rc == 0 and layouts
+    assert all(x["tp_size"] <= 2 and x["pp_size"] == 1 and x["zero_stage"] <= 1 and not x["zero_offload"]
+               for x in layouts)
+    rc, out = _cli(["plan", *common, "--max-model", "--tp", "8", "--pp", "4", "--zero", "0"], capsys)
+    rows = json.loads(out)["max_model"]
+    assert rc == 0 and [r["zero_stage"] for r in rows] == [0]
+    assert all(r["layout"]["tp_size"] == 8 and r["layout"]["pp_size"] == 4 for r in rows)
+    rc, out = _cli(["plan", *common, "--max-model", "--tp", "1", "--no-pp", "--zero", "1,2"], capsys)
+    rows = json.loads(out)["max_model"]
+    assert rc == 0 and [r["zero_stage"] for r in rows] == [1, 2]
+    assert all(r["layout"]["tp_size"] == 1 and r["layout"]["pp_size"] == 1 for r in rows)
+    with pytest.raises(ValueError, match=r"--zero='0,5' must be comma-separated ZeRO stages among 0,1,2,3"):
+        _cli(["plan", *common, "--zero", "0,5"], capsys)
+
+
+def test_cli_memory_reports_host_memory_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["memory", "--model", "llama2-7b", "--dp", "8", "--zero", "3", "--offload", "--seq-len", "4096"]
+    rc, out = _cli([*args, "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and data["host_per_node"] == 8 * data["stages"][0]["host"]
+    assert data["host_memory_bytes"] == 2 * 10**12 and data["host_fits"]  # A100-80GB's DGX node: 2 TB
+    rc, out = _cli([*args, "--host-memory-gb", "100"], capsys)
+    assert "GiB per node (8 ranks) of 100 GiB: does not fit" in out
+
+
+def test_selective_layouts_are_planned_and_emitted_as_runnable_configs() -> None:
+    """The search offers selective recomputation and emit writes it as parallel.activation_checkpointing."""
+    cfg = model_config("llama2-7b")
+    res = plan_layouts(cfg, n_gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=4096, global_batch=64,
+                       hardware="A100-80GB", checkpointing=("selective",))
+    assert res.best is not None and res.best.layout.activation_checkpointing == "selective"
+    loaded = config_from_dict(run_config_dict(cfg, res.best.layout, seq_len=4096)).validate()
+    assert loaded.parallel.activation_checkpointing == "selective"
+    none = predict_rank_memory(cfg, replace(res.best.layout, activation_checkpointing="none"), seq_len=4096)
+    assert res.best.memory.saved_activations < none.saved_activations  # RoPE's output copy and the LSE go
+    plain = estimate_step_time(cfg, replace(res.best.layout, activation_checkpointing="none"), seq_len=4096,
+                               hardware=get_hardware("A100-80GB"), gpus_per_node=8)
+    assert res.best.time.compute > plain.compute  # the recomputed attention core

@@ -17,11 +17,12 @@ import json
 import resource
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import Config, config_from_dict
+
+if TYPE_CHECKING:
+    import torch  # imported where it runs: `dist-trainer --help` and the planner subcommands stay torch-free
 
 STEPS = 3  # step 0 creates the optimizer states; steps 1.. are measured and timed
 N_MICRO = 2  # micro-batches per rank per step: stage 1 keeps full grads between them, stage 2 does not
@@ -42,6 +43,8 @@ def experiment_config(model: str | dict[str, Any], stage: int, nprocs: int, *, o
 
 
 def _batches(cfg: Config, step: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    import torch
+
     g = torch.Generator().manual_seed(cfg.train.seed * 1000 + step * 100 + dp_rank)
     shape = (cfg.parallel.micro_batch_size, cfg.data.seq_len + 1)
     out = []
@@ -53,6 +56,8 @@ def _batches(cfg: Config, step: int, dp_rank: int) -> list[dict[str, torch.Tenso
 
 def measure_rank(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """One rank of one stage (run under dist_trainer.testing.run_distributed)."""
+    import torch
+
     from dist_trainer.config import config_from_dict as build
     from dist_trainer.engines import build_engine
     from dist_trainer.parallel.state import ParallelState
@@ -123,7 +128,7 @@ def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     paper["model_states"] = sum(paper.values())
     return {"paper": paper, "planner": {"params": planned.params, "grads": planned.grads,
                                         "optimizer": planned.optimizer, "model_states": planned.model_states,
-                                        "activations": planned.activations, "host": planned.host},
+                                        "activations": planned.saved_activations, "host": planned.host},
             "n_params": {"psi": psi}}
 
 

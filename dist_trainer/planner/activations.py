@@ -17,7 +17,11 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
   silu(gate), up and the product;
 * dropout masks exist only when model.dropout > 0: 1 byte (bool) on CUDA, the activation dtype on CPU;
 * the loss keeps the fp32 log-softmax (4 bytes x V per token) and the int64 targets; the embedding keeps the
-  int64 token ids.
+  int64 token ids. When backward starts the loss's gradients join them (8V bytes per token in one process):
+  a transient of the last stage, reported apart from the saved tensors;
+* selective recomputation (Korthikanti et al. 2022, section 4.2) runs each layer's attention core (RoPE, the
+  GQA repeat, SDPA) under torch.utils.checkpoint: the layer keeps the q/k/v projections' outputs instead of the
+  core's tensors, whatever the kernel.
 
 Precision modes: ``fp32``; ``amp_bf16``/``amp_fp16`` (fp32 parameters under torch.autocast, as
 ``train.precision=bf16``: the residual stream stays fp32, every linear keeps a 16-bit copy of its input and
@@ -113,26 +117,41 @@ def _norm(cfg: ModelConfig, spec: ActivationSpec, name: str) -> list[SavedTensor
     return out
 
 
-def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool) -> list[SavedTensor]:
+def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
+    """What ``Attention.core`` (RoPE, GQA repeat, SDPA) saves when it is not recomputed; selective
+    recomputation keeps none of it and rebuilds it, one layer at a time, in backward."""
+    spec.validate()
     t, h, a, s = spec.tp_size, cfg.d_model, cfg.n_heads, spec.seq_len
     if spec.attention_kernel == "flash":
         out = [SavedTensor(f"attn.{n}", h / t, spec.act) for n in ("q", "k", "v")]
-        out += [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", h / t, spec.act)]
-        if cfg.pos_embedding == "rope":
-            # rotated q is contiguous (B, H, T, D); the kernel's output follows q's layout, so the
-            # transpose-reshape before o_proj copies it (measured on the CPU flash kernel)
-            out.append(SavedTensor("o_proj.input", h / t, spec.act))
-        return out
+        return out + [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", h / t, spec.act)]
     # math kernel: the scaled q, k^T and v it multiplies, computed in fp32 on CPU for 16-bit inputs
     inner = 4 if spec.device == "cpu" else spec.act
     out = [SavedTensor(f"attn.{n}", h / t, inner) for n in ("q_scaled", "k_t", "v")]
-    if not selective:  # the s x s probabilities per head (dropped by selective recompute)
-        out.append(SavedTensor("attn.probs", a * s / t, inner))
-        if cfg.dropout > 0:
-            mask = 1 if spec.device == "cuda" else inner
-            out += [SavedTensor("attn.dropout_mask", a * s / t, mask),
-                    SavedTensor("attn.dropped_probs", a * s / t, inner)]
-    out.append(SavedTensor("attn.out", h / t, spec.act))  # the transpose-reshape copy o_proj keeps
+    out.append(SavedTensor("attn.probs", a * s / t, inner))  # the s x s probabilities per head
+    if cfg.dropout > 0:
+        mask = 1 if spec.device == "cuda" else inner
+        out += [SavedTensor("attn.dropout_mask", a * s / t, mask), SavedTensor("attn.dropped_probs", a * s / t, inner)]
+    return out
+
+
+def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool) -> list[SavedTensor]:
+    h, t = cfg.d_model, spec.tp_size
+    if selective:
+        # torch.utils.checkpoint keeps the core's inputs: the q/k/v projections' outputs (k and v before the GQA
+        # repeat; under TP with replicated kv heads parallel/tp/layers.ReplicatedKVLinear already returns one kv
+        # head per local query head), and o_proj keeps the core's output, whatever the kernel.
+        kv = cfg.kv_heads * cfg.head_dim
+        kv_local = kv if t == 1 else (kv / t if kv_sharded(cfg, t) else h / t)
+        return [SavedTensor("attn.q_proj_out", h / t, spec.act), SavedTensor("attn.k_proj_out", kv_local, spec.act),
+                SavedTensor("attn.v_proj_out", kv_local, spec.act), SavedTensor("o_proj.input", h / t, spec.act)]
+    out = attention_core_saved_tensors(cfg, spec)
+    if spec.attention_kernel == "math":
+        out.append(SavedTensor("attn.out", h / t, spec.act))  # the transpose-reshape copy o_proj keeps
+    elif cfg.pos_embedding == "rope":
+        # rotated q is contiguous (B, H, T, D); the kernel's output follows q's layout, so the
+        # transpose-reshape before o_proj copies it (measured on the CPU flash kernel)
+        out.append(SavedTensor("o_proj.input", h / t, spec.act))
     return out
 
 
@@ -203,6 +222,22 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTens
     return out
 
 
+def loss_backward_bytes_per_token(cfg: ModelConfig, spec: ActivationSpec) -> float:
+    """Gradients the loss's backward makes while its saved log-softmax is still alive (not saved tensors).
+
+    One process: ``F.cross_entropy(logits.float())`` is log_softmax + nll_loss; when backward starts, nll_loss's
+    gradient (fp32, V per token) and log_softmax's (fp32, V) exist beside the saved fp32 log-softmax: 8V bytes.
+    TP (``parallel/tp/layers._VocabParallelCrossEntropy``): the gradient is a clone of the saved fp32 softmax,
+    4V/t, cast to the logits' dtype before it is returned (+2V/t for 16-bit logits). Measured on CPU in
+    tests/test_planner_activations.py (8.0, 4.0 and 6.0 bytes per logit).
+    """
+    spec.validate()
+    if spec.tp_size == 1:
+        return 8.0 * cfg.vocab_size
+    vocab = padded_vocab(cfg.vocab_size, spec.tp_size) / spec.tp_size
+    return (4 + (2 if spec.act == 2 else 0)) * vocab
+
+
 def total_bytes(tensors: list[SavedTensor], tokens: int) -> int:
     return round(sum(x.bytes_per_token for x in tensors) * tokens)
 
@@ -212,10 +247,12 @@ class LayerCosts:
     """Bytes per token of one micro-batch, and the per-forward autocast weight copies, for one rank."""
 
     full: float  # a layer that is not recomputed
-    selective: float  # a layer whose attention core is recomputed (drops the s x s terms)
+    selective: float  # a layer whose attention core is recomputed (keeps the projections' outputs instead)
     checkpointed: float  # a fully recomputed layer (its input only)
+    attention_core: float  # what one layer's recomputed attention core holds while its backward runs
     embedding: float
     head: float
+    loss_backward: float  # the loss's gradients at the start of the last stage's backward
     amp_layer_weights: int  # 16-bit weight copies autocast keeps per layer and micro-batch (0 unless amp_*)
     amp_head_weights: int
 
@@ -235,8 +272,10 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec) -> LayerCosts:
     return LayerCosts(full=per_token(layer_saved_tensors(cfg, spec)),
                       selective=per_token(layer_saved_tensors(cfg, spec, selective=True)),
                       checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
+                      attention_core=per_token(attention_core_saved_tensors(cfg, spec)),
                       embedding=per_token(embedding_saved_tensors(cfg, spec)),
                       head=per_token(head_saved_tensors(cfg, spec)),
+                      loss_backward=loss_backward_bytes_per_token(cfg, spec),
                       amp_layer_weights=amp_layer, amp_head_weights=amp_head)
 
 
@@ -245,8 +284,11 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     """Activation terms of one pipeline stage at its peak, in bytes.
 
     ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
-    ``recompute_working_set``: one recomputed layer's full saved tensors, alive while its backward runs;
-    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers).
+    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers);
+    ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
+    the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
+    first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core), alive
+    while that layer's backward runs.
     """
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
@@ -261,10 +303,11 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     per_token = n_ckpt * costs.checkpointed + n_plain * per_layer
     per_token += (costs.embedding if first else 0.0) + (costs.head if last else 0.0)
     weights = n_plain * costs.amp_layer_weights + (costs.amp_head_weights if last else 0)
+    recompute = costs.full if n_ckpt else (costs.attention_core if mode == "selective" and layer_ids else 0.0)
     return {
         "saved": round(per_token * tokens * in_flight),
-        "recompute_working_set": round(costs.full * tokens) if n_ckpt else 0,
         "amp_weight_copies": round(weights * in_flight),
+        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
     }
 
 

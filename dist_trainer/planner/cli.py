@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -13,7 +14,15 @@ from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
-from dist_trainer.planner.memory import GiB, Layout, Overheads, RankMemory, TrainingOptions, predict_all_stages
+from dist_trainer.planner.memory import (
+    GiB,
+    Layout,
+    Overheads,
+    RankMemory,
+    TrainingOptions,
+    node_host_bytes,
+    predict_all_stages,
+)
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
@@ -44,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
     m.add_argument("--pp-schedule", default="1f1b")
     m.add_argument("--virtual-stages", type=int, default=1)
+    _host_args(m)
     m.set_defaults(func=run_memory)
 
     q = subparsers.add_parser("plan", help="search layouts for N GPUs, rank by estimated step time")
@@ -58,7 +68,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--top", type=int, default=5)
     q.add_argument("--out", default=None, help="write run.yaml, ds_config.json (ZeRO) and launch.sh here")
     q.add_argument("--max-model", action="store_true", help="largest scaled family model per ZeRO stage")
+    _host_args(q, hardware=False)
+    # Search limits: the best layout within what the cluster or the code allows (plan_layouts' keyword arguments)
+    tp = q.add_mutually_exclusive_group()
+    tp.add_argument("--tp", type=int, default=None, help="only this tensor-parallel degree")
+    tp.add_argument("--max-tp", type=int, default=None, help="tensor-parallel degrees up to this")
+    pp = q.add_mutually_exclusive_group()
+    pp.add_argument("--pp", type=int, default=None, help="only this many pipeline stages")
+    pp.add_argument("--no-pp", action="store_true", help="no pipeline (--pp 1)")
+    q.add_argument("--zero", default="0,1,2,3", help="allowed ZeRO stages, comma-separated (0 = DDP)")
+    q.add_argument("--no-offload", action="store_true", help="no ZeRO CPU offload")
     q.set_defaults(func=run_plan)
+
+
+def _host_args(p: argparse.ArgumentParser, hardware: bool = True) -> None:
+    if hardware:  # plan has its own --hardware
+        p.add_argument("--hardware", default="A100-80GB", help="profile whose host memory is the default budget")
+        p.add_argument("--gpus-per-node", type=int, default=8, help="ranks sharing one node's host memory")
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host memory per node in GiB for offloaded states; default: the hardware's host memory "
+                        "per GPU x gpus-per-node (DGX nodes: A100-80GB/H100/H200 2 TB for 8 GPUs, V100 DGX-2 "
+                        "1.5 TB for 16)")
+
+
+def _host_budget(args: argparse.Namespace) -> int:
+    if args.host_memory_gb is not None:
+        if args.host_memory_gb <= 0:
+            raise ValueError(f"--host-memory-gb={args.host_memory_gb} must be > 0")
+        return round(args.host_memory_gb * GiB)
+    return get_hardware(args.hardware).host_memory_per_node(args.gpus_per_node)
+
+
+def _search_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """plan_layouts' keyword arguments for --tp/--max-tp/--pp/--no-pp/--zero/--no-offload."""
+    try:
+        stages = tuple(sorted({int(z) for z in args.zero.split(",") if z.strip()}))
+    except ValueError:
+        raise ValueError(f"--zero={args.zero!r} must be comma-separated ZeRO stages among 0,1,2,3") from None
+    if not stages or any(z not in (0, 1, 2, 3) for z in stages):
+        raise ValueError(f"--zero={args.zero!r} must be comma-separated ZeRO stages among 0,1,2,3")
+    return {"tp_size": args.tp, "max_tp_size": args.max_tp, "pp_size": 1 if args.no_pp else args.pp,
+            "zero_stages": stages, "allow_offload": not args.no_offload}
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +120,10 @@ def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"))
     p.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd"))
+    p.add_argument("--fp32-grad-copy", default="auto", choices=("auto", "on", "off"),
+                   help="fp32 gradients beside 16-bit ones. auto: what the optimizer does (DeepSpeed ZeRO builds "
+                        "them in step(), charged as step buffers; torch AdamW none); on: a persistent copy in the "
+                        "optimizer states (Megatron's distributed optimizer); off: none")
     p.add_argument("--attention-kernel", default="flash", choices=("flash", "math"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--cuda-context-gb", type=float, default=0.5)
@@ -82,7 +136,8 @@ def _load_model(name: str) -> ModelConfig:
 
 def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
-                           attention_kernel=args.attention_kernel, device=args.device)
+                           attention_kernel=args.attention_kernel, device=args.device,
+                           fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy])
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
@@ -112,20 +167,28 @@ def run_memory(args: argparse.Namespace) -> int:
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)
     stages = predict_all_stages(cfg, layout, seq_len=args.seq_len or cfg.max_seq_len, options=opts, overheads=over)
+    budget = _host_budget(args)
+    node = node_host_bytes(max(stages, key=lambda m: m.host), world_size=layout.world_size,
+                           gpus_per_node=args.gpus_per_node)
     if args.json:
-        print(json.dumps({"layout": layout.__dict__, "stages": [s.to_dict() for s in stages]}, indent=2))
+        print(json.dumps({"layout": layout.__dict__, "stages": [s.to_dict() for s in stages],
+                          "host_per_node": node, "host_memory_bytes": budget, "host_fits": node <= budget}, indent=2))
         return 0
     print(describe(layout))
     for s in stages:
         print(f"stage {s.pp_rank}: " + _memory_line(s))
         for k, v in s.detail.items():
             print(f"    {k:<40}{v / GiB:>10.3f} GiB")
+    if node:
+        print(f"host: {node / GiB:,.1f} GiB per node ({min(args.gpus_per_node, layout.world_size)} ranks) of "
+              f"{budget / GiB:,.0f} GiB: {'fits' if node <= budget else 'does not fit'}")
     return 0
 
 
 def _memory_line(m: RankMemory) -> str:
     return (f"params {m.params / GiB:.2f}  grads {m.grads / GiB:.2f}  optimizer {m.optimizer / GiB:.2f}  "
-            f"activations {m.activations / GiB:.2f}  overheads {m.overheads / GiB:.2f}  "
+            f"activations {m.activations / GiB:.2f}  step buffers {m.step_buffers / GiB:.2f}  "
+            f"overheads {m.overheads / GiB:.2f}  "
             f"= {m.device_total / GiB:.2f} GiB on device, host {m.host / GiB:.2f} GiB")
 
 
@@ -135,9 +198,11 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = get_hardware(args.hardware)
     memory = round(args.gpu_memory_gb * GiB) if args.gpu_memory_gb else hw.memory_bytes
     shape = dict(n_gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory, seq_len=args.seq_len,
-                 global_batch=args.global_batch, hardware=hw, options=opts, overheads=over)
+                 global_batch=args.global_batch, hardware=hw, options=opts, overheads=over,
+                 host_memory_bytes=_host_budget(args), **_search_limits(args))
     if args.max_model:
         start = time.perf_counter()
+        shape.pop("allow_offload")  # max_model plans without offload
         rows = max_model(cfg, **shape)
         found = [{"zero_stage": r.zero_stage, "n_params": r.n_params,
                   "model": None if r.model is None else {k: getattr(r.model, k) for k in
@@ -159,12 +224,13 @@ def run_plan(args: argparse.Namespace) -> int:
                           "layouts": [p.to_dict() for p in top], "over_by": res.over_by, "notes": res.notes,
                           "closest": None if res.closest is None else res.closest.to_dict()}, indent=2))
     else:
-        print(f"{res.n_considered} layouts considered, {len(res.layouts)} fit in {memory / GiB:.1f} GiB "
-              f"({res.seconds:.2f} s)")
+        print(f"{res.n_considered} layouts considered, {len(res.layouts)} fit in {memory / GiB:.1f} GiB per GPU "
+              f"and {res.host_memory_bytes / GiB:,.0f} GiB of host memory per node ({res.seconds:.2f} s)")
         for i, p in enumerate(top, 1):
+            host = f"; host {p.host_per_node / GiB:,.1f} GiB per node" if p.host_per_node else ""
             print(f"{i}. {describe(p.layout)}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
                   f"bubble {p.time.bubble:.3f} s  tp {p.time.tp_comm:.3f} s  dp {p.time.dp_comm:.3f} s\n   "
-                  + _memory_line(p.memory))
+                  + _memory_line(p.memory) + host)
         for note in res.notes:
             print(note)
     if args.out and top:

@@ -47,7 +47,9 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
     elif recompute == "every_k":
         extra = len(range(0, cfg.n_layers, checkpoint_every)) * (mm + attn)
     elif recompute == "selective":
-        extra = cfg.n_layers * attn  # only the attention core is recomputed
+        # only the attention core runs again: QK^T and AV, 4 s h per token and layer (Korthikanti et al. 2022,
+        # appendix A: "2Bs^2h + 2Bs^2h"; their eq. 8 adds 12 B L s^2 h, three times this; see docs/planner.md)
+        extra = cfg.n_layers * attn
     else:
         extra = 0.0
     return model, model + extra * tokens
@@ -107,6 +109,7 @@ def comm_bytes_per_rank(cfg: ModelConfig, layout: Layout, *, seq_len: int, optio
     out: dict[str, float] = {}
     if t > 1:
         # 2 fwd + 2 bwd all-reduces per layer (or AG/RS pairs of equal volume with SP); +2 per recomputed layer
+        # (selective recomputation reruns no linear layer: no collective)
         per_layer = 4 + (2 if layout.activation_checkpointing == "full" else 0)
         out["tp"] = per_layer * layers * m * bsh * 2 * (t - 1) / t
     if p > 1:

@@ -17,9 +17,6 @@ _TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "amp_bf16": 
 def parallel_config_dict(layout: Layout) -> dict[str, Any]:
     """The ``parallel`` section: every ParallelConfig field the layout has, read by name off the two dataclasses
     (a field added to both travels without a line here)."""
-    if layout.activation_checkpointing == "selective":
-        raise ValueError("activation_checkpointing=selective has no ParallelConfig equivalent; "
-                         "plan with none, every_k or full")
     out = {f.name: getattr(layout, f.name) for f in dataclasses.fields(ParallelConfig) if hasattr(layout, f.name)}
     if out.get("pp_stage_layers") is not None:
         out["pp_stage_layers"] = list(out["pp_stage_layers"])  # YAML and the config hold a list

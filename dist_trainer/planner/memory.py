@@ -4,7 +4,9 @@ Model states follow ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054, sections 3.
 and Adam a rank keeps 2 Psi (16-bit params) + 2 Psi (16-bit grads) + K Psi (K = 12: fp32 master, momentum,
 variance); stage 1 shards the K Psi over the DP degree, stage 2 also the gradients, stage 3 also the parameters.
 Megatron-LM's distributed optimizer also keeps an fp32 copy of 16-bit gradients in the optimizer shard
-(``fp32_grad_copy``: its README's 20 = 4 + 16 bytes per parameter for fp16 params and grads).
+(``fp32_grad_copy=True``: its README's 20 = 4 + 16 bytes per parameter for fp16 params and grads).
+DeepSpeed's ZeRO optimizers instead build fp32 gradients inside ``step()``: reported as ``step_buffers``,
+apart from the model states they do not own between steps (``zero_step_buffers``).
 Activations come from ``activations.py`` (the tensors our model saves), overheads are explicit terms.
 """
 
@@ -91,7 +93,10 @@ class TrainingOptions:
     grad_dtype: str | None = None  # fp32 | bf16 | fp16; None = the parameters' dtype
     optimizer: str = "adamw"  # adam | adamw | sgd
     sgd_momentum: bool = True
-    fp32_grad_copy: bool = False  # optimizer keeps an fp32 copy of 16-bit grads (Megatron's distributed optimizer)
+    # fp32 gradients beside 16-bit ones. None: what the regime's optimizer does (DeepSpeed ZeRO builds them in
+    # step(): zero_step_buffers; torch AdamW none); True: a persistent copy in the optimizer states (Megatron's
+    # distributed optimizer, K + 4); False: none charged
+    fp32_grad_copy: bool | None = None
     attention_kernel: str = "flash"  # flash (no s x s saved) | math
     device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
@@ -118,7 +123,7 @@ class TrainingOptions:
         """K of the ZeRO paper: fp32 master copy (16-bit models), moments, optional fp32 gradient copy."""
         master = 4 if self.param_bytes == 2 else 0
         moments = 8 if self.optimizer in ("adam", "adamw") else (4 if self.sgd_momentum else 0)
-        grad_copy = 4 if self.fp32_grad_copy and self.grad_bytes < 4 else 0
+        grad_copy = 4 if self.fp32_grad_copy is True and self.grad_bytes < 4 else 0
         return master + moments + grad_copy
 
 
@@ -130,6 +135,7 @@ class Overheads:
     fragmentation: float = 0.05  # caching-allocator slack, as a fraction of states + activations
     ddp_grad_buckets: bool = True  # torch DDP (gradient_as_bucket_view=False) copies every gradient into buckets
     zero_bucket_elements: int = 500_000_000  # DeepSpeed reduce_bucket_size default
+    zero_sub_group_elements: int = 1_000_000_000  # DeepSpeed ZeRO-3 sub_group_size default (runtime/zero/config.py)
     host_buffer_factor: float = 1.0  # DeepSpeed's estimators use 1.5 for pinned host buffers
 
     @classmethod
@@ -151,6 +157,7 @@ class RankMemory:
     activations: int
     overheads: int
     host: int
+    step_buffers: int = 0  # optimizer-step working memory (DeepSpeed's fp32 gradient partitions)
     pp_rank: int = 0
     detail: dict[str, int] = field(default_factory=dict)
 
@@ -159,11 +166,22 @@ class RankMemory:
         return self.params + self.grads + self.optimizer
 
     @property
+    def saved_activations(self) -> int:
+        """What the autograd graph holds (the saved-tensor-hook figure): activations less the backward working set."""
+        return self.activations - self.detail.get("activations.backward_working_set", 0)
+
+    @property
     def device_total(self) -> int:
-        return self.model_states + self.activations + self.overheads
+        return self.model_states + self.activations + self.step_buffers + self.overheads
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "model_states": self.model_states, "device_total": self.device_total}
+
+
+def node_host_bytes(rank: RankMemory, *, world_size: int, gpus_per_node: int) -> int:
+    """Host bytes of one node: each of its ranks (gpus_per_node, or the whole world when smaller) holding
+    ``rank``'s offloaded states; pass the stage with the most host bytes for an upper bound when stages differ."""
+    return rank.host * min(gpus_per_node, world_size)
 
 
 def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, zero_offload: bool = False,
@@ -202,6 +220,31 @@ def layout_rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> RankPa
                        balance=layout.pp_balance)
 
 
+def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, overheads: Overheads) -> dict[str, int]:
+    """The fp32 gradients DeepSpeed's ZeRO optimizers build on the device inside ``step()`` (none with offload:
+    the CPU optimizer keeps a persistent fp32 gradient partition in host memory, counted in ``host``).
+
+    File:line references are to the installed DeepSpeed 0.19.8 (runtime/zero/):
+    * ZeRO-1/2, ``stage_1_and_2.py`` step() :3107-3141: per parameter group, the flat gradient partition
+      ``.to(fp32)`` (:3118), kept until the group's Adam step is done: 4 Psi/N. DeepSpeed's estimator counts it
+      since PR #5099 (``2 Psi + 18 Psi/N``). A 16-bit model that accumulates gradients in fp32 reads its
+      pre-flattened fp32 partition in place (:2904-2909, :1259-1266): nothing built. DeepSpeed goes one parameter
+      group at a time, so with several groups (our AdamW's decay / no-decay) the true figure is the largest
+      group's: 4 Psi/N is the one-group figure and an upper bound;
+    * ZeRO-3, ``stage3.py`` step() :2873-2921: per sub-group of at most ``sub_group_size`` partition elements
+      (:1210-1233, default 1e9), ``flatten(averaged_gradients).to(fp32)`` (:2686), released after its step:
+      4 min(Psi/N, sub_group_size) on top of the 16 Psi/N of the model states.
+    """
+    if options.fp32_grad_copy is not None or layout.zero_stage == 0 or layout.zero_offload:
+        return {}
+    shard = n_params // layout.dp_size
+    if layout.zero_stage == 3:
+        return {"zero3_fp32_subgroup_grad": 4 * min(shard, overheads.zero_sub_group_elements)}
+    if options.grad_bytes == 4 and options.param_bytes == 2:
+        return {}
+    return {"zero_fp32_grad_partition": 4 * shard}
+
+
 def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
                            pp_rank: int) -> dict[str, int]:
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
@@ -229,6 +272,8 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     p, g, o, host = model_state_bytes(rp.total, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options)
     detail = {f"activations.{k}": v for k, v in activations.items()}
+    step = zero_step_buffers(rp.total, layout, options, overheads)
+    detail.update({f"step_buffers.{k}": v for k, v in step.items()})
     over: dict[str, int] = {}
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
@@ -246,11 +291,11 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
         elem = 2 if options.precision in ("bf16", "fp16") else 4
         over["pp_p2p_buffers"] = round(2 * layout.micro_batch_size * seq_len * cfg.d_model * spec_rep * elem)
     act_total = sum(activations.values())
-    over["fragmentation"] = round(overheads.fragmentation * (p + g + o + act_total))
+    over["fragmentation"] = round(overheads.fragmentation * (p + g + o + act_total + sum(step.values())))
     detail.update({f"overheads.{k}": v for k, v in over.items()})
     host = round(host * overheads.host_buffer_factor)
     return RankMemory(params=p, grads=g, optimizer=o, activations=act_total, overheads=sum(over.values()),
-                      host=host, pp_rank=pp_rank, detail=detail)
+                      host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
 
 
 def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,

@@ -43,23 +43,28 @@ def scale_model(base: ModelConfig, k: int, *, seq_len: int) -> ModelConfig:
 def max_model(base: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
               global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
               options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
-              offload: bool = False, k_max: int = 4096) -> list[MaxModel]:
-    """For ZeRO stages 0-3: the largest scaled ``base`` with a layout that fits, by bisection on the scale.
+              offload: bool = False, k_max: int = 4096, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+              tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
+              host_memory_bytes: int | None = None) -> list[MaxModel]:
+    """For each of ``zero_stages``: the largest scaled ``base`` with a layout that fits, by bisection on the scale.
 
-    Stage s may use any stage up to s (a stage-s run with dp = 1 is a stage-0 run); the layout says which.
+    Stage s may use any allowed stage up to s (a stage-s run with dp = 1 is a stage-0 run); the layout says which.
+    ``offload``: stages 1-3 use only offload layouts. The search limits (tp, pp, host memory per node) are
+    ``plan_layouts``'s.
     """
 
     def best(k: int, stage: int) -> PlannedLayout | None:
         cfg = scale_model(base, k, seq_len=seq_len)
         res = plan_layouts(cfg, n_gpus=n_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
                            seq_len=seq_len, global_batch=global_batch, hardware=hardware, options=options,
-                           overheads=overheads, zero_stages=tuple(range(stage + 1)), allow_offload=offload,
-                           checkpointing=("full",), pp_schedules=("1f1b",))
-        fitting = [p for p in res.layouts if p.layout.zero_offload == offload or not offload]
+                           overheads=overheads, zero_stages=tuple(z for z in zero_stages if z <= stage),
+                           allow_offload=offload, checkpointing=("full",), pp_schedules=("1f1b",), tp_size=tp_size,
+                           max_tp_size=max_tp_size, pp_size=pp_size, host_memory_bytes=host_memory_bytes)
+        fitting = [p for p in res.layouts if p.layout.zero_offload or not offload or p.layout.zero_stage == 0]
         return min(fitting, key=lambda p: p.memory.device_total) if fitting else None
 
     out = []
-    for stage in (0, 1, 2, 3):
+    for stage in sorted(zero_stages):
         lo, hi = 0, 1
         while hi <= k_max and best(hi, stage) is not None:  # gallop up, then bisect
             lo, hi = hi, hi * 2

@@ -26,6 +26,7 @@ from dist_trainer.planner.memory import (
     RankMemory,
     TrainingOptions,
     layout_rank_params,
+    node_host_bytes,
     rank_memory,
 )
 from dist_trainer.planner.rank_params import RankParams
@@ -36,11 +37,12 @@ class PlannedLayout:
     layout: Layout
     memory: RankMemory  # the rank with the most device bytes (first or last pipeline stage)
     time: StepTime
-    fits: bool
+    fits: bool  # in the GPU memory and, for offloaded states, in the node's host memory
+    host_per_node: int = 0  # host bytes of the ranks one node holds (offloaded states)
 
     def to_dict(self) -> dict[str, object]:
         return {"layout": self.layout.__dict__, "memory": self.memory.to_dict(), "time": self.time.to_dict(),
-                "fits": self.fits}
+                "fits": self.fits, "host_per_node": self.host_per_node}
 
 
 @dataclass
@@ -51,6 +53,7 @@ class PlanResult:
     n_considered: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    host_memory_bytes: int = 0  # the host-memory budget per node that offload layouts were held to
 
     @property
     def best(self) -> PlannedLayout | None:
@@ -68,13 +71,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class _Skipped:
+    """Why candidate layouts were not valid: per rule, the values that broke it (for the no-valid-layout note)."""
+
+    def __init__(self) -> None:
+        self.rules: dict[str, list[str]] = {}
+
+    def add(self, rule: str, value: str) -> None:
+        values = self.rules.setdefault(rule, [])
+        if value not in values:
+            values.append(value)
+
+    def summary(self, most: int = 8) -> str:
+        def values(vals: list[str]) -> str:
+            return ", ".join(vals[:most]) + (f" and {len(vals) - most} more" if len(vals) > most else "")
+
+        return "; ".join(f"{rule}: {values(vals)}" for rule, vals in self.rules.items())
+
+
 class _Planner:
     """Caches per (tp, pp) parameters and per (tp, sp) activation costs for one model and batch shape."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, options: TrainingOptions, overheads: Overheads,
-                 hw: HardwareProfile, gpus_per_node: int, memory: int) -> None:
+                 hw: HardwareProfile, gpus_per_node: int, memory: int, host_memory: int) -> None:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
-        self.hw, self.gpus_per_node, self.memory = hw, gpus_per_node, memory
+        self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int], RankParams] = {}
         self._costs: dict[tuple[int, bool], act.LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
@@ -130,15 +151,17 @@ class _Planner:
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
                                n_params_rank=self.params(layout, 0).total)
-        return PlannedLayout(layout, mem, t, mem.device_total <= self.memory)
+        host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
+        return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
 
-def _refuses(check: Callable[..., None], *args: object) -> bool:
+def _refusal(check: Callable[..., None], *args: object) -> str | None:
+    """The ValueError message of a rule check, or None when it passes."""
     try:
         check(*args)
-    except ValueError:
-        return True
-    return False
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -168,16 +191,20 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
                  options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
                  zero_stages: tuple[int, ...] = (0, 1, 2, 3), allow_offload: bool = True,
-                 checkpointing: tuple[str, ...] = ("none", "every_k", "full"),
-                 pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None) -> PlanResult:
+                 checkpointing: tuple[str, ...] = ("none", "selective", "every_k", "full"),
+                 pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
+                 tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
+                 host_memory_bytes: int | None = None) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
     Enumerated: tp dividing gpus_per_node (a TP group stays in a node), pp up to n_layers, dp = n_gpus/(tp*pp)
     dividing global_batch, micro-batches dividing the per-DP batch; each layout is then put to the trainer's
     own rules (``runnable``: heads, MLP width and vocabulary under TP, the stage split, the schedule against its
-    micro-batches, which regimes compose, the device) and only those it accepts are priced and ranked.
-    "selective" recomputation is not enumerated: with a flash kernel our layer saves no s x s matrix, so it would
-    save nothing (see docs/planner.md).
+    micro-batches, which regimes compose, the device) and only those it accepts are priced and ranked. What the
+    user's cluster or code allows narrows it: ``tp_size`` (exactly) or ``max_tp_size``, ``pp_size`` (1: no
+    pipeline), ``zero_stages``, ``allow_offload``. Fitting: the worst rank's device bytes within
+    ``gpu_memory_bytes``, and a node's host bytes (``ranks per node`` x the rank's offloaded states) within
+    ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node.
     """
     start = time.perf_counter()
     model.validate()
@@ -190,10 +217,17 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         raise ValueError(f"n_gpus={n_gpus} is not a multiple of gpus_per_node={gpus_per_node}")
     if seq_len > model.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    for name, limit in (("tp_size", tp_size), ("max_tp_size", max_tp_size), ("pp_size", pp_size)):
+        if limit is not None and limit < 1:
+            raise ValueError(f"{name}={limit} must be >= 1")
     hw = get_hardware(hardware)
-    pl = _Planner(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes)
+    ranks_per_node = min(gpus_per_node, n_gpus)
+    host_memory = hw.host_memory_per_node(gpus_per_node) if host_memory_bytes is None else host_memory_bytes
+    pl = _Planner(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes, host_memory)
     fitting: list[PlannedLayout] = []
     closest: PlannedLayout | None = None
+    host_short: list[PlannedLayout] = []  # model states fit the GPU, offloaded states not the host memory
+    skipped = _Skipped()
     considered = 0
     refused: dict[Layout, str | None] = {}  # runnable() per layout, recomputation aside (it decides nothing here)
 
@@ -201,20 +235,37 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         key = replace(lay, activation_checkpointing="none", checkpoint_every=1)
         if key not in refused:
             refused[key] = runnable(model, lay, seq_len=seq_len, options=options)
+            if refused[key] is not None:
+                skipped.add("refused by the trainer's pre-launch check (layout_rules)", str(refused[key]))
         return refused[key]
 
-    for tp in _divisors(min(gpus_per_node, n_gpus)):
-        if n_gpus % tp or _refuses(check_tp, model, tp):
-            continue  # the same rule runnable() applies, asked once per tp instead of per layout
-        for pp in _divisors(n_gpus // tp):
+    for tp in ([tp_size] if tp_size else _divisors(min(gpus_per_node, n_gpus))):
+        if max_tp_size is not None and tp > max_tp_size:
+            continue
+        bad = [f"{k}={v}" for k, v in (("ranks_per_node", ranks_per_node), ("n_gpus", n_gpus)) if v % tp]
+        if bad:  # a TP group stays inside a node
+            skipped.add("tp must divide the ranks per node and n_gpus", f"tp={tp} ({', '.join(bad)})")
+            continue
+        tp_refused = _refusal(check_tp, model, tp)  # the rule runnable() applies, asked once per tp
+        if tp_refused:
+            skipped.add("tensor parallelism (layout_rules.check_tp)", tp_refused)
+            continue
+        for pp in ([pp_size] if pp_size else _divisors(n_gpus // tp)):
             if pp > model.n_layers:
-                break  # layout_rules: every stage holds at least one layer
+                skipped.add(f"every pipeline stage holds a layer: pp <= n_layers={model.n_layers}", f"pp={pp}")
+                continue
+            if n_gpus % (tp * pp):
+                skipped.add(f"tp*pp must divide n_gpus={n_gpus}", f"{tp}*{pp}")
+                continue
             dp = n_gpus // (tp * pp)
             if global_batch % dp:
+                skipped.add(f"dp = n_gpus/(tp*pp) must divide global_batch={global_batch}",
+                            f"dp={dp} (tp={tp} pp={pp})")
                 continue
             per_dp = global_batch // dp
-            if pp > 1 and per_dp < pp:
-                continue  # fewer micro-batches than stages: 1F1B cannot fill the pipeline
+            if pp > 1 and per_dp < pp:  # fewer micro-batches than stages: 1F1B cannot fill the pipeline
+                skipped.add("pp needs at least pp micro-batches per DP rank", f"pp={pp} gets {per_dp} (dp={dp})")
+                continue
             for zero in zero_stages:
                 if zero > 0 and dp == 1:
                     continue  # ZeRO shards over DP: nothing to shard
@@ -225,6 +276,11 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                                                   activation_checkpointing="full",
                                                   sequence_parallel=tp > 1))
                     considered += 1
+                    if states.device_total <= gpu_memory_bytes and node_host_bytes(
+                            states, world_size=n_gpus, gpus_per_node=gpus_per_node) > host_memory:
+                        host_short.append(pl.price(replace(base, micro_batch_size=1, n_microbatches=per_dp,
+                                                           activation_checkpointing="full", sequence_parallel=tp > 1)))
+                        continue  # host bytes depend on the model states alone: no micro-batch can help
                     if states.device_total > gpu_memory_bytes:
                         cand = pl.price(replace(base, micro_batch_size=1, n_microbatches=per_dp,
                                                 activation_checkpointing="full", sequence_parallel=tp > 1))
@@ -253,17 +309,28 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                                 x.layout.tp_size * x.layout.pp_size, x.memory.device_total))
     if top_k is not None:
         fitting = fitting[:top_k]
-    notes = [] if fitting else [_nothing_fits_note(closest, gpu_memory_bytes)]
+    notes = [] if fitting else _nothing_fits_notes(closest, host_short, skipped, gpu_memory_bytes, host_memory,
+                                                   n_gpus=n_gpus, gpus_per_node=gpus_per_node)
     return PlanResult(fitting, None if fitting else closest, gpu_memory_bytes, considered,
-                      time.perf_counter() - start, notes)
+                      time.perf_counter() - start, notes, host_memory)
 
 
-def _nothing_fits_note(closest: PlannedLayout | None, memory: int) -> str:
-    if closest is None:
-        return "no valid layout: check that the GPU count, heads, layers and global batch have common divisors"
-    over = closest.memory.device_total - memory
-    return (f"nothing fits in {memory / 2**30:.1f} GiB; closest: {describe(closest.layout)} needs "
-            f"{closest.memory.device_total / 2**30:.1f} GiB, over by {over / 2**30:.1f} GiB")
+def _nothing_fits_notes(closest: PlannedLayout | None, host_short: list[PlannedLayout], skipped: _Skipped,
+                        memory: int, host_memory: int, *, n_gpus: int, gpus_per_node: int) -> list[str]:
+    notes = []
+    if closest is not None:
+        over = closest.memory.device_total - memory
+        notes.append(f"nothing fits in {memory / 2**30:.1f} GiB; closest: {describe(closest.layout)} needs "
+                     f"{closest.memory.device_total / 2**30:.1f} GiB, over by {over / 2**30:.1f} GiB")
+    if host_short:
+        least = min(host_short, key=lambda p: p.host_per_node)
+        notes.append(f"{len(host_short)} offload layouts fit the GPU memory but not the host memory of "
+                     f"{host_memory / 2**30:,.0f} GiB per node (--host-memory-gb); the least needs "
+                     f"{least.host_per_node / 2**30:,.0f} GiB per node: {describe(least.layout)}")
+    if closest is None and not host_short:
+        why = skipped.summary() or "the constraints exclude every layout"
+        notes.append(f"no valid layout for {n_gpus} GPUs ({gpus_per_node} per node): {why}")
+    return notes
 
 
 def describe(layout: Layout) -> str:

@@ -66,10 +66,13 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     hardware = device_hardware(device, cfg.parallel.hardware).name
     options = planner_options(cfg, device)
     overheads = Overheads() if device.type == "cuda" else Overheads.none()
+    p = cfg.parallel
     result = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=max(1, gpus_per_node),
                           gpu_memory_bytes=memory, seq_len=cfg.data.seq_len,
-                          global_batch=cfg.parallel.global_batch_size, hardware=hardware, options=options,
-                          overheads=overheads, allow_offload=False, checkpointing=("none", "every_k", "full"))
+                          global_batch=p.global_batch_size, hardware=hardware, options=options,
+                          overheads=overheads, allow_offload=False, tp_size=p.auto_tp_size,
+                          max_tp_size=p.auto_max_tp_size, pp_size=p.auto_pp_size,
+                          zero_stages=tuple(p.auto_zero_stages or (0, 1, 2, 3)))
     refused: list[str] = []
     for planned in result.layouts:
         candidate = _config_for(cfg, planned.layout)
@@ -86,6 +89,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
         f"{closest.memory.device_total / GiB:.2f} GiB, {max(0, closest.memory.device_total - memory) / GiB:.2f} "
         "GiB over")
     why = f"; {len(refused)} that fit cannot run here, e.g.: {refused[0]}" if refused else ""
+    why += "".join(f"; {note}" for note in result.notes if note.startswith("no valid layout"))
     raise ValueError(f"layout=auto: no runnable layout of this model fits {memory / GiB:.2f} GiB per rank on "
                      f"{world_size} ranks with global batch {cfg.parallel.global_batch_size}{over}{why}")
 
