@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_trainer.testing import run_distributed
 from dist_trainer.train import checkpoint as ckpt
@@ -103,6 +105,20 @@ def test_corrupt_checkpoint_file_is_named(tiny_data: Path, tmp_path: Path) -> No
     (step / "model_tp00_pp00.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="model_tp00_pp00.pt cannot be read"):
         Trainer(tiny_config(tiny_data, tmp_path, train={"resume": True}))
+
+
+def test_corrupt_data_is_refused_before_any_process_group(tiny_data: Path, tmp_path: Path) -> None:
+    """A flipped byte in a shard stops the run when the data is opened: no process group, nothing written."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = data / "train_000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"shard {shard} has sha256 .*the data is corrupted; re-run "
+                                         rf"`dist-trainer prepare` with --out {data} --force"):
+        Trainer(tiny_config(data, tmp_path / "run"))
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
 
 
 def test_eval_loss_and_metrics_file(tiny_data: Path, tmp_path: Path) -> None:
