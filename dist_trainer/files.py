@@ -5,6 +5,7 @@ Nothing here imports torch, so ``dist-trainer prepare`` stays free of it.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
@@ -41,3 +42,13 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         part.unlink(missing_ok=True)
         raise
+
+
+def error_message(exc: BaseException) -> str:
+    """The one line a user sees for ``exc``: an OSError as "PATH: what happened (ECODE)", without Python's
+    "[Errno N]" prefix; anything else as its message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        code = errno.errorcode.get(exc.errno or 0, "")
+        text = exc.strerror if not code or code in exc.strerror else f"{exc.strerror} ({code})"
+        return f"{exc.filename}: {text}" if exc.filename else text
+    return str(exc)

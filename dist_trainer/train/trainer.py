@@ -34,6 +34,7 @@ from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_
 from dist_trainer.train.optim import lr_at
 from dist_trainer.train.pipeline_engine import PipelineEngine
 from dist_trainer.train.prelaunch import check_layout, fit_micro_batch
+from dist_trainer.train.run_dir import claim_run_dir
 
 
 @dataclass
@@ -66,6 +67,16 @@ class Trainer:
         self.has_process_group = init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s,
                                                   single_process_group=cfg.parallel.zero_stage > 0)
         self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
+        # One run per out_dir, seen by every node (issue 16): rank 0's lock is held until close().
+        self.run_lock = claim_run_dir(self.out_dir, self.env)
+        try:
+            self._build(cfg, fit_note, log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: Config, fit_note: str | None, log: bool) -> None:
+        """Everything after the claim on out_dir: a failure here releases it again."""
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
                                           cfg.train.seed)
@@ -118,6 +129,18 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def train(self) -> TrainResult:
+        """Train to train.max_steps; out_dir is released at the end, also when a step or a save fails."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release out_dir (rank 0's lock); train() does it at its end."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         result = TrainResult(metrics_path=str(self.logger.path))
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
