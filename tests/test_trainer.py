@@ -99,6 +99,54 @@ def test_resume_refuses_a_different_model(tiny_data: Path, tmp_path: Path) -> No
         Trainer(tiny_config(tiny_data, tmp_path, model={"d_model": 64}, train={"resume": True}))
 
 
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another preparation with tiny_data's vocabulary: other documents, so other shards and samples."""
+    import sysconfig
+
+    from dist_trainer.data.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("other") / "data"
+    prepare([stdlib / "logging", stdlib / "csv.py"], out, vocab_size=512, val_fraction=0.1, max_bytes=200_000)
+    return out
+
+
+def test_resume_refuses_changed_data_naming_old_and_new(tiny_data: Path, tmp_path: Path, other_data: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """data.seq_len, other shards under another data.path, or other shards prepared at the same path change the
+    samples of every step: refused with the old and new values, unless train.allow_data_change=true. The same
+    shards moved elsewhere resume."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    run = tmp_path / "run"
+    Trainer(tiny_config(data, run, train={"max_steps": 2})).train()
+
+    def resume(data_path: Path, seq_len: int = 32, **train: bool) -> Trainer:
+        cfg = tiny_config(data_path, run, train={"max_steps": 3, "resume": True, **train})
+        cfg.data.seq_len = seq_len  # tiny_config's first argument is the data path, not the data section
+        return Trainer(cfg)
+
+    with pytest.raises(ValueError, match=r"the checkpoint's data settings changed \(saved -> now\): data.seq_len "
+                                         r"32 -> 16\. The resumed run would read other samples .* pass "
+                                         r"--train.allow_data_change=true to resume anyway"):
+        resume(data, seq_len=16)
+    with pytest.raises(ValueError, match=rf"data.path {data} -> {other_data} \(other shards\)"):
+        resume(other_data)
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    assert resume(moved).step == 2  # the same shards under another path: the same samples
+    shutil.copytree(other_data, data)  # the old path now holds another preparation
+    with pytest.raises(ValueError, match=rf"the shards in data.path={data} \(prepared again since the checkpoint\)"):
+        resume(data)
+    capsys.readouterr()
+    allowed = resume(data, allow_data_change=True)
+    assert allowed.step == 2
+    assert "train.allow_data_change=true: resuming although the checkpoint's data settings changed" in \
+        capsys.readouterr().out
+    allowed.train()
+
+
 def test_corrupt_checkpoint_file_is_named(tiny_data: Path, tmp_path: Path) -> None:
     Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 1})).train()
     step = ckpt.latest_checkpoint(tmp_path / "checkpoints")

@@ -209,6 +209,13 @@ def _locked(lock_path: Path) -> Any:
         yield
 
 
+def data_fingerprint(meta: dict[str, Any]) -> str:
+    """sha256 over the tokenizer's and every shard's sha256 in meta: equal fingerprints, the same samples."""
+    parts = [meta["tokenizer_sha256"], *(f"{split}/{s['file']}:{s['sha256']}" for split in sorted(meta["splits"])
+                                         for s in meta["splits"][split]["shards"])]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a prepared folder (or a tokenizer.json file itself)."""
     path = Path(path)
