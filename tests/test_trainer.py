@@ -147,6 +147,21 @@ def test_resume_refuses_changed_data_naming_old_and_new(tiny_data: Path, tmp_pat
     allowed.train()
 
 
+def test_metrics_hold_every_step_once_after_a_resume(tiny_data: Path, tmp_path: Path) -> None:
+    """A run that went on past its last checkpoint (steps 4 and 5, then died: here its step-5 checkpoint is
+    removed, and a line cut by the kill is appended) resumes at 3: records 4 and 5 of the lost run are moved
+    aside, so metrics.jsonl holds steps 1..6 once each."""
+    Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 5, "save_every": 3})).train()
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000005")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss": 4.')
+    Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 6, "save_every": 3, "resume": True})).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    moved = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved[:2]] == [4, 5] and moved[2] == '{"step": 6, "loss": 4.'
+
+
 def test_corrupt_checkpoint_file_is_named(tiny_data: Path, tmp_path: Path) -> None:
     Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 1})).train()
     step = ckpt.latest_checkpoint(tmp_path / "checkpoints")
