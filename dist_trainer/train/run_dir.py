@@ -19,6 +19,7 @@ group exists, and every rank fails with the same one-line message:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -174,3 +175,19 @@ def _check_shared(out_dir: Path, env: LaunchEnv, world: int, token: str, written
                          f"and {', '.join(blind)} cannot see it. Checkpoints are written by ranks on every node and "
                          "published by rank 0: put train.out_dir on a file system every node mounts at the same path")
 
+
+def disk_full_error(exc: BaseException, folder: Path, previous: Path | None) -> OSError | None:
+    """One clear error when writing checkpoint ``folder`` failed because its disk is full (ENOSPC, EDQUOT);
+    None for any other failure. torch.save reports a full disk as "unexpected pos N vs M", with the
+    OSError only in the exception's chain."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            kept = (f"the previous checkpoint {previous} is intact: free some space and resume from it with "
+                    "--train.resume=true" if previous is not None else "there is no previous checkpoint")
+            return OSError(cause.errno, f"no space left on the device ({errno.errorcode[cause.errno]}) while writing "
+                                        f"checkpoint {folder}; {kept} (the partial {folder.name}.tmp can be deleted)")
+        cause = cause.__cause__ or cause.__context__
+    return None

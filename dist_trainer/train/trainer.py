@@ -34,7 +34,7 @@ from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_
 from dist_trainer.train.optim import lr_at
 from dist_trainer.train.pipeline_engine import PipelineEngine
 from dist_trainer.train.prelaunch import check_layout, fit_micro_batch
-from dist_trainer.train.run_dir import claim_run_dir
+from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
 @dataclass
@@ -225,9 +225,16 @@ class Trainer:
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,
         }
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
-                                    write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
-                                    keep=cfg.train.keep_checkpoints)
+        try:
+            return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
+                                        write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
+                                        keep=cfg.train.keep_checkpoints)
+        except (OSError, RuntimeError) as exc:  # a full disk: one message, not torch's "unexpected pos"
+            full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
+                                   ckpt.latest_checkpoint(self.ckpt_root))
+            if full is None:
+                raise
+            raise full from exc
 
     def _resume(self) -> list[str]:
         path = ckpt.latest_checkpoint(self.ckpt_root)
