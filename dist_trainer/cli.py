@@ -6,6 +6,9 @@
     dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
     dist-trainer memory-experiment --model PRESET --stages 0,1,2,3 --nprocs N   (ZeRO, measured vs predicted)
+
+A user error (a bad value, a path that cannot be used, a full disk) prints one line
+``dist-trainer COMMAND: error: ...`` and exits with 2; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 
 def _register_train(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +34,8 @@ def run_train(args: argparse.Namespace) -> int:
     from dist_trainer.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg)
     try:
+        trainer = Trainer(cfg)
         result = trainer.train()
         if trainer.env.rank == 0:
             print_summary(cfg, result)
@@ -90,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="dist-trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also accepted after the command)")
     sub = parser.add_subparsers(dest="command", required=True)
     prepare.register(sub)
     _register_train(sub)
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if "--debug" in extra:
+        extra.remove("--debug")
+        args.debug = True
     if args.command == "train":
         bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0] and "=" in a)]
         if bad:
@@ -113,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except ValueError as exc:  # bad user input: one clear line, no traceback
-        print(f"dist-trainer {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # bad input, an unusable path, a full disk: one line (issue 16)
+        from dist_trainer.files import error_message
+
+        if args.debug:
+            traceback.print_exc()
+        print(f"dist-trainer {args.command}: error: {error_message(exc)}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +272,7 @@ class TrainConfig:
     save_every: int = 100  # checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the last K checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
+    allow_data_change: bool = False  # resume although the data's shards, seq_len, global batch or seed changed
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = the planner's profile of the device
     progress: bool = True  # show a progress bar on rank 0
 
@@ -346,7 +348,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     if not path.is_file():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
         raise ValueError(f"model preset {name_or_path!r} not found; known presets: {', '.join(known)}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = parse_yaml(path.read_text(), str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"model preset {path} must hold a mapping, got {type(data).__name__}")
     return data
@@ -364,8 +366,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults < YAML file < dotted CLI overrides (``model.n_layers=4``), validated."""
     tree: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
-        tree = yaml.safe_load(text) or {}
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
+        tree = parse_yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(tree, dict):
             raise ValueError(f"config file {path} must hold a mapping of sections")
     for item in overrides or []:
@@ -401,7 +404,22 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep:
         raise ValueError(f"override {item!r} must look like section.field=value")
-    return key, yaml.safe_load(raw) if raw != "" else None
+    return key, parse_yaml(raw, f"override {item!r}") if raw != "" else None
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """``yaml.safe_load``; a syntax error becomes a ValueError naming ``source`` and the line, not
+    PyYAML's ``<unicode string>``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None and start.line != getattr(mark, "line", None):
+            problem += f" ({context} that starts at line {start.line + 1})"  # where the typo usually is
+        raise ValueError(f"{source}: invalid YAML{where}: {problem}") from None
 
 
 @functools.cache
@@ -427,13 +445,16 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         raise ValueError(f"{name} may not be null")
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if base is float and isinstance(value, str):
         try:
-            return float(value)  # YAML reads "3e-4" as a string
+            value = float(value)  # YAML reads "3e-4" (and "inf", "nan", "1e400") as a string
         except ValueError:
             pass
     if base in (int, float, str, bool) and (not isinstance(value, base) or
                                             (base is int and isinstance(value, bool))):
         raise ValueError(f"{name}={value!r} must be of type {base.__name__}")
+    # inf or nan passes every range check (nan compares false): an lr of inf trained to exit 0 (issue 16)
+    if base is float and not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
     return value

@@ -50,11 +50,35 @@ def test_run_configs_in_repo_are_valid() -> None:
     (["modle.n_layers=2"], "unknown config sections ['modle']"),
     (["model.n_layers=two"], "model.n_layers='two' must be of type int"),
     (["model.preset=gpt5"], "model preset 'gpt5' not found; known presets:"),
+    # inf and nan pass every range check (nan compares false): refused by type, wherever they come from
+    (["--optim.lr=inf"], "optim.lr=inf must be a finite number"),
+    (["optim.lr=1e400"], "optim.lr=inf must be a finite number"),  # overflows to inf
+    (["optim.grad_clip=.nan"], "optim.grad_clip=nan must be a finite number"),
+    (["model.norm_eps=-.inf"], "model.norm_eps=-inf must be a finite number"),
+    (["parallel.timeout_s=nan"], "parallel.timeout_s=nan must be a finite number"),
+    (["train.peak_flops=inf"], "train.peak_flops=inf must be a finite number"),  # an optional float too
+    (["model.n_layers=[1"], "override 'model.n_layers=[1': invalid YAML at line 1, column 3"),
 ])
 def test_bad_config_raises_value_error_naming_values(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_config_file_errors_name_the_file_and_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config file .*missing.yaml does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match=r"config file .* is not a file"):
+        load_config(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layers: 3\n  d_model: [1\noptim: {}\n")
+    with pytest.raises(ValueError) as err:
+        load_config(bad)
+    assert str(err.value) == (f"{bad}: invalid YAML at line 4, column 6: expected ',' or ']', but got ':' "
+                              "(while parsing a flow sequence that starts at line 3)")
+    bad.write_text("optim:\n  lr: .inf\n")
+    with pytest.raises(ValueError, match="optim.lr=inf must be a finite number"):
+        load_config(bad)
 
 
 @pytest.mark.parametrize("tp,pp,dp,world,message", [

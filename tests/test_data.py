@@ -1,17 +1,24 @@
-"""dist-trainer prepare and TokenDataset: round trips, formats, reuse, atomicity, integrity, bad input."""
+"""dist-trainer prepare and TokenDataset: round trips, formats, reuse, atomicity, integrity (checked once per
+folder state, corruption and foreign token ids refused when the data is opened), bad input."""
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import pickle
 import random
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dist_trainer.data import corpus
+from dist_trainer.data import corpus, dataset
 from dist_trainer.data import prepare as prepare_mod
 from dist_trainer.data.dataset import EOS_TOKEN, SPECIAL_TOKENS, TokenDataset, load_tokenizer, token_dtype
 from dist_trainer.data.prepare import prepare, register
@@ -166,7 +173,7 @@ def test_crash_leaves_no_dataset_behind(tmp_path: Path, monkeypatch: pytest.Monk
     def crash(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated crash after the shards were written")
 
-    monkeypatch.setattr(prepare_mod, "verify_checksums", crash)
+    monkeypatch.setattr(prepare_mod, "verify_folder", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare([src], tmp_path / "out", VOCAB, val_fraction=0.0)
     assert list(tmp_path.iterdir()) == [tmp_path / "c"]  # neither the output nor its temp folder
@@ -207,21 +214,101 @@ def test_dataset_windows_follow_shards(tmp_path: Path) -> None:
     ds.verify()
 
 
-def test_corrupted_or_truncated_shard_is_rejected(tmp_path: Path) -> None:
+def _flip_byte(file: Path, at: int = 10) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0xFF  # same size, different content: only the checksum can tell
+    file.write_bytes(bytes(data))
+
+
+def test_corrupted_or_truncated_shard_is_rejected_when_opened(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     meta = prepare([write_folder(tmp_path / "c", make_docs(4))], tmp_path / "out", VOCAB, val_fraction=0.0)
     shard = tmp_path / "out" / meta["splits"]["train"]["shards"][0]["file"]
-    data = bytearray(shard.read_bytes())
-    data[10] ^= 0xFF  # same size, different content: only the checksum can tell
-    shard.write_bytes(bytes(data))
-    ds = TokenDataset(tmp_path / "out", "train", 8)
-    with pytest.raises(ValueError, match=r"train_000\.bin has sha256"):
-        ds.verify()
-    shard.write_bytes(bytes(data[:-2]))
-    with pytest.raises(ValueError, match=rf"{shard.name} holds {len(data) - 2} bytes but meta says"):
+    _flip_byte(shard)
+    with pytest.raises(ValueError, match=rf"shard {shard} has sha256 .* the data is corrupted; re-run "
+                                         rf"`dist-trainer prepare` with --out {tmp_path / 'out'} --force"):
         TokenDataset(tmp_path / "out", "train", 8)
-    # A truncated shard is not reused by prepare: it rebuilds.
+    # prepare checks every byte before reusing a folder: the corrupt one is rebuilt, with a message
+    capsys.readouterr()
+    prepare([tmp_path / "c"], tmp_path / "out", VOCAB, val_fraction=0.0)
+    assert f"prepare: {tmp_path / 'out'} fails its check (shard {shard} has sha256" in capsys.readouterr().out
+    TokenDataset(tmp_path / "out", "train", 8).verify()
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=rf"{shard.name} holds {2 * meta['splits']['train']['tokens'] - 2} bytes "
+                                         "but meta says .*--force"):
+        TokenDataset(tmp_path / "out", "train", 8)
+    # A truncated shard is not reused by prepare either: it rebuilds.
     prepare([tmp_path / "c"], tmp_path / "out", VOCAB, val_fraction=0.0)
     TokenDataset(tmp_path / "out", "train", 8).verify()
+
+
+def test_full_check_runs_once_per_folder_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """prepare records its check; a fresh copy is checked once, on its first open, then read from the record;
+    a rewritten shard is checked again at its next open."""
+    prepare([write_folder(tmp_path / "c", make_docs(6))], tmp_path / "out", VOCAB, val_fraction=0.2)
+    record = json.loads((tmp_path / "out" / dataset.VERIFIED_FILE).read_text())
+    assert set(record["files"]) == {"meta.json", "tokenizer.json", "train_000.bin", "val_000.bin"}
+    assert all(0 < top < VOCAB for top in record["largest_token_id"].values())
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "out", copy)  # new inodes: the record does not vouch for the copy
+    reads: list[Path] = []
+    real_digest = dataset._digest
+
+    def counting_digest(path: Path, dtype: np.dtype | None = None) -> tuple[str, int]:
+        reads.append(path)
+        return real_digest(path, dtype)
+
+    monkeypatch.setattr(dataset, "_digest", counting_digest)
+    capsys.readouterr()
+    TokenDataset(copy, "train", 8)
+    assert sorted(p.name for p in reads) == ["tokenizer.json", "train_000.bin", "val_000.bin"]
+    assert f"data: checking the sha256 of every file in {copy}" in capsys.readouterr().out
+    reads.clear()
+    TokenDataset(copy, "val", 8)
+    TokenDataset(copy, "train", 8)
+    assert reads == [] and capsys.readouterr().out == ""  # the record answers: no data read
+    _flip_byte(copy / "val_000.bin")
+    with pytest.raises(ValueError, match=r"val_000.bin has sha256 .*--force"):
+        TokenDataset(copy, "train", 8)  # the whole folder is checked, whichever split is opened
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_when_opened(tmp_path: Path) -> None:
+    """A shard holding an id >= vocab_size (another tokenizer's data, or a corruption that meta was made to
+    match) is refused by the scan of the full check, naming the shard and the id, not an IndexError mid-run."""
+    meta = prepare([write_folder(tmp_path / "c", make_docs(4))], tmp_path / "out", VOCAB, val_fraction=0.0)
+    shard = tmp_path / "out" / "train_000.bin"
+    ids = np.fromfile(shard, dtype=np.uint16)
+    ids[5] = VOCAB + 80
+    ids.tofile(shard)
+    meta["splits"]["train"]["shards"][0]["sha256"] = dataset.file_sha256(shard)
+    (tmp_path / "out" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"shard {shard} holds token id {VOCAB + 80} >= vocab_size={VOCAB} .*"
+                                         r"another tokenizer; re-run `dist-trainer prepare` .*--force"):
+        TokenDataset(tmp_path / "out", "train", 8, expect_vocab_size=VOCAB)
+
+
+def test_processes_opening_a_folder_at_once_check_it_once(tmp_path: Path) -> None:
+    """Every rank opens the data before any process group exists: one checks, the others wait on the lock
+    and read its record. The test holds the lock until all three have started, so they contend for it."""
+    prepare([write_folder(tmp_path / "c", make_docs(6))], tmp_path / "out", VOCAB, val_fraction=0.0)
+    (tmp_path / "out" / dataset.VERIFIED_FILE).unlink()
+    code = ("import sys; print('opening', flush=True); from dist_trainer.data.dataset import TokenDataset; "
+            "TokenDataset(sys.argv[1], 'train', 8)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with open(tmp_path / "out" / dataset.VERIFY_LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out")], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env) for _ in range(3)]
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "opening\n"
+        time.sleep(1.0)  # imports done: each is at the lock (a late one finds the record: still one check)
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert sum(out.count("data: checking the sha256") for out in outputs) == 1, outputs
+    record = json.loads((tmp_path / "out" / dataset.VERIFIED_FILE).read_text())
+    assert set(record["largest_token_id"]) == {"train_000.bin"}
+    assert not list((tmp_path / "out").glob("*.part"))  # the record was written atomically
 
 
 def test_dataset_open_errors(tmp_path: Path) -> None:

@@ -38,11 +38,12 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _logged(metrics: Path) -> list[dict]:
-    """Complete records of metrics.jsonl in file order (a line being written is not yet a record)."""
+    """Complete records of metrics.jsonl in file order (a line being written, or cut by a kill, is no record)."""
     if not metrics.is_file():
         return []
     text = metrics.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()
+            if line.startswith("{") and line.endswith("}")]
 
 
 def _wait_or_kill(proc: subprocess.Popen, deadline: float) -> None:
@@ -112,15 +113,16 @@ def test_torchrun_restarts_after_a_worker_is_killed_and_resumes_exactly(tiny_dat
     assert resume_step % SAVE_EVERY == 0 and SAVE_EVERY <= resume_step <= killed_after, (resume_step, killed_after)
 
     records = _logged(out / "metrics.jsonl")
-    steps = [r["step"] for r in records]
-    # File order: first generation 1..k (k >= the step seen at the kill), then resume_step+1..40 again.
-    k = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert steps[:k] == list(range(1, k + 1)) and k >= killed_after
-    assert steps[k:] == list(range(resume_step + 1, RESTART_STEPS + 1)), steps
-    first = {r["step"]: r["loss"] for r in records[:k]}
-    again = {r["step"]: r["loss"] for r in records[k:]}
+    # Every step once (issue 16): the first generation's records past its last checkpoint (resume_step+1..k,
+    # k >= the step seen at the kill) were moved to metrics.dropped.jsonl when the second one resumed.
+    assert [r["step"] for r in records] == list(range(1, RESTART_STEPS + 1))
+    lost = _logged(out / "metrics.dropped.jsonl")
+    assert [r["step"] for r in lost] == list(range(resume_step + 1, resume_step + 1 + len(lost)))
+    assert resume_step + len(lost) >= killed_after, (resume_step, len(lost), killed_after)
+    first = {r["step"]: r["loss"] for r in records[:resume_step] + lost}
+    again = {r["step"]: r["loss"] for r in records[resume_step:]}
     redone = sorted(set(first) & set(again))
-    assert redone, (k, resume_step)
+    assert redone, (len(lost), resume_step)
     # The steps run twice (before the kill, and after the restart from the checkpoint) agree bit for bit:
     # the resume restores weights, optimizer, RNG and data position exactly.
     assert [again[s] for s in redone] == [first[s] for s in redone]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.engines import base as engine_base
@@ -98,12 +100,89 @@ def test_resume_refuses_a_different_model(tiny_data: Path, tmp_path: Path) -> No
         Trainer(tiny_config(tiny_data, tmp_path, model={"d_model": 64}, train={"resume": True}))
 
 
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another preparation with tiny_data's vocabulary: other documents, so other shards and samples."""
+    import sysconfig
+
+    from dist_trainer.data.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("other") / "data"
+    prepare([stdlib / "logging", stdlib / "csv.py"], out, vocab_size=512, val_fraction=0.1, max_bytes=200_000)
+    return out
+
+
+def test_resume_refuses_changed_data_naming_old_and_new(tiny_data: Path, tmp_path: Path, other_data: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """data.seq_len, other shards under another data.path, or other shards prepared at the same path change the
+    samples of every step: refused with the old and new values, unless train.allow_data_change=true. The same
+    shards moved elsewhere resume."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    run = tmp_path / "run"
+    Trainer(tiny_config(data, run, train={"max_steps": 2})).train()
+
+    def resume(data_path: Path, seq_len: int = 32, **train: bool) -> Trainer:
+        cfg = tiny_config(data_path, run, train={"max_steps": 3, "resume": True, **train})
+        cfg.data.seq_len = seq_len  # tiny_config's first argument is the data path, not the data section
+        return Trainer(cfg)
+
+    with pytest.raises(ValueError, match=r"the checkpoint's data settings changed \(saved -> now\): data.seq_len "
+                                         r"32 -> 16\. The resumed run would read other samples .* pass "
+                                         r"--train.allow_data_change=true to resume anyway"):
+        resume(data, seq_len=16)
+    with pytest.raises(ValueError, match=rf"data.path {data} -> {other_data} \(other shards\)"):
+        resume(other_data)
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    assert resume(moved).step == 2  # the same shards under another path: the same samples
+    shutil.copytree(other_data, data)  # the old path now holds another preparation
+    with pytest.raises(ValueError, match=rf"the shards in data.path={data} \(prepared again since the checkpoint\)"):
+        resume(data)
+    capsys.readouterr()
+    allowed = resume(data, allow_data_change=True)
+    assert allowed.step == 2
+    assert "train.allow_data_change=true: resuming although the checkpoint's data settings changed" in \
+        capsys.readouterr().out
+    allowed.train()
+
+
+def test_metrics_hold_every_step_once_after_a_resume(tiny_data: Path, tmp_path: Path) -> None:
+    """A run that went on past its last checkpoint (steps 4 and 5, then died: here its step-5 checkpoint is
+    removed, and a line cut by the kill is appended) resumes at 3: records 4 and 5 of the lost run are moved
+    aside, so metrics.jsonl holds steps 1..6 once each."""
+    Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 5, "save_every": 3})).train()
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000005")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss": 4.')
+    Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 6, "save_every": 3, "resume": True})).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    moved = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved[:2]] == [4, 5] and moved[2] == '{"step": 6, "loss": 4.'
+
+
 def test_corrupt_checkpoint_file_is_named(tiny_data: Path, tmp_path: Path) -> None:
     Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 1})).train()
     step = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     (step / "model_tp00_pp00.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="model_tp00_pp00.pt cannot be read"):
         Trainer(tiny_config(tiny_data, tmp_path, train={"resume": True}))
+
+
+def test_corrupt_data_is_refused_before_any_process_group(tiny_data: Path, tmp_path: Path) -> None:
+    """A flipped byte in a shard stops the run when the data is opened: no process group, nothing written."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = data / "train_000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"shard {shard} has sha256 .*the data is corrupted; re-run "
+                                         rf"`dist-trainer prepare` with --out {data} --force"):
+        Trainer(tiny_config(data, tmp_path / "run"))
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
 
 
 def test_eval_loss_and_metrics_file(tiny_data: Path, tmp_path: Path) -> None:

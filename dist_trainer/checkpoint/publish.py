@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dist_trainer.files import atomic_write_text
+
 FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
 
@@ -60,15 +62,6 @@ def atomic_save(obj: Any, path: Path) -> None:
     part = path.with_suffix(path.suffix + ".part")
     with open(part, "wb") as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
@@ -134,7 +127,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
             meta = json.loads((d / "meta.json").read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if all((d / f).is_file() for f in meta.get("files", [])):
+        if isinstance(meta, dict) and all((d / f).is_file() for f in meta.get("files", [])):
             found.append(d)
     return sorted(found)
 
@@ -148,7 +141,14 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise ValueError(f"{path} is not a complete checkpoint: no meta.json")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{meta_path} is not valid JSON ({exc.msg}): not a checkpoint's meta.json") from None
+    missing = [k for k in ("format", "step", "config", "layout") if k not in meta] if isinstance(meta, dict) else []
+    if not isinstance(meta, dict) or missing:
+        raise ValueError(f"{meta_path} is not a checkpoint's meta.json: " + (
+            f"it lacks {', '.join(missing)}" if missing else f"it holds a JSON {type(meta).__name__}, not an object"))
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this version reads {FORMAT_VERSION}")
     return meta

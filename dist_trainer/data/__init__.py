@@ -3,7 +3,8 @@
 corpus.py   find and read documents (files, folders, JSONL; the stdlib as the default corpus)
 prepare.py  `dist-trainer prepare`: train the byte-level BPE, write shards + meta.json atomically
 shards.py   parallel encoding and the shard writer
-dataset.py  the on-disk format, TokenDataset (memmapped windows), checksums, load_tokenizer
+dataset.py  the on-disk format, TokenDataset (memmapped windows), checksums (in full once per folder
+            state, recorded in verified.json), load_tokenizer
 sampler.py  GlobalBatchSampler: the step -> sample indices map, the same for every DP layout
 batch.py    collate: causal shift or BERT masking (mask_tokens)
 

@@ -8,22 +8,38 @@ whole documents, each followed by ``<|endoftext|>``.
 A sample is a non-overlapping window of ``seq_len + 1`` tokens of one shard (the
 extra token gives the shifted targets); windows never straddle shards and the tail
 of each shard that does not fill a window is dropped.
+
+Integrity (issue 16: a flipped byte trained silently): every open checks each shard's
+size against meta (cheap); the full check (sha256 of every file against meta, and the
+largest token id of each shard against the vocabulary) runs once per state of the folder
+and is recorded in ``verified.json``, keyed by each file's size, mtime and inode, so later
+opens read the record instead of the data. A rewritten, truncated or copied file has a new
+key and is checked again. ``prepare`` checks and records what it publishes.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from dist_trainer.files import atomic_write_text
+
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
+VERIFIED_FILE = "verified.json"  # the record of the full check
+VERIFY_LOCK_FILE = ".verify.lock"  # held while one process runs the full check; the others wait for its record
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
@@ -39,11 +55,23 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def file_sha256(path: Path) -> str:
+    return _digest(path)[0]
+
+
+def _digest(path: Path, dtype: np.dtype | None = None) -> tuple[str, int]:
+    """sha256 of a file and, given the token dtype, its largest token id (-1 if empty): one read of the data."""
     h = hashlib.sha256()
+    largest = -1
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+        while chunk := f.read(1 << 22):  # a multiple of every itemsize: no token straddles two chunks
             h.update(chunk)
-    return h.hexdigest()
+            if dtype is not None:
+                largest = max(largest, int(np.frombuffer(chunk, dtype).max()))
+    return h.hexdigest(), largest
+
+
+def _rebuild_hint(path: Path) -> str:
+    return f"re-run `dist-trainer prepare` with --out {path} --force"
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -77,23 +105,115 @@ def check_shard_sizes(path: Path, meta: dict[str, Any], splits: list[str] | None
             actual = file.stat().st_size
             if actual != expected:
                 raise ValueError(f"shard {file} holds {actual} bytes but meta says {shard['tokens']} "
-                                 f"{meta['dtype']} tokens = {expected} bytes (truncated or overwritten?)")
+                                 f"{meta['dtype']} tokens = {expected} bytes (truncated or overwritten?); "
+                                 f"{_rebuild_hint(path)}")
 
 
-def verify_checksums(path: str | Path, meta: dict[str, Any] | None = None, splits: list[str] | None = None) -> None:
-    """Compare sha256 of tokenizer.json and every shard of ``splits`` (default: all) with meta. Reads all data."""
+def verify_checksums(path: str | Path, meta: dict[str, Any] | None = None,
+                     splits: list[str] | None = None) -> dict[str, int]:
+    """Compare sha256 of tokenizer.json and every shard of ``splits`` (default: all) with meta; return the
+    largest token id of each shard checked (read in the same pass). Reads all data."""
     path = Path(path)
     meta = read_meta(path) if meta is None else meta
     check_shard_sizes(path, meta, splits)
     tok_path = path / TOKENIZER_FILE
     if not tok_path.is_file() or file_sha256(tok_path) != meta["tokenizer_sha256"]:
-        raise ValueError(f"{tok_path} is missing or its sha256 differs from meta's {meta['tokenizer_sha256']}")
+        raise ValueError(f"{tok_path} is missing or its sha256 differs from meta's {meta['tokenizer_sha256']}; "
+                         f"{_rebuild_hint(path)}")
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    largest: dict[str, int] = {}
     for split in meta["splits"] if splits is None else splits:
         for shard in meta["splits"][split]["shards"]:
-            actual = file_sha256(path / shard["file"])
+            actual, largest[shard["file"]] = _digest(path / shard["file"], dtype)
             if actual != shard["sha256"]:
                 raise ValueError(f"shard {path / shard['file']} has sha256 {actual}, meta says {shard['sha256']}: "
-                                 "the data is corrupted; run prepare with --force")
+                                 f"the data is corrupted; {_rebuild_hint(path)}")
+    return largest
+
+
+def verify_folder(path: Path, meta: dict[str, Any], *, force: bool = False) -> dict[str, int]:
+    """The full check of a prepared folder (``verify_checksums`` of every file, and every token id below
+    meta's vocab_size), run once per state of the folder and recorded in verified.json; ``force`` runs it
+    even when the record says it was done. Returns the largest token id of each shard.
+
+    Every rank of a job opens the data at once, before any process group exists: the first to take the
+    flock on ``.verify.lock`` checks, the others wait for it and then read its record (written atomically,
+    so no reader sees half of it). Where the folder cannot be written (read-only) or locked, each process
+    checks for itself and nothing is recorded.
+    """
+    keys = _file_keys(path, meta)
+    largest = None if force else _recorded(path, keys)
+    if largest is None:
+        with _locked(path / VERIFY_LOCK_FILE):
+            largest = None if force else _recorded(path, keys)  # checked by another process while we waited
+            if largest is None:
+                if not force:  # a forced check is asked for by prepare, which reports itself
+                    size = sum(k[0] for k in keys.values() if k is not None)
+                    print(f"data: checking the sha256 of every file in {path} ({size / 1e6:,.1f} MB); done once, "
+                          f"recorded in {VERIFIED_FILE}", flush=True)
+                largest = verify_checksums(path, meta)
+                _record(path, keys, largest)
+    vocab_size = meta["vocab_size"]
+    for file, top in largest.items():
+        if top >= vocab_size:
+            raise ValueError(f"shard {path / file} holds token id {top} >= vocab_size={vocab_size} of {path}: "
+                             f"the shard is corrupted or was written by another tokenizer; {_rebuild_hint(path)}")
+    return largest
+
+
+def _file_keys(path: Path, meta: dict[str, Any]) -> dict[str, list[int] | None]:
+    """Each file the full check depends on -> [size, mtime_ns, inode] (None when missing). A write, a
+    truncation, a replacement or a copy elsewhere changes the key, and the folder is checked again."""
+    names = [META_FILE, TOKENIZER_FILE, *(s["file"] for split in meta["splits"].values() for s in split["shards"])]
+    keys: dict[str, list[int] | None] = {}
+    for name in names:
+        try:
+            st = (path / name).stat()
+            keys[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        except FileNotFoundError:
+            keys[name] = None
+    return keys
+
+
+def _recorded(path: Path, keys: dict[str, list[int] | None]) -> dict[str, int] | None:
+    """The largest token ids of verified.json if it was written for exactly these files, else None."""
+    try:
+        record = json.loads((path / VERIFIED_FILE).read_text())
+        return dict(record["largest_token_id"]) if record["files"] == keys else None
+    except (OSError, ValueError, KeyError, TypeError):  # absent, unreadable, or not ours: check again
+        return None
+
+
+def _record(path: Path, keys: dict[str, list[int] | None], largest: dict[str, int]) -> None:
+    record = {"files": keys, "largest_token_id": largest, "by": f"{socket.gethostname()}:{os.getpid()}",
+              "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        atomic_write_text(path / VERIFIED_FILE, json.dumps(record, indent=1, sort_keys=True))
+    except OSError as exc:
+        print(f"data: cannot record the check in {path / VERIFIED_FILE} ({exc.strerror}); every run will "
+              "check the data again", flush=True)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Any:
+    """Hold an exclusive flock on ``lock_path``; no lock where the folder is read-only or the file
+    system has no locks (then concurrent checks are redundant, not wrong)."""
+    try:
+        f = open(lock_path, "a")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    with f:
+        with contextlib.suppress(OSError):
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when f is closed
+        yield
+
+
+def data_fingerprint(meta: dict[str, Any]) -> str:
+    """sha256 over the tokenizer's and every shard's sha256 in meta: equal fingerprints, the same samples."""
+    parts = [meta["tokenizer_sha256"], *(f"{split}/{s['file']}:{s['sha256']}" for split in sorted(meta["splits"])
+                                         for s in meta["splits"][split]["shards"])]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -125,6 +245,7 @@ class TokenDataset:
         if split not in splits:
             raise ValueError(f"split {split!r} is not in {self.path}; available: {', '.join(sorted(splits))}")
         check_shard_sizes(self.path, self.meta, [split])
+        verify_folder(self.path, self.meta)  # the full check once per state of the folder, then its record
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")  # shards are little-endian on any host
         window = seq_len + 1
         # Shards too short for one window are skipped (an empty file cannot be memmapped anyway).

@@ -4,11 +4,13 @@ Steps: find the documents (``corpus.py``), hold out a validation set of whole
 documents chosen by a seeded permutation, train a byte-level BPE tokenizer (HF
 ``tokenizers``) on the training documents only, encode every document in parallel
 with ``<|endoftext|>`` after each (``shards.py``), write the shards and meta.json
-into a temporary folder beside the output, verify the checksums, and rename it into
-place: a crash never leaves a half-written folder that looks complete.
+into a temporary folder beside the output, verify the checksums (and record that in
+verified.json, so training does not read the data again), and rename it into place: a
+crash never leaves a half-written folder that looks complete.
 
 Running it again with the same inputs and settings reuses the folder (the demo runs
-prepare every time); ``--force`` rebuilds it.
+prepare every time) once the folder passes the full check again; a corrupt one is
+rebuilt. ``--force`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dist_trainer.data.dataset import (
     file_sha256,
     read_meta,
     token_dtype,
-    verify_checksums,
+    verify_folder,
 )
 from dist_trainer.data.shards import BATCH_BYTES, DEFAULT_SHARD_TOKENS, ShardWriter, encode_stream
 
@@ -116,6 +118,11 @@ def _reusable(out: Path, request: dict[str, Any]) -> dict[str, Any] | None:
         print(f"prepare: {out} was prepared with different {', '.join(changed)}; rebuilding", flush=True)
         return None
     if not (out / TOKENIZER_FILE).is_file():
+        return None
+    try:  # every byte, whatever verified.json says: a flipped byte must not be reused (issue 16)
+        verify_folder(out, meta, force=True)
+    except ValueError as exc:
+        print(f"prepare: {out} fails its check ({exc}); rebuilding", flush=True)
         return None
     return meta
 
@@ -207,7 +214,7 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int, val_fraction:
             json.dump(meta, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        verify_checksums(tmp, meta)  # what we publish is what we wrote
+        verify_folder(tmp, meta, force=True)  # what we publish is what we wrote; recorded for training
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

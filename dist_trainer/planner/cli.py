@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
+from dist_trainer.files import output_dir
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
@@ -240,7 +241,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
                 gpus_per_node: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out, "--out")
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     if ds is not None:

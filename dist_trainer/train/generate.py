@@ -28,6 +28,17 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     return model.to(device).eval(), cfg
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """ValueError naming a sampling setting that cannot work (top_k=0 kept no token; a negative length was
+    taken silently); called before a checkpoint is loaded."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not temperature >= 0:  # also nan
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 (the number of most likely tokens sampled from)")
+
+
 @torch.no_grad()
 def sample(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
            top_k: int | None = 50, generator: torch.Generator | None = None,
@@ -35,8 +46,7 @@ def sample(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temper
     """Autoregressive sampling: (1, T) prompt ids -> (1, T + new) ids."""
     if not model.cfg.causal:
         raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    check_sampling(max_new_tokens, temperature, top_k)
     ids = prompt
     for _ in range(max_new_tokens):
         window = ids[:, -model.cfg.max_seq_len:]
@@ -59,6 +69,7 @@ def generate_text(checkpoint_path: str | Path, prompt: str, max_new_tokens: int 
                   top_k: int | None = 50, seed: int = 0, data_path: str | Path | None = None) -> str:
     from dist_trainer.data.dataset import load_tokenizer
 
+    check_sampling(max_new_tokens, temperature, top_k)
     model, cfg = load_model_from_checkpoint(checkpoint_path)
     tokenizer = load_tokenizer(Path(data_path or cfg.data.path))
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:

@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from dist_trainer.config import Config
+from dist_trainer.files import atomic_write_text
 from dist_trainer.planner.cost import step_flops
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware, hardware_profiles
 
@@ -55,6 +56,28 @@ def _this_process() -> psutil.Process:
     return psutil.Process(os.getpid())
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """Keep the records of ``path`` (metrics.jsonl) up to ``step``, where this run starts, and move the later ones,
+    left by a run that went on past its last checkpoint, to metrics.dropped.jsonl: every step then appears once
+    (issue 16). A line cut short by a kill goes with them. The file is rewritten atomically. Returns how many moved.
+    """
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped: list[str] = []
+    for line in path.read_text().splitlines():
+        try:
+            record_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            record_step = None
+        (kept if isinstance(record_step, int) and record_step <= step else dropped).append(line + "\n")
+    if dropped:
+        with open(path.with_name("metrics.dropped.jsonl"), "a") as f:
+            f.writelines(dropped)
+        atomic_write_text(path, "".join(kept))
+    return len(dropped)
+
+
 class MetricsLogger:
     """Writes metrics on rank 0 only; other ranks get a logger that does nothing."""
 
@@ -67,6 +90,7 @@ class MetricsLogger:
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        dropped = drop_records_after(self.path, start_step)
         self._file = open(self.path, "a")
         if cfg.wandb.mode != "disabled":
             import wandb  # imported lazily: slow, and not needed when disabled
@@ -81,6 +105,10 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        if dropped:
+            self.write(f"metrics: moved {dropped} record(s) after step {start_step} from {self.path} to "
+                       f"{self.path.with_name('metrics.dropped.jsonl')}: a previous run went on past its last "
+                       "checkpoint, and this one starts from it")
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

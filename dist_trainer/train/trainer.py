@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
-from dist_trainer.data.dataset import TokenDataset
+from dist_trainer.data.dataset import TokenDataset, data_fingerprint
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
@@ -35,6 +35,7 @@ from dist_trainer.train.autolayout import choose_layout, compare, measured_model
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.prelaunch import check_layout
+from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
 @dataclass
@@ -67,6 +68,16 @@ class Trainer:
         self.has_process_group = init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s,
                                                   single_process_group=needs_process_group(cfg.parallel))
         self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
+        # One run per out_dir, seen by every node (issue 16): rank 0's lock is held until close().
+        self.run_lock = claim_run_dir(self.out_dir, self.env)
+        try:
+            self._build(cfg, fit_note, log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: Config, fit_note: str | None, log: bool) -> None:
+        """Everything after the claim on out_dir: a failure here releases it again."""
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
                                           cfg.train.seed)
@@ -119,6 +130,18 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def train(self) -> TrainResult:
+        """Train to train.max_steps; out_dir is released at the end, also when a step or a save fails."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release out_dir (rank 0's lock); train() does it at its end."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         result = TrainResult(metrics_path=str(self.logger.path))
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
@@ -200,25 +223,32 @@ class Trainer:
             "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.dp_size,
                        "world": self.env.world_size},
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
-                     "global_batch_size": cfg.parallel.global_batch_size, "seed": cfg.train.seed},
+                     **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,
         }
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
-                                    write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
-                                    keep=cfg.train.keep_checkpoints)
+        try:
+            return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
+                                        write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
+                                        keep=cfg.train.keep_checkpoints)
+        except (OSError, RuntimeError) as exc:  # a full disk: one message, not torch's "unexpected pos"
+            full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
+                                   ckpt.latest_checkpoint(self.ckpt_root))
+            if full is None:
+                raise
+            raise full from exc
 
     def _resume(self) -> list[str]:
         path = ckpt.latest_checkpoint(self.ckpt_root)
         if path is None:
             return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        check_resumable(meta, self.cfg)
+        notes = check_resumable(meta, self.cfg, self.train_data.meta)
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
         rng_path = path / ckpt.rng_file(self.env.rank)
         if rng_path.is_file() and meta["layout"]["world"] == self.env.world_size:
             ckpt.set_rng_state(ckpt.load_file(rng_path))
-        return [f"resumed from {path} at step {self.step}"]
+        return [*notes, f"resumed from {path} at step {self.step}"]
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
@@ -245,17 +275,41 @@ def eval_set_size(cfg: Config) -> int:
     return cfg.train.eval_batches * cfg.parallel.global_batch_size
 
 
-def check_resumable(meta: dict[str, Any], cfg: Config) -> None:
-    """Refuse a resume that would silently change the model or the data order."""
+def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
+    """What fixes the sample of every step (data/sampler.py: a pure function of the step): the data's shards,
+    data.seq_len, the global batch and the seed. Recorded in every checkpoint, compared on resume."""
+    return {"global_batch_size": cfg.parallel.global_batch_size, "seed": cfg.train.seed,
+            "seq_len": cfg.data.seq_len, "path": str(Path(cfg.data.path).resolve()),
+            "fingerprint": data_fingerprint(data_meta)}
+
+
+def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]) -> list[str]:
+    """Refuse a resume that would silently change the model or the data order; return notes.
+
+    A data change is allowed with train.allow_data_change=true (then noted). The data is compared by
+    content: the same shards moved to another data.path resume; other shards at the same path do not.
+    tp, pp and dp may all change: the engines merge the saved shards and cut out their own part.
+    """
     saved_model = meta["config"]["model"]
     current = cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
     if diff:
         raise ValueError(f"checkpoint model config differs from this run's (saved, now): {diff}")
-    saved_batch = meta["data"]["global_batch_size"]
-    if saved_batch != cfg.parallel.global_batch_size or meta["data"]["seed"] != cfg.train.seed:
-        raise ValueError(
-            f"checkpoint was trained with global_batch_size={saved_batch}, seed={meta['data']['seed']}; "
-            f"this run has {cfg.parallel.global_batch_size}, {cfg.train.seed}: the data order would change"
-        )
-    # tp, pp and dp may all change: the engines merge the saved shards and cut out their own part
+    # Checkpoints written before data.seq_len and the data's fingerprint were recorded: their config says.
+    saved = {"seq_len": meta["config"]["data"]["seq_len"], "path": meta["config"]["data"]["path"], **meta["data"]}
+    now = data_order(cfg, data_meta)
+    names = {"seq_len": "data.seq_len", "global_batch_size": "parallel.global_batch_size", "seed": "train.seed"}
+    changes = [f"{name} {saved[k]} -> {now[k]}" for k, name in names.items() if saved[k] != now[k]]
+    if saved.get("fingerprint", now["fingerprint"]) != now["fingerprint"]:
+        changes.append(f"data.path {saved['path']} -> {now['path']} (other shards)" if saved["path"] != now["path"]
+                       else f"the shards in data.path={now['path']} (prepared again since the checkpoint)")
+    elif "fingerprint" not in saved and str(Path(saved["path"]).resolve()) != now["path"]:
+        changes.append(f"data.path {saved['path']} -> {now['path']}")
+    if not changes:
+        return []
+    what = f"the checkpoint's data settings changed (saved -> now): {'; '.join(changes)}"
+    if not cfg.train.allow_data_change:
+        raise ValueError(f"{what}. The resumed run would read other samples than the interrupted one; pass "
+                         "--train.allow_data_change=true to resume anyway")
+    return [f"train.allow_data_change=true: resuming although {what}; the sample order differs from the "
+            "interrupted run's"]
