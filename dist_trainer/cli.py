@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.debug:
             traceback.print_exc()
-        print(f"dist-trainer {args.command}: error: {error_message(exc)}", file=sys.stderr, flush=True)
+        # one write of the whole line: the ranks of a torchrun job share stderr, and print() writes the text and
+        # its newline separately, so two ranks' lines could interleave
+        sys.stderr.write(f"dist-trainer {args.command}: error: {error_message(exc)}\n")
+        sys.stderr.flush()
         return 2
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
+from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.cli import main
 from dist_trainer.testing import free_port
-from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.run_dir import RunLock
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import ROOT, subprocess_env, tiny_config

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.testing import run_distributed
-from dist_trainer.train import checkpoint as ckpt
 from dist_trainer.train.run_dir import LOCK_FILE, MARKER_FILE
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import ROOT, subprocess_env, tiny_config

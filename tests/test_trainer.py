@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
-from dist_trainer.engines import base as engine_base
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.generate import generate_text, load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
@@ -83,13 +82,13 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tiny_data: Path, 
             raise KeyboardInterrupt("killed while writing")
         real_save(obj, path)
 
-    monkeypatch.setattr(engine_base, "atomic_save", dying_save)  # what the engines write their shards with
+    monkeypatch.setattr(ckpt, "atomic_save", dying_save)
     trainer.step = 3
     with pytest.raises(KeyboardInterrupt):
         trainer.save()
     assert (tmp_path / "checkpoints" / "step_00000003.tmp").is_dir()  # the wreck stays aside
     assert ckpt.latest_checkpoint(tmp_path / "checkpoints") == good
-    monkeypatch.setattr(engine_base, "atomic_save", real_save)
+    monkeypatch.setattr(ckpt, "atomic_save", real_save)
     resumed = Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 3, "resume": True}))
     assert resumed.step == 2
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_trainer.checkpoint import publish
 from dist_trainer.checkpoint.convert import (
     load_optimizer_state_by_name,
     load_shards,
@@ -33,7 +34,6 @@ from dist_trainer.checkpoint.convert import (
     shard_name,
     write_specs,
 )
-from dist_trainer.checkpoint.publish import atomic_save
 from dist_trainer.config import Config
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.optim import set_lr
@@ -130,8 +130,9 @@ class NamedShardsMixin:
             if self.scaler is not None:
                 optim_state["scaler"] = self.scaler.state_dict()
             model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            atomic_save(model_state, folder / shard_name("model", self.state.tp_rank, self.state.pp_rank))
-            atomic_save(optim_state, folder / shard_name("optim", self.state.tp_rank, self.state.pp_rank))
+            # through publish.atomic_save, where every checkpoint file is written (one place to fail or test)
+            publish.atomic_save(model_state, folder / shard_name("model", self.state.tp_rank, self.state.pp_rank))
+            publish.atomic_save(optim_state, folder / shard_name("optim", self.state.tp_rank, self.state.pp_rank))
             if self.state.tp_rank == 0:
                 write_specs(folder, self.state.pp_rank, tp_shard_specs(self.model))
         return {}
