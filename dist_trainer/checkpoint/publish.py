@@ -23,7 +23,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,12 +154,17 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load_file(path: Path) -> Any:
+def load_file(path: Path, safe_types: Sequence[type] = (), mmap: bool = False) -> Any:
+    """One checkpoint file, unpickled by torch's weights-only unpickler: tensors, containers, numbers and the
+    classes in ``safe_types`` only (``torch.serialization.safe_globals``: DeepSpeed's files hold a few of its
+    own), so a file that names any other global (a pickle payload calling ``os.system``) is refused unread.
+    ``mmap``: map the tensors' storage instead of reading it. ValueError naming the file when it cannot be read."""
     if not path.is_file():
         raise ValueError(f"checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: say which one
+        with torch.serialization.safe_globals(list(safe_types)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # a truncated, foreign or hostile file: say which one
         raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
 

@@ -7,6 +7,11 @@ Megatron-LM's distributed optimizer also keeps an fp32 copy of 16-bit gradients 
 (``fp32_grad_copy=True``: its README's 20 = 4 + 16 bytes per parameter for fp16 params and grads).
 DeepSpeed's ZeRO optimizers instead build fp32 gradients inside ``step()``: reported as ``step_buffers``,
 apart from the model states they do not own between steps (``zero_step_buffers``).
+Under TP and PP the Psi above is the rank's own Psi_r (``rank_params``: its TP shard with the padded vocabulary
+rows and replicated norms/biases/kv heads, its pipeline stages with the last stage's copy of a tied embedding),
+and ZeRO shards it over the dp replicas only (DeepSpeed's data-parallel group is our dp axis): ZeRO-1 keeps
+4 Psi_r params and grads + 12 Psi_r/dp (fp32 master + moments), ZeRO-2 4 Psi_r + 16 Psi_r/dp, ZeRO-3 16 Psi_r/dp
+(fp32 model; ``tests/test_zero_tp_pp.py`` measures each rank of tp x dp, pp x dp and 3D layouts to within 1%).
 Activations come from ``activations.py`` (the tensors our model saves), overheads are explicit terms.
 """
 
@@ -134,7 +139,9 @@ class Overheads:
     cuda_context: int = 512 * 2**20  # CUDA context + cuBLAS/NCCL workspaces (measure with an empty process)
     fragmentation: float = 0.05  # caching-allocator slack, as a fraction of states + activations
     ddp_grad_buckets: bool = True  # torch DDP (gradient_as_bucket_view=False) copies every gradient into buckets
-    zero_bucket_elements: int = 500_000_000  # DeepSpeed reduce_bucket_size default
+    # DeepSpeed's reduce bucket: reduce_bucket_size elements of the gradient dtype, whatever the model size
+    # (stage_1_and_2.py:3266, stage3.py:782): configs/ds/zero*.json's 5e7 (DeepSpeed's own default is 5e8)
+    zero_bucket_elements: int = 50_000_000
     zero_sub_group_elements: int = 1_000_000_000  # DeepSpeed ZeRO-3 sub_group_size default (runtime/zero/config.py)
     host_buffer_factor: float = 1.0  # DeepSpeed's estimators use 1.5 for pinned host buffers
 
@@ -272,6 +279,12 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     p, g, o, host = model_state_bytes(rp.total, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options)
     detail = {f"activations.{k}": v for k, v in activations.items()}
+    if layout.zero_offload and layout.zero_stage in (1, 2) and layout.n_microbatches > 1:
+        # accumulating over micro-batches, offloaded ZeRO-1/2 keep each partition parameter's gradient in host
+        # memory in the parameters' dtype (stage_1_and_2.py:1822-1853): Psi/N, plus the parameters that straddle
+        # a partition boundary (kept whole)
+        detail["host.offload_grad_accumulation"] = rp.total * options.grad_bytes // layout.dp_size
+        host += detail["host.offload_grad_accumulation"]
     step = zero_step_buffers(rp.total, layout, options, overheads)
     detail.update({f"step_buffers.{k}": v for k, v in step.items()})
     over: dict[str, int] = {}
@@ -280,7 +293,7 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
         over["ddp_grad_buckets"] = rp.total * options.grad_bytes
     if layout.dp_size > 1 and layout.zero_stage > 0:
-        over["zero_reduce_bucket"] = min(overheads.zero_bucket_elements, rp.total) * options.grad_bytes
+        over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
     if layout.zero_stage == 3:
         # DeepSpeed's estimate_zero3_model_states_mem_needs: the largest layer gathered (params + grads).
         over["zero3_gathered_layer"] = rp.largest_layer * (options.param_bytes + options.grad_bytes)

@@ -53,6 +53,11 @@ def zero_owned_bytes(ds_optimizer: Any, params: list[torch.nn.Parameter], stage:
         master = list(ds_optimizer.single_partition_of_fp32_groups)
         if getattr(ds_optimizer, "grads_in_partition", None) is not None:  # stage 2's contiguous partition buffer
             partition_grads.append(ds_optimizer.grads_in_partition)
+        if getattr(ds_optimizer, "cpu_offload", False):
+            # offloaded: the fp32 gradient partition beside the master in host memory (offload_gradient_dict views
+            # it), and across micro-batches each partition parameter's accumulated gradient (stage_1_and_2.py:1853)
+            partition_grads += [m.grad for m in master]
+            partition_grads += list(getattr(ds_optimizer, "accumulated_grads_in_cpu", {}).values())
     return {"params": unique_bytes(param_tensors),
             "grads": unique_bytes(module_grads + partition_grads),
             "optimizer": unique_bytes(master + optimizer_moments(ds_optimizer.optimizer))}
