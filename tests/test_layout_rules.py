@@ -3,8 +3,8 @@
 The planner asks ``planner.search.runnable`` (layout_rules on the config ``plan --out`` writes); the trainer
 asks ``train.prelaunch.check_layout`` (layout_rules plus DeepSpeed's JSON). Enumerating layouts of several
 models over several world sizes, including ones either side could get wrong (uneven stage splits, padded
-vocabularies, replicated k/v heads, ZeRO with TP and with PP (ZeRO-2/3 with PP refused), schedules without enough micro-batches), the two
-must agree on every one; and every layout ``plan`` ranks must pass the trainer's check.
+vocabularies, replicated k/v heads, ZeRO with TP and PP (ZeRO-2/3 with PP refused), schedules without enough
+micro-batches), the two must agree on every one; and every layout ``plan`` ranks must pass the trainer's check.
 """
 
 from __future__ import annotations

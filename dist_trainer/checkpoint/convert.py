@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 from dist_trainer.checkpoint.publish import (
     atomic_save,
     atomic_write_text,
+    list_checkpoints,
     load_file,
     read_meta,
     rng_file,
@@ -196,6 +198,50 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
     return model_state, {**full_optim, "state": state}
 
 
+def check_files(step_dir: Path, meta: dict[str, Any], rank: int = 0, world_size: int = 1) -> None:
+    """Read every file meta.json lists (this rank's share of them: every ``world_size``-th) as its loader will,
+    before anything is loaded: tensors files through the weights-only unpickler (``load_file``: DeepSpeed's
+    allow-listed classes in a ZeRO checkpoint; storages mapped, not read), JSON through the JSON parser.
+    ValueError naming the first file that cannot be read (truncated, foreign, or a pickle payload, which is
+    refused unexecuted)."""
+    safe = []
+    if "deepspeed_tag" in meta:
+        from dist_trainer.checkpoint.deepspeed_files import deepspeed_safe_types
+
+        safe = deepspeed_safe_types()
+    for name in sorted(meta.get("files", []))[rank::world_size]:
+        path = step_dir / name
+        if name.endswith(".json"):
+            try:
+                json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from None
+        else:
+            load_file(path, safe_types=safe, mmap=True)
+
+
+def newest_readable(ckpt_root: Path, rank: int, world_size: int,
+                    gather: Callable[[str | None], list[str | None]]) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint whose every file reads (``check_files``, the files shared out over the
+    ranks), and a warning for each newer one that does not; ``gather`` collects one value from every rank (all
+    ranks call this, and agree). (None, []) when there is no checkpoint; ValueError when none reads."""
+    warnings: list[str] = []
+    checkpoints = list_checkpoints(ckpt_root)
+    for path in reversed(checkpoints):
+        try:
+            check_files(path, read_meta(path), rank, world_size)
+            reason = None
+        except ValueError as exc:
+            reason = str(exc)
+        failures = [r for r in gather(reason) if r is not None]
+        if not failures:
+            return path, warnings
+        warnings.append(f"warning: checkpoint {path} cannot be loaded ({failures[0]}); trying the previous one")
+    if checkpoints:
+        raise ValueError(f"no checkpoint in {ckpt_root} can be loaded: {'; '.join(warnings)}")
+    return None, warnings
+
+
 def zero_ds_dir(step_dir: Path, meta: dict[str, Any]) -> Path:
     """DeepSpeed's own folder inside a ZeRO step folder (its checkpoint tag)."""
     tag = meta.get("deepspeed_tag")
@@ -218,6 +264,7 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
 
     meta = read_meta(step_dir)
     zero_ds_dir(step_dir, meta)  # a ZeRO checkpoint, or a ValueError naming its regime
+    check_files(step_dir, meta)
     model_state, optim = read_full_state(step_dir, meta)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")

@@ -125,7 +125,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
             continue
         try:
             meta = json.loads((d / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):  # unreadable: not a complete checkpoint
             continue
         if isinstance(meta, dict) and all((d / f).is_file() for f in meta.get("files", [])):
             found.append(d)
@@ -145,6 +145,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{meta_path} is not valid JSON ({exc.msg}): not a checkpoint's meta.json") from None
+    except UnicodeDecodeError as exc:  # binary content (a pickle, say)
+        raise ValueError(f"{meta_path} is not valid JSON (not UTF-8 text: {exc.reason}): not a checkpoint's "
+                         "meta.json") from None
     missing = [k for k in ("format", "step", "config", "layout") if k not in meta] if isinstance(meta, dict) else []
     if not isinstance(meta, dict) or missing:
         raise ValueError(f"{meta_path} is not a checkpoint's meta.json: " + (

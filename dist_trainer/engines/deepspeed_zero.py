@@ -36,6 +36,7 @@ from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu
 from dist_trainer.parallel.zero.memory import zero_owned_bytes
 
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config) -> torch.optim.Optimizer:
@@ -86,7 +87,12 @@ class DeepSpeedZero:
         """Every rank writes its partition (DeepSpeed's ``zero_pp_rank_D_mp_rank_M_*`` files, M the (tp, pp)
         coordinate) under ``folder/DS_TAG``, and the first rank of each stage how its parameters are split over tp
         (what merging the coordinates by name needs); returns what meta.json records."""
-        self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
+        self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)  # ends with a barrier
+        if self.state.rank == 0:
+            # DeepSpeed copies its recovery scripts beside the files (engine.py _copy_recovery_script); they unpickle
+            # with weights_only=False, so they are not shipped: `dist-trainer export` reads these files safely
+            for script in RECOVERY_SCRIPTS:
+                (folder / script).unlink(missing_ok=True)
         if self.state.dp_rank == 0 and self.state.tp_rank == 0:
             write_specs(folder, self.state.pp_rank, tp_shard_specs(self.module))
         return {"zero_stage": self.stage, "zero_offload": self.offload, "deepspeed_tag": DS_TAG}

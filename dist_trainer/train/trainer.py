@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.checkpoint.convert import newest_readable
 from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, data_fingerprint
@@ -216,6 +217,14 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
+    def _gather(self, value: str | None) -> list[str | None]:
+        """``value`` of every rank (one per rank, in rank order)."""
+        if not dist.is_initialized() or self.env.world_size == 1:
+            return [value]
+        out: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(out, value)
+        return out
+
     def save(self) -> Path:
         cfg = self.cfg
         meta = {
@@ -238,11 +247,13 @@ class Trainer:
             raise full from exc
 
     def _resume(self) -> list[str]:
-        path = ckpt.latest_checkpoint(self.ckpt_root)
+        # the newest checkpoint whose files all read (weights-only, shared out over the ranks); a newer one that
+        # does not (truncated, foreign, a pickle payload) is skipped with a warning, as a bad meta.json is
+        path, warnings = newest_readable(self.ckpt_root, self.env.rank, self.env.world_size, self._gather)
         if path is None:
             return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        notes = check_resumable(meta, self.cfg, self.train_data.meta)
+        notes = [*warnings, *check_resumable(meta, self.cfg, self.train_data.meta)]
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
         rng_path = path / ckpt.rng_file(self.env.rank)
