@@ -2,6 +2,7 @@
 
     dist-trainer prepare  --input PATH... --out DIR --vocab-size N
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
+    dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
     dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
@@ -17,6 +18,7 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
 
 def _register_train(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +50,37 @@ def run_train(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _register_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="the trainer's complete pre-launch check of a run config for N ranks, here",
+                       description="Validate a run config for a world this machine is not (no process group, no "
+                                   "data read beyond its meta.json): what `train` checks before it starts. "
+                                   "--section.field=value overrides as for train.")
+    p.add_argument("--config", required=True, help="run config YAML (e.g. the run.yaml `plan --out` wrote)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks the job will run (GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: one node)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the device the job runs on")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from dist_trainer.config import load_config
+    from dist_trainer.train.check import check_run
+
+    cfg = load_config(args.config, args.overrides)
+    print("\n".join(check_run(cfg, args.world_size, args.gpus_per_node, args.device)))
+    return 0
+
+
+def _check_written(run_yaml: Path, world_size: int, gpus_per_node: int, device: str) -> None:
+    """`plan --out`: the trainer's pre-launch check on the run.yaml it wrote (a refusal is an error)."""
+    from dist_trainer.config import load_config
+    from dist_trainer.train.check import check_run
+
+    report = check_run(load_config(run_yaml), world_size, gpus_per_node, device)
+    print(f"dist-trainer check --config {run_yaml} --world-size {world_size} --gpus-per-node {gpus_per_node}:")
+    print("\n".join(f"  {line}" for line in report))
 
 
 def _register_generate(sub: argparse._SubParsersAction) -> None:
@@ -99,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     prepare.register(sub)
     _register_train(sub)
+    _register_check(sub)
     _register_generate(sub)
     _register_export(sub)
-    planner_cli.register(sub)
+    planner_cli.register(sub, check_written=_check_written)
     memory_experiment.register(sub)
     return parser
 
@@ -113,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in extra:
         extra.remove("--debug")
         args.debug = True
-    if args.command == "train":
+    if args.command in ("train", "check"):
         bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0] and "=" in a)]
         if bad:
             parser.error(f"unrecognised arguments {bad}; overrides look like --section.field=value")

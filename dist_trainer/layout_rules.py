@@ -12,6 +12,7 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
     check_precision     device limits: fp16 loss scaling needs CUDA
     check_layout        all of the above for a run config on a world size: the pre-launch check
+    check_nodes         a world of several nodes fills whole ones; TP groups inside a node
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
 """
 
@@ -276,6 +277,23 @@ def fit_micro_batch(cfg: Config, world_size: int) -> tuple[Config, str | None]:
             f"micro_batch_size={micro} (same global batch, so the same training; pass "
             f"--parallel.micro_batch_size to choose another divisor of {per_rank})")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, micro_batch_size=micro)), note
+
+
+def check_nodes(world_size: int, gpus_per_node: int, tp_size: int) -> str | None:
+    """Launchers start the same number of ranks on every node, so a world of several nodes fills whole ones
+    (ValueError otherwise). A TP group spanning nodes runs, its all-reduces crossing the network in every layer:
+    the note that says so (None when every TP group stays in a node, as the grid places them when tp divides
+    the ranks per node)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    if world_size > gpus_per_node and world_size % gpus_per_node:
+        raise ValueError(f"a world of {world_size} ranks does not fill whole nodes of {gpus_per_node}: every launcher "
+                         f"starts the same number per node; use a multiple of {gpus_per_node}")
+    per_node = min(world_size, gpus_per_node)
+    if per_node % tp_size:
+        return (f"note: parallel.tp_size={tp_size} does not divide the {per_node} ranks per node: TP groups span "
+                "nodes and their all-reduces (every layer) cross the network")
+    return None
 
 
 def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list[list[list[int]]]:

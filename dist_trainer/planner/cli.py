@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,11 @@ from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the params, memory and plan subcommands to the dist-trainer parser."""
+def register(subparsers: argparse._SubParsersAction,
+             check_written: Callable[[Path, int, int, str], None] | None = None) -> None:
+    """Add the params, memory and plan subcommands to the dist-trainer parser. ``check_written(run_yaml,
+    world_size, gpus_per_node, device)`` is called on what ``plan --out`` writes: the trainer's pre-launch check,
+    handed in from above (the planner never imports the trainer)."""
     p = subparsers.add_parser("params", help="exact parameter count, per module")
     _model_args(p)
     p.set_defaults(func=run_params)
@@ -79,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pp.add_argument("--no-pp", action="store_true", help="no pipeline (--pp 1)")
     q.add_argument("--zero", default="0,1,2,3", help="allowed ZeRO stages, comma-separated (0 = DDP)")
     q.add_argument("--no-offload", action="store_true", help="no ZeRO CPU offload")
-    q.set_defaults(func=run_plan)
+    q.set_defaults(func=run_plan, check_written=check_written)
 
 
 def _host_args(p: argparse.ArgumentParser, hardware: bool = True) -> None:
@@ -235,12 +239,15 @@ def run_plan(args: argparse.Namespace) -> int:
         for note in res.notes:
             print(note)
     if args.out and top:
-        _write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        if args.check_written is not None:  # the trainer's own pre-launch check on what was written
+            args.check_written(Path(args.out) / "run.yaml", top[0].layout.world_size, args.gpus_per_node, opts.device)
     return 0 if top else 1
 
 
-def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
-                gpus_per_node: int) -> None:
+def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
+               gpus_per_node: int) -> None:
+    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``."""
     output_dir(out, "--out")
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)

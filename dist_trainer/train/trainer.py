@@ -28,14 +28,14 @@ from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, data_fingerprint
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
-from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
+from dist_trainer.layout_rules import needs_process_group
 from dist_trainer.model import count_parameters
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.train.autolayout import choose_layout, compare, measured_model_state_bytes
+from dist_trainer.train.autolayout import compare, measured_model_state_bytes
+from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
-from dist_trainer.train.prelaunch import check_layout
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -53,12 +53,10 @@ class Trainer:
         cfg.validate()
         self.env = detect_launch_env()
         self.device = pick_device(cfg.train.device, self.env.local_rank)
-        self.auto_layout = None
-        if cfg.parallel.layout == "auto":  # the planner picks the layout for this world, before any group exists
-            cfg, self.auto_layout = choose_layout(cfg, self.env.world_size, self.env.local_world_size, self.device)
-        cfg, fit_note = fit_micro_batch(cfg, self.env.world_size)
-        self.cfg = cfg
-        self.dp_size = check_layout(cfg, self.env.world_size, self.device.type)  # before any group exists
+        # before any group exists: layout=auto's choice, the micro-batch fit, the layout rules (train/check.py)
+        launch = resolve_launch(cfg, self.env.world_size, self.env.local_world_size, self.device)
+        self.cfg = cfg = launch.cfg
+        self.dp_size, self.auto_layout = launch.dp_size, launch.auto_layout
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
@@ -72,12 +70,12 @@ class Trainer:
         # One run per out_dir, seen by every node (issue 16): rank 0's lock is held until close().
         self.run_lock = claim_run_dir(self.out_dir, self.env)
         try:
-            self._build(cfg, fit_note, log)
+            self._build(cfg, launch.notes, log)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, cfg: Config, fit_note: str | None, log: bool) -> None:
+    def _build(self, cfg: Config, launch_notes: list[str], log: bool) -> None:
         """Everything after the claim on out_dir: a failure here releases it again."""
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
@@ -96,10 +94,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
         notes = self._resume() if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
-        if fit_note is not None:
-            notes.insert(0, fit_note)
-        if self.auto_layout is not None:
-            notes.insert(0, self.auto_layout.describe())
+        notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
             self.logger.write(note)
 
@@ -267,23 +262,6 @@ def _is_comm_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
-
-
-def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
-    """The splits must hold a global batch and the eval set."""
-    global_batch = cfg.parallel.global_batch_size
-    if n_train < global_batch:
-        raise ValueError(f"the train split of {cfg.data.path} has {n_train} sequences of data.seq_len="
-                         f"{cfg.data.seq_len}, fewer than one global batch of {global_batch}")
-    if cfg.train.eval_every and n_val < eval_set_size(cfg):
-        raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
-                         f"train.eval_batches*global_batch_size = {cfg.train.eval_batches}*{global_batch}; "
-                         f"lower train.eval_batches or prepare more validation text")
-
-
-def eval_set_size(cfg: Config) -> int:
-    """Validation sequences per evaluation: train.eval_batches global batches (independent of the layout)."""
-    return cfg.train.eval_batches * cfg.parallel.global_batch_size
 
 
 def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
