@@ -138,6 +138,7 @@ RUN: list[tuple[str, Run]] = [
     (r"^dist-trainer export\b", Run(then=_check_export)),
     (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
     (r"^dist-trainer (generate|params|memory|plan)\b", Run()),
+    (r"^dist-trainer check\b", Run(expect=("ok: ",))),
     (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
     (r"benchmarks/(trainer_overhead|zero_overhead)\.py", Run(append="--steps 3 --rounds 1")),
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),

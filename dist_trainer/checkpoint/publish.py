@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Callable, Sequence
@@ -167,7 +168,11 @@ def load_file(path: Path, safe_types: Sequence[type] = (), mmap: bool = False) -
     try:
         with torch.serialization.safe_globals(list(safe_types)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as exc:  # a truncated, foreign or hostile file: say which one
+    except pickle.UnpicklingError as exc:  # names a global the weights-only unpickler refuses: never executed
+        refused = next((line for line in str(exc).splitlines() if "GLOBAL" in line), str(exc).splitlines()[0])
+        raise ValueError(f"checkpoint file {path} cannot be read: it holds more than tensors and plain data "
+                         f"({refused.strip()}); refused unread, nothing in it was executed") from exc
+    except Exception as exc:  # a truncated or foreign file: say which one
         raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
 
