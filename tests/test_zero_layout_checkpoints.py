@@ -1,8 +1,9 @@
 """Checkpoints of ZeRO layouts cross to every other layout by parameter name, with the AdamW moments.
 
 - A tp=2 x ZeRO-2 checkpoint resumes exactly in its own layout, and at tp=1 without ZeRO, at pp=2 and at
-  pp=2 x ZeRO-1 with the uninterrupted single process's next losses; and back: single-process and pp=2
-  checkpoints resume under tp=2 x ZeRO-2 (issue 12).
+  pp=2 x ZeRO-1 with the uninterrupted single process's next losses; and back: single-process, pp=2 and
+  pp=2 x ZeRO-1 checkpoints resume under tp=2 x ZeRO-2 (issue 12). pp=2 x ZeRO-1, tp=2 x ZeRO-3 (with SP) and
+  tp=2 x ZeRO-2 with offload resume exactly in their own layouts too.
 - ZeRO-1, ZeRO-2 and ZeRO-3 checkpoints, with and without offload, export as one model, generate, and resume in
   another regime (issue 16, item 9: ZeRO-1/2 used to fail with KeyError 'optimizer_state_dict').
 
@@ -26,6 +27,8 @@ from tests.helpers import tiny_config
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 TP_ZERO2 = {"tp_size": 2, "zero_stage": 2}
+TP_ZERO3 = {"tp_size": 2, "zero_stage": 3, "sequence_parallel": True}
+TP_ZERO2_OFFLOAD = {"tp_size": 2, "zero_stage": 2, "zero_offload": True}
 PP = {"pp_size": 2, "micro_batch_size": 2}
 PP_ZERO1 = {**PP, "zero_stage": 1}
 
@@ -57,6 +60,15 @@ def _tp_zero2_phases(rank: int, world_size: int, data: Path, root: Path) -> dict
     out["pp_to_tpz"] = _train(data, _copy(root, "pp", "pp_to_tpz", rank), TP_ZERO2, 5, resume=True)
     _train(data, root / "ppz", PP_ZERO1, 3)
     out["ppz_to_tpz"] = _train(data, _copy(root, "ppz", "ppz_to_tpz", rank), TP_ZERO2, 5, resume=True)
+    # the native resume of the other layouts that shard with DeepSpeed: pp x ZeRO-1 and tp x ZeRO-3
+    out["ppz_full"] = _train(data, root / "ppz_full", PP_ZERO1, 5)
+    out["ppz_same"] = _train(data, _copy(root, "ppz", "ppz_same", rank), PP_ZERO1, 5, resume=True)
+    out["tpz3_full"] = _train(data, root / "tpz3_full", TP_ZERO3, 5)
+    _train(data, root / "tpz3", TP_ZERO3, 3)
+    out["tpz3_same"] = _train(data, _copy(root, "tpz3", "tpz3_same", rank), TP_ZERO3, 5, resume=True)
+    out["tpzo_full"] = _train(data, root / "tpzo_full", TP_ZERO2_OFFLOAD, 5)
+    _train(data, root / "tpzo", TP_ZERO2_OFFLOAD, 3)
+    out["tpzo_same"] = _train(data, _copy(root, "tpzo", "tpzo_same", rank), TP_ZERO2_OFFLOAD, 5, resume=True)
     return out
 
 
@@ -70,8 +82,10 @@ def test_tp_zero2_checkpoint_crosses_to_every_layout_and_back(tiny_data: Path, t
     single = _train(tiny_data, tmp_path / "single_full", {}, 5)
     _train(tiny_data, tmp_path / "single", {}, 3)
     out = run_distributed(_tp_zero2_phases, 4, (tiny_data, tmp_path), env=DS_ENV, timeout=900)[0]
-    for step in (3, 4):  # its own layout: DeepSpeed's partitions handed back as they were, bit for bit
-        assert out["tpz_same"][step] == out["tpz_full"][step], (step, out["tpz_same"], out["tpz_full"])
+    for same, full in (("tpz_same", "tpz_full"), ("ppz_same", "ppz_full"), ("tpz3_same", "tpz3_full"),
+                       ("tpzo_same", "tpzo_full")):
+        for step in (3, 4):  # its own layout: DeepSpeed's partitions handed back as they were, bit for bit
+            assert out[same][step] == out[full][step], (same, step, out[same], out[full])
     saved = tmp_path / "tpz" / "checkpoints" / "step_00000003"
     meta = ckpt.read_meta(saved)
     assert meta["regime"] == "zero2+tp" and meta["layout"]["tp"] == 2 and (saved / "tp_specs_pp00.json").is_file()

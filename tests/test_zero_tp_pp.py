@@ -122,8 +122,7 @@ def eight_ranks(odd_data: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
                            timeout=900)
 
 
-def _check_curves(results: list[dict], reference: dict[str, dict], cases: dict[str, tuple[str, dict]],
-                  norm_tol: float | None = 1e-5) -> None:
+def _check_curves(results: list[dict], reference: dict[str, dict], cases: dict[str, tuple[str, dict]]) -> None:
     for name, (style, _) in cases.items():
         ref = reference[style]
         assert max(ref["norms"]) > CLIP, (style, ref["norms"])  # clipping changes the update in the reference
@@ -131,10 +130,8 @@ def _check_curves(results: list[dict], reference: dict[str, dict], cases: dict[s
         got = results[0][name]
         assert all(r[name]["losses"] == got["losses"] and r[name]["eval"] == got["eval"] for r in results), name
         assert_same_curves(got, ref, what=name)
-        if norm_tol is not None:  # DeepSpeed's norm (dp + tp x pp reductions, replicated params once)
-            assert relative_diff(got["norms"], ref["norms"]) <= norm_tol, (name, got["norms"], ref["norms"])
-        else:  # roundoff amplified by Adam over 10 steps (also without ZeRO): step 0 has identical weights
-            assert abs(got["norms"][0] - ref["norms"][0]) <= 1e-6 * ref["norms"][0], (name, got["norms"][0])
+        # DeepSpeed's pre-clip norm (dp, then tp x pp reductions; replicated params and the tied copy once)
+        assert relative_diff(got["norms"], ref["norms"]) <= 1e-5, (name, got["norms"], ref["norms"])
 
 
 def test_tp_zero_stages_match_one_process(four_ranks: list[dict], reference: dict[str, dict]) -> None:
@@ -148,10 +145,9 @@ def test_pp_zero1_matches_one_process(four_ranks: list[dict], reference: dict[st
 
 
 def test_3d_zero1_matches_one_process(eight_ranks: list[dict], reference: dict[str, dict]) -> None:
-    """dp x pp x tp = 2 x 2 x 2. The losses match to 1e-5; the gradient norm is checked at step 0 (identical
-    weights): later steps drift by up to ~3e-5 from one process in the repo's 3D path without ZeRO as well
-    (roundoff amplified by Adam; /work/proto12/REPORT.md section 2)."""
-    _check_curves(eight_ranks, reference, THREE_D_CASES, norm_tol=None)
+    """dp x pp x tp = 2 x 2 x 2 with sequence parallelism. (Roundoff amplified by Adam can move a 3D run's
+    gradient norm further from one process on other data, as it does without ZeRO; here it stays within 1e-5.)"""
+    _check_curves(eight_ranks, reference, THREE_D_CASES)
 
 
 def _predicted(model: dict, parallel: dict, result: dict) -> dict[str, int]:

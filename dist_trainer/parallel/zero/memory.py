@@ -8,6 +8,10 @@ the tensors themselves: every tensor the rank's engine holds in each category, c
 DeepSpeed's ZeRO optimizers keep an fp32 master partition even when the model itself is fp32
 (``single_partition_of_fp32_groups`` in stage_1_and_2.py, ``fp32_partitioned_groups_flat`` in stage3.py), so
 an fp32 AdamW ZeRO rank holds (4 master + 8 moments) Psi / N optimizer bytes, not 8 Psi / N.
+
+With TP and pipeline stages Psi is the rank's own shard and N its dp replicas (DeepSpeed partitions over the dp
+group only). With the optimizer offloaded, the fp32 gradient partition (and, across micro-batches, the
+accumulated gradients) sit in host memory beside the master and are counted as gradients here.
 """
 
 from __future__ import annotations
