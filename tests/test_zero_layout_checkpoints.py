@@ -31,10 +31,13 @@ TP_ZERO3 = {"tp_size": 2, "zero_stage": 3, "sequence_parallel": True}
 TP_ZERO2_OFFLOAD = {"tp_size": 2, "zero_stage": 2, "zero_offload": True}
 PP = {"pp_size": 2, "micro_batch_size": 2}
 PP_ZERO1 = {**PP, "zero_stage": 1}
+PP_ZERO1_INTERLEAVED = {**PP_ZERO1, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}
+FOUR_LAYERS = {"n_layers": 4}
 
 
-def _train(data: Path, out: Path, parallel: dict, steps: int, resume: bool = False) -> dict[int, float]:
-    trainer = Trainer(tiny_config(data, out, parallel=parallel,
+def _train(data: Path, out: Path, parallel: dict, steps: int, resume: bool = False,
+           model: dict | None = None) -> dict[int, float]:
+    trainer = Trainer(tiny_config(data, out, parallel=parallel, model=model or {},
                                   train={"max_steps": steps, "save_every": 3, "resume": resume}), log=False)
     if resume:
         assert trainer.step == 3, (out, trainer.step)
@@ -69,6 +72,11 @@ def _tp_zero2_phases(rank: int, world_size: int, data: Path, root: Path) -> dict
     out["tpzo_full"] = _train(data, root / "tpzo_full", TP_ZERO2_OFFLOAD, 5)
     _train(data, root / "tpzo", TP_ZERO2_OFFLOAD, 3)
     out["tpzo_same"] = _train(data, _copy(root, "tpzo", "tpzo_same", rank), TP_ZERO2_OFFLOAD, 5, resume=True)
+    # same tp, pp, dp and stage, another stage split (1F1B -> interleaved: rank 0 then holds layers 0 and 2, not
+    # 0 and 1): the flat partitions differ, so the checkpoint is read by name
+    _train(data, root / "ppz4", PP_ZERO1, 3, model=FOUR_LAYERS)
+    out["ppz4_interleaved"] = _train(data, _copy(root, "ppz4", "ppz4_interleaved", rank), PP_ZERO1_INTERLEAVED, 5,
+                                     resume=True, model=FOUR_LAYERS)
     return out
 
 
@@ -93,6 +101,8 @@ def test_tp_zero2_checkpoint_crosses_to_every_layout_and_back(tiny_data: Path, t
     _close(to_single, single, "tp2 x zero2 -> one process")
     for name in ("tpz_to_pp", "tpz_to_ppz", "single_to_tpz", "pp_to_tpz", "ppz_to_tpz"):
         _close(out[name], single, name)
+    _close(out["ppz4_interleaved"], _train(tiny_data, tmp_path / "single4", {}, 5, model=FOUR_LAYERS),
+           "pp=2 x ZeRO-1, 1F1B -> interleaved")
 
 
 # ---------------------------------------------------------------- issue 16, item 9: every ZeRO stage, offload too

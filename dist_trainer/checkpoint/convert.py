@@ -172,13 +172,15 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
                 specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout, with or without ZeRO.
 
-    The same tp x pp layout reads the rank's own coordinate (under ZeRO: its dp partitions consolidated).
-    Another one merges every shard into full tensors (``read_full_state``) and cuts out this rank's
+    The same tp x pp layout reads the rank's own coordinate (under ZeRO: its dp partitions consolidated), when it
+    holds this rank's parameters (the same stage split). Another one merges every shard into full tensors (``read_full_state``) and cuts out this rank's
     parameters (``specs_now``: the current model's names and splits), for weights and optimizer moments alike.
     """
     layout = meta["layout"]
     if (layout["tp"], layout["pp"]) == (tp_size, pp_size):
-        return read_coordinate(path, meta, tp_rank, pp_rank)
+        own = read_coordinate(path, meta, tp_rank, pp_rank)
+        if set(specs_now) <= set(own[0]):  # else the stages were split otherwise: merge every coordinate
+            return own
     full_model, full_optim = read_full_state(path, meta)
     missing = set(specs_now) - set(full_model)
     if missing:

@@ -100,31 +100,43 @@ class DeepSpeedZero:
     def load(self, folder: Path, meta: dict[str, Any]) -> None:
         """This rank's part of a checkpoint of any layout and regime.
 
-        A checkpoint of this very layout (tp, pp, dp, ZeRO stage and offload) is read natively: this rank's own
+        A checkpoint of this very layout (tp, pp, dp, ZeRO stage, offload, and the same parameters in the same
+        flat order: a changed stage split or parameter grouping is not) is read natively: this rank's own
         partition file goes to DeepSpeed's optimizer as its engine would hand it over (exact resume, and no rank
         reads the others' partitions). Any other one is read by parameter name (``convert.load_shards``: merged
         over its tp x pp layout, consolidated from its dp partitions when it is a ZeRO checkpoint) and written into
         this rank's partitions (``_load_by_name``).
         """
         layout, s = meta["layout"], self.state
-        same = ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"]) == (s.tp_size, s.pp_size,
-                                                                                          s.dp_size)
-                and meta.get("zero_stage") == self.stage and bool(meta.get("zero_offload")) == self.offload)
-        if same:
-            self._load_native(folder / meta["deepspeed_tag"])
-            return
+        if ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"]) == (s.tp_size, s.pp_size, s.dp_size)
+                and meta.get("zero_stage") == self.stage and bool(meta.get("zero_offload")) == self.offload):
+            ds_dir = folder / meta["deepspeed_tag"]
+            model_states = load_deepspeed_file(model_file(ds_dir, self.engine.mpu.get_model_parallel_rank(),
+                                                          self.stage, s.dp_rank))
+            if self._same_partitioning(model_states["param_shapes"]):
+                self._load_native(ds_dir, model_states)
+                return
         model_state, optim_state = load_shards(folder, meta, tp_rank=s.tp_rank, tp_size=s.tp_size,
                                                pp_rank=s.pp_rank, pp_size=s.pp_size,
                                                specs_now=tp_shard_specs(self.module))
         self._load_by_name(folder, model_state, optim_state)
 
-    def _load_native(self, ds_dir: Path) -> None:
+    def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
+        """Whether the saved flat partitions hold this optimizer's parameters in this order (DeepSpeed's own record
+        of what it flattened: ``engine._get_zero_param_shapes``, the ``param_shapes`` it saves). Without that
+        method (another DeepSpeed version) the answer is no: the by-name path is always right, only slower."""
+        current = getattr(self.engine, "_get_zero_param_shapes", None)
+        if current is None:
+            return False
+        as_lists = [[(n, tuple(shape)) for n, shape in group.items()] for group in current()]
+        return as_lists == [[(n, tuple(shape)) for n, shape in group.items()] for group in saved]
+
+    def _load_native(self, ds_dir: Path, model_states: dict[str, Any]) -> None:
         """What ``engine.load_checkpoint`` does for a rigid (non-elastic) ZeRO checkpoint of the same layout
         (deepspeed/runtime/engine.py _load_checkpoint, _get_all_zero_checkpoint_state_dicts): the module's weights
         (ZeRO-1/2), then this rank's optimizer partition, the other ranks' entries left None as DeepSpeed leaves
         them; the files read by ``load_deepspeed_file`` (weights_only) instead of DeepSpeed's unpickler."""
         mp, dp = self.engine.mpu.get_model_parallel_rank(), self.state.dp_rank
-        model_states = load_deepspeed_file(model_file(ds_dir, mp, self.stage, dp))
         if self.stage < 3:  # ZeRO-3's saved module holds empty partitions: its weights come from the fp32 ones
             self.module.load_state_dict(model_states["module"], strict=True)
         own = load_deepspeed_file(optim_file(ds_dir, dp, mp))["optimizer_state_dict"]
