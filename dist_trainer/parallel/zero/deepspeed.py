@@ -61,7 +61,7 @@ class DeepSpeedMpu:
         self.state = state
         self.mp_size = state.tp_size * state.pp_size
         self._alone: dist.ProcessGroup | None = None
-        if state.dp_size == 1 or self.mp_size == 1:
+        if 1 in (state.dp_size, state.tp_size, self.mp_size):
             for r in range(state.world_size):
                 group = dist.new_group([r])
                 if r == state.rank:
