@@ -173,8 +173,9 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
     """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout, with or without ZeRO.
 
     The same tp x pp layout reads the rank's own coordinate (under ZeRO: its dp partitions consolidated), when it
-    holds this rank's parameters (the same stage split). Another one merges every shard into full tensors (``read_full_state``) and cuts out this rank's
-    parameters (``specs_now``: the current model's names and splits), for weights and optimizer moments alike.
+    holds this rank's parameters (the same stage split). Another one merges every shard into full tensors
+    (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the current model's names and
+    splits), for weights and optimizer moments alike.
     """
     layout = meta["layout"]
     if (layout["tp"], layout["pp"]) == (tp_size, pp_size):
