@@ -176,9 +176,10 @@ class DeepSpeedZero:
             self.optimizer._lazy_init_hp_params_optimizer_state()
         for name, p in named:
             full = model_state[name].to(p.device, torch.float32)
-            safe_set_full_fp32_param(p, full)
+            if p.requires_grad:  # a frozen parameter has no fp32 master partition (nor moments)
+                safe_set_full_fp32_param(p, full)
             for key in MOMENTS:
-                if name in saved:
+                if name in saved and p.requires_grad:
                     safe_set_full_optimizer_state(p, saved[name][key].to(p.device, torch.float32), key)
             if self.stage == 3:
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
