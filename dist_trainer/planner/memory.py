@@ -101,6 +101,7 @@ class TrainingOptions:
     device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
+    zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:
