@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's parser. The modules imported here import torch only inside the functions that run,
     so `--help` and the planner's subcommands start in a fraction of a second (tests/test_cli_startup.py)."""
     from dist_trainer.data import prepare
-    from dist_trainer.experiments import memory_experiment
+    from dist_trainer.experiments import calibrate, memory_experiment
     from dist_trainer.planner import cli as planner_cli
 
     parser = argparse.ArgumentParser(prog="dist-trainer", description=__doc__,
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_export(sub)
     planner_cli.register(sub)
     memory_experiment.register(sub)
+    calibrate.register(sub)
     return parser
 
 
