@@ -19,8 +19,6 @@ benchmarks/planner_accuracy.py.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ import torch
 from dist_trainer.config import Config, config_from_dict
 from dist_trainer.data.batch import collate
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
+from dist_trainer.train.plan_check import SavedPeak
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 from tests.planner_measure import mmap_large_allocations, status_bytes
@@ -51,56 +50,6 @@ RSS_CASES = {"tp2": {"model": BIG, "parallel": {"tp_size": 2}, "data": {"seq_len
                            "data": {"seq_len": 64}}}
 # fp32, dropout 0 (so CPU SDPA runs its flash kernel), the saved-tensor figure with no overhead terms
 OPTIONS = TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash", sp_saves_gathered_input=True)
-
-
-class SavedPeak:
-    """Context manager: live and peak bytes of the unique non-state storages saved for backward."""
-
-    def __init__(self, state_tensors: Iterable[torch.Tensor]) -> None:
-        self.state = {t.untyped_storage().data_ptr() for t in state_tensors}
-        self.refs: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
-        self.live = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _release(self, key: int) -> None:
-        self.refs[key] -= 1
-        if self.refs[key] == 0:
-            del self.refs[key]
-            self.live -= self.sizes.pop(key)
-
-    def _pack(self, t: torch.Tensor) -> object:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.state or storage.nbytes() == 0:
-            return t
-        holder = _Holder(t)
-        if key not in self.refs:
-            self.refs[key] = 0
-            self.sizes[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.refs[key] += 1
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(packed: object) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Holder) else packed  # type: ignore[return-value]
-
-    def __enter__(self) -> SavedPeak:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class _Holder:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
 
 
 def case_config(data: Path, out: Path, sections: dict) -> Config:

@@ -31,9 +31,10 @@ from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
 from dist_trainer.model import count_parameters
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.train.autolayout import choose_layout, compare, measured_model_state_bytes
+from dist_trainer.train.autolayout import choose_layout
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
+from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, oom_report, peak_resident_bytes
 from dist_trainer.train.prelaunch import check_layout
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
@@ -50,6 +51,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, log: bool = True) -> None:
         cfg.validate()
+        self.start_resident = peak_resident_bytes()  # the plan check's memory baseline (CPU)
         self.env = detect_launch_env()
         self.device = pick_device(cfg.train.device, self.env.local_rank)
         self.auto_layout = None
@@ -89,6 +91,8 @@ class Trainer:
                                               cfg.train.seed) if cfg.train.eval_every else None
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
+        self.plan_check = PlanCheck(cfg, self.dp_size, self.state.pp_rank, self.env.rank, self.env.world_size,
+                                    self.env.local_world_size, self.device, self.out_dir, self.start_resident)
         self.step = 0
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
@@ -111,7 +115,10 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
-        loss_sum = self.engine.forward_backward(batches)
+        with self.plan_check.watch(step, _state_tensors(self.engine.model)):
+            loss_sum = self.engine.forward_backward(batches)
+        if step == CHECK_STEP:
+            self.plan_check.after_backward(step, self.engine.owned_state_bytes())
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         grad_norm = self.engine.optimizer_step(lr)
         mean_loss = self.state.dp.all_reduce(loss_sum / len(batches)) / self.dp_size
@@ -164,12 +171,11 @@ class Trainer:
                                       "mfu": flops_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
                                       **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()}}
-            if self.auto_layout is not None and self.step == min(3, cfg.train.max_steps):
-                states = measured_model_state_bytes(self.model, getattr(self.engine, "optimizer", None))
-                record.update(compare(self.auto_layout, states, dt))
-                self.logger.write(f"layout=auto after step {self.step}: model states predicted "
-                                  f"{record['planner/predicted_model_state_bytes']:,} B, measured {states:,} B; "
-                                  f"step predicted {self.auto_layout.planned.time.total:.3f} s, measured {dt:.3f} s")
+            checked = self.plan_check.after_step(step, dt)  # the planner's prediction next to this run's figures
+            if checked:
+                record.update(checked)
+                for warning in self.plan_check.warnings(checked):
+                    self.logger.write(warning)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                 record["eval_loss"] = result.eval_losses[self.step] = self.evaluate()
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
@@ -192,6 +198,9 @@ class Trainer:
         start = time.monotonic()
         try:
             return fn(step)
+        except torch.cuda.OutOfMemoryError as exc:  # what the planner expected, and the layout it would pick
+            raise ValueError(oom_report(self.cfg, self.dp_size, self.state.pp_rank, self.env.world_size,
+                                        self.env.local_world_size, self.device, exc)) from exc
         except (RuntimeError, dist.DistError) as exc:
             if self.env.world_size == 1 or not _is_comm_failure(exc):
                 raise
@@ -249,6 +258,11 @@ class Trainer:
         if rng_path.is_file() and meta["layout"]["world"] == self.env.world_size:
             ckpt.set_rng_state(ckpt.load_file(rng_path))
         return [*notes, f"resumed from {path} at step {self.step}"]
+
+
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers: model state, not activations, when saved for backward."""
+    return [*model.parameters(), *model.buffers()]
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
