@@ -12,6 +12,7 @@ import yaml
 
 from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
 from dist_trainer.files import output_dir
+from dist_trainer.parallel.zero.config import OWNED_KEYS
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
@@ -69,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--top", type=int, default=5)
     q.add_argument("--out", default=None, help="write run.yaml, ds_config.json (ZeRO) and launch.sh here")
     q.add_argument("--max-model", action="store_true", help="largest scaled family model per ZeRO stage")
+    q.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="trial-run the top K layouts here through the launch scripts --out writes, re-rank them by "
+                        "measured step time and print predicted against measured")
+    q.add_argument("--verify-steps", type=int, default=6, help="steps per trial run (the first is not timed)")
+    q.add_argument("--verify-data", default="data/default", help="prepared data the trial runs read")
     _host_args(q, hardware=False)
     # Search limits: the best layout within what the cluster or the code allows (plan_layouts' keyword arguments)
     tp = q.add_mutually_exclusive_group()
@@ -230,13 +236,33 @@ def run_plan(args: argparse.Namespace) -> int:
         for i, p in enumerate(top, 1):
             host = f"; host {p.host_per_node / GiB:,.1f} GiB per node" if p.host_per_node else ""
             print(f"{i}. {describe(p.layout)}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
-                  f"bubble {p.time.bubble:.3f} s  tp {p.time.tp_comm:.3f} s  dp {p.time.dp_comm:.3f} s\n   "
+                  f"compute {p.time.compute:.3f} s  bubble {p.time.bubble:.3f} s\n   "
                   + _memory_line(p.memory) + host)
+            for axis, a in p.time.axes.items():
+                print(f"   {axis:<8}{a.bytes / 1e9:>10.3f} GB  {a.time:.3f} s, exposed {a.exposed:.3f} s: {a.rule}")
         for note in res.notes:
             print(note)
+    if args.verify and top:  # trial runs on the machines at hand; the measured fastest becomes the plan
+        top = _verify(args, cfg, res.layouts[:args.verify], opts)
     if args.out and top:
         _write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
     return 0 if top else 1
+
+
+def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[PlannedLayout],
+            opts: TrainingOptions) -> list[PlannedLayout]:
+    import tempfile
+
+    from dist_trainer.planner.verify import report, run_trials
+
+    def write(folder: Path, planned: PlannedLayout) -> None:
+        _write_plan(folder, cfg, planned, seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+
+    with tempfile.TemporaryDirectory(prefix="plan_verify_") as tmp:
+        trials = run_trials(candidates, write, Path(tmp), steps=args.verify_steps, data=args.verify_data)
+    print(f"\nverified the top {len(trials)} on this machine ({args.verify_steps} steps each), fastest measured "
+          f"first:\n{report(trials)}")
+    return [t.planned for t in trials if t.ok]
 
 
 def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
@@ -245,6 +271,9 @@ def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: in
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     if ds is not None:
+        # DeepSpeed's own sections only: what the run config owns (batch, precision, clipping, optimizer, schedule)
+        # is filled from run.yaml at launch, so `launch.sh --train.max_steps=N` does not contradict the file
+        ds = {k: v for k, v in ds.items() if k not in OWNED_KEYS}
         (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
         run["parallel"]["ds_config"] = str(out / "ds_config.json")
     (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
