@@ -136,12 +136,16 @@ RUN: list[tuple[str, Run]] = [
     (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
      Run(append=TRAIN_SCALE, expect=SUMMARY)),
     (r"^dist-trainer export\b", Run(then=_check_export)),
+    (r"^(\w+=\S+ )*dist-trainer plan\b.*--verify\b", Run(append="--verify-steps 3", expect=("verified the top",))),
     (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
-    (r"^dist-trainer (generate|params|memory|plan)\b", Run()),
+    (r"^dist-trainer (generate|params|memory|plan|calibrate)\b", Run()),
     (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
     (r"benchmarks/(trainer_overhead|zero_overhead)\.py", Run(append="--steps 3 --rounds 1")),
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
     (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
+    (r"benchmarks/planner_time\.py", Run(append="--quick --steps 3")),
+    (r"benchmarks/gpu_check\.py", Run(append="--device cpu --smoke --out runs/gpu_check.json")),
+    (r"benchmarks/megatron_table1\.py", Run()),
 ]
 
 
