@@ -100,8 +100,9 @@ class StepTime:
 
 
 def comm_bytes_per_rank(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
-                        n_params_rank: int) -> dict[str, float]:
-    """Bytes each rank sends per step, by regime (ring algorithms)."""
+                        n_params_rank: int, n_trainable_rank: int | None = None) -> dict[str, float]:
+    """Bytes each rank sends per step, by regime (ring algorithms). Gradients (and ZeRO-1/2's updated partitions)
+    exist for the ``n_trainable_rank`` trainable parameters only (default: all); ZeRO-3 gathers every one."""
     t, p, d, m = layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches
     act = 4 if options.precision == "fp32" else 2
     bsh = layout.micro_batch_size * seq_len * cfg.d_model * act
@@ -117,11 +118,12 @@ def comm_bytes_per_rank(cfg: ModelConfig, layout: Layout, *, seq_len: int, optio
         out["pp"] = 2 * m * layout.pp_virtual_stages * bsh / shard
     if d > 1:
         frac = (d - 1) / d
-        grads = n_params_rank * options.grad_bytes
+        trainable = n_params_rank if n_trainable_rank is None else n_trainable_rank
+        grads = trainable * options.grad_bytes
         if layout.zero_stage == 0:
             out["dp"] = 2 * frac * grads
-        else:
-            out["dp"] = frac * (grads + n_params_rank * options.param_bytes)
+        else:  # reduce-scatter the gradients; all-gather the updated partitions (stage 3: every parameter, for use)
+            out["dp"] = frac * (grads + (n_params_rank if layout.zero_stage == 3 else trainable) * options.param_bytes)
             if layout.zero_stage == 3:
                 out["zero3_gather"] = frac * n_params_rank * options.param_bytes
     return out
@@ -134,7 +136,7 @@ def gemm_efficiency(rows: int, cols: float) -> float:
 
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
-                       n_params_rank: int | None = None) -> StepTime:
+                       n_params_rank: int | None = None, n_trainable_rank: int | None = None) -> StepTime:
     """Compute at the profile's achievable efficiency, stretched by the bubble, plus exposed communication."""
     n = layout.world_size
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
@@ -147,7 +149,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     n_rank = n_params_rank if n_params_rank is not None else rank_params(
         cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=0, stage_layers=layout.pp_stage_layers,
         virtual_stages=layout.pp_virtual_stages, balance=layout.pp_balance).total
-    comm = comm_bytes_per_rank(cfg, layout, seq_len=seq_len, options=options, n_params_rank=n_rank)
+    comm = comm_bytes_per_rank(cfg, layout, seq_len=seq_len, options=options, n_params_rank=n_rank,
+                               n_trainable_rank=n_trainable_rank)
     intra = hardware.intra_node_bw
     tp_time = comm.get("tp", 0.0) / intra
     pp_bw = intra if layout.tp_size * layout.pp_size <= gpus_per_node else hardware.inter_node_bw
@@ -158,7 +161,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     dp_time = max(0.0, dp_raw - DP_OVERLAP * backward)
     offload = 0.0
     if layout.zero_offload:
-        shard = n_rank / layout.dp_size
+        shard = (n_rank if n_trainable_rank is None else n_trainable_rank) / layout.dp_size  # the optimizer's part
         transfer = shard * (4 + options.param_bytes) / hardware.pcie_bw  # fp32 grads down, 16-bit params up
         offload = transfer + shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
     total = compute + bubble + tp_time + pp_time + dp_time + offload

@@ -17,6 +17,7 @@ from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_layout, check
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.cost import StepTime, estimate_step_time
 from dist_trainer.planner.emit import run_config_dict
+from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
 from dist_trainer.planner.memory import (
     DEFAULT_OPTIONS,
@@ -28,6 +29,7 @@ from dist_trainer.planner.memory import (
     layout_rank_params,
     node_host_bytes,
     rank_memory,
+    rank_trainable,
 )
 from dist_trainer.planner.rank_params import RankParams
 
@@ -119,7 +121,7 @@ class _Planner:
             spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
                                       attention_kernel=o.attention_kernel, device=o.device,
                                       sp_saves_gathered_input=o.sp_saves_gathered_input)
-            self._costs[(tp, sp)] = act.layer_costs(self.cfg, spec)
+            self._costs[(tp, sp)] = act.layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
         return self._costs[(tp, sp)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
@@ -150,7 +152,9 @@ class _Planner:
         mem = self.memory_of(layout)
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
-                               n_params_rank=self.params(layout, 0).total)
+                               n_params_rank=self.params(layout, 0).total,
+                               n_trainable_rank=rank_trainable(self.cfg, layout, self.params(layout, 0),
+                                                               self.options, 0))
         host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
