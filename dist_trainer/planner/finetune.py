@@ -86,21 +86,10 @@ def _key(cfg: ModelConfig, freeze: Sequence[str]) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _plan(key: tuple) -> dict[str, tuple[bool, bool]]:
     n_layers, pos, types, placement, activation, tied, pooler, rank, targets, freeze = key
-    shape = _Shape(n_layers, pos, types, placement, activation, tied, pooler, rank, list(targets))
+    shape = ModelConfig(n_layers=n_layers, pos_embedding=pos, n_token_types=types, norm_placement=placement,
+                        activation=activation, tie_embeddings=tied, pooler=pooler, lora_rank=rank,
+                        lora_targets=list(targets))  # only the fields that decide which modules exist
     return training_plan(shape, list(freeze))
-
-
-@dataclass
-class _Shape:  # finetune.ModelShape from a cache key
-    n_layers: int
-    pos_embedding: str
-    n_token_types: int
-    norm_placement: str
-    activation: str
-    tie_embeddings: bool
-    pooler: bool
-    lora_rank: int
-    lora_targets: list[str]
 
 
 def module_training(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, tuple[bool, bool]]:
