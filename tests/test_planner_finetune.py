@@ -88,3 +88,14 @@ def test_model_states_charge_gradients_and_optimizer_for_trainable_parameters_on
     plain = predict_rank_memory(LLAMA, layout, seq_len=S, options=opts)
     assert lora.params > plain.params and lora.grads < plain.grads / 20 and lora.optimizer < plain.optimizer / 20
     assert lora.detail["overheads.zero_reduce_bucket"] < plain.detail["overheads.zero_reduce_bucket"] / 20
+
+
+def test_plan_writes_the_fine_tuning_into_the_run_config() -> None:
+    """`plan --out` emits a run.yaml the trainer validates, with the adapters and the frozen modules planned for."""
+    from dist_trainer.config import config_from_dict
+    from dist_trainer.planner.emit import run_config_dict
+
+    cfg = finetuned(LLAMA, {"lora_rank": 4, "lora_targets": "all_linear"})
+    tree = run_config_dict(cfg, Layout(dp_size=2), seq_len=S, options=TrainingOptions(freeze=("layers.0",)))
+    run = config_from_dict(tree).validate()
+    assert run.model.lora_rank == 4 and run.model.lora_targets == ["all_linear"] and run.train.freeze == ["layers.0"]

@@ -14,8 +14,9 @@ Vocabularies that tp does not divide are padded with zero rows to the next multi
 tp; padded logits are masked to -inf in the loss, so the loss equals the unpadded
 model's exactly (Megatron instead trains the padded columns: NVIDIA/Megatron-LM#1754).
 
-A LoRA linear (``model_lora.LoRALinear``) keeps its adapter through the split, as Megatron-core
-and NeMo lay it out, so the adapter needs no collective beyond the base layer's (``attach_adapter``):
+A LoRA linear (``model_lora.LoRALinear``) keeps its adapter through the split, laid out as PEFT's
+``LoraParallelLinear`` does for Megatron-LM's layers (peft/tuners/lora/tp_layer.py), so the adapter
+needs no collective beyond the base layer's (``attach_adapter``):
 column-parallel keeps A whole and splits B by output rows, row-parallel splits A by input columns
 and keeps B whole (its partial product is added before the base layer's ``g``). A whole adapter
 matrix beside split activations gets a partial gradient on each rank (``tp_reduce_grad``).
