@@ -21,22 +21,24 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
   a transient of the last stage, reported apart from the saved tensors;
 * selective recomputation (Korthikanti et al. 2022, section 4.2) runs each layer's attention core (RoPE, the
   GQA repeat, SDPA) under torch.utils.checkpoint: the layer keeps the q/k/v projections' outputs instead of the
-  core's tensors, whatever the kernel.
+  core's tensors, whatever the kernel;
+* fine-tuning (``planner/finetune.LayerGrads``): a tensor is kept only when a gradient that reads it is computed
+  (PyTorch's derivative formulas decide per input), so frozen weights drop their linears' inputs, a frozen bottom
+  keeps nothing, and LoRA adds each adapter's r-wide A x.
 
 Precision modes: ``fp32``; ``amp_bf16``/``amp_fp16`` (fp32 parameters under torch.autocast, as
 ``train.precision=bf16``: the residual stream stays fp32, every linear keeps a 16-bit copy of its input and
 autocast keeps 16-bit copies of the weights for the backward); ``bf16``/``fp16`` (a 16-bit model, as DeepSpeed
-and Megatron run it: 16-bit residual stream).
+and Megatron run it: 16-bit residual stream). ``activation_costs.py`` prices a rank's layers with these lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.model_names import FIRST_STAGE_MODULES
-from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
+from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import kv_sharded, lora_shapes, padded_vocab
 
 PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
@@ -172,7 +174,7 @@ def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool, g: Layer
     return out
 
 
-def _flow(cfg: ModelConfig, g: LayerGrads) -> dict[str, bool]:
+def layer_flow(cfg: ModelConfig, g: LayerGrads) -> dict[str, bool]:
     """Which tensors of the layer require grad: each linear's input (by leaf), and the attention core's q, k, v,
     the residual sums and the MLP's output. All True when everything trains."""
     pre = cfg.norm_placement == "pre"
@@ -241,7 +243,7 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
     """
     spec.validate()
     g, pre = grads, cfg.norm_placement == "pre"
-    flow = _flow(cfg, g)
+    flow = layer_flow(cfg, g)
     qkv = (flow["core_q"], flow["core_k"], flow["core_v"])
     attn = [*_linear_input(cfg, spec, "attn_norm.output" if pre else "layer.input", g, ("q_proj", "k_proj", "v_proj")),
             *_attention(cfg, spec, selective, g, qkv),
@@ -269,7 +271,7 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
     sizes = {"q_proj": h * h // t, "k_proj": h * kv_local, "v_proj": h * kv_local, "o_proj": h * h // t,
              "up_proj": h * f // t, "gate_proj": h * f // t if cfg.activation == "swiglu" else 0,
              "down_proj": f * h // t}
-    flow, lora = _flow(cfg, grads), lora_shapes(cfg, t)
+    flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
     total = sum(n for leaf, n in sizes.items() if flow[leaf])
     total += sum(grads.rank * (lora[leaf][0] * flow[leaf] + lora[leaf][1]) for leaf in grads.adapters)
     return 2 * total
@@ -339,127 +341,12 @@ def loss_backward_bytes_per_token(cfg: ModelConfig, spec: ActivationSpec) -> flo
     return (4 + (2 if spec.act == 2 else 0)) * vocab
 
 
-def total_bytes(tensors: list[SavedTensor], tokens: int) -> int:
-    return round(sum(x.bytes_per_token for x in tensors) * tokens)
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer's bytes per token of one micro-batch in each recomputation mode, and its autocast weight copies."""
-
-    full: float  # not recomputed
-    selective: float  # its attention core recomputed (keeps the projections' outputs instead)
-    checkpointed: float  # fully recomputed: its input only (kept even in a frozen layer)
-    attention_core: float  # what its recomputed attention core holds while its backward runs
-    amp_weights: int  # 16-bit weight copies autocast keeps per micro-batch (0 unless amp_*)
-
-
-def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads) -> LayerCost:
-    flow = _flow(cfg, g)
-    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g)),
-                     selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g)),
-                     checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
-                     attention_core=per_token(attention_core_saved_tensors(
-                         cfg, spec, flow["core_q"], flow["core_k"], flow["core_v"])),
-                     amp_weights=amp_weight_copies(cfg, spec, g))
-
-
 def per_token(tensors: list[SavedTensor]) -> float:
     return sum(x.bytes_per_token for x in tensors)
 
 
-@dataclass(frozen=True)
-class LayerCosts:
-    """Bytes per token of one micro-batch, and the per-forward autocast weight copies, for one rank.
-
-    Every layer costs ``layer`` unless fine-tuning freezes parts of the model: then each layer has its own cost,
-    as it sits on the first pipeline stage (its input's gradient as in one process) or on a later one (received
-    activations always require grad), and the head costs ``head_staged`` on a last stage that is not the first.
-    """
-
-    layer: LayerCost
-    embedding: float
-    head: float
-    loss_backward: float  # the loss's gradients at the start of the last stage's backward
-    amp_head_weights: int
-    per_layer: tuple[LayerCost, ...] = ()
-    per_layer_staged: tuple[LayerCost, ...] = ()
-    head_staged: float | None = None
-
-    @property
-    def full(self) -> float:
-        return self.layer.full
-
-    def of(self, i: int, staged: bool) -> LayerCost:
-        if not self.per_layer:
-            return self.layer
-        return (self.per_layer_staged if staged else self.per_layer)[i]
-
-
-def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = None) -> LayerCosts:
-    """Per-token costs of this model's layers, embedding and head on one rank; ``plan``: a fine-tuning run's
-    gradients (``planner/finetune.grad_plan``; None when everything trains)."""
-    amp_head = 0
-    if spec.precision.startswith("amp"):
-        t = spec.tp_size
-        amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
-    layer, loss_backward = _layer_cost(cfg, spec, ALL_TRAIN), loss_backward_bytes_per_token(cfg, spec)
-    if plan is None:
-        return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
-                          head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
-                          amp_head_weights=amp_head)
-    cache: dict[LayerGrads, LayerCost] = {}
-
-    def cost(g: LayerGrads) -> LayerCost:
-        if g not in cache:
-            cache[g] = _layer_cost(cfg, spec, g)
-        return cache[g]
-
-    head = "head" in plan.tail
-    return LayerCosts(
-        layer, loss_backward=loss_backward, embedding=per_token(embedding_saved_tensors(cfg, spec, plan.embedding)),
-        head=per_token(head_saved_tensors(cfg, spec, plan.head_input(False), plan.tail)),
-        head_staged=per_token(head_saved_tensors(cfg, spec, True, plan.tail)),
-        amp_head_weights=amp_head if head or plan.head_input(False) else 0,
-        per_layer=tuple(cost(plan.layer(i, False)) for i in range(cfg.n_layers)),
-        per_layer_staged=tuple(cost(plan.layer(i, True)) for i in range(cfg.n_layers)))
-
-
-def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
-                      first: bool, last: bool, in_flight: float) -> dict[str, int]:
-    """Activation terms of one pipeline stage at its peak, in bytes.
-
-    ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
-    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers);
-    ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
-    the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
-    first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core), alive
-    while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
-    on the rank that holds the embeddings; every other layer sits on a later stage.
-    """
-    if mode not in RECOMPUTE:
-        raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
-    chained = 0
-    while first and chained < len(layer_ids) and layer_ids[chained] == chained:
-        chained += 1
-    per_token = weights = recompute = 0.0
-    for k, i in enumerate(layer_ids):
-        c = costs.of(i, staged=k >= chained)
-        if mode == "full" or (mode == "every_k" and i % every == 0):
-            per_token += c.checkpointed
-            recompute = max(recompute, c.full)
-        else:
-            per_token += c.selective if mode == "selective" else c.full
-            weights += c.amp_weights
-            recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
-    head = costs.head_staged if costs.head_staged is not None and not first else costs.head
-    per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
-    weights += costs.amp_head_weights if last else 0
-    return {
-        "saved": round(per_token * tokens * in_flight),
-        "amp_weight_copies": round(weights * in_flight),
-        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
-    }
+def total_bytes(tensors: list[SavedTensor], tokens: int) -> int:
+    return round(sum(x.bytes_per_token for x in tensors) * tokens)
 
 
 def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,

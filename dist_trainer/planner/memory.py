@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_offload, check_schedule, check_tp, layers_per_stage
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
 
@@ -260,12 +261,12 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
     spec = act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
                               precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input)
-    costs = act.layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
-    return act.stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                 layer_ids=layout.rank_layer_ids(cfg, pp_rank),
-                                 tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
-                                 last=pp_rank == layout.pp_size - 1,
-                                 in_flight=_in_flight(layout, pp_rank))
+    costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
+    return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                             layer_ids=layout.rank_layer_ids(cfg, pp_rank),
+                             tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
+                             last=pp_rank == layout.pp_size - 1,
+                             in_flight=_in_flight(layout, pp_rank))
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from dist_trainer.config import ModelConfig, config_from_dict
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_layout, check_tp
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
 from dist_trainer.planner.emit import run_config_dict
 from dist_trainer.planner.finetune import grad_plan
@@ -99,7 +100,7 @@ class _Planner:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool], act.LayerCosts] = {}
+        self._costs: dict[tuple[int, bool], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -115,13 +116,13 @@ class _Planner:
             self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
         return self._layers[key]
 
-    def costs(self, tp: int, sp: bool) -> act.LayerCosts:
+    def costs(self, tp: int, sp: bool) -> LayerCosts:
         if (tp, sp) not in self._costs:
             o = self.options
             spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
                                       attention_kernel=o.attention_kernel, device=o.device,
                                       sp_saves_gathered_input=o.sp_saves_gathered_input)
-            self._costs[(tp, sp)] = act.layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
+            self._costs[(tp, sp)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
         return self._costs[(tp, sp)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
@@ -136,11 +137,11 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = act.stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
-                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                         layer_ids=layers[r],
-                                         tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
-                                         last=r == p - 1, in_flight=in_flight)
+            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
+                                     mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                     layer_ids=layers[r],
+                                     tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                     last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
             if worst is None or mem.device_total > worst.device_total:
