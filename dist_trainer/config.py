@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.finetune import frozen_modules, lora_target_leaves
+from dist_trainer.finetune import lora_target_leaves, training_plan
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -349,7 +349,10 @@ class Config:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
-        frozen_modules(self.model, self.train.freeze)  # ValueError naming a malformed pattern, or one matching nothing
+        # ValueError naming a malformed pattern, or one matching nothing; and a run where nothing would train
+        if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
+            raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
+                             f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
         tp = self.parallel.tp_size
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
             raise ValueError(

@@ -71,6 +71,7 @@ def test_freeze_patterns_and_presets(patterns: list[str], expected: set[str]) ->
     ("train.freeze=[bottom:0]", r"preset 'bottom:0': N must be an integer in 1..model.n_layers=4"),
     ("train.freeze=[bottom:x]", r"preset 'bottom:x'"),
     ("train.freeze=[3]", r"train.freeze=\[3\] must be a list of module-name patterns or presets"),
+    ("train.freeze=[layers.0-3]", r"freezes every parameter of the model and its adapters: nothing would train"),
     ("model.lora_targets=q_proj,gate_proj", r"\['gate_proj'\] are not among this model's layer linears"),
     ("model.lora_targets=q_proj,q_proj", r"repeated names"),
     ("model.lora_rank=-1", r"model.lora_rank=-1 must be an integer >= 0"),
