@@ -3,7 +3,7 @@
     dist-trainer prepare  --input PATH... --out DIR --vocab-size N
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
-    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
+    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora]  (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
     dist-trainer memory-experiment --model PRESET --stages 0,1,2,3 --nprocs N   (ZeRO, measured vs predicted)
 
@@ -75,13 +75,15 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint as one plain model (safetensors + config.json)")
     p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
     p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="fold a LoRA run's adapters into their weights (W0 + alpha/r B A): a plain model")
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
     from dist_trainer.train.export import export_safetensors
 
-    print(export_safetensors(args.checkpoint, args.out))
+    print(export_safetensors(args.checkpoint, args.out, merge_lora=args.merge_lora))
     return 0
 
 

@@ -24,7 +24,7 @@ import torch
 
 from dist_trainer.checkpoint.convert import load_shards
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, seeded_model
+from dist_trainer.engines.base import Engine, seeded_model, start_finetune
 from dist_trainer.model import Transformer
 from dist_trainer.optim import param_groups, set_lr
 from dist_trainer.parallel.state import ParallelState
@@ -84,6 +84,7 @@ class ZeroEngine(Engine):
                                  remote_device="cpu" if self.cfg.parallel.zero_offload else None, mpu=self.mpu):
             model = Transformer(self.cfg.model)
         init_partitioned(model)
+        start_finetune(model, self.cfg, lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
         model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
                                            self.cfg.parallel.checkpoint_every)
         return model.to(self.device)
@@ -175,7 +176,8 @@ class ZeroEngine(Engine):
             self.optimizer._lazy_init_hp_params_optimizer_state()
         for name, p in self.model.named_parameters():
             full = model_state[name].to(self.device, torch.float32)
-            safe_set_full_fp32_param(p, full)
+            if p.requires_grad:  # a frozen parameter has no fp32 master partition (nor moments)
+                safe_set_full_fp32_param(p, full)
             for key in ("exp_avg", "exp_avg_sq"):
                 if name in saved:
                     safe_set_full_optimizer_state(p, saved[name][key].to(self.device, torch.float32), key)

@@ -181,9 +181,10 @@ def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
 
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
-                       n_params_rank: int | None = None) -> StepTime:
+                       n_params_rank: int | None = None, n_trainable_rank: int | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
-    docstring: the overlap rules)."""
+    docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
+    trainable parameters only (default: all; frozen ones under fine-tuning); ZeRO-3 gathers every parameter."""
     n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
                         layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
@@ -198,6 +199,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     n_rank = n_params_rank if n_params_rank is not None else rank_params(
         cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
         balance=layout.pp_balance).total
+    trainable = n_rank if n_trainable_rank is None else n_trainable_rank
     act = 4 if options.precision == "fp32" else 2
     bsh = tokens * cfg.d_model * act
     intra = (hardware.intra_node_bw, hardware.intra_node_latency)
@@ -219,9 +221,10 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         axes["pp"] = AxisTime(2 * m * v * msg, 2 * m * v * one, critical * one,
                               f"the {critical} transfers on the schedule's critical path are exposed")
     if d > 1:
-        axes["dp"] = _dp_time(layout, options, n_rank, backward_one, compute, inter if n > gpus_per_node else intra)
+        axes["dp"] = _dp_time(layout, options, n_rank, trainable, backward_one, compute,
+                              inter if n > gpus_per_node else intra)
     if layout.zero_offload:
-        shard = n_rank / d
+        shard = trainable / d  # the optimizer's part
         per_micro = m if layout.zero_stage == 2 else 1  # stage 2 moves every micro-batch's gradient partition
         transfer = shard * (4 * per_micro + options.param_bytes) / hardware.pcie_bw
         adam = shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
@@ -232,11 +235,13 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)
 
 
-def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, backward_one: float, compute: float,
-             link: tuple[float, float]) -> AxisTime:
-    """The data-parallel axis of one step (module docstring): volume per regime and what overlaps it."""
+def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, trainable: int, backward_one: float,
+             compute: float, link: tuple[float, float]) -> AxisTime:
+    """The data-parallel axis of one step (module docstring): volume per regime and what overlaps it. Gradients and
+    ZeRO-1/2's updated partitions are the trainable parameters'; ZeRO-3 gathers every parameter for use."""
     d, m = layout.dp_size, layout.n_microbatches
-    grads, params = n_rank * options.grad_bytes, n_rank * options.param_bytes
+    grads = trainable * options.grad_bytes
+    params = (n_rank if layout.zero_stage == 3 else trainable) * options.param_bytes
     if layout.zero_stage == 0:
         time = ring_time("all_reduce", grads, d, *link)
         if layout.pp_size > 1:

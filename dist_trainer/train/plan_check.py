@@ -102,7 +102,8 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     precision = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[cfg.train.precision]
     # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
     kernel = "flash" if cfg.model.dropout == 0 else "math"
-    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel)
+    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
+                           freeze=tuple(cfg.train.freeze))
 
 
 def peak_resident_bytes() -> int:

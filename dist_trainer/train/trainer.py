@@ -13,6 +13,7 @@ optimizer_step with the scheduled LR; metrics on rank 0, periodic eval and check
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
-from dist_trainer.config import Config
+from dist_trainer.config import Config, ModelConfig
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, data_fingerprint
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
 from dist_trainer.model import count_parameters
+from dist_trainer.model_lora import count_trainable
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.train.autolayout import choose_layout
@@ -213,7 +215,9 @@ class Trainer:
 
     def describe(self) -> str:
         n = count_parameters(self.model)  # ZeRO-3 partitions count as what this rank holds
-        return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters on this rank; "
+        trainable = count_trainable(self.model)
+        tuned = f" ({trainable:,} trainable)" if trainable != n else ""
+        return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters{tuned} on this rank; "
                 f"world {self.env.world_size} ({self.env.launcher}), tp {self.state.tp_size} x "
                 f"pp {self.state.pp_size} x dp {self.dp_size}, device {self.device}, "
                 f"{self.cfg.train.precision}, {self.engine.name}, "
@@ -304,7 +308,8 @@ def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]
     content: the same shards moved to another data.path resume; other shards at the same path do not.
     tp, pp and dp may all change: the engines merge the saved shards and cut out their own part.
     """
-    saved_model = meta["config"]["model"]
+    # a field added since the checkpoint was written (LoRA's, issue 14) reads as its default
+    saved_model = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}
     current = cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
     if diff:

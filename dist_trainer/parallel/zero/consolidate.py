@@ -32,7 +32,9 @@ def consolidate(ds_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     stage, world = raw[0]["zero_stage"], raw[0]["partition_count"]
     world = max(world) if isinstance(world, list) else world
     paddings = raw[0].get("param_alignment_paddings")
-    base = [r["optimizer_state_dict"] for r in raw]  # the wrapped torch AdamW over flat partitions
+    # the wrapped torch AdamW over flat partitions: stage 3 saves it as optimizer_state_dict, stages 1-2 (without
+    # elastic checkpoints) as base_optimizer_state (runtime/zero/stage_1_and_2.py state_dict)
+    base = [r["optimizer_state_dict"] if "optimizer_state_dict" in r else r["base_optimizer_state"] for r in raw]
     per_moment: dict[str, dict[str, torch.Tensor]] = {}
     for key in MOMENTS:
         flat = [[b["state"][g][key] for g in sorted(b["state"])] for b in base]
