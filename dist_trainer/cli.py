@@ -4,7 +4,7 @@
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
     dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
-    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
+    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora]  (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
     dist-trainer memory-experiment --model PRESET --stages 0,1,2,3 --nprocs N   (ZeRO, measured vs predicted)
 
@@ -108,13 +108,15 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint as one plain model (safetensors + config.json)")
     p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
     p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="fold a LoRA run's adapters into their weights (W0 + alpha/r B A): a plain model")
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
     from dist_trainer.train.export import export_safetensors
 
-    print(export_safetensors(args.checkpoint, args.out))
+    print(export_safetensors(args.checkpoint, args.out, merge_lora=args.merge_lora))
     return 0
 
 
@@ -122,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's parser. The modules imported here import torch only inside the functions that run,
     so `--help` and the planner's subcommands start in a fraction of a second (tests/test_cli_startup.py)."""
     from dist_trainer.data import prepare
-    from dist_trainer.experiments import memory_experiment
+    from dist_trainer.experiments import calibrate, memory_experiment
     from dist_trainer.planner import cli as planner_cli
 
     parser = argparse.ArgumentParser(prog="dist-trainer", description=__doc__,
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_export(sub)
     planner_cli.register(sub, check_written=_check_written)
     memory_experiment.register(sub)
+    calibrate.register(sub)
     return parser
 
 

@@ -10,7 +10,8 @@ import torch
 
 from dist_trainer.planner.search import plan_layouts
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.autolayout import choose_layout, planner_options
+from dist_trainer.train.autolayout import choose_layout
+from dist_trainer.train.plan_check import planner_options
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -37,9 +38,9 @@ def test_layout_auto_runs_the_planners_best_layout(tiny_data: Path, tmp_path: Pa
     assert (chosen["tp"], chosen["dp"], chosen["zero"], chosen["micro"]) == (
         best.tp_size, best.dp_size, best.zero_stage, best.micro_batch_size)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    check = next(r for r in records if "planner/model_state_ratio" in r)
+    check = next(r for r in records if "plan_check/model_states/ratio" in r)
     # the planner's model-state bytes against the tensor bytes this rank really holds: within 1%
-    assert abs(check["planner/model_state_ratio"] - 1.0) <= 0.01, check
+    assert abs(check["plan_check/model_states/ratio"] - 1.0) <= 0.01, check
 
 
 def _runs(cfg, layout) -> bool:  # noqa: ANN001
@@ -47,7 +48,7 @@ def _runs(cfg, layout) -> bool:  # noqa: ANN001
     from dist_trainer.train.prelaunch import check_layout
 
     try:
-        check_layout(_config_for(cfg, layout), 2, torch.device("cpu"))
+        check_layout(_config_for(cfg, layout), 2, "cpu")
     except ValueError:
         return False
     return True

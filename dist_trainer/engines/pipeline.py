@@ -19,7 +19,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm
+from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.layout_rules import n_microbatches
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
@@ -61,6 +61,7 @@ class PipelineEngine(NamedShardsMixin, Engine):
         self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
                                         balance=p.pp_balance, stage_layers=p.pp_stage_layers,
                                         seed=cfg.train.seed, device="cpu")
+        start_finetune(PipelineRankModule(self.stages), cfg)  # by global names, before TP splits the modules
         for stage in self.stages:
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
             stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)

@@ -13,6 +13,7 @@ optimizer_step with the scheduled LR; metrics on rank 0, periodic eval and check
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,19 +24,20 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import newest_readable
-from dist_trainer.config import Config
+from dist_trainer.config import Config, ModelConfig
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, data_fingerprint
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.layout_rules import needs_process_group
 from dist_trainer.model import count_parameters
+from dist_trainer.model_lora import count_trainable
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.train.autolayout import compare, measured_model_state_bytes
 from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
+from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, oom_report, peak_resident_bytes
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -51,6 +53,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, log: bool = True) -> None:
         cfg.validate()
+        self.start_resident = peak_resident_bytes()  # the plan check's memory baseline (CPU)
         self.env = detect_launch_env()
         self.device = pick_device(cfg.train.device, self.env.local_rank)
         # before any group exists: layout=auto's choice, the micro-batch fit, the layout rules (train/check.py)
@@ -88,6 +91,8 @@ class Trainer:
                                               cfg.train.seed) if cfg.train.eval_every else None
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
+        self.plan_check = PlanCheck(cfg, self.dp_size, self.state.pp_rank, self.env.rank, self.env.world_size,
+                                    self.env.local_world_size, self.device, self.out_dir, self.start_resident)
         self.step = 0
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
@@ -107,7 +112,10 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
-        loss_sum = self.engine.forward_backward(batches)
+        with self.plan_check.watch(step, _state_tensors(self.engine.model)):
+            loss_sum = self.engine.forward_backward(batches)
+        if step == CHECK_STEP:
+            self.plan_check.after_backward(step, self.engine.owned_state_bytes())
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         grad_norm = self.engine.optimizer_step(lr)
         mean_loss = self.state.dp.all_reduce(loss_sum / len(batches)) / self.dp_size
@@ -160,12 +168,11 @@ class Trainer:
                                       "mfu": flops_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
                                       **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()}}
-            if self.auto_layout is not None and self.step == min(3, cfg.train.max_steps):
-                states = measured_model_state_bytes(self.model, getattr(self.engine, "optimizer", None))
-                record.update(compare(self.auto_layout, states, dt))
-                self.logger.write(f"layout=auto after step {self.step}: model states predicted "
-                                  f"{record['planner/predicted_model_state_bytes']:,} B, measured {states:,} B; "
-                                  f"step predicted {self.auto_layout.planned.time.total:.3f} s, measured {dt:.3f} s")
+            checked = self.plan_check.after_step(step, dt)  # the planner's prediction next to this run's figures
+            if checked:
+                record.update(checked)
+                for warning in self.plan_check.warnings(checked):
+                    self.logger.write(warning)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                 record["eval_loss"] = result.eval_losses[self.step] = self.evaluate()
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
@@ -188,6 +195,9 @@ class Trainer:
         start = time.monotonic()
         try:
             return fn(step)
+        except torch.cuda.OutOfMemoryError as exc:  # what the planner expected, and the layout it would pick
+            raise ValueError(oom_report(self.cfg, self.dp_size, self.state.pp_rank, self.env.world_size,
+                                        self.env.local_world_size, self.device, exc)) from exc
         except (RuntimeError, dist.DistError) as exc:
             if self.env.world_size == 1 or not _is_comm_failure(exc):
                 raise
@@ -200,7 +210,9 @@ class Trainer:
 
     def describe(self) -> str:
         n = count_parameters(self.model)  # ZeRO-3 partitions count as what this rank holds
-        return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters on this rank; "
+        trainable = count_trainable(self.model)
+        tuned = f" ({trainable:,} trainable)" if trainable != n else ""
+        return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters{tuned} on this rank; "
                 f"world {self.env.world_size} ({self.env.launcher}), tp {self.state.tp_size} x "
                 f"pp {self.state.pp_size} x dp {self.dp_size}, device {self.device}, "
                 f"{self.cfg.train.precision}, {self.engine.name}, "
@@ -257,6 +269,11 @@ class Trainer:
         return [*notes, f"resumed from {path} at step {self.step}"]
 
 
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers: model state, not activations, when saved for backward."""
+    return [*model.parameters(), *model.buffers()]
+
+
 def _is_comm_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
@@ -279,7 +296,8 @@ def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]
     content: the same shards moved to another data.path resume; other shards at the same path do not.
     tp, pp and dp may all change: the engines merge the saved shards and cut out their own part.
     """
-    saved_model = meta["config"]["model"]
+    # a field added since the checkpoint was written (LoRA's, issue 14) reads as its default
+    saved_model = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}
     current = cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
     if diff:
