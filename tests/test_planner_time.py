@@ -110,8 +110,10 @@ def test_plan_verify_trial_runs_the_top_layouts(tmp_path: Path) -> None:
                            "--verify-steps", "4", "--verify-data", str(data), "--out", str(tmp_path / "plan")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = proc.stdout.split("fastest measured first:")[1].strip().splitlines()
-    assert len(table) == 3 and "failed" not in proc.stdout  # a header and both layouts, measured
-    first, second = (float(line.split()[2]) for line in table[1:])
+    after = proc.stdout.split("fastest measured first:")[1].strip().splitlines()
+    assert after[0].split()[:3] == ["#", "predicted", "s"]
+    rows = after[1:3]  # the trainer's pre-launch check of the written plan prints below the table
+    assert [r.split()[0] for r in rows] == ["1", "2"] and "failed" not in proc.stdout  # both layouts, measured
+    first, second = (float(line.split()[2]) for line in rows)
     assert 0 < first <= second
     assert (tmp_path / "plan" / "launch.sh").is_file()
