@@ -45,6 +45,18 @@ from dist_trainer.planner.params import matmul_params
 from dist_trainer.planner.rank_params import rank_params
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+# The work between the GEMMs, counted on our layer (model.py), per token, forward + backward (backward about twice
+# the forward's passes), in elements read or written: norms and residual adds over d_model (split by t only under
+# SP); attention layout copies, SDPA's reads and writes and the MLP activation over the TP-split widths; the
+# log-softmax and its gradient over the vocabulary (split by t). Priced only with a profile's memory_bw.
+PASSES_REPLICATED = 28  # x d_model: 2 norms (2 each) + 2 residual adds (3 each) forward, ~1.8x that backward
+PASSES_SPLIT = 36  # x d_model / t: q/k/v/o layout copies and SDPA I/O (12 forward, 24 backward)
+PASSES_MLP = 5  # x ffn / t: the activation (2 forward, 3 backward)
+PASSES_LOSS = 5  # x vocab / t: log-softmax (2 forward), its gradient (3 backward)
+OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one micro-batch
+OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
+ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
+ADAM_OPS = 10  # ops per parameter tensor of torch's single-tensor AdamW (foreach=False); DeepSpeed's flat groups: 2
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
@@ -192,14 +204,15 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     tokens = layout.micro_batch_size * seq_len
     most_layers = max(len(layout.rank_layer_ids(cfg, r)) for r in range(p))
     imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
-    compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
-    bubble_frac = pipeline_bubble(p, m, v, layout.pp_schedule)
-    bubble = compute * bubble_frac / (1 - bubble_frac)
-    backward_one = compute * 2.0 / 3.0 / m  # one micro-batch's backward
     n_rank = n_params_rank if n_params_rank is not None else rank_params(
         cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
         balance=layout.pp_balance).total
     trainable = n_rank if n_trainable_rank is None else n_trainable_rank
+    compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
+    compute += _memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
+    bubble_frac = pipeline_bubble(p, m, v, layout.pp_schedule)
+    bubble = compute * bubble_frac / (1 - bubble_frac)
+    backward_one = compute * 2.0 / 3.0 / m  # one micro-batch's backward
     act = 4 if options.precision == "fp32" else 2
     bsh = tokens * cfg.d_model * act
     intra = (hardware.intra_node_bw, hardware.intra_node_latency)
@@ -233,6 +246,29 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * n * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)
+
+
+def _memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile,
+                         layers: int, tokens: int, trainable: int) -> float:
+    """Seconds of the elementwise passes, the optimizer and the per-op cost of this rank's step (constants above),
+    when the profile has measured them (``memory_bw``, ``op_overhead``: dist-trainer calibrate); else 0, the
+    data-sheet profiles' efficiency standing for them. Every micro-batch crosses the last stage, so the loss's
+    passes are on the critical path whatever the stage. The optimizer updates the ``trainable`` parameters only."""
+    if hardware.memory_bw is None or hardware.op_overhead is None:
+        return 0.0
+    t, m, h = layout.tp_size, layout.n_microbatches, cfg.d_model
+    act = 4 if options.precision == "fp32" else 2
+    replicated = h / t if layout.sequence_parallel else h
+    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t)
+    recomputed = {"full": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
+        layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
+    per_token *= 1 + recomputed / 3
+    passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
+    optimizer_bytes = ADAM_BYTES * trainable / (layout.dp_size if layout.zero_stage else 1)
+    tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
+    optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
+    ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
+    return (passes + optimizer_bytes) / hardware.memory_bw + ops * hardware.op_overhead
 
 
 def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, trainable: int, backward_one: float,
