@@ -74,11 +74,12 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def _check_written(run_yaml: Path, world_size: int, gpus_per_node: int, device: str) -> None:
-    """`plan --out`: the trainer's pre-launch check on the run.yaml it wrote (a refusal is an error)."""
+    """`plan --out`: the trainer's pre-launch check on the run.yaml it wrote (a refused layout is an error; data
+    that does not fit the planned model yet is reported as the step left to do)."""
     from dist_trainer.config import load_config
     from dist_trainer.train.check import check_run
 
-    report = check_run(load_config(run_yaml), world_size, gpus_per_node, device)
+    report = check_run(load_config(run_yaml), world_size, gpus_per_node, device, data_required=False)
     print(f"dist-trainer check --config {run_yaml} --world-size {world_size} --gpus-per-node {gpus_per_node}:")
     print("\n".join(f"  {line}" for line in report))
 

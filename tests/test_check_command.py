@@ -63,6 +63,11 @@ def test_check_refuses_what_the_trainer_refuses(tiny_data: Path, tmp_path: Path)
         check_run(cfg, 4, None, "cpu")  # from the data's meta.json alone
     with pytest.raises(ValueError, match=r"prepared with vocab_size=512 but the model expects vocab_size=600"):
         check_run(tiny_config(tiny_data, tmp_path, model={"vocab_size": 600}), 2, None, "cpu")
+    # plan --out checks a plan for a cluster whose data may not be prepared yet: the same finding, as the step to do
+    report = check_run(tiny_config(tiny_data, tmp_path, model={"vocab_size": 600}), 2, None, "cpu",
+                       data_required=False)
+    notes = [line for line in report if line.startswith("data not ready for this run (prepare it")]
+    assert report[0].startswith("ok: 2 ranks") and "expects vocab_size=600" in notes[0], report
     with pytest.raises(ValueError, match=r"layout=auto checked for another machine needs parallel.device_memory_gb"):
         check_run(tiny_config(tiny_data, tmp_path, parallel={"layout": "auto"}), 64, 8, "cuda")
 

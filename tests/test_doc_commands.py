@@ -113,6 +113,8 @@ NOT_RUN: list[tuple[str, str]] = [
 def _run_small_plan(ws: Path, env: dict[str, str]) -> None:
     """The same `plan --out` for a world this machine has, then the launch.sh it wrote (one node, 2 processes)."""
     out = ws / "plan-small"
+    if not (ws / "data" / "default" / "meta.json").is_file():  # run alone (-k), before the README's prepare
+        _shell("dist-trainer prepare --out data/default --vocab-size 4096 --max-bytes 2M", ws, env)
     _shell(f"dist-trainer plan --model tiny --gpus 2 --gpus-per-node 2 --gpu-memory-gb 4 --hardware cpu "
            f"--seq-len 128 --global-batch 16 --out {out}", ws, env)
     proc = _shell(f"bash {out}/launch.sh {TRAIN_SCALE} --train.out_dir=runs/plan-small", ws, env)

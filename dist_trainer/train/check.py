@@ -64,10 +64,13 @@ def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
                          f"lower train.eval_batches or prepare more validation text")
 
 
-def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, device_type: str = "cuda") -> list[str]:
+def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, device_type: str = "cuda", *,
+              data_required: bool = True) -> list[str]:
     """The trainer's pre-launch check of ``cfg`` on ``world_size`` ranks of ``device_type``, in nodes of
     ``gpus_per_node`` (default: one node holds the world). ValueError naming the values if it would refuse to
-    start; else the lines of a report (the layout it runs, the notes the run would log)."""
+    start; else the lines of a report (the layout it runs, the notes the run would log). With ``data_required``
+    off (``plan --out``: a plan is made for a cluster whose data may not be prepared here yet) a data folder that
+    does not fit the run is reported as the step still to do instead of refused."""
     if world_size < 1:
         raise ValueError(f"--world-size={world_size} must be >= 1")
     per_node = world_size if gpus_per_node is None else gpus_per_node
@@ -82,12 +85,18 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
     data = Path(cfg.data.path)
     if (data / "meta.json").is_file():
         meta = read_data_meta(data)
-        n_train = split_samples(data, meta, "train", cfg.data.seq_len, cfg.model.vocab_size)
-        n_val = split_samples(data, meta, "val", cfg.data.seq_len) if cfg.train.eval_every else 0
-        check_data_sizes(cfg, n_train, n_val)
-        notes.append(f"data {data}: {n_train:,} training and {n_val:,} validation windows of data.seq_len="
-                     f"{cfg.data.seq_len} (vocabulary {meta['vocab_size']}); shard sizes and checksums are checked "
-                     "when the run opens them")
+        try:
+            n_train = split_samples(data, meta, "train", cfg.data.seq_len, cfg.model.vocab_size)
+            n_val = split_samples(data, meta, "val", cfg.data.seq_len) if cfg.train.eval_every else 0
+            check_data_sizes(cfg, n_train, n_val)
+        except ValueError as e:
+            if data_required:
+                raise
+            notes.append(f"data not ready for this run (prepare it before launching; the trainer refuses it now): {e}")
+        else:
+            notes.append(f"data {data}: {n_train:,} training and {n_val:,} validation windows of data.seq_len="
+                         f"{cfg.data.seq_len} (vocabulary {meta['vocab_size']}); shard sizes and checksums are "
+                         "checked when the run opens them")
     else:
         notes.append(f"data not checked: {data} holds no meta.json here (the vocabulary and split sizes are checked "
                      "when the run opens it)")
