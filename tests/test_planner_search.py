@@ -93,6 +93,17 @@ def test_max_model_grows_with_memory() -> None:
     assert small[3].n_params >= small[0].n_params  # a higher stage may use any lower one
 
 
+def test_max_model_with_a_fixed_tp_beyond_the_head_unit() -> None:
+    """--tp 16: every scaled member has a head count that splits 16 ways (8 heads, the unit otherwise, do not)."""
+    base = model_config("gpt2-xl")  # 25 heads: the unit is 8 without a fixed tp
+    rows = max_model(base, n_gpus=64, gpus_per_node=16, gpu_memory_bytes=32 * GiB, seq_len=1024, global_batch=64,
+                     tp_size=16, zero_stages=(2,))
+    assert rows[0].model is not None and rows[0].planned is not None, rows
+    assert rows[0].model.n_heads % 16 == 0 and rows[0].planned.layout.tp_size == 16
+    assert scale_model(base, 1, seq_len=1024, tp_size=16).n_heads == 16
+    assert scale_model(base, 1, seq_len=1024).n_heads == 8
+
+
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="dist-trainer")
     register(parser.add_subparsers())

@@ -1,6 +1,7 @@
 """The largest model of a family that trains at each ZeRO stage on a given GPU count and memory.
 
-A family preset is scaled by its head count: n_heads = k * unit (unit keeps the GQA group and tp = 8 valid),
+A family preset is scaled by its head count: n_heads = k * unit (unit keeps the GQA group and tp = 8 valid, and a
+fixed ``--tp`` beyond 8 when one is given),
 d_model = n_heads * head_dim (head_dim kept), n_layers grown in proportion (the preset's depth/width ratio),
 d_ff kept at the preset's ratio to d_model (rounded to a multiple of 64). For each stage the largest k whose
 least-memory layout (micro-batch 1, full recomputation, SP, 1F1B, every tp and pp) fits is found by bisection.
@@ -28,10 +29,13 @@ class MaxModel:
     planned: PlannedLayout | None
 
 
-def scale_model(base: ModelConfig, k: int, *, seq_len: int) -> ModelConfig:
-    """The family member with ``k`` head units (see the module docstring)."""
+def scale_model(base: ModelConfig, k: int, *, seq_len: int, tp_size: int | None = None) -> ModelConfig:
+    """The family member with ``k`` head units (see the module docstring); with ``tp_size`` every member splits
+    over that many ranks (its head count a multiple of it)."""
     group = base.n_heads // base.kv_heads
     unit = math.lcm(group, 8) if base.n_heads >= 8 else group
+    if tp_size is not None:
+        unit = math.lcm(unit, tp_size)
     heads = k * unit
     d_model = heads * base.head_dim
     layers = max(1, round(base.n_layers * heads / base.n_heads))
@@ -54,7 +58,7 @@ def max_model(base: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_
     """
 
     def best(k: int, stage: int) -> PlannedLayout | None:
-        cfg = scale_model(base, k, seq_len=seq_len)
+        cfg = scale_model(base, k, seq_len=seq_len, tp_size=tp_size)
         res = plan_layouts(cfg, n_gpus=n_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
                            seq_len=seq_len, global_batch=global_batch, hardware=hardware, options=options,
                            overheads=overheads, zero_stages=tuple(z for z in zero_stages if z <= stage),
@@ -75,6 +79,6 @@ def max_model(base: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_
         if lo == 0:
             out.append(MaxModel(stage, offload and stage > 0, None, 0, None))
             continue
-        cfg = scale_model(base, lo, seq_len=seq_len)
+        cfg = scale_model(base, lo, seq_len=seq_len, tp_size=tp_size)
         out.append(MaxModel(stage, offload and stage > 0, cfg, count_params(cfg), best(lo, stage)))
     return out
