@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,14 +31,15 @@ from dist_trainer.planner.cost import estimate_step_time  # noqa: E402
 from dist_trainer.planner.emit import layout_from_parallel  # noqa: E402
 from dist_trainer.planner.hardware import HardwareProfile  # noqa: E402
 from dist_trainer.planner.memory import GiB, TrainingOptions  # noqa: E402
-from dist_trainer.planner.search import describe, plan_layouts  # noqa: E402
+from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
 WORLD = 4
-MODEL = {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4, "max_seq_len": 128, "dropout": 0.0}
+MODEL: dict[str, Any] = {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4, "max_seq_len": 128,
+                         "dropout": 0.0}
 SEQ, GLOBAL_BATCH = 128, 16
 OPTIONS = TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash")
-LAYOUTS = {  # parallel sections (micro-batch 4 unless said)
+LAYOUTS: dict[str, dict[str, Any]] = {  # parallel sections (micro-batch 4 unless said)
     "dp4": {},
     "dp4 zero1": {"zero_stage": 1},
     "dp4 zero2": {"zero_stage": 2},
@@ -154,7 +156,7 @@ def _verify(k: int, profile: HardwareProfile, data: Path, root: Path, best_measu
     import json
 
     from dist_trainer.config import ModelConfig
-    from dist_trainer.planner.cli import _write_plan
+    from dist_trainer.planner.cli import write_plan
     from dist_trainer.planner.verify import report, run_trials
 
     model = ModelConfig(**MODEL)
@@ -163,8 +165,8 @@ def _verify(k: int, profile: HardwareProfile, data: Path, root: Path, best_measu
     res = plan_layouts(model, n_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_bytes=4 * GiB, seq_len=SEQ,
                        global_batch=GLOBAL_BATCH, hardware=profile, options=OPTIONS, allow_offload=False)
 
-    def write(folder: Path, planned: object) -> None:
-        _write_plan(folder, model, planned, seq_len=SEQ, opts=OPTIONS, gpus_per_node=WORLD)  # type: ignore[arg-type]
+    def write(folder: Path, planned: PlannedLayout) -> None:
+        write_plan(folder, model, planned, seq_len=SEQ, opts=OPTIONS, gpus_per_node=WORLD)
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     trials = run_trials(res.layouts[:k], write, root / "verify", steps=steps, data=str(data))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from dist_trainer.config import Config, config_from_dict
 from dist_trainer.train.trainer import TrainResult
@@ -24,7 +25,7 @@ TINY_SEQ = 32
 
 def tiny_config(data: Path, out_dir: Path, **sections: dict) -> Config:
     """A 2-layer model small enough for multi-rank CPU tests; override any section's fields."""
-    tree = {
+    tree: dict[str, dict[str, Any]] = {
         "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
                   "dropout": 0.0},
         "parallel": {"micro_batch_size": 4, "global_batch_size": 8},

@@ -89,7 +89,7 @@ def measure_case(data: Path, out: Path, sections: dict) -> dict:
     measured = dict(engine.owned_state_bytes())  # params, grads (all alive after backward), AdamW moments
     measured["model_states"] = measured["params"] + measured["grads"] + measured["optimizer"]
     measured["activations"] = tracker.peak
-    engine.optimizer.zero_grad(set_to_none=True)
+    engine.model.zero_grad(set_to_none=True)
 
     p = cfg.parallel
     layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
