@@ -16,7 +16,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm
+from dist_trainer.engines.base import DenseUpdateMixin, Engine, NamedShardsMixin, autocast_for, clip_norm
 from dist_trainer.layout_rules import n_microbatches
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 from dist_trainer.optim import build_optimizer
@@ -46,7 +46,7 @@ class PipelineRankModule(nn.Module):
                 self.layers[str(i)] = layer
 
 
-class PipelineEngine(NamedShardsMixin, Engine):
+class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
         p = cfg.parallel
         self.cfg, self.state, self.device = cfg, state, device
@@ -71,8 +71,8 @@ class PipelineEngine(NamedShardsMixin, Engine):
         tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
         targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
         stage_ids = [s.stage_index for s in self.stages]
-        try:
-            with autocast_for(self.cfg.train.precision, self.device):
+        try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
+            with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
                 if train:
                     loss = self.pipe.step(tokens, targets)
                 else:
@@ -103,8 +103,9 @@ class PipelineEngine(NamedShardsMixin, Engine):
         for stage in self.stages:
             finalize_tp_grads(stage.model, self.state)
         self.pipe.finalize_grads()  # tied embedding: first-stage and last-stage copies get the summed gradient
+        self.step_hooks.grads_ready()
         grad_norm = self.pipe.clip_grad_norm_(clip_norm(self.cfg), self.state)
-        apply_update(self.optimizer, lr)
+        self.update_unless_vetoed(grad_norm, lr)
         return grad_norm
 
     @torch.no_grad()

@@ -27,10 +27,12 @@ from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, seeded_model
 from dist_trainer.model import Transformer
 from dist_trainer.optim import param_groups, set_lr
+from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.config import engine_config, validate_zero_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, quiet_deepspeed
+from dist_trainer.parallel.zero.fragments import skip_next_step, zero_pieces
 from dist_trainer.parallel.zero.memory import zero_owned_bytes
 
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
@@ -98,8 +100,9 @@ class ZeroEngine(Engine):
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             # No autocast: with bf16/fp16 DeepSpeed itself holds 16-bit params and fp32 master weights.
-            loss = self.engine(batch["tokens"], batch["targets"])
-            self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
+            with self.state.dp.exchange("deepspeed forward/backward"):  # DeepSpeed's collectives, for a hang report
+                loss = self.engine(batch["tokens"], batch["targets"])
+                self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
             if self.after_backward is not None:
                 self.after_backward()
             if i < n - 1:
@@ -109,9 +112,17 @@ class ZeroEngine(Engine):
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
         set_lr(self.optimizer, lr)  # ZeRO's wrapper shares the client optimizer's param_groups
-        self.engine.step()  # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather
+        self.step_hooks.grads_ready()
+        applied = self.step_hooks.allow_update(None)  # DeepSpeed measures the norm inside step(): the hooks do too
+        if not applied:  # DeepSpeed's own overflow path then skips it, its counters consistent (fragments.py)
+            skip_next_step(self.model, self.state, self.stage)
+        with self.state.dp.exchange("deepspeed step"):
+            self.engine.step()  # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather
         norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(0.0 if norm is None else float(norm))
+        return torch.as_tensor(0.0 if norm is None or not applied else float(norm))
+
+    def owned_pieces(self, grads: bool = True) -> list[Piece]:
+        return zero_pieces(self.model, self.state, self.stage, grads)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
