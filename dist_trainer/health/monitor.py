@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ class HealthMonitor(StepHooks):
     # ------------------------------------------------------------------ the step, in the loop's order
 
     def begin_step(self, step: int) -> None:
-        """Step ``step`` (0-based) starts: the record cadence, the progress record, the probes."""
+        """Step ``step`` (0-based) starts: the step number for the hang report, the record cadence, the probes."""
         self.step = step + 1
         self.state.counter.step = self.step
         self.record = self.h.enabled and self.step % self.h.every == 0
@@ -145,8 +146,10 @@ class HealthMonitor(StepHooks):
         if b_small is not None and math.isfinite(self.grad_norm) and not self._events.get(f"{PREFIX}skipped"):
             mean_small = float(noise_sq[0]) / (self.state.dp_size * self._calls)
             b_big = float(self.cfg.parallel.global_batch_size)
+            # a ratio whose |G|^2 estimate is not positive is left out (the raw one often is, with few samples)
             out.update({f"{PREFIX}noise/{k}": v for k, v in
-                        self.noise.update(b_small, mean_small, b_big, self.grad_norm ** 2).items()})
+                        self.noise.update(b_small, mean_small, b_big, self.grad_norm ** 2).items()
+                        if math.isfinite(v)})
         out.update(self._straggler(busy))
         out[f"{PREFIX}skipped_steps"] = self.skipped_steps
         publish_progress(self.store, self.state.counter, self.state.rank)
@@ -256,7 +259,7 @@ class HealthMonitor(StepHooks):
 
     def _noise_local(self) -> tuple[torch.Tensor, float | None]:
         """[sum over this rank's micro-batches of |g_mb|^2 (its owned share), micro-batches], and B_small."""
-        calls = max((sum(1 for j, _ in self._norms if j == i) for i in range(len(self.params))), default=0)
+        calls = max(Counter(i for i, _ in self._norms).values(), default=0)  # micro-batches each parameter saw
         if calls == 0 or self.cfg.train.precision == "fp16":  # fp16: the loss scale is in every gradient
             return torch.zeros(1, dtype=torch.float64, device=self.device), None
         scale = float(calls) if self.micro_scaled else 1.0

@@ -3,7 +3,7 @@
     loss.png         training loss per step, evaluation loss at its steps
     lr.png           the learning rate
     grad_norm.png    the global gradient norm before clipping (log scale), skipped steps marked
-    throughput.png   tokens/s and MFU
+    throughput.png   tokens/s (whole iterations, as the metrics record them)
     layers.png       heatmaps, group x record step, of the per-layer signals: gradient norm, parameter norm,
                      update-to-data ratio, L1 change (rows: each layer's attn / mlp / norm, and the embeddings)
     health.png       gradient noise scale, MLP gradient quantiles per layer, embedding cosine similarity, the
