@@ -9,9 +9,10 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     check_tp            TP against the model: heads, MLP width, vocabulary shards (padded)
     layers_per_stage    the pipeline split: even by layers, by parameters, or given per stage
     check_schedule      a pipelining schedule against its micro-batches and virtual stages
-    check_composition   which regimes compose (ZeRO with TP or PP is refused, with the reason)
+    check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
     check_precision     device limits: fp16 loss scaling needs CUDA
     check_layout        all of the above for a run config on a world size: the pre-launch check
+    check_nodes         a world of several nodes fills whole ones; TP groups inside a node
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
 """
 
@@ -28,7 +29,8 @@ BALANCES = ("layers", "params")
 
 
 def regime_of(parallel: ParallelConfig) -> str:
-    """The regime that runs this layout: pipeline stages, DeepSpeed ZeRO, or DDP (each with TP inside)."""
+    """The regime that runs this layout: pipeline stages (with ZeRO-1 over their dp replicas when zero_stage is 1),
+    DeepSpeed ZeRO, or DDP (each with TP inside)."""
     if parallel.pp_size > 1:
         return "pipeline"
     if parallel.zero_stage > 0:
@@ -37,8 +39,8 @@ def regime_of(parallel: ParallelConfig) -> str:
 
 
 def needs_process_group(parallel: ParallelConfig) -> bool:
-    """Whether the regime needs torch.distributed even on one process (DeepSpeed's engine does)."""
-    return regime_of(parallel) == "zero"
+    """Whether the layout needs torch.distributed even on one process (DeepSpeed's engine does)."""
+    return parallel.zero_stage > 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -198,20 +200,35 @@ def check_offload(zero_stage: int, zero_offload: bool) -> None:
                          f"{zero_stage}; configs/ds ships zero2_offload.json and zero3_offload.json")
 
 
+# Why a ZeRO stage does not compose with pipeline stages (one reason per stage, for the error and docs/planner.md).
+ZERO_WITH_PIPELINE_REFUSED = {
+    2: ("ZeRO-2 reduce-scatters gradients in hooks during every micro-batch's backward, and its bookkeeping "
+        "(the per-backward epilogue that flushes the reduce bucket and builds the gradient partitions) runs "
+        "only inside DeepSpeed's own engine.backward; torch.distributed.pipelining runs the backward passes "
+        "itself, so the partitions would need private DeepSpeed engine methods that DeepSpeed 0.19.8 itself "
+        "refuses for pipelines (deepspeed/runtime/pipe/engine.py:77, 'ZeRO-2 and ZeRO-3 are incompatible with "
+        "pipeline parallelism')"),
+    3: ("ZeRO-3 gathers each module's parameter partitions in hooks armed by DeepSpeed's engine.forward and "
+        "engine.backward, which the pipeline schedule bypasses (its stages run their own forward and backward); "
+        "DeepSpeed 0.19.8 refuses it too (deepspeed/runtime/pipe/engine.py:77)"),
+}
+
+
 def check_composition(parallel: ParallelConfig) -> None:
-    """Which regimes compose. DeepSpeed ZeRO runs over data parallelism only, for now; offload needs ZeRO-2/3."""
+    """Which regimes compose, and why not where they do not.
+
+    ZeRO-1/2/3 compose with tensor parallelism (DeepSpeed partitions each rank's TP shard over the dp group only;
+    ``parallel/zero/deepspeed.py`` marks the split parameters and sums partial TP gradients for it) and ZeRO-1
+    with pipeline stages (the optimizer states of each stage sharded over its dp replicas; the schedule's
+    gradients are reduced as DeepSpeed's own pipeline engine does). ZeRO-2 and ZeRO-3 with pipeline stages are
+    refused (``ZERO_WITH_PIPELINE_REFUSED``); offload needs ZeRO-2/3.
+    """
     check_offload(parallel.zero_stage, parallel.zero_offload)
-    if parallel.zero_stage and parallel.pp_size > 1:
-        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.pp_size={parallel.pp_size}: this "
-                         "trainer's pipeline engine is its own, not DeepSpeed's PipelineModule; use zero_stage 0 "
-                         "with pp")
-    if parallel.zero_stage and parallel.tp_size > 1:
-        # DeepSpeed's mpu path needs Megatron's `tensor_model_parallel` parameter attribute (to count TP-split
-        # params once in the grad norm, deepspeed/runtime/utils.py is_model_parallel_parameter) and cannot
-        # finalize our sequence-parallel norm grads; stage 3 partitions params across the TP shards too.
-        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.tp_size={parallel.tp_size} is not "
-                         "supported: DeepSpeed's model-parallel unit does not understand this trainer's TP layers "
-                         "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
+    if parallel.zero_stage in ZERO_WITH_PIPELINE_REFUSED and parallel.pp_size > 1:
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.pp_size={parallel.pp_size} is not "
+                         f"supported: {ZERO_WITH_PIPELINE_REFUSED[parallel.zero_stage]}. With pipeline stages use "
+                         "zero_stage 1 (optimizer states sharded over each stage's dp replicas), or ZeRO-2/3 with "
+                         "tp and pp_size 1")
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -260,6 +277,23 @@ def fit_micro_batch(cfg: Config, world_size: int) -> tuple[Config, str | None]:
             f"micro_batch_size={micro} (same global batch, so the same training; pass "
             f"--parallel.micro_batch_size to choose another divisor of {per_rank})")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, micro_batch_size=micro)), note
+
+
+def check_nodes(world_size: int, gpus_per_node: int, tp_size: int) -> str | None:
+    """Launchers start the same number of ranks on every node, so a world of several nodes fills whole ones
+    (ValueError otherwise). A TP group spanning nodes runs, its all-reduces crossing the network in every layer:
+    the note that says so (None when every TP group stays in a node, as the grid places them when tp divides
+    the ranks per node)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    if world_size > gpus_per_node and world_size % gpus_per_node:
+        raise ValueError(f"a world of {world_size} ranks does not fill whole nodes of {gpus_per_node}: every launcher "
+                         f"starts the same number per node; use a multiple of {gpus_per_node}")
+    per_node = min(world_size, gpus_per_node)
+    if per_node % tp_size:
+        return (f"note: parallel.tp_size={tp_size} does not divide the {per_node} ranks per node: TP groups span "
+                "nodes and their all-reduces (every layer) cross the network")
+    return None
 
 
 def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list[list[list[int]]]:

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
-            out_dir: str, timeout: float, env: dict[str, str]) -> None:
+            out_dir: str, timeout: float, env: dict[str, str], backend: str = "gloo") -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -49,7 +49,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     torch.set_num_threads(1)  # N ranks share this machine's cores
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -66,8 +66,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300.0,
-                    env: dict[str, str] | None = None, join_grace: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+                    env: dict[str, str] | None = None, join_grace: float = 60.0, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or ``backend``); return their results.
 
     ``timeout`` bounds each collective; a rank still alive ``timeout + join_grace`` seconds
     after the start is killed and reported.
@@ -76,7 +76,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dist_test_") as out_dir:
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, port, args, out_dir, timeout, env or {}))
+            ctx.Process(target=_worker, args=(fn, r, world_size, port, args, out_dir, timeout, env or {}, backend))
             for r in range(world_size)
         ]
         for p in procs:

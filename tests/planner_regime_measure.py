@@ -19,8 +19,7 @@ benchmarks/planner_accuracy.py.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from dist_trainer.config import Config, config_from_dict
 from dist_trainer.data.batch import collate
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
+from dist_trainer.train.plan_check import SavedPeak
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 from tests.planner_measure import mmap_large_allocations, status_bytes
@@ -53,54 +53,9 @@ RSS_CASES = {"tp2": {"model": BIG, "parallel": {"tp_size": 2}, "data": {"seq_len
 OPTIONS = TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash", sp_saves_gathered_input=True)
 
 
-class SavedPeak:
-    """Context manager: live and peak bytes of the unique non-state storages saved for backward."""
-
-    def __init__(self, state_tensors: Iterable[torch.Tensor]) -> None:
-        self.state = {t.untyped_storage().data_ptr() for t in state_tensors}
-        self.refs: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
-        self.live = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _release(self, key: int) -> None:
-        self.refs[key] -= 1
-        if self.refs[key] == 0:
-            del self.refs[key]
-            self.live -= self.sizes.pop(key)
-
-    def _pack(self, t: torch.Tensor) -> object:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.state or storage.nbytes() == 0:
-            return t
-        holder = _Holder(t)
-        if key not in self.refs:
-            self.refs[key] = 0
-            self.sizes[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.refs[key] += 1
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(packed: object) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Holder) else packed  # type: ignore[return-value]
-
-    def __enter__(self) -> SavedPeak:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class _Holder:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+def options_for(cfg: Config) -> TrainingOptions:
+    """OPTIONS with the run's train.freeze (LoRA travels with the model config)."""
+    return dataclasses.replace(OPTIONS, freeze=tuple(cfg.train.freeze))
 
 
 def case_config(data: Path, out: Path, sections: dict) -> Config:
@@ -139,7 +94,7 @@ def measure_case(data: Path, out: Path, sections: dict) -> dict:
     p = cfg.parallel
     layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
                     n_microbatches=n_micro, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule)
-    pred = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=OPTIONS,
+    pred = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=options_for(cfg),
                                overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
     predicted = {"params": pred.params, "grads": pred.grads, "optimizer": pred.optimizer,
                  "model_states": pred.model_states, "activations": pred.saved_activations}
@@ -178,8 +133,9 @@ def measure_peak_rss(rank: int, world: int, data: Path, out: Path, cases: dict[s
         n_micro = len(trainer.sampler.micro_batches(0))
         layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
                         n_microbatches=n_micro, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule)
-        pred = predict_rank_memory(trainer.cfg.model, layout, seq_len=trainer.cfg.data.seq_len, options=OPTIONS,
-                                   overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
+        pred = predict_rank_memory(trainer.cfg.model, layout, seq_len=trainer.cfg.data.seq_len,
+                                   options=options_for(trainer.cfg), overheads=Overheads.none(),
+                                   pp_rank=trainer.state.pp_rank)
         results[name] = {"rank": rank, "pp_rank": trainer.state.pp_rank, "measured": peak,
                          "predicted": pred.device_total, "model_states": pred.model_states,
                          "activations": pred.activations}

@@ -124,6 +124,16 @@ def _check_export(ws: Path, env: dict[str, str]) -> None:
     assert (ws / "export" / "model.safetensors").is_file() and (ws / "export" / "config.json").is_file()
 
 
+def _check_merged_export(ws: Path, env: dict[str, str]) -> None:
+    """`export --merge-lora`: a plain model (no adapter tensors, a config without LoRA)."""
+    from safetensors import safe_open
+
+    out = ws / "export-lora"
+    assert json.loads((out / "config.json").read_text())["lora_rank"] == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.keys() and not any("lora_" in k for k in f.keys())
+
+
 def _check_report(ws: Path, env: dict[str, str]) -> None:
     pngs = {p.name for p in (ws / "runs" / "watch" / "report").glob("*.png")}
     assert {"loss.png", "lr.png", "grad_norm.png", "throughput.png"} <= pngs, pngs
@@ -145,9 +155,12 @@ RUN: list[tuple[str, Run]] = [
     (r"--train\.resume=true", Run(append=f"{TRAIN_SCALE} --train.max_steps=4", expect=SUMMARY)),
     (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
      Run(append=TRAIN_SCALE, expect=SUMMARY)),
+    (r"^dist-trainer export\b.*--merge-lora", Run(then=_check_merged_export)),
     (r"^dist-trainer export\b", Run(then=_check_export)),
+    (r"^(\w+=\S+ )*dist-trainer plan\b.*--verify\b", Run(append="--verify-steps 3", expect=("verified the top",))),
     (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
-    (r"^dist-trainer (generate|params|memory|plan)\b", Run()),
+    (r"^dist-trainer (generate|params|memory|plan|calibrate)\b", Run()),
+    (r"^dist-trainer check\b", Run(expect=("ok: ",))),
     (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
     (r"^dist-trainer report\b", Run(then=_check_report)),
     (r"^dist-trainer attention\b", Run(then=_check_attention)),
@@ -155,6 +168,9 @@ RUN: list[tuple[str, Run]] = [
     (r"benchmarks/health_overhead\.py", Run(append="--steps 3 --rounds 1 --every 2")),
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
     (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
+    (r"benchmarks/planner_time\.py", Run(append="--quick --steps 3")),
+    (r"benchmarks/gpu_check\.py", Run(append="--device cpu --smoke --out runs/gpu_check.json")),
+    (r"benchmarks/megatron_table1\.py", Run()),
 ]
 
 

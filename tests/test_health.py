@@ -23,7 +23,9 @@ from tests.helpers import assert_same_curves, curves, tiny_config
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 # records at steps 2 and 4 (the second has an L1 change); evaluation and a checkpoint inside the run
 HEALTH = {"health": {"every": 2}, "train": {"max_steps": 4, "eval_every": 2, "save_every": 2}}
-LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
+LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
+           # ZeRO over each rank's TP shard (vocabulary padding, shard offsets) and over a pipeline rank's stage
+           "tp2+zero2": {"tp_size": 2, "zero_stage": 2}, "pp2+zero1": {"pp_size": 2, "zero_stage": 1}}
 SPIKE = {"health": {"every": 2, "on_spike": "skip", "spike_warmup": 3}, "train": {"max_steps": 6, "eval_every": 3,
                                                                                   "save_every": 3}}
 SPIKE_STEP = 4  # 0-based step whose gradient is multiplied by 1e4 on every rank
@@ -82,7 +84,7 @@ def layouts(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 def test_signals_equal_the_single_process_run_in_every_layout(layouts: dict, tiny_data: Path,
                                                               tmp_path: Path) -> None:
-    """tp=2, pp=2, ZeRO-2 and ZeRO-3 record the single-process figures (1e-5): per-layer grad and parameter
+    """tp=2, pp=2, ZeRO-2, ZeRO-3, tp=2 x ZeRO-2 and pp=2 x ZeRO-1 record the single-process figures (1e-5): per-layer grad and parameter
     norms, update-to-data ratios, L1 changes, attention projection norms, MLP gradient quantiles, embedding
     cosine similarity, and the gradient noise scale (the same micro-batches in every layout)."""
     ref_curves, ref = _run(tmp_path, tiny_data, HEALTH)

@@ -18,6 +18,7 @@ The pieces of all ranks partition every full parameter exactly once, whatever th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ def dense_pieces(model: nn.Module, state: ParallelState) -> list[Piece]:
     for name, p in unique_named_parameters(model):
         if getattr(p, "pp_shared_copy", False) or not counted_on_this_tp_rank(p, state):
             continue
-        numel, start = _valid_numel(p, state)
+        numel, start = tp_shard_extent(p, state)
         flat = p.detach().reshape(-1)[:numel]
         grad = None if p.grad is None else p.grad.detach().reshape(-1)[:numel]
         lo, hi = numel * state.dp.rank // state.dp.size, numel * (state.dp.rank + 1) // state.dp.size
@@ -67,15 +68,18 @@ def dense_pieces(model: nn.Module, state: ParallelState) -> list[Piece]:
     return pieces
 
 
-def _valid_numel(p: torch.Tensor, state: ParallelState) -> tuple[int, int | None]:
+def tp_shard_extent(p: torch.Tensor, state: ParallelState) -> tuple[int, int | None]:
     """(elements of this rank's TP shard that belong to the full parameter, the shard's start in the full
-    flattened parameter or None when a split along a later dim makes it not contiguous there)."""
+    flattened parameter or None when a split along a later dim makes it not contiguous there). The shard's
+    shape is DeepSpeed's ``ds_shape`` when ZeRO-3 has partitioned it away."""
+    shape = tuple(getattr(p, "ds_shape", p.shape))
+    numel = math.prod(shape)
     dim = getattr(p, "tp_split_dim", None)
     if dim is None:
-        return p.numel(), 0
+        return numel, 0
     if dim != 0:
-        return p.numel(), None
-    rows, row = p.shape[0], (p[0].numel() if p.dim() > 1 else 1)
+        return numel, None
+    rows, row = shape[0], math.prod(shape[1:])
     start_row = rows * state.tp.rank
     full = getattr(p, "tp_full_size", rows * state.tp.size)
     return max(0, min(rows, full - start_row)) * row, start_row * row

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,11 @@ import yaml
 
 from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
 from dist_trainer.files import output_dir
+from dist_trainer.finetune import frozen_modules
+from dist_trainer.parallel.zero.config import OWNED_KEYS
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.finetune import module_rows
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
 from dist_trainer.planner.memory import (
     GiB,
@@ -31,8 +35,11 @@ from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the params, memory and plan subcommands to the dist-trainer parser."""
+def register(subparsers: argparse._SubParsersAction,
+             check_written: Callable[[Path, int, int, str], None] | None = None) -> None:
+    """Add the params, memory and plan subcommands to the dist-trainer parser. ``check_written(run_yaml,
+    world_size, gpus_per_node, device)`` is called on what ``plan --out`` writes: the trainer's pre-launch check,
+    handed in from above (the planner never imports the trainer)."""
     p = subparsers.add_parser("params", help="exact parameter count, per module")
     _model_args(p)
     p.set_defaults(func=run_params)
@@ -69,6 +76,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--top", type=int, default=5)
     q.add_argument("--out", default=None, help="write run.yaml, ds_config.json (ZeRO) and launch.sh here")
     q.add_argument("--max-model", action="store_true", help="largest scaled family model per ZeRO stage")
+    q.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="trial-run the top K layouts here through the launch scripts --out writes, re-rank them by "
+                        "measured step time and print predicted against measured")
+    q.add_argument("--verify-steps", type=int, default=6, help="steps per trial run (the first is not timed)")
+    q.add_argument("--verify-data", default="data/default", help="prepared data the trial runs read")
     _host_args(q, hardware=False)
     # Search limits: the best layout within what the cluster or the code allows (plan_layouts' keyword arguments)
     tp = q.add_mutually_exclusive_group()
@@ -79,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pp.add_argument("--no-pp", action="store_true", help="no pipeline (--pp 1)")
     q.add_argument("--zero", default="0,1,2,3", help="allowed ZeRO stages, comma-separated (0 = DDP)")
     q.add_argument("--no-offload", action="store_true", help="no ZeRO CPU offload")
-    q.set_defaults(func=run_plan)
+    q.set_defaults(func=run_plan, check_written=check_written)
 
 
 def _host_args(p: argparse.ArgumentParser, hardware: bool = True) -> None:
@@ -115,6 +127,11 @@ def _search_limits(args: argparse.Namespace) -> dict[str, Any]:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (configs/models) or YAML file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    # fine-tuning (dist_trainer/finetune.py): what trains changes the gradients, optimizer states and activations
+    p.add_argument("--lora-rank", type=int, default=0, help="model.lora_rank: LoRA adapters of this rank, base frozen")
+    p.add_argument("--lora-targets", default="q_proj,v_proj", help="model.lora_targets: linears, or all_linear")
+    p.add_argument("--freeze", default="", help="train.freeze: comma-separated module patterns or presets "
+                                                "(embeddings, bottom:N, norms_only)")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -131,37 +148,56 @@ def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragmentation", type=float, default=0.05)
 
 
-def _load_model(name: str) -> ModelConfig:
-    return model_config(name)
+def _load_model(args: argparse.Namespace) -> ModelConfig:
+    """The preset with --lora-rank/--lora-targets; --freeze checked against it (ValueError naming a bad pattern)."""
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
+    cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
+    frozen_modules(cfg, _freeze(args))
+    return cfg
+
+
+def _freeze(args: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in args.freeze.split(",") if p.strip()]
 
 
 def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
                            attention_kernel=args.attention_kernel, device=args.device,
-                           fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy])
+                           fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
+                           freeze=tuple(_freeze(args)))
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
 
 def run_params(args: argparse.Namespace) -> int:
-    cfg = _load_model(args.model)
+    cfg = _load_model(args)
     bd = param_breakdown(cfg)
-    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "share": tot / bd.total}
-            for name, each, n, tot in bd.rows()]
+    trains = module_rows(cfg, _freeze(args))
+    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "share": tot / bd.total,
+             "trainable": trains.get(name, 0)} for name, each, n, tot in bd.rows()]
+    trainable = sum(trains.values())
+    # what fine-tuning saves against training every weight of the base model (Hu et al. 2021, section 4.2)
+    reduction = 1 - trainable / bd.base_total
     if args.json:
-        print(json.dumps({"model": args.model, "total": bd.total, "per_layer": bd.layer_total,
-                          "n_layers": bd.n_layers, "breakdown": rows}, indent=2))
+        print(json.dumps({"model": args.model, "total": bd.total, "base_total": bd.base_total, "trainable": trainable,
+                          "reduction": reduction, "per_layer": bd.layer_total, "n_layers": bd.n_layers,
+                          "breakdown": rows}, indent=2))
         return 0
-    print(f"{'module':<26}{'each':>16}{'x':>5}{'total':>18}{'share':>9}")
+    print(f"{'module':<28}{'each':>16}{'x':>5}{'total':>18}{'share':>9}{'trainable':>18}")
     for r in rows:
-        print(f"{r['module']:<26}{r['per_instance']:>16,}{r['instances']:>5}{r['total']:>18,}{r['share']:>9.2%}")
-    print(f"{'one layer':<26}{bd.layer_total:>16,}")
-    print(f"{'total':<26}{'':>21}{bd.total:>18,}")
+        print(f"{r['module']:<28}{r['per_instance']:>16,}{r['instances']:>5}{r['total']:>18,}{r['share']:>9.2%}"
+              f"{r['trainable']:>18,}")
+    print(f"{'one layer':<28}{bd.layer_total:>16,}")
+    print(f"{'total':<28}{'':>21}{bd.total:>18,}{'':>9}{trainable:>18,}")
+    if trainable != bd.total:
+        print(f"trainable {trainable:,} of {bd.total:,} ({trainable / bd.total:.4%}); base model {bd.base_total:,}: "
+              f"{reduction:.4%} fewer trainable parameters than training it all")
     return 0
 
 
 def run_memory(args: argparse.Namespace) -> int:
-    cfg = _load_model(args.model)
+    cfg = _load_model(args)
     opts, over = _options(args)
     layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
@@ -194,7 +230,7 @@ def _memory_line(m: RankMemory) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    cfg = _load_model(args.model)
+    cfg = _load_model(args)
     opts, over = _options(args)
     hw = get_hardware(args.hardware)
     memory = round(args.gpu_memory_gb * GiB) if args.gpu_memory_gb else hw.memory_bytes
@@ -230,21 +266,47 @@ def run_plan(args: argparse.Namespace) -> int:
         for i, p in enumerate(top, 1):
             host = f"; host {p.host_per_node / GiB:,.1f} GiB per node" if p.host_per_node else ""
             print(f"{i}. {describe(p.layout)}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
-                  f"bubble {p.time.bubble:.3f} s  tp {p.time.tp_comm:.3f} s  dp {p.time.dp_comm:.3f} s\n   "
+                  f"compute {p.time.compute:.3f} s  bubble {p.time.bubble:.3f} s\n   "
                   + _memory_line(p.memory) + host)
+            for axis, a in p.time.axes.items():
+                print(f"   {axis:<8}{a.bytes / 1e9:>10.3f} GB  {a.time:.3f} s, exposed {a.exposed:.3f} s: {a.rule}")
         for note in res.notes:
             print(note)
+    if args.verify and top:  # trial runs on the machines at hand; the measured fastest becomes the plan
+        top = _verify(args, cfg, res.layouts[:args.verify], opts)
     if args.out and top:
-        _write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        if args.check_written is not None:  # the trainer's own pre-launch check on what was written
+            args.check_written(Path(args.out) / "run.yaml", top[0].layout.world_size, args.gpus_per_node, opts.device)
     return 0 if top else 1
 
 
-def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
-                gpus_per_node: int) -> None:
+def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[PlannedLayout],
+            opts: TrainingOptions) -> list[PlannedLayout]:
+    import tempfile
+
+    from dist_trainer.planner.verify import report, run_trials
+
+    def write(folder: Path, planned: PlannedLayout) -> None:
+        write_plan(folder, cfg, planned, seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+
+    with tempfile.TemporaryDirectory(prefix="plan_verify_") as tmp:
+        trials = run_trials(candidates, write, Path(tmp), steps=args.verify_steps, data=args.verify_data)
+    print(f"\nverified the top {len(trials)} on this machine ({args.verify_steps} steps each), fastest measured "
+          f"first:\n{report(trials)}")
+    return [t.planned for t in trials if t.ok]
+
+
+def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
+               gpus_per_node: int) -> None:
+    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``."""
     output_dir(out, "--out")
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     if ds is not None:
+        # DeepSpeed's own sections only: what the run config owns (batch, precision, clipping, optimizer, schedule)
+        # is filled from run.yaml at launch, so `launch.sh --train.max_steps=N` does not contradict the file
+        ds = {k: v for k, v in ds.items() if k not in OWNED_KEYS}
         (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
         run["parallel"]["ds_config"] = str(out / "ds_config.json")
     (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))

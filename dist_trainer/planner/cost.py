@@ -4,18 +4,38 @@
   attention scores and weighted sum, 2 * 2 * s * h per layer and token forward, counted in full as Megatron
   does (Narayanan et al. 2021, eq. 3; Korthikanti et al. 2022, appendix A: 72 B s L h^2 (1 + s/(6h) +
   V/(12 h L)) for a GPT layer with d_ff = 4h); recomputation adds the recomputed forwards.
-* Communication per rank and step: TP all-reduces 2 forward + 2 backward per layer of b*s*h elements
-  (Shoeybi et al. 2019; with SP each becomes an all-gather + reduce-scatter pair of the same volume,
-  Korthikanti et al. 2022), a ring all-reduce moving 2(n-1)/n of the buffer; PP sends the activation forward
-  and its gradient backward per micro-batch; DP all-reduces the gradients; ZeRO 1-2 reduce-scatter gradients
-  and all-gather parameters (2 Psi), ZeRO-3 gathers the parameters again for backward (3 Psi; ZeRO section 7).
+* Compute: the hardware FLOPs of the slowest pipeline stage at the profile's GEMM throughput for this rank's
+  matmul shape (tokens of a micro-batch x features per TP rank; ``HardwareProfile.matmul_flops``).
 * Bubble: (p - 1)/(m + p - 1) of the step for GPipe/1F1B, (p - 1)/v in units of one micro-batch for
   interleaved 1F1B (Narayanan et al. 2021, section 2.2), a third of 1F1B's for zero bubble (ZB-H1,
   Qi et al. 2023, section 3).
+* Communication, per rank and step, per axis: what is sent, how long it takes (ring collectives: an
+  all-reduce moves 2(n-1)/n of the buffer in 2(n-1) latency hops, a gather or scatter (n-1)/n in n-1), and
+  which part the schedule leaves exposed. The overlap rules follow from what waits for what:
+
+  tp   Megatron's f/g (Shoeybi et al. 2019): 2 all-reduces of b s h forward and 2 backward per layer and
+       micro-batch (under SP an all-gather + reduce-scatter pair of the same volume, Korthikanti et al. 2022),
+       2 more per recomputed layer. Each sits between two dependent matmuls, so none overlaps: all exposed.
+  pp   the activation forward and its gradient backward per micro-batch and stage boundary (b s h / t under
+       SP). A stage cannot start a micro-batch before its input arrives: the transfers on the critical path,
+       2 (m v + p - 1), are exposed; the rest overlap other micro-batches' compute.
+  dp   DDP: the all-reduce runs in 25 MB buckets while the LAST micro-batch's backward produces them (earlier
+       micro-batches accumulate under no_sync), so only what outlasts that backward, and at least the last
+       bucket, is exposed. The pipeline engine all-reduces once after the schedule: exposed.
+       ZeRO-1 reduces at the accumulation boundary, ZeRO-2 reduce-scatters every micro-batch's gradients
+       (DeepSpeed's stage-2 hooks), both all-gather the updated partition after the step; ZeRO-3 gathers every
+       parameter in each micro-batch's forward and backward and reduce-scatters its gradients (ZeRO, section
+       7: 3 Psi per micro-batch). With DeepSpeed's ``overlap_comm`` (read from the JSON the run uses) the
+       reductions overlap the backward that produces them and ZeRO-3's prefetch hides gathers behind the
+       previous module's compute; without it (``configs/ds``' choice) they run inside the hooks: exposed. The
+       all-gather after the step always is.
+  offload  fp32 gradients to the host and 16-bit parameters back over PCIe (ZeRO-2 moves gradients every
+       micro-batch), CPU Adam on the node's cores: between backward and the next forward: exposed.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from dist_trainer.config import ModelConfig
@@ -24,7 +44,19 @@ from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
 from dist_trainer.planner.params import matmul_params
 from dist_trainer.planner.rank_params import rank_params
 
-DP_OVERLAP = 0.8  # share of the backward that bucketed gradient communication can hide behind (assumption)
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+# The work between the GEMMs, counted on our layer (model.py), per token, forward + backward (backward about twice
+# the forward's passes), in elements read or written: norms and residual adds over d_model (split by t only under
+# SP); attention layout copies, SDPA's reads and writes and the MLP activation over the TP-split widths; the
+# log-softmax and its gradient over the vocabulary (split by t). Priced only with a profile's memory_bw.
+PASSES_REPLICATED = 28  # x d_model: 2 norms (2 each) + 2 residual adds (3 each) forward, ~1.8x that backward
+PASSES_SPLIT = 36  # x d_model / t: q/k/v/o layout copies and SDPA I/O (12 forward, 24 backward)
+PASSES_MLP = 5  # x ffn / t: the activation (2 forward, 3 backward)
+PASSES_LOSS = 5  # x vocab / t: log-softmax (2 forward), its gradient (3 backward)
+OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one micro-batch
+OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
+ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
+ADAM_OPS = 10  # ops per parameter tensor of torch's single-tensor AdamW (foreach=False); DeepSpeed's flat groups: 2
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
@@ -81,87 +113,194 @@ def pipeline_bubble(pp_size: int, n_microbatches: int, virtual_stages: int = 1, 
 
 
 @dataclass(frozen=True)
+class AxisTime:
+    """One axis's traffic in a step: bytes this rank sends, seconds they take, the exposed part, and why."""
+
+    bytes: float
+    time: float
+    exposed: float
+    rule: str
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Seconds of one optimizer step, by component, and what it means for throughput."""
 
     compute: float
     bubble: float
-    tp_comm: float
-    pp_comm: float
-    dp_comm: float  # exposed part (after overlap with backward)
-    offload: float
+    axes: dict[str, AxisTime]  # tp, pp, dp, offload: traffic, time, exposed part, overlap rule
     total: float
     model_flops: float
     mfu: float
-    comm_bytes: dict[str, float]
+
+    @property
+    def tp_comm(self) -> float:
+        return self._exposed("tp")
+
+    @property
+    def pp_comm(self) -> float:
+        return self._exposed("pp")
+
+    @property
+    def dp_comm(self) -> float:
+        return self._exposed("dp")
+
+    @property
+    def offload(self) -> float:
+        return self._exposed("offload")
+
+    @property
+    def comm_bytes(self) -> dict[str, float]:
+        return {k: a.bytes for k, a in self.axes.items()}
+
+    def _exposed(self, axis: str) -> float:
+        return self.axes[axis].exposed if axis in self.axes else 0.0
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {**asdict(self), "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "dp_comm": self.dp_comm,
+                "offload": self.offload}
 
 
-def comm_bytes_per_rank(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
-                        n_params_rank: int) -> dict[str, float]:
-    """Bytes each rank sends per step, by regime (ring algorithms)."""
-    t, p, d, m = layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches
-    act = 4 if options.precision == "fp32" else 2
-    bsh = layout.micro_batch_size * seq_len * cfg.d_model * act
-    layers = cfg.n_layers / p
-    out: dict[str, float] = {}
-    if t > 1:
-        # 2 fwd + 2 bwd all-reduces per layer (or AG/RS pairs of equal volume with SP); +2 per recomputed layer
-        # (selective recomputation reruns no linear layer: no collective)
-        per_layer = 4 + (2 if layout.activation_checkpointing == "full" else 0)
-        out["tp"] = per_layer * layers * m * bsh * 2 * (t - 1) / t
-    if p > 1:
-        shard = t if layout.sequence_parallel else 1
-        out["pp"] = 2 * m * layout.pp_virtual_stages * bsh / shard
-    if d > 1:
-        frac = (d - 1) / d
-        grads = n_params_rank * options.grad_bytes
-        if layout.zero_stage == 0:
-            out["dp"] = 2 * frac * grads
-        else:
-            out["dp"] = frac * (grads + n_params_rank * options.param_bytes)
-            if layout.zero_stage == 3:
-                out["zero3_gather"] = frac * n_params_rank * options.param_bytes
-    return out
+def ring_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of one ring collective over ``n`` ranks: ``nbytes`` is the full buffer (all-reduce, the gathered
+    or scattered whole) or the message (p2p)."""
+    if kind == "p2p":
+        return nbytes / bandwidth + latency
+    if n == 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency  # all_gather, reduce_scatter
 
 
-def gemm_efficiency(rows: int, cols: float) -> float:
-    """Heuristic: small matmuls reach less of peak; saturates for rows (tokens) and cols (h/t) >> 64."""
-    return rows / (rows + 64) * cols / (cols + 64)
+def _zero_overlap_comm(layout: Layout, options: TrainingOptions) -> bool:
+    """DeepSpeed's overlap_comm for this layout: the option, else the shipped configs/ds JSON (what plan writes)."""
+    if options.zero_overlap_comm is not None:
+        return options.zero_overlap_comm
+    return _shipped_overlap_comm(layout.zero_stage, layout.zero_offload)
+
+
+@functools.cache
+def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
+    from dist_trainer.parallel.zero.config import default_ds_config_path, read_ds_json  # torch-free
+
+    path = default_ds_config_path(stage, offload)
+    if not path.is_file():  # a layout the trainer refuses (ZeRO-1 offload) priced only to say how close it comes
+        return False
+    zero = read_ds_json(path).get("zero_optimization")
+    return bool((zero or {}).get("overlap_comm", False))
 
 
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
-                       n_params_rank: int | None = None) -> StepTime:
-    """Compute at the profile's achievable efficiency, stretched by the bubble, plus exposed communication."""
-    n = layout.world_size
+                       n_params_rank: int | None = None, n_trainable_rank: int | None = None) -> StepTime:
+    """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
+    docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
+    trainable parameters only (default: all; frozen ones under fine-tuning); ZeRO-3 gathers every parameter."""
+    n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
+                        layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
                                recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every)
-    peak = hardware.peak_flops(options.precision)
-    eff = hardware.efficiency * gemm_efficiency(layout.micro_batch_size * seq_len, cfg.d_model / layout.tp_size)
-    compute = hw_f / n / (peak * eff)
-    bubble_frac = pipeline_bubble(layout.pp_size, layout.n_microbatches, layout.pp_virtual_stages, layout.pp_schedule)
-    bubble = compute * bubble_frac / (1 - bubble_frac)
+    tokens = layout.micro_batch_size * seq_len
+    most_layers = max(len(layout.rank_layer_ids(cfg, r)) for r in range(p))
+    imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
     n_rank = n_params_rank if n_params_rank is not None else rank_params(
-        cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=0, stage_layers=layout.pp_stage_layers,
-        virtual_stages=layout.pp_virtual_stages, balance=layout.pp_balance).total
-    comm = comm_bytes_per_rank(cfg, layout, seq_len=seq_len, options=options, n_params_rank=n_rank)
-    intra = hardware.intra_node_bw
-    tp_time = comm.get("tp", 0.0) / intra
-    pp_bw = intra if layout.tp_size * layout.pp_size <= gpus_per_node else hardware.inter_node_bw
-    pp_time = comm.get("pp", 0.0) / pp_bw
-    dp_bw = intra if n <= gpus_per_node else hardware.inter_node_bw
-    dp_raw = (comm.get("dp", 0.0) + comm.get("zero3_gather", 0.0)) / dp_bw
-    backward = compute * 2.0 / 3.0
-    dp_time = max(0.0, dp_raw - DP_OVERLAP * backward)
-    offload = 0.0
+        cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
+        balance=layout.pp_balance).total
+    trainable = n_rank if n_trainable_rank is None else n_trainable_rank
+    compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
+    compute += _memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
+    bubble_frac = pipeline_bubble(p, m, v, layout.pp_schedule)
+    bubble = compute * bubble_frac / (1 - bubble_frac)
+    backward_one = compute * 2.0 / 3.0 / m  # one micro-batch's backward
+    act = 4 if options.precision == "fp32" else 2
+    bsh = tokens * cfg.d_model * act
+    intra = (hardware.intra_node_bw, hardware.intra_node_latency)
+    inter = (hardware.inter_node_bw, hardware.inter_node_latency)
+    axes: dict[str, AxisTime] = {}
+    if t > 1:  # a TP group stays inside a node
+        recomputed = {"full": most_layers, "every_k": -(-most_layers // layout.checkpoint_every)}.get(
+            layout.activation_checkpointing, 0)
+        calls = (4 * most_layers + 2 * recomputed) * m
+        per_call = (ring_time("all_gather", bsh, t, *intra) + ring_time("reduce_scatter", bsh, t, *intra)
+                    if layout.sequence_parallel else ring_time("all_reduce", bsh, t, *intra))
+        time = calls * per_call
+        axes["tp"] = AxisTime(calls * 2 * (t - 1) / t * bsh, time, time, "between dependent matmuls: all exposed")
+    if p > 1:
+        msg = bsh / (t if layout.sequence_parallel else 1)
+        link = intra if t * p <= gpus_per_node else inter
+        one = ring_time("p2p", msg, 2, *link)
+        critical = 2 * (m * v + p - 1)
+        axes["pp"] = AxisTime(2 * m * v * msg, 2 * m * v * one, critical * one,
+                              f"the {critical} transfers on the schedule's critical path are exposed")
+    if d > 1:
+        axes["dp"] = _dp_time(layout, options, n_rank, trainable, backward_one, compute,
+                              inter if n > gpus_per_node else intra)
     if layout.zero_offload:
-        shard = n_rank / layout.dp_size
-        transfer = shard * (4 + options.param_bytes) / hardware.pcie_bw  # fp32 grads down, 16-bit params up
-        offload = transfer + shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
-    total = compute + bubble + tp_time + pp_time + dp_time + offload
-    mfu = model_f / (total * n * peak)
-    return StepTime(compute=compute, bubble=bubble, tp_comm=tp_time, pp_comm=pp_time, dp_comm=dp_time,
-                    offload=offload, total=total, model_flops=model_f, mfu=mfu, comm_bytes=comm)
+        shard = trainable / d  # the optimizer's part
+        per_micro = m if layout.zero_stage == 2 else 1  # stage 2 moves every micro-batch's gradient partition
+        transfer = shard * (4 * per_micro + options.param_bytes) / hardware.pcie_bw
+        adam = shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
+        axes["offload"] = AxisTime(shard * (4 * per_micro + options.param_bytes), transfer + adam,
+                                   transfer + adam, "between backward and the next forward: exposed")
+    total = compute + bubble + sum(a.exposed for a in axes.values())
+    mfu = model_f / (total * n * hardware.peak_flops(options.precision))
+    return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)
+
+
+def _memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile,
+                         layers: int, tokens: int, trainable: int) -> float:
+    """Seconds of the elementwise passes, the optimizer and the per-op cost of this rank's step (constants above),
+    when the profile has measured them (``memory_bw``, ``op_overhead``: dist-trainer calibrate); else 0, the
+    data-sheet profiles' efficiency standing for them. Every micro-batch crosses the last stage, so the loss's
+    passes are on the critical path whatever the stage. The optimizer updates the ``trainable`` parameters only."""
+    if hardware.memory_bw is None or hardware.op_overhead is None:
+        return 0.0
+    t, m, h = layout.tp_size, layout.n_microbatches, cfg.d_model
+    act = 4 if options.precision == "fp32" else 2
+    replicated = h / t if layout.sequence_parallel else h
+    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t)
+    recomputed = {"full": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
+        layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
+    per_token *= 1 + recomputed / 3
+    passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
+    optimizer_bytes = ADAM_BYTES * trainable / (layout.dp_size if layout.zero_stage else 1)
+    tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
+    optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
+    ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
+    return (passes + optimizer_bytes) / hardware.memory_bw + ops * hardware.op_overhead
+
+
+def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, trainable: int, backward_one: float,
+             compute: float, link: tuple[float, float]) -> AxisTime:
+    """The data-parallel axis of one step (module docstring): volume per regime and what overlaps it. Gradients and
+    ZeRO-1/2's updated partitions are the trainable parameters'; ZeRO-3 gathers every parameter for use."""
+    d, m = layout.dp_size, layout.n_microbatches
+    grads = trainable * options.grad_bytes
+    params = (n_rank if layout.zero_stage == 3 else trainable) * options.param_bytes
+    if layout.zero_stage == 0:
+        time = ring_time("all_reduce", grads, d, *link)
+        if layout.pp_size > 1:
+            return AxisTime(2 * (d - 1) / d * grads, time, time, "one flat all-reduce after the schedule: exposed")
+        last = ring_time("all_reduce", min(DDP_BUCKET_BYTES, grads), d, *link)
+        return AxisTime(2 * (d - 1) / d * grads, time, max(last, time - backward_one),
+                        "DDP buckets overlap the last micro-batch's backward, all but the last bucket")
+    frac = (d - 1) / d
+    gather = ring_time("all_gather", params, d, *link)  # the updated partition (ZeRO-1/2) or one pass (ZeRO-3)
+    scatter = ring_time("reduce_scatter", grads, d, *link)
+    overlap = _zero_overlap_comm(layout, options)
+    if layout.zero_stage == 3:
+        sent = m * frac * (2 * params + grads)
+        time = m * (2 * gather + scatter)
+        if not overlap:
+            return AxisTime(sent, time, time, "overlap_comm off: gathers and reductions inside the hooks, exposed")
+        exposed = max(0.0, m * 2 * gather - compute) + max(0.0, m * scatter - compute * 2 / 3)
+        return AxisTime(sent, time, exposed, "overlap_comm: prefetched gathers and reductions behind compute")
+    reductions = m if layout.zero_stage == 2 else 1
+    sent = frac * (reductions * grads + params)
+    time = reductions * scatter + gather
+    if not overlap:
+        return AxisTime(sent, time, time, "overlap_comm off: reductions inside the hooks, then the gather: exposed")
+    window = backward_one * reductions
+    return AxisTime(sent, time, max(0.0, reductions * scatter - window) + gather,
+                    "overlap_comm: reductions behind the backward; the gather after the step exposed")

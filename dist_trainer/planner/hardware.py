@@ -5,7 +5,10 @@ no bf16, so its 16-bit peak is fp16; A100: 312 bf16 / 19.5 fp32 non-tensor; H100
 fp32). Bandwidths are per GPU and per direction: NVLink (V100 150, A100 300, H100/H200 450 GB/s) inside a node,
 the node's InfiniBand share per GPU between nodes (V100: 100 Gb/s, A100: 200 Gb/s HDR, H100/H200: 400 Gb/s NDR
 per GPU). ``efficiency`` is the fraction of peak a well-tuned transformer step reaches on matmuls (Megatron
-reports 40-55% MFU on A100/H100); it is a stated assumption, overridable, not a measurement.
+reports 40-55% MFU on A100/H100); it is a stated assumption, overridable, not a measurement, as are the ring
+latencies (NVLink ~10 us, InfiniBand ~20 us per hop, NCCL's published small-message figures). ``dist-trainer
+calibrate`` replaces all of them with measurements of the machine at hand (``planner/calibrate.py``), written as
+a JSON profile that ``--hardware FILE.json`` (plan), ``parallel.hardware`` (layout=auto, MFU) read.
 
 ``host_memory_per_gpu`` is the host RAM of the vendor's reference node divided by its GPUs, the planner's
 default budget for offloaded states (``plan --host-memory-gb`` overrides it per node): DGX-2, the ZeRO paper's
@@ -15,7 +18,10 @@ DGX H200 2 TB for 8 (NVIDIA data sheets). A CPU "device" is host memory itself: 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 GiB = 2**30
 
@@ -28,13 +34,43 @@ class HardwareProfile:
     memory_bytes: int
     intra_node_bw: float  # bytes/s per GPU per direction (NVLink)
     inter_node_bw: float  # bytes/s per GPU per direction (network)
-    efficiency: float = 0.5  # achievable fraction of peak on the model's matmuls
+    efficiency: float = 0.5  # achievable fraction of peak on the model's matmuls (large ones: see gemm_knee)
     pcie_bw: float = 25e9  # host <-> device, for offloaded states
     host_adam_params_per_s: float = 1e9  # CPU Adam throughput (DeepSpeed CPUAdam, AVX512, ~1 B params/s/node)
     host_memory_per_gpu: int = 256 * 10**9  # the reference node's host RAM / its GPUs (module docstring)
+    gemm_knee: float = 64.0  # a GEMM of r x c outputs reaches efficiency * r/(r+knee) * c/(c+knee) of peak
+    intra_node_latency: float = 10e-6  # seconds per hop of a ring collective inside a node (NVLink: ~10 us)
+    inter_node_latency: float = 20e-6  # per hop between nodes (InfiniBand: ~20 us with the stack)
+    source: str = "data sheets (module docstring)"  # where the figures come from: data sheets or a calibration
+    # Explicit non-GEMM terms (calibrated profiles): streaming bandwidth for the elementwise work between the GEMMs
+    # and the optimizer, and the fixed cost of one kernel launch / CPU op. None: `efficiency` absorbs them.
+    memory_bw: float | None = None
+    op_overhead: float | None = None
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit
+
+    def matmul_flops(self, precision: str, rows: float, cols: float) -> float:
+        """FLOP/s a GEMM with ``rows`` x ``cols`` outputs (tokens x features on this rank) reaches: small ones
+        reach less of peak (saturating in both dims); calibrated profiles fit ``efficiency`` and ``gemm_knee``."""
+        return self.peak_flops(precision) * self.efficiency * rows / (rows + self.gemm_knee) * cols / (
+            cols + self.gemm_knee)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> HardwareProfile:
+        """A profile written by ``dist-trainer calibrate`` (or by hand: every field of this class, by name)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"hardware profile {path} cannot be read: {exc}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) - known or not {"name", "peak_flops_16bit"} <= set(data):
+            raise ValueError(f"hardware profile {path} must be a JSON object with the fields of HardwareProfile "
+                             f"({', '.join(sorted(known))})")
+        return cls(**data)
 
     def host_memory_per_node(self, gpus_per_node: int) -> int:
         """The default host-memory budget of a node of ``gpus_per_node`` GPUs (offloaded states must fit it)."""
@@ -55,15 +91,20 @@ def hardware_profiles() -> dict[str, HardwareProfile]:
                         host_memory_per_gpu=2000 * 10**9 // 8),
         HardwareProfile("H200-141GB", 989e12, 67e12, 141 * 10**9, 450e9, 50e9, pcie_bw=50e9,
                         host_memory_per_gpu=2000 * 10**9 // 8),
-        # A CPU "device" for gloo runs: a few cores at ~50 GFLOP/s each, memory copies for intra-node collectives.
+        # A CPU "device" for gloo runs: a few cores at ~50 GFLOP/s each, memory copies for intra-node collectives,
+        # gloo's TCP loopback latency. A guess: `dist-trainer calibrate` measures the machine at hand.
         HardwareProfile("cpu", 1e11, 1e11, 16 * GiB, 5e9, 1.25e9, efficiency=0.3, pcie_bw=1e12,
-                        host_memory_per_gpu=16 * GiB),
+                        host_memory_per_gpu=16 * GiB, intra_node_latency=50e-6, inter_node_latency=100e-6,
+                        source="a guess for a few CPU cores; calibrate measures this machine"),
     )}
 
 
 def get_hardware(name_or_profile: str | HardwareProfile) -> HardwareProfile:
+    """A profile by name (``hardware_profiles``), or read from a JSON file (``dist-trainer calibrate --out``)."""
     if isinstance(name_or_profile, HardwareProfile):
         return name_or_profile
+    if name_or_profile.endswith(".json"):
+        return HardwareProfile.from_json(name_or_profile)
     profiles = hardware_profiles()
     for name, profile in profiles.items():
         if name.lower() == name_or_profile.lower():

@@ -18,13 +18,20 @@ when tp divides n_kv_heads and replicated otherwise (each rank keeps every kv he
 Pipeline parallelism: the embeddings sit on the first stage, final norm + head (+ pooler) on the last;
 with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding as its head (Megatron
 keeps a word-embedding copy on the last stage and all-reduces its gradient with the first).
+
+LoRA (``model.lora_rank`` r > 0, Hu et al. 2021): each target linear (in k, out d) adds A (r x k) and B (d x r).
+Under TP a column-parallel target keeps A whole and splits B's rows, a row-parallel one splits A's columns and
+keeps B whole (``parallel/tp/layers.attach_adapter``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.finetune import lora_target_leaves
+from dist_trainer.model_names import LAYER_MODULES
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -73,6 +80,35 @@ def layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
     }
 
 
+def lora_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, int, bool, bool]]:
+    """Per layer linear leaf: (A's input columns, B's output rows, A whole, B whole) on one TP rank."""
+    h, t, f = cfg.d_model, tp_size, cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    split = kv_sharded(cfg, t)
+    kv_local = kv // t if split else kv
+    return {"q_proj": (h, h // t, True, t == 1), "k_proj": (h, kv_local, True, t == 1 or not split),
+            "v_proj": (h, kv_local, True, t == 1 or not split), "o_proj": (h // t, h, t == 1, True),
+            "up_proj": (h, f // t, True, t == 1), "gate_proj": (h, f // t, True, t == 1),
+            "down_proj": (f // t, h, t == 1, True)}
+
+
+def lora_layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
+    """Adapter parameters of one layer on one TP rank, keyed like ``layer_params`` (0 where no adapter)."""
+    targets = lora_target_leaves(cfg)
+    shapes = lora_shapes(cfg, tp_size)
+    return {leaf: cfg.lora_rank * (shapes[leaf][0] + shapes[leaf][1]) if leaf in targets else 0
+            for leaf in LAYER_MODULES}
+
+
+def lora_replicated_params(cfg: ModelConfig, tp_size: int) -> int:
+    """Adapter parameters of one layer that every TP rank keeps whole (A of column targets, B of row targets)."""
+    if tp_size == 1:
+        return 0
+    shapes = lora_shapes(cfg, tp_size)
+    return sum(cfg.lora_rank * (shapes[leaf][0] * shapes[leaf][2] + shapes[leaf][1] * shapes[leaf][3])
+               for leaf in lora_target_leaves(cfg))
+
+
 def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
     """Parameters of the last-stage modules: final norm, head (untied, or a tied copy when pp > 1), pooler."""
     head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
@@ -86,25 +122,34 @@ def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict
 
 @dataclass(frozen=True)
 class ParamBreakdown:
-    """Per-module counts: embeddings (once), one layer (times n_layers), tail (once)."""
+    """Per-module counts: embeddings (once), one layer (times n_layers), tail (once); LoRA adapters per layer."""
 
     embedding: dict[str, int]
     per_layer: dict[str, int]
     n_layers: int
     tail: dict[str, int]
+    adapters: dict[str, int] = dataclasses.field(default_factory=dict)  # per layer, by the linear they adapt
 
     @property
     def layer_total(self) -> int:
-        return sum(self.per_layer.values())
+        return sum(self.per_layer.values()) + sum(self.adapters.values())
 
     @property
     def total(self) -> int:
         return sum(self.embedding.values()) + self.n_layers * self.layer_total + sum(self.tail.values())
 
+    @property
+    def base_total(self) -> int:
+        """The model without its adapters."""
+        return self.total - self.n_layers * sum(self.adapters.values())
+
     def rows(self) -> list[tuple[str, int, int, int]]:
         """(module, count per instance, instances, count in total) for every non-empty module."""
         out = [(f"embedding.{k}", v, 1, v) for k, v in self.embedding.items() if v]
-        out += [(f"layers.*.{k}", v, self.n_layers, v * self.n_layers) for k, v in self.per_layer.items() if v]
+        for k, v in self.per_layer.items():
+            out += [(f"layers.*.{k}", v, self.n_layers, v * self.n_layers)] if v else []
+            a = self.adapters.get(k, 0)
+            out += [(f"layers.*.{k}.lora", a, self.n_layers, a * self.n_layers)] if a else []
         out += [(k, v, 1, v) for k, v in self.tail.items() if v]
         return out
 
@@ -112,7 +157,8 @@ class ParamBreakdown:
 def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
     """The whole model's counts (single rank); ``.total`` equals count_parameters(build_model(cfg))."""
     cfg.validate()
-    return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers, tail_params(cfg))
+    return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers, tail_params(cfg),
+                          lora_layer_params(cfg))
 
 
 def count_params(cfg: ModelConfig) -> int:

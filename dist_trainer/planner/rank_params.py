@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp, layers_per_stage
-from dist_trainer.planner.params import embedding_params, kv_sharded, layer_params, norm_params, tail_params
+from dist_trainer.planner.params import (
+    embedding_params,
+    kv_sharded,
+    layer_params,
+    lora_layer_params,
+    lora_replicated_params,
+    norm_params,
+    tail_params,
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,10 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
     for name, v in one_layer.items():
         if v:
             modules[f"layers.*.{name}"] = v * n_here
-    replicated += rep_layer * n_here
+    for name, v in lora_layer_params(cfg, tp_size).items():  # LoRA adapters (none without model.lora_rank)
+        if v:
+            modules[f"layers.*.{name}.lora"] = v * n_here
+    replicated += (rep_layer + lora_replicated_params(cfg, tp_size)) * n_here
     if pp_rank == pp_size - 1:
         tail = tail_params(cfg, tp_size, pp_size=pp_size)
         modules.update({k: v for k, v in tail.items() if v})

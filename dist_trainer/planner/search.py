@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, replace
 from dist_trainer.config import ModelConfig, config_from_dict
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_layout, check_tp
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
 from dist_trainer.planner.emit import run_config_dict
+from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
 from dist_trainer.planner.memory import (
     DEFAULT_OPTIONS,
@@ -28,6 +30,7 @@ from dist_trainer.planner.memory import (
     layout_rank_params,
     node_host_bytes,
     rank_memory,
+    rank_trainable,
 )
 from dist_trainer.planner.rank_params import RankParams
 
@@ -97,7 +100,7 @@ class _Planner:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool], act.LayerCosts] = {}
+        self._costs: dict[tuple[int, bool], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -113,13 +116,13 @@ class _Planner:
             self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
         return self._layers[key]
 
-    def costs(self, tp: int, sp: bool) -> act.LayerCosts:
+    def costs(self, tp: int, sp: bool) -> LayerCosts:
         if (tp, sp) not in self._costs:
             o = self.options
             spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
                                       attention_kernel=o.attention_kernel, device=o.device,
                                       sp_saves_gathered_input=o.sp_saves_gathered_input)
-            self._costs[(tp, sp)] = act.layer_costs(self.cfg, spec)
+            self._costs[(tp, sp)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
         return self._costs[(tp, sp)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
@@ -134,11 +137,11 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = act.stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
-                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                         layer_ids=layers[r],
-                                         tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
-                                         last=r == p - 1, in_flight=in_flight)
+            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
+                                     mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                     layer_ids=layers[r],
+                                     tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                     last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
             if worst is None or mem.device_total > worst.device_total:
@@ -150,7 +153,9 @@ class _Planner:
         mem = self.memory_of(layout)
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
-                               n_params_rank=self.params(layout, 0).total)
+                               n_params_rank=self.params(layout, 0).total,
+                               n_trainable_rank=rank_trainable(self.cfg, layout, self.params(layout, 0),
+                                                               self.options, 0))
         host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 

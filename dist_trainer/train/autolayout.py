@@ -2,9 +2,9 @@
 
 The planner searches every layout for the real world size, node shape and device memory
 (read from CUDA, or ``parallel.device_memory_gb`` on CPU) and ranks those that fit by
-estimated step time. The trainer takes the fastest one it can run, logs it with its
-predicted per-rank memory and step time, and after the first steps logs predicted
-against measured (``compare``).
+estimated step time. The trainer takes the fastest one it can run and logs it with its
+predicted per-rank memory and step time; after the first steps the plan check (every run's,
+``train/plan_check.py``) records predicted against measured.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 
 from dist_trainer.config import Config
 from dist_trainer.planner.emit import parallel_config_dict
-from dist_trainer.planner.memory import GiB, Layout, Overheads, TrainingOptions
+from dist_trainer.planner.memory import GiB, Layout, Overheads
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
 from dist_trainer.train.metrics import device_hardware
+from dist_trainer.train.plan_check import planner_options
 from dist_trainer.train.prelaunch import check_layout
 
 
@@ -45,14 +46,6 @@ def _device_memory(cfg: Config, device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     raise ValueError("parallel.layout=auto on CPU needs parallel.device_memory_gb (the memory per rank to plan for)")
-
-
-def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
-    """The planner's terms for what this trainer really runs (autocast over fp32 parameters)."""
-    precision = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[cfg.train.precision]
-    # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
-    kernel = "flash" if cfg.model.dropout == 0 else "math"
-    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel)
 
 
 def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> tuple[Config, AutoLayout]:
@@ -100,23 +93,3 @@ def _config_for(cfg: Config, layout: Layout) -> Config:
         for key in ("pp_schedule", "pp_virtual_stages", "n_microbatches"):
             fields.pop(key)  # pipeline fields keep their configured values
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **fields, layout="manual"))
-
-
-def measured_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes this rank really holds in parameters, gradients (as large as the parameters) and optimizer state."""
-    params = {id(p): p for p in model.parameters()}.values()
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    optim_bytes = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            optim_bytes += sum(t.numel() * t.element_size() for t in state.values()
-                               if torch.is_tensor(t) and t.ndim > 0)
-    return 2 * param_bytes + optim_bytes
-
-
-def compare(auto: AutoLayout, measured_states: int, measured_step_s: float) -> dict[str, float]:
-    """Predicted against measured, for the log line and the metrics file."""
-    predicted = auto.planned.memory.model_states
-    return {"planner/predicted_model_state_bytes": predicted, "planner/measured_model_state_bytes": measured_states,
-            "planner/model_state_ratio": measured_states / predicted if predicted else float("nan"),
-            "planner/predicted_step_s": auto.planned.time.total, "planner/measured_step_s": measured_step_s}

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from dist_trainer.parallel.ownership import Piece, counted_on_this_tp_rank, unique_named_parameters
+from dist_trainer.parallel.ownership import Piece, counted_on_this_tp_rank, tp_shard_extent, unique_named_parameters
 from dist_trainer.parallel.state import ParallelState
 
 
@@ -58,14 +58,23 @@ def _stage3_piece(name: str, p: Any, grads: bool) -> Piece | None:
 
 def zero_pieces(model: nn.Module, state: ParallelState, stage: int, grads: bool = True) -> list[Piece]:
     """This rank's pieces of every trainable parameter's fp32 master weight (and, with ``grads``, of its reduced
-    gradient: only between the last backward of a step and ``engine.step()``)."""
+    gradient: only between the last backward of a step and ``engine.step()``).
+
+    DeepSpeed partitions each rank's TP shard over dp, so a piece's place in the shard is also cut to the shard's
+    real elements (vocabulary padding rows left out) and moved to its place in the full parameter; the tied head
+    copy of a pipeline's last stage is left out, as ``dense_pieces`` leaves it."""
     pieces = []
     for name, p in unique_named_parameters(model):
-        if not p.requires_grad or not counted_on_this_tp_rank(p, state):
+        if not p.requires_grad or getattr(p, "pp_shared_copy", False) or not counted_on_this_tp_rank(p, state):
             continue
         piece = _stage3_piece(name, p, grads) if stage == 3 else _stage12_piece(name, p, grads)
-        if piece is not None and piece.param.numel():
-            pieces.append(piece)
+        if piece is None or piece.offset is None:
+            continue
+        valid, shard_start = tp_shard_extent(p, state)
+        keep = max(0, min(piece.param.numel(), valid - piece.offset))
+        if keep:
+            pieces.append(Piece(name, piece.param[:keep], None if piece.grad is None else piece.grad[:keep],
+                                None if shard_start is None else shard_start + piece.offset))
     return pieces
 
 

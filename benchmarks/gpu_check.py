@@ -1,0 +1,158 @@
+"""One prepared run for a lent GPU (one device, under 8 minutes): throughput, MFU and memory against the planner.
+
+    python benchmarks/gpu_check.py [--out gpu_check.json]          # on a CUDA machine
+    python benchmarks/gpu_check.py --device cpu --smoke             # a tiny run of the same code paths (the suite)
+
+1. bf16 tokens/s and MFU (model FLOPs over the profile's dense bf16 peak of the detected GPU) for GPT-2-124M and a
+   ~1B GPT-style model (d_model 2048, 18 layers, 16 heads), one process, synthetic tokens, after warm-up steps.
+2. ``torch.cuda.max_memory_allocated`` of one training step against the planner's prediction (device total minus
+   the CUDA context, which the allocator does not see) for GPT-2-124M over a grid: micro-batch 1/4/8 x sequence
+   1024/4096 x checkpointing none/selective/full (plain DDP at dp 1), then ZeRO-1/2/3 at dp 1 (micro-batch 4,
+   sequence 1024). Each row prints predicted, measured and their ratio; everything lands in ``--out``.
+
+Synthetic batches go straight to the engine (``engines.build_engine``), as ``dist-trainer memory-experiment``
+does, so no data set is needed on the GPU machine. CI never runs this on a GPU; the suite runs ``--smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from dist_trainer.config import config_from_dict  # noqa: E402
+from dist_trainer.planner.emit import layout_from_parallel  # noqa: E402
+from dist_trainer.planner.memory import GiB, Overheads, predict_rank_memory  # noqa: E402
+from dist_trainer.train.metrics import device_hardware, model_flops_per_step  # noqa: E402
+from dist_trainer.train.plan_check import planner_options  # noqa: E402
+
+GPT2 = {"preset": "gpt2", "dropout": 0.0}
+ONE_B = {"vocab_size": 50304, "d_model": 2048, "n_layers": 18, "n_heads": 16, "max_seq_len": 4096,
+         "activation": "gelu_tanh", "dropout": 0.0}  # ~0.99B parameters
+TINY = {"preset": "tiny", "dropout": 0.0}
+
+
+def _config(model: dict, *, micro: int, seq: int, ckpt: str = "none", zero: int = 0, precision: str = "bf16",
+            device: str = "cuda") -> dict:
+    return {"model": {**model, "max_seq_len": max(seq, model.get("max_seq_len", 0) or 0)},
+            "parallel": {"micro_batch_size": micro, "global_batch_size": micro, "activation_checkpointing": ckpt,
+                         "zero_stage": zero},
+            "data": {"seq_len": seq}, "train": {"precision": precision, "device": device, "max_steps": 10},
+            "optim": {"warmup_steps": 0}, "wandb": {"mode": "disabled"}}
+
+
+def _engine(tree: dict, device: torch.device) -> tuple[Any, Any]:
+    from dist_trainer.engines import build_engine
+    from dist_trainer.parallel.state import ParallelState
+    from dist_trainer.train.distributed import LaunchEnv, init_distributed
+
+    cfg = config_from_dict(tree).validate()
+    from dist_trainer.layout_rules import needs_process_group
+
+    init_distributed(LaunchEnv("none", 0, 1, 0, 1), device, None, 600.0,
+                     single_process_group=needs_process_group(cfg.parallel))
+    return cfg, build_engine(cfg, ParallelState.build(cfg.parallel, 1, 0), device)
+
+
+def _batch(cfg: Any, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    seq = torch.randint(0, cfg.model.vocab_size, (cfg.parallel.micro_batch_size, cfg.data.seq_len + 1),
+                        device=device)
+    return [{"tokens": seq[:, :-1].contiguous(), "targets": seq[:, 1:].contiguous()}]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def throughput(model: dict, device: torch.device, *, micro: int, seq: int, steps: int) -> dict[str, float]:
+    tree = _config(model, micro=micro, seq=seq, device=device.type,
+                   precision="bf16" if device.type == "cuda" else "fp32")
+    cfg, engine = _engine(tree, device)
+    batches = _batch(cfg, device)
+    for _ in range(2):  # warm-up: kernels chosen, optimizer states created
+        engine.forward_backward(batches)
+        engine.optimizer_step(1e-4)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.forward_backward(batches)
+        engine.optimizer_step(1e-4)
+    _sync(device)
+    step_s = (time.perf_counter() - start) / steps
+    peak = device_hardware(device).peak_flops(cfg.train.precision)
+    params = sum(p.numel() for p in engine.model.parameters())
+    result = {"tokens_per_s": micro * seq / step_s, "step_s": step_s,
+              "mfu": model_flops_per_step(cfg) / step_s / peak, "params": params}
+    del engine
+    return result
+
+
+def memory_row(model: dict, device: torch.device, **kw: Any) -> dict[str, Any]:
+    tree = _config(model, device=device.type, precision="bf16" if device.type == "cuda" else "fp32", **kw)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    cfg, engine = _engine(tree, device)
+    batches = _batch(cfg, device)
+    for _ in range(2):  # the second step holds the optimizer states during its backward
+        engine.forward_backward(batches)
+        engine.optimizer_step(1e-4)
+    measured = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+    layout = layout_from_parallel(cfg.parallel, 1, 1)
+    mem = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=planner_options(cfg, device),
+                              overheads=Overheads(cuda_context=0, fragmentation=0.0))
+    del engine
+    return {**kw, "predicted": mem.device_total, "measured": measured,
+            "ratio": measured / mem.device_total if measured else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, tiny grid: the code paths, not the figures")
+    ap.add_argument("--out", default="gpu_check.json")
+    args = ap.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check.py: no CUDA device here (use --device cpu --smoke for the code paths)")
+    started = time.perf_counter()
+    models = {"tiny": TINY} if args.smoke else {"gpt2-124M": GPT2, "gpt-1B": ONE_B}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "throughput": {}, "memory": []}
+    for name, model in models.items():
+        micro, seq = (2, 64) if args.smoke else (8, 1024)
+        result["throughput"][name] = throughput(model, device, micro=micro, seq=seq, steps=2 if args.smoke else 10)
+        t = result["throughput"][name]
+        print(f"{name}: {t['params'] / 1e6:.0f}M params, {t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}",
+              flush=True)
+    grid_model = TINY if args.smoke else GPT2
+    micros, seqs = ((1, 2), (64,)) if args.smoke else ((1, 4, 8), (1024, 4096))
+    grid = [dict(micro=m, seq=s, ckpt=c) for m in micros for s in seqs for c in ("none", "selective", "full")]
+    grid += [dict(micro=micros[-1], seq=seqs[0], zero=z) for z in (1, 2, 3)]
+    print(f"\n{'micro':>5}{'seq':>6}{'ckpt':>10}{'zero':>5}{'predicted GiB':>15}{'measured GiB':>14}{'ratio':>7}")
+    for kw in grid:
+        row = memory_row(grid_model, device, **kw)
+        result["memory"].append(row)
+        ratio = f"{row['ratio']:.3f}" if row["ratio"] else "-"
+        print(f"{kw['micro']:>5}{kw['seq']:>6}{kw.get('ckpt', 'none'):>10}{kw.get('zero', 0):>5}"
+              f"{row['predicted'] / GiB:>15.3f}{row['measured'] / GiB:>14.3f}{ratio:>7}", flush=True)
+    result["seconds"] = time.perf_counter() - started
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{result['seconds']:.0f} s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Every run checks the planner: after its first steps, the prediction for this run's layout next to what it measured.
+
+Measured on every rank at step ``CHECK_STEP`` (the second: AdamW's states exist, the first step's warm-up is past):
+
+    model_states   ``engine.owned_state_bytes()`` between the backward and the optimizer step (every gradient alive)
+    activations    the peak bytes saved for backward during that step's ``forward_backward`` (``SavedPeak``)
+    peak_memory    CUDA's max allocated; on CPU the peak resident-set growth since the trainer started
+    step_time      the median of steps ``CHECK_STEP`` .. ``CHECK_STEP + TIMED_STEPS - 1``
+
+Predicted for this rank's pipeline stage: ``planner.memory.predict_rank_memory`` and ``estimate_step_time`` with
+the run's hardware profile (``parallel.hardware``, e.g. a ``dist-trainer calibrate`` JSON, else the device's).
+The rows of every rank go to ``OUT/plan_check.json`` and rank 0's to metrics.jsonl (``plan_check/<name>/...``);
+a figure further from the prediction than ``ACCURACY`` (the planner's documented accuracy, docs/planner.md)
+is warned about. On a CUDA out-of-memory error, ``oom_report`` says what the planner expected of this layout
+and which layout it would pick for this device instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dist_trainer.config import Config
+from dist_trainer.files import atomic_write_text
+from dist_trainer.planner.cost import estimate_step_time
+from dist_trainer.planner.emit import layout_from_parallel
+from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, predict_rank_memory
+from dist_trainer.train.metrics import device_hardware
+
+CHECK_STEP = 1  # 0-based: the second step
+TIMED_STEPS = 3
+# |measured / predicted - 1| above which a warning is written (docs/planner.md, "Measured accuracy"): model states
+# are counted exactly; saved activations within a few percent; resident memory and step time much less so.
+ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5}
+
+
+class SavedPeak:
+    """Context manager: live and peak bytes of the unique storages saved for backward, state tensors excluded.
+
+    A ``saved_tensors_hooks`` pack wraps each saved tensor in a holder the autograd graph owns; a
+    ``weakref.finalize`` on it fires when the graph lets go (after that node's backward ran), and a per-storage
+    refcount turns this into the live bytes of unique storages.
+    """
+
+    def __init__(self, state_tensors: Iterable[torch.Tensor]) -> None:
+        self.state = {t.untyped_storage().data_ptr() for t in state_tensors}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> object:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.state or storage.nbytes() == 0:
+            return t
+        holder = _Holder(t)
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Holder) else packed  # type: ignore[return-value]
+
+    def __enter__(self) -> SavedPeak:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
+    """The planner's terms for what this trainer really runs (autocast over fp32 parameters)."""
+    precision = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[cfg.train.precision]
+    # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
+    kernel = "flash" if cfg.model.dropout == 0 else "math"
+    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
+                           freeze=tuple(cfg.train.freeze))
+
+
+def peak_resident_bytes() -> int:
+    """Peak resident set size of this process so far (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PlanCheck:
+    """The prediction for this rank next to its measurements (module docstring); one per Trainer."""
+
+    def __init__(self, cfg: Config, dp_size: int, pp_rank: int, rank: int, world_size: int, gpus_per_node: int,
+                 device: torch.device, out_dir: Path, baseline_bytes: int) -> None:
+        self.cfg, self.pp_rank, self.rank, self.world = cfg, pp_rank, rank, world_size
+        self.device, self.path = device, out_dir / "plan_check.json"
+        self.layout = layout_from_parallel(cfg.parallel, dp_size, cfg.parallel.grad_accum_steps(dp_size))
+        self.options = planner_options(cfg, device)
+        self.hardware = device_hardware(device, cfg.parallel.hardware)
+        self.gpus_per_node = max(1, gpus_per_node)
+        self.baseline = baseline_bytes
+        self.measured: dict[str, float] = {}
+        self.times: list[float] = []
+        self.done = cfg.train.max_steps <= CHECK_STEP
+
+    @contextlib.contextmanager
+    def watch(self, step: int, state_tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Around ``forward_backward``: the saved-for-backward peak of the check step."""
+        if self.done or step != CHECK_STEP:
+            yield
+            return
+        with SavedPeak(state_tensors) as tracker:
+            yield
+        self.measured["activations"] = tracker.peak
+
+    def after_backward(self, step: int, owned: dict[str, int]) -> None:
+        if not self.done and step == CHECK_STEP:
+            self.measured["model_states"] = sum(owned.values())
+
+    def after_step(self, step: int, seconds: float) -> dict[str, float]:
+        """The record entries once the check is complete (empty until then); writes plan_check.json."""
+        if self.done or step < CHECK_STEP:
+            return {}
+        self.times.append(seconds)
+        if len(self.times) < TIMED_STEPS and step + 1 < self.cfg.train.max_steps:
+            return {}
+        self.done = True
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else \
+            peak_resident_bytes() - self.baseline
+        self.measured.update(peak_memory=peak, step_time=statistics.median(self.times))
+        row = self._row(self._predicted())
+        rows = [row]
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, row)
+            rows = gathered
+        if self.rank == 0:
+            atomic_write_text(self.path, json.dumps({"accuracy": ACCURACY, "hardware": self.hardware.name,
+                                                     "ranks": rows}, indent=2) + "\n")
+        return {f"plan_check/{k}/{kind}": v for k, entry in row["figures"].items() for kind, v in entry.items()
+                if kind != "ok"}
+
+    def _predicted(self) -> dict[str, float]:
+        overheads = Overheads() if self.device.type == "cuda" else Overheads.none()
+        mem = predict_rank_memory(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
+                                  overheads=overheads, pp_rank=self.pp_rank)
+        t = estimate_step_time(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, hardware=self.hardware,
+                               gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
+        device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
+        return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
+                "step_time": t.total}
+
+    def _row(self, predicted: dict[str, float]) -> dict[str, Any]:
+        figures = {}
+        for key, pred in predicted.items():
+            got = self.measured.get(key)
+            if got is None:
+                continue
+            ratio = got / pred if pred else float("nan")
+            figures[key] = {"predicted": pred, "measured": got, "ratio": ratio,
+                            "ok": abs(ratio - 1) <= ACCURACY[key]}
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "figures": figures}
+
+    def warnings(self, record: dict[str, float]) -> list[str]:
+        """One line per figure of this rank outside its documented accuracy."""
+        out = []
+        for key, tol in ACCURACY.items():
+            ratio = record.get(f"plan_check/{key}/ratio")
+            if ratio is not None and abs(ratio - 1) > tol:
+                out.append(f"plan check: {key} measured {record[f'plan_check/{key}/measured']:,.4g} vs predicted "
+                           f"{record[f'plan_check/{key}/predicted']:,.4g} (ratio {ratio:.2f}, beyond the planner's "
+                           f"documented accuracy of {tol:.0%}; see {self.path})")
+        return out
+
+
+def oom_report(cfg: Config, dp_size: int, pp_rank: int, world_size: int, gpus_per_node: int, device: torch.device,
+               exc: BaseException) -> str:
+    """What to print on a CUDA out-of-memory error: the planner's breakdown for this layout, CUDA's own numbers,
+    and the planner's fastest layout that fits this device (or how far the closest misses)."""
+    from dist_trainer.planner.search import describe, plan_layouts
+
+    layout = layout_from_parallel(cfg.parallel, dp_size, cfg.parallel.grad_accum_steps(dp_size))
+    options = planner_options(cfg, device)
+    mem: RankMemory = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=options,
+                                          pp_rank=pp_rank)
+    lines = [f"CUDA out of memory on pipeline stage {pp_rank} of {describe(layout)}: {str(exc).splitlines()[0]}",
+             f"the planner expected {mem.device_total / GiB:.2f} GiB per rank: params {mem.params / GiB:.2f}, "
+             f"grads {mem.grads / GiB:.2f}, optimizer {mem.optimizer / GiB:.2f}, activations "
+             f"{mem.activations / GiB:.2f}, step buffers {mem.step_buffers / GiB:.2f}, overheads "
+             f"{mem.overheads / GiB:.2f}"]
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        lines.append(f"CUDA: {torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB max allocated, "
+                     f"{torch.cuda.max_memory_reserved(device) / GiB:.2f} GiB max reserved of {total / GiB:.2f} GiB")
+    else:
+        total = int(cfg.parallel.device_memory_gb * GiB) if cfg.parallel.device_memory_gb else 16 * GiB
+        lines.append(f"(not a CUDA device: planning for {total / GiB:.1f} GiB per rank)")
+    hardware = device_hardware(device, cfg.parallel.hardware).name
+    res = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=min(max(1, gpus_per_node), world_size),
+                       gpu_memory_bytes=total, seq_len=cfg.data.seq_len, global_batch=cfg.parallel.global_batch_size,
+                       hardware=hardware, options=options)
+    if res.best is not None:
+        lines.append(f"the planner's fastest layout that fits: {describe(res.best.layout)} "
+                     f"({res.best.memory.device_total / GiB:.2f} GiB; dist-trainer plan prints it with --out)")
+    else:
+        lines.extend(res.notes)
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""Every run records the planner's prediction for its layout next to what it measured (train/plan_check.py),
+and a CUDA out-of-memory error is answered with the planner's breakdown and a layout that fits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_trainer.testing import run_distributed
+from dist_trainer.train import plan_check
+from dist_trainer.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+SECTIONS = {"model": {"n_layers": 4}, "parallel": {"micro_batch_size": 2}, "train": {"max_steps": 5}}
+
+
+def _run(rank: int, world: int, data: Path, out: Path, parallel: dict) -> list[dict]:
+    cfg = tiny_config(data, out, **{**SECTIONS, "parallel": {**SECTIONS["parallel"], **parallel}})
+    Trainer(cfg).train()
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_run_writes_the_plan_check(tiny_data: Path, tmp_path: Path) -> None:
+    """One process, DDP over 2 ranks and 2 pipeline stages: model states within 1% and saved activations within
+    10% of the planner on every rank, in plan_check.json (all ranks) and metrics.jsonl (rank 0)."""
+    cases = {"single": (1, {}), "ddp": (2, {}), "pp2": (2, {"pp_size": 2})}
+    for name, (world, parallel) in cases.items():
+        out = tmp_path / name
+        records = _run(0, 1, tiny_data, out, parallel) if world == 1 else \
+            run_distributed(_run, world, (tiny_data, out, parallel))[0]
+        check = json.loads((out / "plan_check.json").read_text())
+        assert len(check["ranks"]) == world, name
+        for row in check["ranks"]:
+            figures = row["figures"]
+            assert set(figures) == {"model_states", "activations", "peak_memory", "step_time"}, name
+            assert abs(figures["model_states"]["ratio"] - 1) <= 0.01, (name, row)
+            assert abs(figures["activations"]["ratio"] - 1) <= 0.10, (name, row)
+            assert figures["step_time"]["measured"] > 0 and figures["step_time"]["predicted"] > 0
+        logged = [r for r in records if "plan_check/model_states/ratio" in r]
+        assert len(logged) == 1 and logged[0]["step"] == plan_check.CHECK_STEP + plan_check.TIMED_STEPS, name
+        assert logged[0]["plan_check/model_states/measured"] == check["ranks"][0]["figures"]["model_states"][
+            "measured"]
+
+
+def test_a_figure_beyond_the_documented_accuracy_is_warned_about(tiny_data: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(plan_check.ACCURACY, "step_time", 0.0)  # no step time equals a prediction exactly
+    _run(0, 1, tiny_data, tmp_path, {})
+    out = capsys.readouterr().out
+    assert "plan check: step_time measured" in out and "beyond the planner's documented accuracy of 0%" in out
+    assert "plan check: model_states" not in out
+
+
+def test_cuda_out_of_memory_prints_the_planners_breakdown_and_a_layout_that_fits(
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CUDA OOM (raised here on CPU by the engine) ends the run with one message, no traceback."""
+    from dist_trainer.cli import main
+    from dist_trainer.engines.ddp import DataParallelEngine
+
+    def oom(self: object, batches: object) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(DataParallelEngine, "forward_backward", oom)
+    cfg = tiny_config(tiny_data, tmp_path / "run", parallel={"device_memory_gb": 1.0})
+    config = tmp_path / "run.yaml"
+    import yaml
+
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA out of memory on pipeline stage 0 of tp=1 pp=1 dp=1" in err
+    assert "the planner expected" in err and "activations" in err
+    assert "the planner's fastest layout that fits: tp=1 pp=1 dp=1" in err
+    assert "Traceback" not in err
