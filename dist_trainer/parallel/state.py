@@ -58,6 +58,15 @@ class ParallelState:
         return (f"rank {self.rank}/{self.world_size}: dp {self.dp.rank}/{self.dp.size}, "
                 f"pp {self.pp.rank}/{self.pp.size}, tp {self.tp.rank}/{self.tp.size}")
 
+    def describe_rank(self, rank: int) -> str:
+        """Another rank's coordinates, read off the grid (tp fastest, then pp, then dp)."""
+        tp, pp = self.tp.size, self.pp.size
+        return f"dp {rank // (tp * pp)}/{self.dp.size}, pp {rank // tp % pp}/{pp}, tp {rank % tp}/{tp}"
+
+    def group_ranks(self) -> dict[str, tuple[int, ...]]:
+        """Axis -> the global ranks of this rank's group on that axis."""
+        return {a.axis: a.ranks for a in (self.dp, self.pp, self.tp)}
+
     @classmethod
     def single(cls) -> ParallelState:
         """One process, no process groups: every collective is a no-op."""
