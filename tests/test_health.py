@@ -85,8 +85,9 @@ def layouts(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 def test_signals_equal_the_single_process_run_in_every_layout(layouts: dict, tiny_data: Path,
                                                               tmp_path: Path) -> None:
     """tp=2, pp=2, ZeRO-2, ZeRO-3, tp=2 x ZeRO-2 and pp=2 x ZeRO-1 record the single-process figures (1e-5):
-    per-layer grad and parameter norms, update-to-data ratios, L1 changes, attention projection norms, MLP gradient quantiles, embedding
-    cosine similarity, and the gradient noise scale (the same micro-batches in every layout)."""
+    per-layer grad and parameter norms, update-to-data ratios, L1 changes, attention projection norms, MLP
+    gradient quantiles, embedding cosine similarity, and the gradient noise scale (the same micro-batches in
+    every layout)."""
     ref_curves, ref = _run(tmp_path, tiny_data, HEALTH)
     assert sorted(ref) == [2, 4]
     expected = {"health/grad_norm/layers.1.mlp", "health/param_norm/embed", "health/update_ratio/layers.0.norm",
