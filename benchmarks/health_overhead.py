@@ -53,11 +53,11 @@ def make_config(data: Path, out: Path, steps: int, enabled: bool, every: int):
 def steps_per_s(cfg, cpu: bool) -> float:
     """The trainer's steps/s over the steps after the first (whole iterations: logging and records included),
     on the wall clock or (``cpu``) on this process's CPU time: the trainer's own clock is swapped."""
-    trainer_module.time = CPU_CLOCK if cpu else time  # type: ignore[attr-defined]
+    vars(trainer_module)["time"] = CPU_CLOCK if cpu else time
     try:
         result = Trainer(cfg).train()
     finally:
-        trainer_module.time = time  # type: ignore[attr-defined]
+        vars(trainer_module)["time"] = time
     return result.tokens_per_s / (cfg.parallel.global_batch_size * cfg.data.seq_len)
 
 
