@@ -23,10 +23,15 @@ import re
 from collections.abc import Sequence
 from typing import Protocol
 
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES, LORA_LINEARS
+from dist_trainer.model_names import (
+    EMBEDDING_TABLES,
+    FIRST_STAGE_MODULES,
+    LAST_STAGE_MODULES,
+    LAYER_MODULES,
+    LORA_LINEARS,
+)
 
 PRESETS = ("embeddings", "bottom:N", "norms_only")
-EMBEDDING_TABLES = ("tok_emb", "pos_emb", "type_emb")  # the `embeddings` preset: lookup tables, not emb_norm
 _RANGE = re.compile(r"(\d+)-(\d+)")
 
 

@@ -7,6 +7,7 @@ checkpoints and the planner's counts all refer to them, so a name lives here onc
 from __future__ import annotations
 
 FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")  # before the layers (the first pipeline stage)
+EMBEDDING_TABLES = FIRST_STAGE_MODULES[:3]  # the lookup tables (freeze preset `embeddings`), not emb_norm
 LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj",
                  "down_proj")  # one transformer block's parameterised modules (leaf names)
 LAST_STAGE_MODULES = ("final_norm", "head", "pooler")  # after the layers (the last pipeline stage)

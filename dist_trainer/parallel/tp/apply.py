@@ -49,6 +49,7 @@ from dist_trainer.parallel.tp.layers import (
     VocabParallelLoss,
     mark_partial_grad,
 )
+from dist_trainer.planner.params import kv_sharded
 
 
 @dataclass
@@ -101,7 +102,7 @@ class KVColwise(Style):
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         cfg = ctx.cfg
-        if cfg.kv_heads % ctx.group.size == 0:
+        if kv_sharded(cfg, ctx.group.size):  # the planner's counts follow the same rule
             return Colwise().apply(module, ctx)
         assert isinstance(module, nn.Linear), type(module)
         return ReplicatedKVLinear(module, ctx.group, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
