@@ -23,15 +23,23 @@ def _run(rank: int, world: int, data: Path, out: Path, parallel: dict) -> list[d
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _run_all(rank: int, world: int, data: Path, root: Path, cases: dict[str, dict]) -> dict[str, list[dict]]:
+    """Several layouts one after the other in one spawn of ``world`` ranks."""
+    return {name: _run(rank, world, data, root / name, parallel) for name, parallel in cases.items()}
+
+
 def test_every_run_writes_the_plan_check(tiny_data: Path, tmp_path: Path) -> None:
-    """One process, DDP over 2 ranks and 2 pipeline stages: model states within 1% and saved activations within
-    10% of the planner on every rank, in plan_check.json (all ranks) and metrics.jsonl (rank 0)."""
-    cases = {"single": (1, {}), "ddp": (2, {}), "pp2": (2, {"pp_size": 2})}
-    for name, (world, parallel) in cases.items():
-        out = tmp_path / name
-        records = _run(0, 1, tiny_data, out, parallel) if world == 1 else \
-            run_distributed(_run, world, (tiny_data, out, parallel))[0]
-        check = json.loads((out / "plan_check.json").read_text())
+    """One process, DDP, TP with SP, 2 pipeline stages and ZeRO-2/3 over 2 ranks: model states within 1% and
+    saved activations within 10% of the planner on every rank, in plan_check.json (all ranks) and metrics.jsonl
+    (rank 0)."""
+    two_ranks = {"ddp": {}, "tp2-sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2},
+                 "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
+    runs = {"single": (1, _run(0, 1, tiny_data, tmp_path / "single", {}))}
+    runs |= {name: (2, records) for name, records in
+             run_distributed(_run_all, 2, (tiny_data, tmp_path, two_ranks))[0].items()}
+    assert sorted(runs) == sorted(["single", *two_ranks])
+    for name, (world, records) in runs.items():
+        check = json.loads((tmp_path / name / "plan_check.json").read_text())
         assert len(check["ranks"]) == world, name
         for row in check["ranks"]:
             figures = row["figures"]

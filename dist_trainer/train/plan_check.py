@@ -43,7 +43,8 @@ ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "ste
 
 
 class SavedPeak:
-    """Context manager: live and peak bytes of the unique storages saved for backward, state tensors excluded.
+    """Context manager: live and peak bytes of the unique storages saved for backward, state tensors excluded
+    (by storage, and any parameter object: ZeRO-3 swaps a parameter's storage between gathered and partitioned).
 
     A ``saved_tensors_hooks`` pack wraps each saved tensor in a holder the autograd graph owns; a
     ``weakref.finalize`` on it fires when the graph lets go (after that node's backward ran), and a per-storage
@@ -66,8 +67,8 @@ class SavedPeak:
     def _pack(self, t: torch.Tensor) -> object:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self.state or storage.nbytes() == 0:
-            return t
+        if key in self.state or storage.nbytes() == 0 or isinstance(t, torch.nn.Parameter):
+            return t  # ZeRO-3 saves the parameter itself, gathered now and released after the module's forward
         holder = _Holder(t)
         if key not in self.refs:
             self.refs[key] = 0
