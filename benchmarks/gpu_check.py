@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model, tiny grid: the code paths, not the figures")
     ap.add_argument("--out", default="gpu_check.json")
     args = ap.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the run: its figures must not be lost
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
