@@ -171,6 +171,7 @@ RUN: list[tuple[str, Run]] = [
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
     (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
     (r"benchmarks/planner_time\.py", Run(append="--quick --steps 3")),
+    (r"benchmarks/collective_wait\.py", Run(append="--repeats 3", expect=("x back to back",))),
     (r"benchmarks/gpu_check\.py", Run(append="--device cpu --smoke --out runs/gpu_check.json")),
     (r"benchmarks/megatron_table1\.py", Run()),
 ]
