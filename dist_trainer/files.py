@@ -1,4 +1,5 @@
-"""File-system helpers shared by the commands: an output folder that can be written, atomic text writes.
+"""File-system helpers shared by the commands: an output folder that can be written, atomic text writes, JSON
+files read with one error naming the file.
 
 Nothing here imports torch, so ``dist-trainer prepare`` stays free of it.
 """
@@ -6,9 +7,11 @@ Nothing here imports torch, so ``dist-trainer prepare`` stays free of it.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 
 def output_dir(path: str | Path, setting: str) -> Path:
@@ -42,6 +45,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         part.unlink(missing_ok=True)
         raise
+
+
+def read_json(path: Path, what: str) -> Any:
+    """The JSON in ``path``; a ValueError naming the file, what is wrong with it and ``what`` (the file's role or
+    the fix) when it is not JSON text (a truncated write, a binary or hostile file)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg}): {what}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON (not UTF-8 text: {exc.reason}): {what}") from None
 
 
 def error_message(exc: BaseException) -> str:

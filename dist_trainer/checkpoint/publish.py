@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dist_trainer.files import atomic_write_text
+from dist_trainer.files import atomic_write_text, read_json
 
 FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
@@ -155,13 +155,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise ValueError(f"{path} is not a complete checkpoint: no meta.json")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{meta_path} is not valid JSON ({exc.msg}): not a checkpoint's meta.json") from None
-    except UnicodeDecodeError as exc:  # binary content (a pickle, say)
-        raise ValueError(f"{meta_path} is not valid JSON (not UTF-8 text: {exc.reason}): not a checkpoint's "
-                         "meta.json") from None
+    meta = read_json(meta_path, "not a checkpoint's meta.json")
     missing = [k for k in ("format", "step", "config", "layout") if k not in meta] if isinstance(meta, dict) else []
     if not isinstance(meta, dict) or missing:
         raise ValueError(f"{meta_path} is not a checkpoint's meta.json: " + (

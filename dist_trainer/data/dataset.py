@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from dist_trainer.files import atomic_write_text
+from dist_trainer.files import atomic_write_text, read_json
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -82,10 +82,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     meta_path = path / META_FILE
     if not meta_path.is_file():
         raise ValueError(f"{meta_path} is missing: {path} is not a complete prepared dataset; run prepare again")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{meta_path} is not valid JSON ({exc.msg}); run prepare with --force") from None
+    meta = read_json(meta_path, "run prepare with --force")
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(f"{meta_path} has format_version={version!r}, this code reads {FORMAT_VERSION}; "
