@@ -57,10 +57,14 @@ def test_a_figure_beyond_the_documented_accuracy_is_warned_about(tiny_data: Path
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(plan_check.ACCURACY, "step_time", 0.0)  # no step time equals a prediction exactly
+    monkeypatch.setitem(plan_check.ACCURACY, "peak_memory", 0.0)  # nor a peak: but on CPU it is not judged
     _run(0, 1, tiny_data, tmp_path, {})
     out = capsys.readouterr().out
     assert "plan check: step_time measured" in out and "beyond the planner's documented accuracy of 0%" in out
-    assert "plan check: model_states" not in out
+    assert "plan check: model_states" not in out and "plan check: peak_memory" not in out
+    figures = json.loads((tmp_path / "plan_check.json").read_text())["ranks"][0]["figures"]
+    assert figures["peak_memory"]["ok"] is None and figures["peak_memory"]["measured"] > 0
+    assert figures["step_time"]["ok"] is False and figures["model_states"]["ok"] is True
 
 
 def test_cuda_out_of_memory_prints_the_planners_breakdown_and_a_layout_that_fits(

@@ -4,7 +4,9 @@ Measured on every rank at step ``CHECK_STEP`` (the second: AdamW's states exist,
 
     model_states   ``engine.owned_state_bytes()`` between the backward and the optimizer step (every gradient alive)
     activations    the peak bytes saved for backward during that step's ``forward_backward`` (``SavedPeak``)
-    peak_memory    CUDA's max allocated; on CPU the peak resident-set growth since the trainer started
+    peak_memory    CUDA's max allocated; on CPU the peak resident-set growth since the trainer started (recorded, not
+                   judged: it also holds the allocator's free lists and the libraries' first-use pages, 2.6x the
+                   prediction in the demo's 1.4M-parameter run)
     step_time      the median of steps ``CHECK_STEP`` .. ``CHECK_STEP + TIMED_STEPS - 1``
 
 Predicted for this rank's pipeline stage: ``planner.memory.predict_rank_memory`` and ``estimate_step_time`` with
@@ -185,16 +187,21 @@ class PlanCheck:
             if got is None:
                 continue
             ratio = got / pred if pred else float("nan")
+            judged = self._judged(key)
             figures[key] = {"predicted": pred, "measured": got, "ratio": ratio,
-                            "ok": abs(ratio - 1) <= ACCURACY[key]}
+                            "ok": abs(ratio - 1) <= ACCURACY[key] if judged else None}
         return {"rank": self.rank, "pp_rank": self.pp_rank, "figures": figures}
+
+    def _judged(self, key: str) -> bool:
+        """Whether ``key`` is held to its accuracy here: peak memory only where CUDA's allocator counts it."""
+        return key != "peak_memory" or self.device.type == "cuda"
 
     def warnings(self, record: dict[str, float]) -> list[str]:
         """One line per figure of this rank outside its documented accuracy."""
         out = []
         for key, tol in ACCURACY.items():
             ratio = record.get(f"plan_check/{key}/ratio")
-            if ratio is not None and abs(ratio - 1) > tol:
+            if ratio is not None and self._judged(key) and abs(ratio - 1) > tol:
                 out.append(f"plan check: {key} measured {record[f'plan_check/{key}/measured']:,.4g} vs predicted "
                            f"{record[f'plan_check/{key}/predicted']:,.4g} (ratio {ratio:.2f}, beyond the planner's "
                            f"documented accuracy of {tol:.0%}; see {self.path})")
