@@ -61,6 +61,7 @@ def test_a_figure_beyond_the_documented_accuracy_is_warned_about(tiny_data: Path
     _run(0, 1, tiny_data, tmp_path, {})
     out = capsys.readouterr().out
     assert "plan check: step_time measured" in out and "beyond the planner's documented accuracy of 0%" in out
+    assert "the cpu profile's figures are assumed: `dist-trainer calibrate` measures this machine" in out
     assert "plan check: model_states" not in out and "plan check: peak_memory" not in out
     figures = json.loads((tmp_path / "plan_check.json").read_text())["ranks"][0]["figures"]
     assert figures["peak_memory"]["ok"] is None and figures["peak_memory"]["measured"] > 0

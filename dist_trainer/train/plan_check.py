@@ -204,7 +204,10 @@ class PlanCheck:
             if ratio is not None and self._judged(key) and abs(ratio - 1) > tol:
                 out.append(f"plan check: {key} measured {record[f'plan_check/{key}/measured']:,.4g} vs predicted "
                            f"{record[f'plan_check/{key}/predicted']:,.4g} (ratio {ratio:.2f}, beyond the planner's "
-                           f"documented accuracy of {tol:.0%}; see {self.path})")
+                           f"documented accuracy of {tol:.0%}; see {self.path})"
+                           + (f"; the {self.hardware.name} profile's figures are assumed: `dist-trainer calibrate` "
+                              "measures this machine for parallel.hardware" if key == "step_time"
+                              and not self.hardware.source.startswith("dist-trainer calibrate") else ""))
         return out
 
 
