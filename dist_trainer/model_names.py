@@ -10,3 +10,7 @@ FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")  # before t
 LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj",
                  "down_proj")  # one transformer block's parameterised modules (leaf names)
 LAST_STAGE_MODULES = ("final_norm", "head", "pooler")  # after the layers (the last pipeline stage)
+# A mixture-of-experts layer (model_moe.py) has ``moe`` where a dense layer has ``mlp``: router, experts by global
+# index (each the MLP's up/gate/down), and the optional shared expert (an MLP every token passes through)
+MOE_MODULE = "moe"
+MOE_LAYER_MODULES = ("router", "experts", "shared_expert")
