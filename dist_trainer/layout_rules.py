@@ -10,9 +10,11 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     layers_per_stage    the pipeline split: even by layers, by parameters, or given per stage
     check_schedule      a pipelining schedule against its micro-batches and virtual stages
     check_composition   which regimes compose (ZeRO with TP or PP is refused, with the reason)
+    check_ep            expert parallelism: a MoE model, ep dividing the experts and dp, which ZeRO stages take it
     check_precision     device limits: fp16 loss scaling needs CUDA
     check_layout        all of the above for a run config on a world size: the pre-launch check
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
+    expert_groups       the expert-parallel and expert-data-parallel groups inside the dp axis
 """
 
 from __future__ import annotations
@@ -214,6 +216,36 @@ def check_composition(parallel: ParallelConfig) -> None:
                          "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
 
 
+def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0) -> None:
+    """Expert parallelism (parallel/ep/) splits each MoE layer's experts over ep_size data-parallel ranks.
+
+    It needs experts to split (model.n_experts > 0, ep dividing them) and ep dividing dp (its groups are drawn
+    from the dp axis). Composes with TP (the MoE block is replicated on the TP ranks), pipeline stages and
+    ZeRO-1/2 (DeepSpeed's MoE conventions: expert parameters in their own optimizer groups, partitioned over the
+    expert-data-parallel group). ZeRO-3 is refused: DeepSpeed 0.19.8 accepts no MoE under stage 3 but its own
+    AutoEP layers (engine._validate_zero3_moe_compatibility: "MoE not supported with Stage 3"), and without them
+    it would partition each rank's different experts over the whole dp group as if they were one tensor.
+    """
+    ep = ep_size
+    if ep == 1:
+        return
+    if model.n_experts == 0:
+        raise ValueError(f"parallel.ep_size={ep} needs a mixture-of-experts model (model.n_experts > 0); "
+                         "a dense model has no experts to split: use ep_size 1")
+    valid = [d for d in _divisors(model.n_experts) if dp_size % d == 0]
+    if model.n_experts % ep:
+        raise ValueError(f"parallel.ep_size={ep} does not divide model.n_experts={model.n_experts}: every "
+                         f"expert-parallel rank holds the same number of experts; valid ep_size here: {valid}")
+    if dp_size % ep:
+        raise ValueError(f"parallel.ep_size={ep} does not divide the data-parallel degree dp_size={dp_size}: "
+                         f"expert-parallel groups are made of data-parallel ranks; valid ep_size here: {valid}")
+    if zero_stage == 3:
+        raise ValueError(f"parallel.zero_stage=3 with parallel.ep_size={ep} is not supported: DeepSpeed 0.19.8 "
+                         "refuses MoE layers under ZeRO-3 other than its AutoEP ones (\"MoE not supported with Stage "
+                         "3\"), and would otherwise partition each rank's different experts over the whole dp "
+                         "group; use zero_stage 1 or 2 with ep, or ep_size 1 with ZeRO-3")
+
+
 def check_precision(precision: str, device_type: str) -> None:
     """fp16 trains with dynamic loss scaling, which this trainer runs on CUDA only."""
     if precision == "fp16" and device_type != "cuda":
@@ -232,6 +264,7 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
     dp = p.resolve(world_size)
     check_tp(cfg.model, p.tp_size)
     check_composition(p)
+    check_ep(cfg.model, p.ep_size, dp, p.zero_stage)
     check_precision(cfg.train.precision, device_type)
     if p.pp_size > 1:
         check_pipeline(cfg.model, p, dp, cfg.train.precision)
@@ -269,3 +302,16 @@ def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list
         raise ValueError(f"dp*pp*tp = {dp_size}*{pp_size}*{tp_size} does not equal the world size {world_size}")
     return [[[(d * pp_size + p) * tp_size + t for t in range(tp_size)] for p in range(pp_size)]
             for d in range(dp_size)]
+
+
+def expert_groups(dp_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-data-parallel groups) as lists of data-parallel indices.
+
+    ep varies fastest inside dp (DeepSpeed's and Megatron-core's default order): an EP group is ep consecutive dp
+    ranks, which hold different experts and exchange tokens; the EDP group of a rank is the dp ranks holding its
+    experts (dp / ep of them), over which those experts' gradients are reduced."""
+    if ep_size < 1 or dp_size % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide dp_size={dp_size}")
+    ep = [[k * ep_size + j for j in range(ep_size)] for k in range(dp_size // ep_size)]
+    edp = [[k * ep_size + j for k in range(dp_size // ep_size)] for j in range(ep_size)]
+    return ep, edp

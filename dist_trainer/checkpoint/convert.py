@@ -5,9 +5,12 @@ A step folder of the DDP, TP and pipeline regimes holds, besides what ``publish.
     model_tp00_pp00.pt        parameter tensors by name (dp rank 0 of each (tp, pp) writes)
     optim_tp00_pp00.pt        optimizer state by parameter name, loss-scaler state
     tp_specs_pp00.json        how each parameter of the stage is split over tp
+    *_pp00_ep01.*             under expert parallelism, ep rank e > 0 of each (tp, pp) writes its experts alone
+                              (ep rank 0's files hold the dense parameters and its own experts)
 
-State is keyed by the plain model's parameter *name* (not optimizer index), so another tp x pp
-layout merges every shard into full tensors (``read_full_state``) and cuts out its own part
+State is keyed by the plain model's parameter *name* (not optimizer index; experts by their global
+index, ``layers.{i}.moe.experts.{e}``), so another tp x pp x ep layout merges every shard into full
+tensors (``read_full_state``) and cuts out its own part
 (``load_shards``), weights and AdamW moments alike; a ZeRO checkpoint is consolidated from
 DeepSpeed's partitions (``parallel/zero/consolidate.py``) into the same by-name form, and
 ``export_zero_as_single`` writes it as a single-process checkpoint.
@@ -34,8 +37,21 @@ from dist_trainer.checkpoint.publish import (
 from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards, slice_for_tp
 
 
-def shard_name(kind: str, tp_rank: int, pp_rank: int) -> str:
-    return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+def _ep_suffix(ep_rank: int) -> str:
+    return f"_ep{ep_rank:02d}" if ep_rank else ""
+
+
+def shard_name(kind: str, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}{_ep_suffix(ep_rank)}.pt"
+
+
+def select_names(model_state: dict[str, Any], optim_state: dict[str, Any],
+                 names: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The part of a rank's by-name model and optimizer state that concerns ``names`` (an ep rank's experts)."""
+    groups = [{**g, "params": [n for n in g["params"] if n in names]} for g in optim_state["param_groups"]]
+    return ({n: t for n, t in model_state.items() if n in names},
+            {**optim_state, "state": {n: v for n, v in optim_state["state"].items() if n in names},
+             "param_groups": groups})
 
 
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -88,13 +104,13 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def specs_file(pp_rank: int) -> str:
-    return f"tp_specs_pp{pp_rank:02d}.json"
+def specs_file(pp_rank: int, ep_rank: int = 0) -> str:
+    return f"tp_specs_pp{pp_rank:02d}{_ep_suffix(ep_rank)}.json"
 
 
-def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any]) -> None:
+def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any], ep_rank: int = 0) -> None:
     """How each parameter of this stage is split over tp ({name: [dim, full_size]}); read when resharding."""
-    atomic_write_text(folder / specs_file(pp_rank),
+    atomic_write_text(folder / specs_file(pp_rank, ep_rank),
                        json.dumps({n: [s.dim, s.full_size] for n, s in specs.items()}, sort_keys=True))
 
 
@@ -103,7 +119,8 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
 
     Weights and optimizer moments are merged with the *saved* layout's specs (whether a
     tensor is split can depend on tp, e.g. GQA k/v). A tied embedding saved on both the
-    first and the last stage is kept once (the first stage's; the two are equal).
+    first and the last stage is kept once (the first stage's; the two are equal). Under expert
+    parallelism the ep ranks' files are joined: each holds other experts, by global name.
     """
     if "deepspeed_tag" in meta:  # a ZeRO checkpoint: DeepSpeed's partitions, consolidated to fp32 by name
         weights, optim = read_zero_state(path, meta)
@@ -112,15 +129,16 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
-    for pp_rank in range(layout["pp"]):
-        specs_path = path / specs_file(pp_rank)
+    optims: list[dict[str, Any]] = []
+    for pp_rank, ep_rank in ((p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))):
+        specs_path = path / specs_file(pp_rank, ep_rank)
         if not specs_path.is_file():
-            raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank)}; it cannot be resharded")
+            raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank, ep_rank)}; it cannot be resharded")
         specs = {n: ShardSpec(*v) for n, v in json.loads(specs_path.read_text()).items()}
-        models = [load_file(path / shard_name("model", t, pp_rank)) for t in range(layout["tp"])]
+        models = [load_file(path / shard_name("model", t, pp_rank, ep_rank)) for t in range(layout["tp"])]
         for n, t in merge_tp_shards([{n: m[n] for n in specs} for m in models], specs).items():
             model.setdefault(n, t)
-        optims = [load_file(path / shard_name("optim", t, pp_rank)) for t in range(layout["tp"])]
+        optims = [load_file(path / shard_name("optim", t, pp_rank, ep_rank)) for t in range(layout["tp"])]
         names = list(optims[0]["state"])
         keys = list(optims[0]["state"][names[0]]) if names else []
         for key in keys:
@@ -137,7 +155,7 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
 
 
 def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                specs_now: dict[str, Any], ep_size: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout, or by ZeRO.
 
     The same layout reads the rank's own files. Another one merges every shard into full
@@ -145,7 +163,8 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
     current model's names and splits), for weights and optimizer moments alike.
     """
     layout = meta["layout"]
-    if (layout["tp"], layout["pp"]) == (tp_size, pp_size) and "deepspeed_tag" not in meta:
+    same = (layout["tp"], layout["pp"], layout.get("ep", 1)) == (tp_size, pp_size, 1) and ep_size == 1
+    if same and "deepspeed_tag" not in meta:
         return (load_file(path / shard_name("model", tp_rank, pp_rank)),
                 load_file(path / shard_name("optim", tp_rank, pp_rank)))
     full_model, full_optim = read_full_state(path, meta)

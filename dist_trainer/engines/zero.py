@@ -11,7 +11,10 @@
 - DeepSpeed's gradient accumulation is the number of micro-batches the Trainer passes, its clipping
   ``optim.grad_clip``; its data-parallel group is our ParallelState's (handed over through ``mpu``);
 - checkpoints are DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` inside the trainer's folder
-  (exact resume); ``parallel/zero/consolidate.py`` merges them by parameter name for every other reader.
+  (exact resume); ``parallel/zero/consolidate.py`` merges them by parameter name for every other reader;
+- with expert parallelism (ZeRO-1/2 only, ``layout_rules.check_ep``) DeepSpeed's MoE conventions apply
+  (``parallel/ep/zero.py``: expert groups, the MoE marker, MoE optimizer groups) and checkpoints are written by
+  parameter name, experts by global index, as the other regimes write them.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.convert import load_shards
+from dist_trainer.checkpoint.convert import load_shards, optimizer_state_by_name
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, seeded_model
+from dist_trainer.engines.base import Engine, seeded_model, write_named_shards
 from dist_trainer.model import Transformer
-from dist_trainer.optim import param_groups, set_lr
+from dist_trainer.optim import build_optimizer, param_groups, set_lr
+from dist_trainer.parallel.ep.apply import apply_expert_parallel
+from dist_trainer.parallel.ep.zero import mark_moe_model, moe_param_groups, register_expert_groups, state_by_name
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.config import engine_config, validate_zero_config
@@ -51,7 +56,13 @@ class ZeroEngine(Engine):
         self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
         self.mpu = DeepSpeedMpu(state)  # collective (it may create groups): every rank, once
         model = self._build_model(deepspeed)
+        if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers
+            apply_expert_parallel(model, state)
+            register_expert_groups(state)
+            mark_moe_model(model, cfg.model.n_experts, state.ep)
         groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3
+        if state.ep_size > 1:
+            groups = moe_param_groups(groups)
         if cfg.parallel.zero_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -130,6 +141,12 @@ class ZeroEngine(Engine):
     # ------------------------------------------------------------------ checkpoints
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
+        if self.state.ep_size > 1:  # by name, as the other regimes (gathered over each parameter's group)
+            weights, moments = state_by_name(self.model, self.optimizer)
+            groups = optimizer_state_by_name(self.model, build_optimizer(self.model, self.cfg.optim))["param_groups"]
+            if self.state.edp.rank == 0:
+                write_named_shards(folder, self.state, self.model, weights, {"state": moments, "param_groups": groups})
+            return {}
         # Every rank writes its own partition (DeepSpeed's zero_pp_rank_* files) under folder/DS_TAG.
         self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
         return {"zero_stage": self.stage, "zero_offload": self.cfg.parallel.zero_offload, "deepspeed_tag": DS_TAG}
@@ -156,7 +173,7 @@ class ZeroEngine(Engine):
 
 
         model_state, optim_state = load_shards(folder, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                                    specs_now=tp_shard_specs(self.model))
+                                               specs_now=tp_shard_specs(self.model), ep_size=self.state.ep_size)
         saved = optim_state["state"]
         missing = [n for n, _ in self.model.named_parameters() if n not in model_state]
         if missing:

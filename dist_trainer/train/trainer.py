@@ -29,11 +29,13 @@ from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
 from dist_trainer.model import count_parameters
+from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.train.autolayout import choose_layout
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
+from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, oom_report, peak_resident_bytes
 from dist_trainer.train.prelaunch import check_layout
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
@@ -113,8 +115,9 @@ class Trainer:
                         mlm_probability=self.cfg.data.mlm_probability)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, Any]:
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
+        reset_router_stats(self.engine.model)  # MoE layers count this step's routing (moe/* metrics)
         with self.plan_check.watch(step, _state_tensors(self.engine.model)):
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
@@ -122,7 +125,8 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         grad_norm = self.engine.optimizer_step(lr)
         mean_loss = self.state.dp.all_reduce(loss_sum / len(batches)) / self.dp_size
-        return {"loss": float(mean_loss), "grad_norm": float(grad_norm), "lr": lr}
+        return {"loss": float(mean_loss), "grad_norm": float(grad_norm), "lr": lr,
+                **router_metrics(self.engine.model, self.cfg.model, self.state)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -230,7 +234,7 @@ class Trainer:
         meta = {
             "config": cfg.to_dict(),
             "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.dp_size,
-                       "world": self.env.world_size},
+                       "ep": self.state.ep_size, "world": self.env.world_size},
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,

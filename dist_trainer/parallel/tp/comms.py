@@ -101,6 +101,20 @@ class _ScatterToSequence(torch.autograd.Function):
         return ctx.group.all_gather(grad, dim=SEQ_DIM), None
 
 
+class _GatherSequenceForReplicated(torch.autograd.Function):
+    """Sequence shards -> the whole sequence for a block every TP rank computes in full (MoE): forward all-gather
+    along T, backward this rank's slice (each rank holds the same full gradient, so nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.all_gather(x, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split(grad, ctx.group, SEQ_DIM), None
+
+
 class _GatherFromTP(torch.autograd.Function):
     """Column-parallel ``gather_output``: forward all-gather along the last dim, backward split."""
 
@@ -151,6 +165,12 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: AxisGroup) -> torch.Tenso
 def scatter_to_sequence(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Replicated -> this rank's sequence shard: split forward, all-gather backward."""
     return x if group.size == 1 else _ScatterToSequence.apply(x, group)
+
+
+def gather_sequence_for_replicated(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """SP shards -> the full sequence for a replicated block: all-gather along T forward, split backward. Pair it
+    with ``scatter_to_sequence`` on the block's output (split forward, all-gather backward)."""
+    return x if group.size == 1 else _GatherSequenceForReplicated.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:

@@ -9,7 +9,8 @@ sequence-parallel parameters).
 ``clip_grad_norm_``: the global 2-norm over every rank's shards, counting a TP-sharded
 parameter's shards once each and a TP-replicated parameter once (on TP rank 0 only,
 Megatron's ``param_is_not_tensor_parallel_duplicate``), reduced over TP and PP. DP ranks
-hold identical gradients after DDP's all-reduce, so DP is not reduced.
+hold identical gradients after DDP's all-reduce, so DP is not reduced; expert-parallel experts
+(``p.ep_expert``, parallel/ep/) differ across the ep group, so their part is summed over it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def finalize_tp_grads(model: nn.Module, state: ParallelState) -> None:
         g.copy_(reduced)
 
 
+def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    # per-tensor norms (no squared temporaries), as torch.nn.utils.clip_grad_norm_ computes them
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]
+    return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
+
+
 def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_norm: float,
                     state: ParallelState) -> torch.Tensor:
     """Scale gradients in place so that their global 2-norm is at most ``max_norm``.
@@ -56,10 +63,11 @@ def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_nor
     owned = [(p, g) for p in _params(params_or_model) if (g := p.grad) is not None]
     grads = [g for _, g in owned]
     device = grads[0].device if grads else torch.device("cpu")
-    # per-tensor norms (no squared temporaries), as torch.nn.utils.clip_grad_norm_ computes them
-    norms = [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
-             for p, g in owned if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
-    sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
+    counted = [(p, g) for p, g in owned if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
+    experts = [g for p, g in counted if getattr(p, "ep_expert", False)]
+    sq = _square_sum([g for p, g in counted if not getattr(p, "ep_expert", False)], device)
+    if experts:  # each ep rank holds other experts: their squares add up over the ep group
+        sq = sq + state.ep.all_reduce(_square_sum(experts, device))
     state.tp.all_reduce(sq)
     state.pp.all_reduce(sq)  # each stage holds different layers
     norm = sq.sqrt()
