@@ -21,7 +21,11 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
   a transient of the last stage, reported apart from the saved tensors;
 * selective recomputation (Korthikanti et al. 2022, section 4.2) runs each layer's attention core (RoPE, the
   GQA repeat, SDPA) under torch.utils.checkpoint: the layer keeps the q/k/v projections' outputs instead of the
-  core's tensors, whatever the kernel.
+  core's tensors, whatever the kernel;
+* a mixture-of-experts layer (``model_moe.py``) keeps, instead of the MLP's tensors, the router's fp32
+  probabilities, log-sum-exp and top-k choices, the experts' input buffer (E x capacity slots per sequence:
+  the dispatch buffer, or what the all-to-all brought under expert parallelism) and each expert's MLP tensors
+  on every slot, and the gathered outputs the gates multiply; the block is whole on every TP rank.
 
 Precision modes: ``fp32``; ``amp_bf16``/``amp_fp16`` (fp32 parameters under torch.autocast, as
 ``train.precision=bf16``: the residual stream stays fp32, every linear keeps a 16-bit copy of its input and
@@ -31,7 +35,8 @@ and Megatron run it: 16-bit residual stream).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
@@ -69,6 +74,7 @@ class ActivationSpec:
     # Our TP regime all-gathers the SP shard in an autograd Function before F.linear, so the linear keeps the
     # gathered input (parallel/tp/layers.py); Megatron keeps the shard and re-gathers in backward (False).
     sp_saves_gathered_input: bool = True
+    ep_size: int = 1  # expert parallelism: the experts whose weights autocast copies (the activations do not change)
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -164,6 +170,40 @@ def _mlp(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
     return [SavedTensor("mlp.up_out", f, spec.act), SavedTensor("mlp.gelu_out", f, spec.act)]
 
 
+def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
+    """What a MoE layer's ``moe`` block keeps for backward, per token of the micro-batch (module docstring)."""
+    E, k, d = cfg.n_experts, cfg.top_k, cfg.d_model
+    slots = E * cfg.expert_capacity(spec.seq_len) / spec.seq_len  # expert slots per token, padding included
+    amp = spec.precision.startswith("amp")
+    whole = dataclasses.replace(spec, tp_size=1, sequence_parallel=False)  # replicated on the TP ranks
+    copies = 2 if amp and cfg.activation == "swiglu" else 1  # autocast casts the input for up and gate apart
+    out = [SavedTensor("moe.router_probs", 2 * E, 4),  # softmax for the routing and for the aux loss
+           SavedTensor("moe.router_logits", E, 4), SavedTensor("moe.logsumexp", 2, 4),  # z-loss (and its square)
+           SavedTensor("moe.top_k", k, 8), SavedTensor("moe.top_p", k + 1, 4), SavedTensor("moe.keep", k, 1),
+           SavedTensor("moe.expert_input", d * slots * copies, spec.act)]
+    if amp:  # the router runs outside autocast on the fp32 norm output
+        out.append(SavedTensor("moe.router_input", d, 4))
+    out += [SavedTensor(f"moe.experts.{x.name}", x.per_token * slots, x.nbytes) for x in _mlp(cfg, whole)]
+    out += [SavedTensor("moe.picked_outputs", k * d, spec.act), SavedTensor("moe.gates", k, 4)]
+    if cfg.n_shared_experts:
+        wide = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.ffn_dim)
+        out += [SavedTensor(f"moe.shared_{x.name}", x.per_token, x.nbytes) for x in _mlp(wide, whole)]
+    return out
+
+
+def moe_layer_delta(cfg: ModelConfig, spec: ActivationSpec) -> float:
+    """Bytes per token a MoE layer keeps beyond a dense layer: its block's tensors less the MLP's; under autocast
+    without a shared expert, also less the 16-bit copies of the MLP input (no autocast linear reads it)."""
+    if not cfg.n_experts:
+        return 0.0
+    delta = sum(x.bytes_per_token for x in moe_saved_tensors(cfg, spec))
+    delta -= sum(x.bytes_per_token for x in _mlp(cfg, spec))
+    if spec.precision.startswith("amp") and not cfg.n_shared_experts:
+        up = 2 if cfg.activation == "swiglu" else 1
+        delta -= cfg.d_model * spec.lin_in * up * spec.act
+    return delta
+
+
 def _residual_mask(cfg: ModelConfig, spec: ActivationSpec, name: str) -> list[SavedTensor]:
     return [SavedTensor(name, cfg.d_model * spec.rep, spec.mask)] if cfg.dropout > 0 else []
 
@@ -255,13 +295,15 @@ class LayerCosts:
     loss_backward: float  # the loss's gradients at the start of the last stage's backward
     amp_layer_weights: int  # 16-bit weight copies autocast keeps per layer and micro-batch (0 unless amp_*)
     amp_head_weights: int
+    moe_delta: float = 0.0  # a MoE layer's bytes per token beyond a dense layer's (moe_layer_delta)
+    moe_amp_weights_delta: int = 0  # a MoE layer's autocast weight copies beyond a dense layer's
 
 
 def layer_costs(cfg: ModelConfig, spec: ActivationSpec) -> LayerCosts:
     def per_token(xs: list[SavedTensor]) -> float:
         return sum(x.bytes_per_token for x in xs)
 
-    amp_layer = amp_head = 0
+    amp_layer = amp_head = amp_moe = 0
     if spec.precision.startswith("amp"):
         t, h = spec.tp_size, cfg.d_model
         kv = cfg.kv_heads * cfg.head_dim
@@ -269,6 +311,9 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec) -> LayerCosts:
         mats = 3 if cfg.activation == "swiglu" else 2
         amp_layer = 2 * (2 * h * h // t + 2 * h * kv_local + mats * h * cfg.ffn_dim // t)
         amp_head = 2 * h * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+        # every local expert and the shared expert run (the router outside autocast), instead of the MLP shard
+        experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
+        amp_moe = 2 * mats * h * cfg.ffn_dim * experts - 2 * mats * h * cfg.ffn_dim // t if cfg.n_experts else 0
     return LayerCosts(full=per_token(layer_saved_tensors(cfg, spec)),
                       selective=per_token(layer_saved_tensors(cfg, spec, selective=True)),
                       checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
@@ -276,11 +321,12 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec) -> LayerCosts:
                       embedding=per_token(embedding_saved_tensors(cfg, spec)),
                       head=per_token(head_saved_tensors(cfg, spec)),
                       loss_backward=loss_backward_bytes_per_token(cfg, spec),
-                      amp_layer_weights=amp_layer, amp_head_weights=amp_head)
+                      amp_layer_weights=amp_layer, amp_head_weights=amp_head,
+                      moe_delta=moe_layer_delta(cfg, spec), moe_amp_weights_delta=amp_moe)
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
-                      first: bool, last: bool, in_flight: float) -> dict[str, int]:
+                      first: bool, last: bool, in_flight: float, moe_ids: Collection[int] = ()) -> dict[str, int]:
     """Activation terms of one pipeline stage at its peak, in bytes.
 
     ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
@@ -288,22 +334,26 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
     the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
     first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core), alive
-    while that layer's backward runs.
+    while that layer's backward runs. ``moe_ids``: the MoE layers among ``layer_ids`` (``costs.moe_delta`` more).
     """
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
     if mode == "full":
-        n_ckpt = len(layer_ids)
+        ckpt = set(layer_ids)
     elif mode == "every_k":
-        n_ckpt = sum(1 for i in layer_ids if i % every == 0)
+        ckpt = {i for i in layer_ids if i % every == 0}
     else:
-        n_ckpt = 0
+        ckpt = set()
+    n_ckpt = len(ckpt)
     n_plain = len(layer_ids) - n_ckpt
+    moe_plain = sum(1 for i in layer_ids if i in moe_ids and i not in ckpt)
     per_layer = costs.selective if mode == "selective" else costs.full
-    per_token = n_ckpt * costs.checkpointed + n_plain * per_layer
+    per_token = n_ckpt * costs.checkpointed + n_plain * per_layer + moe_plain * costs.moe_delta
     per_token += (costs.embedding if first else 0.0) + (costs.head if last else 0.0)
-    weights = n_plain * costs.amp_layer_weights + (costs.amp_head_weights if last else 0)
-    recompute = costs.full if n_ckpt else (costs.attention_core if mode == "selective" and layer_ids else 0.0)
+    weights = n_plain * costs.amp_layer_weights + moe_plain * costs.moe_amp_weights_delta
+    weights += costs.amp_head_weights if last else 0
+    recompute = costs.full + (costs.moe_delta if ckpt & set(moe_ids) else 0.0) if n_ckpt else (
+        costs.attention_core if mode == "selective" and layer_ids else 0.0)
     return {
         "saved": round(per_token * tokens * in_flight),
         "amp_weight_copies": round(weights * in_flight),

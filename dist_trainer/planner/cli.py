@@ -34,7 +34,7 @@ LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, besi
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the params, memory and plan subcommands to the dist-trainer parser."""
-    p = subparsers.add_parser("params", help="exact parameter count, per module")
+    p = subparsers.add_parser("params", help="exact parameter count, per module (total and active per token)")
     _model_args(p)
     p.set_defaults(func=run_params)
 
@@ -44,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--tp", type=int, default=1)
     m.add_argument("--pp", type=int, default=1)
     m.add_argument("--dp", type=int, default=1)
+    m.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models; divides dp)")
     m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage (parallel.zero_stage)")
     m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
@@ -152,24 +153,27 @@ def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
 def run_params(args: argparse.Namespace) -> int:
     cfg = _load_model(args.model)
     bd = param_breakdown(cfg)
-    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "share": tot / bd.total}
-            for name, each, n, tot in bd.rows()]
+    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "active": active,
+             "share": tot / bd.total} for name, each, n, tot, active in bd.rows(active=True)]
     if args.json:
-        print(json.dumps({"model": args.model, "total": bd.total, "per_layer": bd.layer_total,
-                          "n_layers": bd.n_layers, "breakdown": rows}, indent=2))
+        print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "per_layer": bd.layer_total,
+                          "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers, "breakdown": rows}, indent=2))
         return 0
-    print(f"{'module':<26}{'each':>16}{'x':>5}{'total':>18}{'share':>9}")
+    width = max(26, *(len(r["module"]) + 2 for r in rows))
+    print(f"{'module':<{width}}{'each':>16}{'x':>6}{'total':>18}{'share':>9}{'active/token':>18}")
     for r in rows:
-        print(f"{r['module']:<26}{r['per_instance']:>16,}{r['instances']:>5}{r['total']:>18,}{r['share']:>9.2%}")
-    print(f"{'one layer':<26}{bd.layer_total:>16,}")
-    print(f"{'total':<26}{'':>21}{bd.total:>18,}")
+        print(f"{r['module']:<{width}}{r['per_instance']:>16,}{r['instances']:>6}{r['total']:>18,}{r['share']:>9.2%}"
+              f"{r['active']:>18,}")
+    if bd.n_layers:
+        print(f"{'one dense layer' if bd.n_moe_layers else 'one layer':<{width}}{bd.layer_total:>16,}")
+    print(f"{'total':<{width}}{'':>22}{bd.total:>18,}{'':>9}{bd.active:>18,}")
     return 0
 
 
 def run_memory(args: argparse.Namespace) -> int:
     cfg = _load_model(args.model)
     opts, over = _options(args)
-    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, zero_stage=args.zero,
+    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, ep_size=args.ep, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)

@@ -8,6 +8,8 @@ Megatron-LM's distributed optimizer also keeps an fp32 copy of 16-bit gradients 
 DeepSpeed's ZeRO optimizers instead build fp32 gradients inside ``step()``: reported as ``step_buffers``,
 apart from the model states they do not own between steps (``zero_step_buffers``).
 Activations come from ``activations.py`` (the tensors our model saves), overheads are explicit terms.
+Expert parallelism (``planner/moe.py``): a rank's experts keep their model states whole under DDP and partitioned
+over the expert-data-parallel group (dp / ep ranks) under ZeRO-1/2, never in DDP's buckets.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules import check_offload, check_schedule, check_tp, layers_per_stage
+from dist_trainer.layout_rules import check_ep, check_offload, check_schedule, check_tp, layers_per_stage
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.moe import moe_layer_ids
 from dist_trainer.planner.rank_params import RankParams, rank_params
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -42,6 +45,7 @@ class Layout:
     pp_virtual_stages: int = 1
     pp_balance: str = "layers"  # how layout_rules.layers_per_stage splits the layers (as the trainer does)
     pp_stage_layers: tuple[int, ...] | None = None  # explicit (uneven) split: layers per stage
+    ep_size: int = 1  # expert parallelism: the experts of each MoE layer split over ep of the dp ranks
 
     @property
     def world_size(self) -> int:
@@ -53,7 +57,7 @@ class Layout:
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "micro_batch_size", "n_microbatches", "checkpoint_every",
-                     "pp_virtual_stages"):
+                     "pp_virtual_stages", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout.{name}={getattr(self, name)} must be >= 1")
         check_tp(cfg, self.tp_size)
@@ -61,6 +65,7 @@ class Layout:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         check_offload(self.zero_stage, self.zero_offload)
+        check_ep(cfg, self.ep_size, self.dp_size, self.zero_stage)
         if self.activation_checkpointing not in act.RECOMPUTE:
             raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r} is not one of "
                              f"{', '.join(act.RECOMPUTE)}")
@@ -218,7 +223,7 @@ def layout_rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> RankPa
     """The parameters pipeline rank ``pp_rank`` of ``layout`` holds (every TP and DP rank of it the same)."""
     return rank_params(cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=pp_rank,
                        stage_layers=layout.pp_stage_layers, virtual_stages=layout.pp_virtual_stages,
-                       balance=layout.pp_balance)
+                       balance=layout.pp_balance, ep_size=layout.ep_size)
 
 
 def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, overheads: Overheads) -> dict[str, int]:
@@ -251,13 +256,14 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
     spec = act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
                               precision=options.precision, attention_kernel=options.attention_kernel,
-                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input)
+                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
+                              ep_size=layout.ep_size)
     costs = act.layer_costs(cfg, spec)
+    ids = layout.rank_layer_ids(cfg, pp_rank)
     return act.stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                 layer_ids=layout.rank_layer_ids(cfg, pp_rank),
-                                 tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
-                                 last=pp_rank == layout.pp_size - 1,
-                                 in_flight=_in_flight(layout, pp_rank))
+                                 layer_ids=ids, tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
+                                 last=pp_rank == layout.pp_size - 1, in_flight=_in_flight(layout, pp_rank),
+                                 moe_ids=moe_layer_ids(cfg, ids))
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:
@@ -270,8 +276,12 @@ def _in_flight(layout: Layout, pp_rank: int) -> float:
 def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: dict[str, int], *,
                 seq_len: int, options: TrainingOptions, overheads: Overheads, pp_rank: int) -> RankMemory:
     """Assemble one rank's memory from its parameter count and activation terms (shared by the search)."""
-    p, g, o, host = model_state_bytes(rp.total, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
+    p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options)
+    if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
+        expert = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
+                                   zero_offload=layout.zero_offload, options=options)
+        p, g, o, host = (a + b for a, b in zip((p, g, o, host), expert))
     detail = {f"activations.{k}": v for k, v in activations.items()}
     step = zero_step_buffers(rp.total, layout, options, overheads)
     detail.update({f"step_buffers.{k}": v for k, v in step.items()})
@@ -279,7 +289,7 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
     if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
-        over["ddp_grad_buckets"] = rp.total * options.grad_bytes
+        over["ddp_grad_buckets"] = (rp.total - rp.expert) * options.grad_bytes  # DDP ignores the experts
     if layout.dp_size > 1 and layout.zero_stage > 0:
         over["zero_reduce_bucket"] = min(overheads.zero_bucket_elements, rp.total) * options.grad_bytes
     if layout.zero_stage == 3:
