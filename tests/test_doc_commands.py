@@ -140,7 +140,7 @@ RUN: list[tuple[str, Run]] = [
     (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
     (r"^dist-trainer (generate|params|memory|plan|calibrate)\b", Run()),
     (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
-    (r"benchmarks/(trainer_overhead|zero_overhead)\.py", Run(append="--steps 3 --rounds 1")),
+    (r"benchmarks/(trainer_overhead|zero_overhead|moe_dispatch)\.py", Run(append="--steps 3 --rounds 1")),
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
     (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
     (r"benchmarks/planner_time\.py", Run(append="--quick --steps 3")),

@@ -101,31 +101,18 @@ class _ScatterToSequence(torch.autograd.Function):
         return ctx.group.all_gather(grad, dim=SEQ_DIM), None
 
 
-class _GatherSequenceForReplicated(torch.autograd.Function):
-    """Sequence shards -> the whole sequence for a block every TP rank computes in full (MoE): forward all-gather
-    along T, backward this rank's slice (each rank holds the same full gradient, so nothing is summed)."""
+class _GatherAlong(torch.autograd.Function):
+    """Shards -> the full tensor along ``dim``: forward all-gather, backward this rank's slice. Column-parallel
+    ``gather_output`` (the last dim), and the sequence for a block every TP rank computes in full (MoE)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return group.all_gather(x, dim=SEQ_DIM)
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return group.all_gather(x, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split(grad, ctx.group, SEQ_DIM), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """Column-parallel ``gather_output``: forward all-gather along the last dim, backward split."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return group.all_gather(x, dim=x.dim() - 1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split(grad, ctx.group, grad.dim() - 1), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _split(grad, ctx.group, ctx.dim), None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -170,12 +157,12 @@ def scatter_to_sequence(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 def gather_sequence_for_replicated(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """SP shards -> the full sequence for a replicated block: all-gather along T forward, split backward. Pair it
     with ``scatter_to_sequence`` on the block's output (split forward, all-gather backward)."""
-    return x if group.size == 1 else _GatherSequenceForReplicated.apply(x, group)
+    return x if group.size == 1 else _GatherAlong.apply(x, group, SEQ_DIM)
 
 
 def gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Last-dim shards -> full tensor: all-gather forward, split backward."""
-    return x if group.size == 1 else _GatherFromTP.apply(x, group)
+    return x if group.size == 1 else _GatherAlong.apply(x, group, x.dim() - 1)
 
 
 def scatter_to_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
