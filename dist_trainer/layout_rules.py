@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from dist_trainer.config import PP_SCHEDULES, Config, ModelConfig, ParallelConfig
-from dist_trainer.planner.params import embedding_params, layer_params, padded_vocab, tail_params
+from dist_trainer.planner.params import embedding_params, layer_param_counts, padded_vocab, tail_params
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
@@ -115,7 +115,10 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
         for s in order[:extra]:
             counts[s] += 1
         return counts
-    block = sum(layer_params(model).values())
+    # parameters of layers [j, k): prefix[k] - prefix[j] (a MoE layer holds all its experts)
+    prefix = [0]
+    for count in layer_param_counts(model):
+        prefix.append(prefix[-1] + count)
     first = sum(embedding_params(model).values())
     tail = tail_params(model, pp_size=num_stages)
     last = sum(tail.values())
@@ -128,7 +131,7 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
         extra_cost = (first if s == 1 else 0) + (last if s == num_stages else 0)
         for k in range(s, n - (num_stages - s) + 1):
             for j in range(s - 1, k):
-                cost = max(best[s - 1][j], (k - j) * block + extra_cost)
+                cost = max(best[s - 1][j], prefix[k] - prefix[j] + extra_cost)
                 if cost < best[s][k]:
                     best[s][k], cut[s][k] = cost, j
     counts, k = [], n

@@ -71,8 +71,9 @@ def _check(name: str, got: dict, ref: dict, parallel: dict, world: int) -> None:
     dp = world // parallel.get("tp_size", 1) // pp
     cfg = _config(Path("."), Path("."), parallel).model
     # per step: each of the rank's MoE layers, each of its micro-batches of 4: buffer out and back, both ways
+    recomputed = cfg.n_layers // pp if parallel.get("activation_checkpointing") == "full" else 0
     expected = all_to_all_bytes(cfg, n_moe_layers=cfg.n_layers // pp, micro_batch=4, seq_len=TINY_SEQ,
-                                n_microbatches=GLOBAL_BATCH // 4 // dp)
+                                n_microbatches=GLOBAL_BATCH // 4 // dp, n_recomputed=recomputed)
     # torch.distributed.pipelining infers shapes with one real forward on the first step and on the first after an
     # evaluation (eval_every=5): one more exchange out and back per MoE layer of the stage
     inference = dispatch_elements(cfg, micro_batch=4, seq_len=TINY_SEQ) * (4 + 4) * (cfg.n_layers // pp)
@@ -85,12 +86,15 @@ def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, tmp_path: Pat
     single = _run(0, tiny_data, tmp_path / "single", {})
     drops = [v for step in _routing(single).values() for k, v in step.items() if k.endswith("dropped_frac")]
     assert max(drops) > 0.05, drops  # capacity drops happen in every comparison below
+    for step in _routing(single).values():  # every token of the global batch routed top_k times, in every layer
+        loads = [v for k, v in step.items() if k.endswith("tokens_per_expert")]
+        assert len(loads) == 2 and all(sum(x) == GLOBAL_BATCH * TINY_SEQ * 2 for x in loads), step
     two = {"ep2": {"ep_size": 2}, "zero2_ep2": {"ep_size": 2, "zero_stage": 2},
            "zero1_ep2": {"ep_size": 2, "zero_stage": 1},
            "zero2_offload_ep2": {"ep_size": 2, "zero_stage": 2, "zero_offload": True}}
     four = {"ep2_tp2_sp": {"ep_size": 2, "tp_size": 2, "sequence_parallel": True},
             "ep2_pp2": {"ep_size": 2, "pp_size": 2},
-            "ep2_dp4": {"ep_size": 2}}
+            "ep2_dp4_recompute": {"ep_size": 2, "activation_checkpointing": "full"}}
     results = {**run_distributed(_layouts, 2, (tiny_data, tmp_path, two))[0],
                **run_distributed(_layouts, 4, (tiny_data, tmp_path, four))[0]}
     for name, parallel in two.items():
@@ -116,13 +120,13 @@ def _resume_many(rank: int, world: int, data: Path, root: Path, cases: dict[str,
     return {name: _resume_at(rank, world, data, root / name, parallel) for name, parallel in cases.items()}
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_ep1_ep4_with_stages_and_under_zero(tiny_data: Path,
-                                                                              tmp_path: Path) -> None:
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_ep4_with_tp_stages_and_under_zero(tiny_data: Path,
+                                                                                 tmp_path: Path) -> None:
     run = tmp_path / "run"
     reference = run_distributed(_save_then_continue, 2, (tiny_data, run))[0]
     step3 = run / "checkpoints" / "step_00000003"
     assert (step3 / "model_tp00_pp00_ep01.pt").is_file()  # ep rank 1 wrote its own experts
-    four = {"ep4": {"ep_size": 4}, "ep2_pp2": {"ep_size": 2, "pp_size": 2}}
+    four = {"ep4": {"ep_size": 4}, "ep2_pp2": {"ep_size": 2, "pp_size": 2}, "ep2_tp2": {"ep_size": 2, "tp_size": 2}}
     two = {"zero2_ep2": {"ep_size": 2, "zero_stage": 2}}
     for name in ("ep1", *four, *two):
         (tmp_path / name / "checkpoints").mkdir(parents=True)

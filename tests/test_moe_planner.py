@@ -101,3 +101,23 @@ def test_params_cli_prints_total_and_active_per_module() -> None:
     up = rows["layers.*.moe.experts.*.up_proj"]
     assert (up["per_instance"], up["instances"], up["active"]) == (4096 * 14336, 32 * 8, 32 * 2 * 4096 * 14336)
     assert sum(r["active"] for r in rows.values()) == report["active"]
+
+
+def test_pipeline_balance_by_params_weighs_moe_layers_by_their_experts() -> None:
+    from dist_trainer.layout_rules import layers_per_stage
+    from dist_trainer.planner.params import count_params, embedding_params, layer_param_counts, tail_params
+
+    cfg = replace(MOE, n_layers=6, moe_every=3)  # layers 0 and 3 hold 4 experts each
+    per_layer = layer_param_counts(cfg)
+    assert sum(per_layer) + sum(embedding_params(cfg).values()) + sum(tail_params(cfg).values()) == count_params(cfg)
+    assert per_layer[0] > 2 * per_layer[1]
+
+    def largest(counts: list[int]) -> int:
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        stages = [sum(per_layer[a:a + n]) for a, n in zip(starts, counts)]
+        stages[0] += sum(embedding_params(cfg).values())
+        stages[-1] += sum(tail_params(cfg, pp_size=len(counts)).values())
+        return max(stages)
+
+    by_params, by_layers = layers_per_stage(cfg, 3, "params"), layers_per_stage(cfg, 3, "layers")
+    assert by_params != by_layers and largest(by_params) < largest(by_layers)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner.params import MLP_MODULES, expert_params, moe_block_params
+from dist_trainer.planner.params import expert_params, moe_block_params
 
 
 def moe_layer_ids(cfg: ModelConfig, layer_ids: Sequence[int] | None = None) -> list[int]:
@@ -52,11 +52,6 @@ def moe_holdings(cfg: ModelConfig, n_moe_layers: int, ep_size: int = 1) -> MoEHo
 
 def largest_moe_module(cfg: ModelConfig) -> int:
     return max(v for v in moe_block_params(cfg).values())
-
-
-def dense_mlp_share(cfg: ModelConfig, one_layer: dict[str, int]) -> int:
-    """The dense layer's MLP parameters (absent from a MoE layer)."""
-    return sum(v for k, v in one_layer.items() if k in MLP_MODULES)
 
 
 # ---------------------------------------------------------------- dispatch buffers and traffic

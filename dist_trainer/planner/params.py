@@ -96,6 +96,15 @@ def moe_block_params(cfg: ModelConfig) -> dict[str, int]:
             **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()}}
 
 
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters of each layer of the whole model: a dense layer, or attention and norms plus the MoE block with
+    all its experts."""
+    dense = layer_params(cfg)
+    moe = sum(v for k, v in dense.items() if k not in MLP_MODULES) + sum(
+        v * (cfg.n_experts if k.startswith("experts.") else 1) for k, v in moe_block_params(cfg).items())
+    return [moe if cfg.is_moe_layer(i) else sum(dense.values()) for i in range(cfg.n_layers)]
+
+
 def expert_params(cfg: ModelConfig) -> int:
     """Parameters of one routed expert."""
     return sum(v for k, v in moe_block_params(cfg).items() if k.startswith("experts."))
