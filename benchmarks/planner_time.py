@@ -103,7 +103,8 @@ def spearman(a: list[float], b: list[float]) -> float:
     ra, rb = _ranks(a), _ranks(b)
     ma, mb = statistics.fmean(ra), statistics.fmean(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    spread = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / spread if spread else float("nan")  # all tied on one side: no ranking to compare
 
 
 def main() -> None:

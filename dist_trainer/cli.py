@@ -2,8 +2,9 @@
 
     dist-trainer prepare  --input PATH... --out DIR --vocab-size N
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
+    dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
-    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR                 (safetensors)
+    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora]  (safetensors)
     dist-trainer params | memory | plan ...                             (the planner)
     dist-trainer memory-experiment --model PRESET --stages 0,1,2,3 --nprocs N   (ZeRO, measured vs predicted)
 
@@ -17,6 +18,7 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
 
 def _register_train(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +52,37 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="the trainer's complete pre-launch check of a run config for N ranks, here",
+                       description="Validate a run config for a world this machine is not (no process group, no "
+                                   "data read beyond its meta.json): what `train` checks before it starts. "
+                                   "--section.field=value overrides as for train.")
+    p.add_argument("--config", required=True, help="run config YAML (e.g. the run.yaml `plan --out` wrote)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks the job will run (GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: one node)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the device the job runs on")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from dist_trainer.config import load_config
+    from dist_trainer.train.check import check_run
+
+    cfg = load_config(args.config, args.overrides)
+    print("\n".join(check_run(cfg, args.world_size, args.gpus_per_node, args.device)))
+    return 0
+
+
+def _check_written(run_yaml: Path, world_size: int, gpus_per_node: int, device: str) -> None:
+    """`plan --out`: the trainer's pre-launch check on the run.yaml it wrote (a refusal is an error)."""
+    from dist_trainer.config import load_config
+    from dist_trainer.train.check import check_run
+
+    report = check_run(load_config(run_yaml), world_size, gpus_per_node, device)
+    print(f"dist-trainer check --config {run_yaml} --world-size {world_size} --gpus-per-node {gpus_per_node}:")
+    print("\n".join(f"  {line}" for line in report))
+
+
 def _register_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
@@ -75,13 +108,15 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint as one plain model (safetensors + config.json)")
     p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
     p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="fold a LoRA run's adapters into their weights (W0 + alpha/r B A): a plain model")
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
     from dist_trainer.train.export import export_safetensors
 
-    print(export_safetensors(args.checkpoint, args.out))
+    print(export_safetensors(args.checkpoint, args.out, merge_lora=args.merge_lora))
     return 0
 
 
@@ -99,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     prepare.register(sub)
     _register_train(sub)
+    _register_check(sub)
     _register_generate(sub)
     _register_export(sub)
-    planner_cli.register(sub)
+    planner_cli.register(sub, check_written=_check_written)
     memory_experiment.register(sub)
     calibrate.register(sub)
     return parser
@@ -114,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in extra:
         extra.remove("--debug")
         args.debug = True
-    if args.command == "train":
+    if args.command in ("train", "check"):
         bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0] and "=" in a)]
         if bad:
             parser.error(f"unrecognised arguments {bad}; overrides look like --section.field=value")

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from dist_trainer.finetune import lora_target_leaves, training_plan
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -65,6 +68,17 @@ class ModelConfig:
     router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient alpha (Fedus et al. 2021, eq. 4)
     router_z_loss: float = 0.001  # router z-loss coefficient c_z (Zoph et al. 2022, eq. 5)
     n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times wide
+    # LoRA (Hu et al. 2021, arXiv 2106.09685): every layer's target linears compute W0 x + (alpha / r) B A x with
+    # A (r x in) Kaiming-uniform and B (out x r) zero, so step 0 is the base model; the base weights are frozen.
+    lora_rank: int = 0  # r; 0 = no adapters
+    lora_alpha: float = 16.0  # the update is scaled by alpha / r (Hu et al. section 4.1: tune alpha once, vary r)
+    lora_dropout: float = 0.0  # dropout on the adapter's input only; the base path sees the undropped input
+    # the layers' linears that get adapters (model_names.LORA_TARGETS), or all_linear; q_proj,v_proj is the paper's
+    # choice (section 7.1). A comma-separated string is accepted too.
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        self.lora_targets = _name_list(self.lora_targets)
 
     @property
     def head_dim(self) -> int:
@@ -117,6 +131,7 @@ class ModelConfig:
         if self.init_std <= 0 or self.norm_eps <= 0:
             raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
         self._validate_moe()
+        self._validate_lora()
 
     def _validate_moe(self) -> None:
         for name in ("n_experts", "n_shared_experts"):
@@ -137,6 +152,22 @@ class ModelConfig:
         if self.router_aux_loss < 0 or self.router_z_loss < 0:
             raise ValueError(f"model.router_aux_loss={self.router_aux_loss} and model.router_z_loss="
                              f"{self.router_z_loss} must be >= 0")
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise ValueError(f"model.lora_rank={self.lora_rank!r} must be an integer >= 0 (0 = no adapters)")
+        if not self.lora_rank:
+            return
+        if self.lora_alpha <= 0:
+            raise ValueError(f"model.lora_alpha={self.lora_alpha} must be > 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"model.lora_dropout={self.lora_dropout} must be in [0, 1)")
+        lora_target_leaves(self)  # ValueError naming unknown targets
+
+    @property
+    def lora_scaling(self) -> float:
+        """alpha / r: the factor of the low-rank update (Hu et al. 2021, section 4.1)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
 
 @dataclass
@@ -317,6 +348,20 @@ class TrainConfig:
     allow_data_change: bool = False  # resume although the data's shards, seq_len, global batch or seed changed
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = the planner's profile of the device
     progress: bool = True  # show a progress bar on rank 0
+    # Fine-tuning: modules whose parameters do not train (no gradient, no optimizer state, kept in checkpoints).
+    # Module names (tok_emb, layers.3.attn.q_proj), ranges (layers.0-11), globs (*.attn_norm) or presets:
+    # embeddings (token/position/type tables), bottom:N (the embeddings and layers 0..N-1), norms_only (all but
+    # the norms). A name also freezes what is under it (layers.3 = the whole layer, adapters included).
+    # A comma-separated string is accepted too. See dist_trainer/finetune.py.
+    freeze: list[str] = field(default_factory=list)
+    # Start from these weights instead of the seed's draw: a checkpoint (run folder, checkpoints/ or step folder, any
+    # layout) or an export folder / .safetensors file. Parameters are matched by name; LoRA adapters in the source
+    # are merged into its base, this run's adapters start fresh. Step 0, a fresh optimizer; train.resume wins
+    # when out_dir already holds a checkpoint.
+    init_from: str | None = None
+
+    def __post_init__(self) -> None:
+        self.freeze = _name_list(self.freeze)
 
     def validate(self) -> None:
         _positive(self, "max_steps", "log_every", "eval_batches", "keep_checkpoints")
@@ -346,6 +391,10 @@ class Config:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        # ValueError naming a malformed pattern, or one matching nothing; and a run where nothing would train
+        if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
+            raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
+                             f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
         tp = self.parallel.tp_size
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
             raise ValueError(
@@ -356,6 +405,14 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _name_list(value: Any) -> Any:
+    """A comma-separated string as a list of its stripped items (``q_proj,v_proj``); other values unchanged
+    (validate() names what is wrong with them)."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -446,6 +503,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep:
         raise ValueError(f"override {item!r} must look like section.field=value")
+    if raw.startswith("*"):  # a glob (--train.freeze=*.attn_norm), not a YAML alias: no anchor exists in one value
+        return key, raw
     return key, parse_yaml(raw, f"override {item!r}") if raw != "" else None
 
 
@@ -480,7 +539,8 @@ def _build(cls: type, fields: dict[str, Any], section: str) -> Any:
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Check a YAML value against the field's annotation (ints may stand for floats)."""
-    args = typing.get_args(hint)
+    # the members of a union (X | None); a generic's own arguments (list[str]) are not alternatives
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
     if value is None:
         if type(None) in args:
             return None

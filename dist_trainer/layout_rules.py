@@ -9,10 +9,11 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     check_tp            TP against the model: heads, MLP width, vocabulary shards (padded)
     layers_per_stage    the pipeline split: even by layers, by parameters, or given per stage
     check_schedule      a pipelining schedule against its micro-batches and virtual stages
-    check_composition   which regimes compose (ZeRO with TP or PP is refused, with the reason)
+    check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
     check_ep            expert parallelism: a MoE model, ep dividing the experts and dp, which ZeRO stages take it
     check_precision     device limits: fp16 loss scaling needs CUDA
     check_layout        all of the above for a run config on a world size: the pre-launch check
+    check_nodes         a world of several nodes fills whole ones; TP groups inside a node
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
     expert_groups       the expert-parallel and expert-data-parallel groups inside the dp axis
 """
@@ -20,8 +21,10 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from dist_trainer.config import PP_SCHEDULES, Config, ModelConfig, ParallelConfig
+from dist_trainer.planner.finetune import trainable_expert_params
 from dist_trainer.planner.params import embedding_params, layer_param_counts, padded_vocab, tail_params
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
@@ -30,7 +33,8 @@ BALANCES = ("layers", "params")
 
 
 def regime_of(parallel: ParallelConfig) -> str:
-    """The regime that runs this layout: pipeline stages, DeepSpeed ZeRO, or DDP (each with TP inside)."""
+    """The regime that runs this layout: pipeline stages (with ZeRO-1 over their dp replicas when zero_stage is 1),
+    DeepSpeed ZeRO, or DDP (each with TP inside)."""
     if parallel.pp_size > 1:
         return "pipeline"
     if parallel.zero_stage > 0:
@@ -39,8 +43,8 @@ def regime_of(parallel: ParallelConfig) -> str:
 
 
 def needs_process_group(parallel: ParallelConfig) -> bool:
-    """Whether the regime needs torch.distributed even on one process (DeepSpeed's engine does)."""
-    return regime_of(parallel) == "zero"
+    """Whether the layout needs torch.distributed even on one process (DeepSpeed's engine does)."""
+    return parallel.zero_stage > 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -203,31 +207,54 @@ def check_offload(zero_stage: int, zero_offload: bool) -> None:
                          f"{zero_stage}; configs/ds ships zero2_offload.json and zero3_offload.json")
 
 
+# Why a ZeRO stage does not compose with pipeline stages (one reason per stage, for the error and docs/planner.md).
+ZERO_WITH_PIPELINE_REFUSED = {
+    2: ("ZeRO-2 reduce-scatters gradients in hooks during every micro-batch's backward, and its bookkeeping "
+        "(the per-backward epilogue that flushes the reduce bucket and builds the gradient partitions) runs "
+        "only inside DeepSpeed's own engine.backward; torch.distributed.pipelining runs the backward passes "
+        "itself, so the partitions would need private DeepSpeed engine methods that DeepSpeed 0.19.8 itself "
+        "refuses for pipelines (deepspeed/runtime/pipe/engine.py:77, 'ZeRO-2 and ZeRO-3 are incompatible with "
+        "pipeline parallelism')"),
+    3: ("ZeRO-3 gathers each module's parameter partitions in hooks armed by DeepSpeed's engine.forward and "
+        "engine.backward, which the pipeline schedule bypasses (its stages run their own forward and backward); "
+        "DeepSpeed 0.19.8 refuses it too (deepspeed/runtime/pipe/engine.py:77)"),
+}
+
+
 def check_composition(parallel: ParallelConfig) -> None:
-    """Which regimes compose. DeepSpeed ZeRO runs over data parallelism only, for now; offload needs ZeRO-2/3."""
+    """Which regimes compose, and why not where they do not.
+
+    ZeRO-1/2/3 compose with tensor parallelism (DeepSpeed partitions each rank's TP shard over the dp group only;
+    ``parallel/zero/deepspeed.py`` marks the split parameters and sums partial TP gradients for it) and ZeRO-1
+    with pipeline stages (the optimizer states of each stage sharded over its dp replicas; the schedule's
+    gradients are reduced as DeepSpeed's own pipeline engine does). ZeRO-2 and ZeRO-3 with pipeline stages are
+    refused (``ZERO_WITH_PIPELINE_REFUSED``); offload needs ZeRO-2/3.
+    """
     check_offload(parallel.zero_stage, parallel.zero_offload)
-    if parallel.zero_stage and parallel.pp_size > 1:
-        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.pp_size={parallel.pp_size}: this "
-                         "trainer's pipeline engine is its own, not DeepSpeed's PipelineModule; use zero_stage 0 "
-                         "with pp")
-    if parallel.zero_stage and parallel.tp_size > 1:
-        # DeepSpeed's mpu path needs Megatron's `tensor_model_parallel` parameter attribute (to count TP-split
-        # params once in the grad norm, deepspeed/runtime/utils.py is_model_parallel_parameter) and cannot
-        # finalize our sequence-parallel norm grads; stage 3 partitions params across the TP shards too.
-        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.tp_size={parallel.tp_size} is not "
-                         "supported: DeepSpeed's model-parallel unit does not understand this trainer's TP layers "
-                         "(grad-norm de-duplication, sequence-parallel grads); use tp with zero_stage 0 (DDP)")
+    if parallel.zero_stage in ZERO_WITH_PIPELINE_REFUSED and parallel.pp_size > 1:
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} with parallel.pp_size={parallel.pp_size} is not "
+                         f"supported: {ZERO_WITH_PIPELINE_REFUSED[parallel.zero_stage]}. With pipeline stages use "
+                         "zero_stage 1 (optimizer states sharded over each stage's dp replicas), or ZeRO-2/3 with "
+                         "tp and pp_size 1")
 
 
-def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0) -> None:
+def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0, freeze: Sequence[str] = ()) -> None:
     """Expert parallelism (parallel/ep/) splits each MoE layer's experts over ep_size data-parallel ranks.
 
     It needs experts to split (model.n_experts > 0, ep dividing them) and ep dividing dp (its groups are drawn
     from the dp axis). Composes with TP (the MoE block is replicated on the TP ranks), pipeline stages and
-    ZeRO-1/2 (DeepSpeed's MoE conventions: expert parameters in their own optimizer groups, partitioned over the
-    expert-data-parallel group). ZeRO-3 is refused: DeepSpeed 0.19.8 accepts no MoE under stage 3 but its own
-    AutoEP layers (engine._validate_zero3_moe_compatibility: "MoE not supported with Stage 3"), and without them
-    it would partition each rank's different experts over the whole dp group as if they were one tensor.
+    ZeRO-1/2 (DeepSpeed's MoE conventions, in ``engines/deepspeed_zero.DeepSpeedZero``: expert parameters in their
+    own optimizer groups, partitioned over the expert-data-parallel group), and so with ZeRO-1/2 x TP (with or
+    without SP: ZeRO partitions each TP rank's shard, the replicated MoE block's experts over edp) and ZeRO-1 x PP
+    (what ``check_composition`` lets ZeRO do with stages); each is a parity test in tests/test_moe_parity.py.
+    ZeRO-3 is refused at any tp and pp: DeepSpeed 0.19.8 accepts no MoE under stage 3 but its own AutoEP layers
+    (engine._validate_zero3_moe_compatibility: "MoE not supported with Stage 3"), and without them it would
+    partition each rank's different experts over the whole dp group as if they were one tensor.
+
+    Fine-tuning (``train.freeze``, LoRA) composes with ep everywhere but one case: under ZeRO-1/2 a freeze that
+    leaves some ep ranks with trainable experts and others with none. DeepSpeed then builds MoE optimizer groups
+    on the first ranks only, and its gradient norm, reduced over the dp group one optimizer group after another
+    (stage_1_and_2.py get_grad_norm_direct), would pair different groups of different ranks.
     """
     ep = ep_size
     if ep == 1:
@@ -247,6 +274,15 @@ def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0
                          "refuses MoE layers under ZeRO-3 other than its AutoEP ones (\"MoE not supported with Stage "
                          "3\"), and would otherwise partition each rank's different experts over the whole dp "
                          "group; use zero_stage 1 or 2 with ep, or ep_size 1 with ZeRO-3")
+    if zero_stage in (1, 2) and (freeze or model.lora_rank):
+        held = [trainable_expert_params(model, freeze, ep_size=ep, ep_rank=r) for r in range(ep)]
+        if any(held) and not all(held):
+            raise ValueError(
+                f"train.freeze={list(freeze)} leaves ep ranks {[r for r, n in enumerate(held) if not n]} of "
+                f"parallel.ep_size={ep} without a trainable expert while the others train theirs: under "
+                f"parallel.zero_stage={zero_stage} DeepSpeed reduces the gradient norm over the data-parallel ranks "
+                "one optimizer group at a time, and those ranks would have no expert group; freeze the experts "
+                "alike on every ep rank (all, none, or the same projections of each), or use zero_stage 0")
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -267,7 +303,7 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
     dp = p.resolve(world_size)
     check_tp(cfg.model, p.tp_size)
     check_composition(p)
-    check_ep(cfg.model, p.ep_size, dp, p.zero_stage)
+    check_ep(cfg.model, p.ep_size, dp, p.zero_stage, cfg.train.freeze)
     check_precision(cfg.train.precision, device_type)
     if p.pp_size > 1:
         check_pipeline(cfg.model, p, dp, cfg.train.precision)
@@ -296,6 +332,23 @@ def fit_micro_batch(cfg: Config, world_size: int) -> tuple[Config, str | None]:
             f"micro_batch_size={micro} (same global batch, so the same training; pass "
             f"--parallel.micro_batch_size to choose another divisor of {per_rank})")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, micro_batch_size=micro)), note
+
+
+def check_nodes(world_size: int, gpus_per_node: int, tp_size: int) -> str | None:
+    """Launchers start the same number of ranks on every node, so a world of several nodes fills whole ones
+    (ValueError otherwise). A TP group spanning nodes runs, its all-reduces crossing the network in every layer:
+    the note that says so (None when every TP group stays in a node, as the grid places them when tp divides
+    the ranks per node)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    if world_size > gpus_per_node and world_size % gpus_per_node:
+        raise ValueError(f"a world of {world_size} ranks does not fill whole nodes of {gpus_per_node}: every launcher "
+                         f"starts the same number per node; use a multiple of {gpus_per_node}")
+    per_node = min(world_size, gpus_per_node)
+    if per_node % tp_size:
+        return (f"note: parallel.tp_size={tp_size} does not divide the {per_node} ranks per node: TP groups span "
+                "nodes and their all-reduces (every layer) cross the network")
+    return None
 
 
 def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list[list[list[int]]]:

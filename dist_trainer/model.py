@@ -12,6 +12,9 @@ Module names (the TP plan refers to them):
   final_norm, head (absent when tied), pooler, loss
 A mixture-of-experts layer (``model.n_experts`` > 0, ``model_moe.py``) holds ``layers.{i}.moe.{router,
 experts.{e}.*, shared_expert.*}`` in place of ``layers.{i}.mlp``.
+
+With ``model.lora_rank`` > 0 the ``model.lora_targets`` linears are ``model_lora.LoRALinear``s (their
+adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is frozen (``finetune.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.finetune import lora_target_leaves
+from dist_trainer.model_lora import LoRALinear, init_adapter_, is_adapter
 from dist_trainer.model_moe import MoE, add_aux_losses
 
 IGNORE_INDEX = -100
@@ -93,6 +98,14 @@ def sinusoidal_table(seq_len: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
+def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: int) -> nn.Linear:
+    """A layer's linear ``leaf`` (q_proj, ..., down_proj): with a LoRA adapter when it is one of the targets."""
+    if leaf in lora_target_leaves(cfg):
+        return LoRALinear(in_features, out_features, cfg.bias, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                          dropout=cfg.lora_dropout)
+    return nn.Linear(in_features, out_features, bias=cfg.bias)
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads through SDPA.
 
@@ -106,10 +119,10 @@ class Attention(nn.Module):
         self.causal = cfg.causal
         self.dropout = cfg.dropout
         kv_dim = cfg.kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.q_proj = build_linear(cfg, "q_proj", cfg.d_model, cfg.d_model)
+        self.k_proj = build_linear(cfg, "k_proj", cfg.d_model, kv_dim)
+        self.v_proj = build_linear(cfg, "v_proj", cfg.d_model, kv_dim)
+        self.o_proj = build_linear(cfg, "o_proj", cfg.d_model, cfg.d_model)
         set_attrs(self.o_proj, residual_out=True)  # scaled init (GPT-2 paper, section 2.3)
         self.recompute_core = False  # set by Transformer.set_activation_checkpointing("selective")
 
@@ -154,9 +167,9 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = cfg.activation
         width = cfg.ffn_dim if width is None else width  # a MoE layer's shared expert is wider
-        self.up_proj = nn.Linear(cfg.d_model, width, bias=cfg.bias)
-        self.gate_proj = nn.Linear(cfg.d_model, width, bias=cfg.bias) if cfg.activation == "swiglu" else None
-        self.down_proj = nn.Linear(width, cfg.d_model, bias=cfg.bias)
+        self.up_proj = build_linear(cfg, "up_proj", cfg.d_model, width)
+        self.gate_proj = build_linear(cfg, "gate_proj", cfg.d_model, width) if cfg.activation == "swiglu" else None
+        self.down_proj = build_linear(cfg, "down_proj", width, cfg.d_model)
         set_attrs(self.down_proj, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,6 +223,7 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
 
     Normal(0, init_std) for linear and embedding weights, with residual output projections
     at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases; unit norms.
+    A LoRA adapter draws from its own generator (``model_lora.init_adapter_``), never from the global one.
     Other modules are left alone.
     """
     if isinstance(module, nn.Linear):
@@ -217,6 +231,8 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
         nn.init.normal_(module.weight, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, LoRALinear):
+            init_adapter_(module, torch.initial_seed())  # the seed the caller set: see model_lora's docstring
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, 0.0, cfg.init_std)
     elif isinstance(module, (nn.LayerNorm, RMSNorm)):
@@ -250,6 +266,12 @@ class Transformer(nn.Module):
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
         self.loss = LMLoss()
         self.checkpointed: frozenset[int] = frozenset()
+        for name, module in self.named_modules():
+            if isinstance(module, LoRALinear):
+                module.lora_key = name  # the adapter's generator is seeded by its name (model_lora.init_adapter_)
+        for name, p in self.named_parameters():
+            if cfg.lora_rank and not is_adapter(name):
+                p.requires_grad_(False)  # LoRA trains the adapters only (Hu et al. 2021, section 4.1)
         self._init_buffers()
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()

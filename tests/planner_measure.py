@@ -18,13 +18,18 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.finetune import frozen_modules
 from dist_trainer.model import LMLoss, build_model
+from dist_trainer.model_lora import freeze_
 
 
 def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpointing: str = "none", every: int = 1,
-                        precision: str = "fp32", math_kernel: bool = False, seed: int = 0) -> int:
-    """Bytes of the distinct non-parameter storages saved for backward by one training forward on CPU."""
+                        precision: str = "fp32", math_kernel: bool = False, seed: int = 0,
+                        freeze: tuple[str, ...] = ()) -> int:
+    """Bytes of the distinct non-parameter storages saved for backward by one training forward on CPU
+    (``freeze``: train.freeze patterns applied as the trainer applies them; LoRA comes with ``cfg``)."""
     model = build_model(cfg, "cpu", seed=seed)
+    freeze_(model, frozen_modules(cfg, list(freeze)))
     model.train()
     model.set_activation_checkpointing(checkpointing, every)
     state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}

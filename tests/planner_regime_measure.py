@@ -19,6 +19,7 @@ benchmarks/planner_accuracy.py.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -50,6 +51,11 @@ RSS_CASES = {"tp2": {"model": BIG, "parallel": {"tp_size": 2}, "data": {"seq_len
                            "data": {"seq_len": 64}}}
 # fp32, dropout 0 (so CPU SDPA runs its flash kernel), the saved-tensor figure with no overhead terms
 OPTIONS = TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash", sp_saves_gathered_input=True)
+
+
+def options_for(cfg: Config) -> TrainingOptions:
+    """OPTIONS with the run's train.freeze (LoRA travels with the model config)."""
+    return dataclasses.replace(OPTIONS, freeze=tuple(cfg.train.freeze))
 
 
 def case_config(data: Path, out: Path, sections: dict) -> Config:
@@ -88,7 +94,7 @@ def measure_case(data: Path, out: Path, sections: dict) -> dict:
     p = cfg.parallel
     layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
                     n_microbatches=n_micro, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule)
-    pred = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=OPTIONS,
+    pred = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=options_for(cfg),
                                overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
     predicted = {"params": pred.params, "grads": pred.grads, "optimizer": pred.optimizer,
                  "model_states": pred.model_states, "activations": pred.saved_activations}
@@ -127,8 +133,9 @@ def measure_peak_rss(rank: int, world: int, data: Path, out: Path, cases: dict[s
         n_micro = len(trainer.sampler.micro_batches(0))
         layout = Layout(tp_size=p.tp_size, pp_size=p.pp_size, micro_batch_size=p.micro_batch_size,
                         n_microbatches=n_micro, sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule)
-        pred = predict_rank_memory(trainer.cfg.model, layout, seq_len=trainer.cfg.data.seq_len, options=OPTIONS,
-                                   overheads=Overheads.none(), pp_rank=trainer.state.pp_rank)
+        pred = predict_rank_memory(trainer.cfg.model, layout, seq_len=trainer.cfg.data.seq_len,
+                                   options=options_for(trainer.cfg), overheads=Overheads.none(),
+                                   pp_rank=trainer.state.pp_rank)
         results[name] = {"rank": rank, "pp_rank": trainer.state.pp_rank, "measured": peak,
                          "predicted": pred.device_total, "model_states": pred.model_states,
                          "activations": pred.activations}

@@ -83,3 +83,19 @@ def test_layout_auto_stays_within_the_configured_limits(tiny_data: Path, tmp_pat
         tiny_config(tiny_data, tmp_path, parallel={"auto_tp_size": 2, "auto_max_tp_size": 2})
     with pytest.raises(ValueError, match=r"parallel.auto_zero_stages=\[4\] must be a non-empty list"):
         tiny_config(tiny_data, tmp_path, parallel={"auto_zero_stages": [4]})
+
+
+def test_layout_auto_finds_zero_with_tensor_and_pipeline_parallelism(tiny_data: Path, tmp_path: Path) -> None:
+    """Limited to ZeRO with tp=2, or with pp=2, on 4 ranks, auto picks such a layout (it used to find none: the
+    trainer refused ZeRO with TP or PP); ZeRO-2/3 with stages stay out of reach."""
+    cpu = torch.device("cpu")
+    base = {"layout": "auto", "device_memory_gb": 1.0, "micro_batch_size": 2}
+    cfg = tiny_config(tiny_data, tmp_path, parallel={**base, "auto_tp_size": 2, "auto_zero_stages": [1, 2, 3]})
+    p = choose_layout(cfg, 4, 4, cpu)[0].parallel
+    assert (p.tp_size, p.pp_size, p.resolve(4)) == (2, 1, 2) and p.zero_stage in (1, 2, 3)
+    cfg = tiny_config(tiny_data, tmp_path, parallel={**base, "auto_pp_size": 2, "auto_zero_stages": [1, 2, 3]})
+    p = choose_layout(cfg, 4, 4, cpu)[0].parallel
+    assert (p.pp_size, p.zero_stage, p.resolve(4)) == (2, 1, 2)
+    cfg = tiny_config(tiny_data, tmp_path, parallel={**base, "auto_pp_size": 2, "auto_zero_stages": [3]})
+    with pytest.raises(ValueError, match=r"zero_stage=3 with parallel.pp_size=2 is not supported"):
+        choose_layout(cfg, 4, 4, cpu)

@@ -24,7 +24,7 @@ except SystemExit as exc:  # --help exits through argparse
     rc = exc.code
 print(json.dumps({"rc": rc, "heavy": sorted(m for m in ("torch", "deepspeed") if m in sys.modules)}))
 """
-SUBCOMMANDS = ("prepare", "train", "generate", "export", "params", "memory", "plan", "memory-experiment")
+SUBCOMMANDS = ("prepare", "train", "check", "generate", "export", "params", "memory", "plan", "memory-experiment")
 
 
 def _run(tmp_path: Path, *argv: str) -> tuple[dict, str, float]:
@@ -49,6 +49,6 @@ def test_help_lists_every_subcommand_without_importing_torch(tmp_path: Path) -> 
     assert report == {"rc": 0, "heavy": []}, report
     for name in SUBCOMMANDS:
         assert name in out, (name, out)
-    for command in ("memory", "plan"):
+    for command in ("memory", "plan", "check"):
         report, _, _ = _run(tmp_path, command, "--help")
         assert report["heavy"] == [], (command, report)

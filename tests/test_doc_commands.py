@@ -124,6 +124,16 @@ def _check_export(ws: Path, env: dict[str, str]) -> None:
     assert (ws / "export" / "model.safetensors").is_file() and (ws / "export" / "config.json").is_file()
 
 
+def _check_merged_export(ws: Path, env: dict[str, str]) -> None:
+    """`export --merge-lora`: a plain model (no adapter tensors, a config without LoRA)."""
+    from safetensors import safe_open
+
+    out = ws / "export-lora"
+    assert json.loads((out / "config.json").read_text())["lora_rank"] == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.keys() and not any("lora_" in k for k in f.keys())
+
+
 def _check_memory_experiment(ws: Path, env: dict[str, str]) -> None:
     rows = json.loads((ws / "runs" / "zero_memory" / "memory.json").read_text())
     assert rows, "memory.json is empty"
@@ -135,10 +145,12 @@ RUN: list[tuple[str, Run]] = [
     (r"--train\.resume=true", Run(append=f"{TRAIN_SCALE} --train.max_steps=4", expect=SUMMARY)),
     (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
      Run(append=TRAIN_SCALE, expect=SUMMARY)),
+    (r"^dist-trainer export\b.*--merge-lora", Run(then=_check_merged_export)),
     (r"^dist-trainer export\b", Run(then=_check_export)),
     (r"^(\w+=\S+ )*dist-trainer plan\b.*--verify\b", Run(append="--verify-steps 3", expect=("verified the top",))),
     (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
     (r"^dist-trainer (generate|params|memory|plan|calibrate)\b", Run()),
+    (r"^dist-trainer check\b", Run(expect=("ok: ",))),
     (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
     (r"benchmarks/(trainer_overhead|zero_overhead|moe_dispatch)\.py", Run(append="--steps 3 --rounds 1")),
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),

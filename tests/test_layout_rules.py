@@ -3,8 +3,8 @@
 The planner asks ``planner.search.runnable`` (layout_rules on the config ``plan --out`` writes); the trainer
 asks ``train.prelaunch.check_layout`` (layout_rules plus DeepSpeed's JSON). Enumerating layouts of several
 models over several world sizes, including ones either side could get wrong (uneven stage splits, padded
-vocabularies, replicated k/v heads, ZeRO with TP or PP, schedules without enough micro-batches), the two
-must agree on every one; and every layout ``plan`` ranks must pass the trainer's check.
+vocabularies, replicated k/v heads, ZeRO with TP and PP (ZeRO-2/3 with PP refused), schedules without enough
+micro-batches), the two must agree on every one; and every layout ``plan`` ranks must pass the trainer's check.
 """
 
 from __future__ import annotations
@@ -93,8 +93,11 @@ def test_every_ranked_layout_passes_the_trainer_check(name: str, gpus: int, per_
     assert res.layouts
     for planned in res.layouts:
         assert _trainer_accepts(model, planned.layout, TrainingOptions()), planned.layout
-    # and a refused composition is never ranked (ZeRO runs over data parallelism only, for now)
-    assert not any(p.layout.zero_stage and (p.layout.tp_size > 1 or p.layout.pp_size > 1) for p in res.layouts)
+    # a refused composition is never ranked (ZeRO-2/3 with pipeline stages), the ones that run are
+    assert not any(p.layout.zero_stage > 1 and p.layout.pp_size > 1 for p in res.layouts)
+    if name == "gpt2":
+        assert any(p.layout.zero_stage and p.layout.tp_size > 1 for p in res.layouts)
+        assert any(p.layout.zero_stage == 1 and p.layout.pp_size > 1 for p in res.layouts)
 
 
 def test_rank_grid_is_tp_fastest() -> None:
@@ -107,8 +110,12 @@ def test_rank_grid_is_tp_fastest() -> None:
 def test_runnable_names_the_reason() -> None:
     layout = Layout(tp_size=4, dp_size=1)
     assert "n_heads=6 is not divisible by parallel.tp_size=4" in str(runnable(MODELS["odd"], layout, seq_len=SEQ))
-    zero_tp = replace(Layout(tp_size=2, dp_size=2), zero_stage=1)
-    assert "zero_stage=1 with parallel.tp_size=2" in str(runnable(MODELS["tiny"], zero_tp, seq_len=SEQ))
+    zero_tp = replace(Layout(tp_size=2, dp_size=2), zero_stage=3)
+    assert runnable(MODELS["tiny"], zero_tp, seq_len=SEQ) is None
+    zero_pp = Layout(pp_size=2, dp_size=2, zero_stage=3, n_microbatches=2)
+    assert "zero_stage=3 with parallel.pp_size=2 is not supported: ZeRO-3 gathers" in str(
+        runnable(MODELS["tiny"], zero_pp, seq_len=SEQ))
+    assert runnable(MODELS["tiny"], replace(zero_pp, zero_stage=1), seq_len=SEQ) is None
 
 
 def test_expert_parallel_layouts_agree_and_are_ranked() -> None:

@@ -54,7 +54,9 @@ def _routing(result: dict) -> dict[int, dict[str, Any]]:
             for r in result["records"] if "loss" in r}
 
 
-def _check(name: str, got: dict, ref: dict, parallel: dict, world: int) -> None:
+def _check(name: str, got: dict, ref: dict, parallel: dict, world: int, frozen_moe: bool = False) -> None:
+    """``frozen_moe``: fine-tuning freezes part of the MoE blocks, whose saved tensors the planner charges whole (an
+    upper bound, docs/moe.md): the measured activations are at most the prediction."""
     assert_same_curves(got, ref, what=name)
     assert _routing(got) == _routing(ref), name  # every layer routes and drops the same tokens at every step
     for key in [k for k in ref["records"][0] if k.endswith("aux_loss")]:
@@ -66,7 +68,10 @@ def _check(name: str, got: dict, ref: dict, parallel: dict, world: int) -> None:
         # the planner and owned bytes to the measurement
         if parallel.get("zero_stage") != 1 and not parallel.get("zero_offload"):
             assert abs(row["figures"]["model_states"]["ratio"] - 1) <= 0.01, (name, row)
-        assert abs(row["figures"]["activations"]["ratio"] - 1) <= 0.02, (name, row)  # dispatch buffers included
+        ratio = row["figures"]["activations"]["ratio"]  # dispatch buffers included
+        assert (ratio <= 1.02 if frozen_moe else abs(ratio - 1) <= 0.02), (name, row)
+        if parallel.get("ep_size", 1) > 1:  # the all-to-all bytes of the check step, as cost.ep_counted_bytes says
+            assert row["figures"]["ep_traffic"]["ratio"] == 1.0, (name, row)
     pp = parallel.get("pp_size", 1)
     dp = world // parallel.get("tp_size", 1) // pp
     cfg = _config(Path("."), Path("."), parallel).model
@@ -94,7 +99,9 @@ def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, tmp_path: Pat
            "zero2_offload_ep2": {"ep_size": 2, "zero_stage": 2, "zero_offload": True}}
     four = {"ep2_tp2_sp": {"ep_size": 2, "tp_size": 2, "sequence_parallel": True},
             "ep2_pp2": {"ep_size": 2, "pp_size": 2},
-            "ep2_dp4_recompute": {"ep_size": 2, "activation_checkpointing": "full"}}
+            "ep2_dp4_recompute": {"ep_size": 2, "activation_checkpointing": "full"},
+            "zero2_ep2_tp2_sp": {"ep_size": 2, "zero_stage": 2, "tp_size": 2, "sequence_parallel": True},
+            "zero1_ep2_pp2": {"ep_size": 2, "zero_stage": 1, "pp_size": 2}}
     results = {**run_distributed(_layouts, 2, (tiny_data, tmp_path, two))[0],
                **run_distributed(_layouts, 4, (tiny_data, tmp_path, four))[0]}
     for name, parallel in two.items():

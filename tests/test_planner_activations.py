@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.planner import activation_costs
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
 from dist_trainer.testing import run_distributed
@@ -133,6 +134,6 @@ def test_backward_working_set_is_the_larger_transient_on_the_last_stage_only() -
     assert terms("none", 1)["backward_working_set"] == 8 * 50_000 * tokens  # the loss's, 8V per token
     assert terms("none", 0)["backward_working_set"] == 0  # no loss on the first stage
     spec = act.ActivationSpec(seq_len=256, precision="amp_bf16")
-    layer = act.layer_costs(cfg, spec).full * tokens
+    layer = activation_costs.layer_costs(cfg, spec).full * tokens
     assert terms("full", 0)["backward_working_set"] == round(layer)  # one recomputed layer
     assert terms("full", 1)["backward_working_set"] == max(round(layer), 8 * 50_000 * tokens)  # never both

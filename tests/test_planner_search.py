@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,16 +49,15 @@ def test_nothing_fits_says_what_comes_closest() -> None:
     assert "over by" in res.notes[0]
 
 
-def test_one_trillion_parameters_on_3072_gpus_is_fast() -> None:
+def test_one_trillion_parameters_on_3072_gpus_plans_a_megatron_layout() -> None:
+    """The 1T row of Megatron's Table 1 plans (its search time is benchmarks/planner_accuracy.py's, not a test's)."""
     cfg = ModelConfig(vocab_size=51200, d_model=25600, n_layers=128, n_heads=160, max_seq_len=2048)
     assert count_params(cfg) > 1.0e12
-    start = time.perf_counter()
     res = plan_layouts(cfg, n_gpus=3072, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=2048,
                        global_batch=3072, hardware="A100-80GB")
-    elapsed = time.perf_counter() - start
-    print(f"1T on 3072 GPUs: {res.n_considered} layouts in {elapsed:.2f} s")
-    assert elapsed < 10  # the issue asks < 2 s on this machine; loose here because CI cores are shared
-    assert res.layouts
+    assert res.layouts and res.n_considered > len(res.layouts)
+    best = res.layouts[0]
+    assert best.layout.world_size == 3072 and best.memory.device_total <= 80 * GiB
 
 
 def test_emitted_config_loads_and_resolves() -> None:

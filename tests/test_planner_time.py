@@ -110,8 +110,33 @@ def test_plan_verify_trial_runs_the_top_layouts(tmp_path: Path) -> None:
                            "--verify-steps", "4", "--verify-data", str(data), "--out", str(tmp_path / "plan")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = proc.stdout.split("fastest measured first:")[1].strip().splitlines()
-    assert len(table) == 3 and "failed" not in proc.stdout  # a header and both layouts, measured
-    first, second = (float(line.split()[2]) for line in table[1:])
+    after = proc.stdout.split("fastest measured first:")[1].strip().splitlines()
+    assert after[0].split()[:3] == ["#", "predicted", "s"]
+    rows = after[1:3]  # the trainer's pre-launch check of the written plan prints below the table
+    assert [r.split()[0] for r in rows] == ["1", "2"] and "failed" not in proc.stdout  # both layouts, measured
+    first, second = (float(line.split()[2]) for line in rows)
     assert 0 < first <= second
     assert (tmp_path / "plan" / "launch.sh").is_file()
+
+
+def test_measured_non_gemm_terms_are_priced_only_with_a_calibrated_profile() -> None:
+    """Elementwise passes, the optimizer and per-op costs (planner/cost.py constants) add to compute when the
+    profile measured memory bandwidth and op overhead; data-sheet profiles leave them to `efficiency`."""
+    from dist_trainer.planner import cost
+
+    tiny = model_config("tiny")
+    layout = Layout(dp_size=4, micro_batch_size=4, n_microbatches=2)
+    plain = get_hardware("cpu")
+    calibrated = replace(plain, memory_bw=1e10, op_overhead=5e-6)
+    base = estimate_step_time(tiny, layout, seq_len=128, hardware=plain, gpus_per_node=4,
+                              options=TrainingOptions(precision="fp32", device="cpu"))
+    more = estimate_step_time(tiny, layout, seq_len=128, hardware=calibrated, gpus_per_node=4,
+                              options=TrainingOptions(precision="fp32", device="cpu"))
+    tokens, h, f, v, L = 4 * 128, tiny.d_model, tiny.ffn_dim, tiny.vocab_size, tiny.n_layers
+    passes = 2 * tokens * (L * (cost.PASSES_REPLICATED * h + cost.PASSES_SPLIT * h + cost.PASSES_MLP * f) * 4
+                           + cost.PASSES_LOSS * v * 4)
+    from dist_trainer.planner.params import count_params
+
+    optimizer = cost.ADAM_BYTES * count_params(tiny)
+    ops = 2 * (cost.OPS_PER_LAYER * L + cost.OPS_PER_MICRO) + cost.ADAM_OPS * (16 * L + 4)
+    assert more.compute - base.compute == pytest.approx((passes + optimizer) / 1e10 + ops * 5e-6)

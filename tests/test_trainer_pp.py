@@ -83,7 +83,7 @@ def test_pipeline_bad_layouts_fail_before_launch(tiny_data: Path, tmp_path: Path
         ({"pp_size": 8, "global_batch_size": 16}, "model.n_layers=4 is fewer than the 8 pipeline stages"),
         ({"pp_size": 2, "n_microbatches": 3}, "does not split into n_microbatches=3"),
         ({"pp_size": 4, "pp_schedule": "1f1b", "micro_batch_size": 4, "global_batch_size": 8}, "1f1b"),
-        ({"pp_size": 2, "zero_stage": 1}, "zero_stage=1 with parallel.pp_size=2"),
+        ({"pp_size": 2, "zero_stage": 2}, "zero_stage=2 with parallel.pp_size=2 is not supported"),
         ({"pp_size": 2, "pp_stage_layers": [1, 2]}, r"pp_stage_layers=\[1, 2\] must list 2 layer counts .* summing "
                                                     r"to model.n_layers=4"),
     ]

@@ -10,16 +10,18 @@ A step folder of the DDP, TP and pipeline regimes holds, besides what ``publish.
 
 State is keyed by the plain model's parameter *name* (not optimizer index; experts by their global
 index, ``layers.{i}.moe.experts.{e}``), so another tp x pp x ep layout merges every shard into full
-tensors (``read_full_state``) and cuts out its own part
-(``load_shards``), weights and AdamW moments alike; a ZeRO checkpoint is consolidated from
-DeepSpeed's partitions (``parallel/zero/consolidate.py``) into the same by-name form, and
-``export_zero_as_single`` writes it as a single-process checkpoint.
+tensors (``read_full_state``) and cuts out its own part (``load_shards``), weights and AdamW moments
+alike. A ZeRO checkpoint (any tp x pp layout, ep_size 1) holds DeepSpeed's own files and
+``tp_specs_ppPP.json``: each (tp, pp) coordinate's dp partitions are consolidated into the same by-name
+form (``deepspeed_files.consolidate``) and merged over tp the same way; ``export_zero_as_single`` writes
+one as a single-process checkpoint. A ZeRO run with ep > 1 writes the by-name files above.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from torch import nn
 from dist_trainer.checkpoint.publish import (
     atomic_save,
     atomic_write_text,
+    list_checkpoints,
     load_file,
     read_meta,
     rng_file,
@@ -114,6 +117,39 @@ def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any], ep_rank: int 
                        json.dumps({n: [s.dim, s.full_size] for n, s in specs.items()}, sort_keys=True))
 
 
+def read_specs(path: Path, meta: dict[str, Any], pp_rank: int, names: list[str],
+               ep_rank: int = 0) -> dict[str, ShardSpec]:
+    """How each parameter of stage ``pp_rank`` (ep rank ``ep_rank``'s files) was split over tp when saved. A
+    checkpoint saved at tp 1 before ZeRO checkpoints recorded their specs splits nothing: every name is whole."""
+    specs_path = path / specs_file(pp_rank, ep_rank)
+    if not specs_path.is_file():
+        if meta["layout"]["tp"] == 1 and "deepspeed_tag" in meta:
+            return {n: ShardSpec(None, None) for n in names}
+        raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank, ep_rank)}; it cannot be resharded")
+    try:
+        return {n: ShardSpec(*v) for n, v in json.loads(specs_path.read_text()).items()}
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"checkpoint file {specs_path} cannot be read: {exc}") from None
+
+
+def read_coordinate(path: Path, meta: dict[str, Any], tp_rank: int, pp_rank: int,
+                    ep_rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(weights, optimizer state) by name of one (tp, pp, ep) coordinate as saved: this project's two files, or a
+    ZeRO checkpoint's DeepSpeed partitions over dp consolidated (``deepspeed_files.consolidate``; fp32 master
+    weights and AdamW moments, ``param_groups`` None: the loading optimizer keeps its own). A ZeRO run with
+    expert parallelism writes this project's by-name files (``engines/deepspeed_zero.py``), never DeepSpeed's."""
+    if "deepspeed_tag" not in meta:
+        return (load_file(path / shard_name("model", tp_rank, pp_rank, ep_rank)),
+                load_file(path / shard_name("optim", tp_rank, pp_rank, ep_rank)))
+    assert ep_rank == 0, "DeepSpeed's own files are written at ep_size 1 only"
+    from dist_trainer.checkpoint.deepspeed_files import consolidate, mp_rank  # DeepSpeed only for ZeRO checkpoints
+
+    layout = meta["layout"]
+    weights, optim = consolidate(zero_ds_dir(path, meta), mp_rank(tp_rank, pp_rank, layout["tp"]), layout["dp"],
+                                 int(meta["zero_stage"]))
+    return weights, {**optim, "param_groups": None}
+
+
 def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every (tp, pp) shard of a checkpoint merged into full tensors keyed by the plain model's names.
 
@@ -122,23 +158,18 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
     first and the last stage is kept once (the first stage's; the two are equal). Under expert
     parallelism the ep ranks' files are joined: each holds other experts, by global name.
     """
-    if "deepspeed_tag" in meta:  # a ZeRO checkpoint: DeepSpeed's partitions, consolidated to fp32 by name
-        weights, optim = read_zero_state(path, meta)
-        return weights, {"state": optim["state"], "param_groups": None}  # groups: the loading optimizer's
     layout = meta["layout"]
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    optims: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] | None = []
+    first: dict[str, Any] = {}
     for pp_rank, ep_rank in ((p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))):
-        specs_path = path / specs_file(pp_rank, ep_rank)
-        if not specs_path.is_file():
-            raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank, ep_rank)}; it cannot be resharded")
-        specs = {n: ShardSpec(*v) for n, v in json.loads(specs_path.read_text()).items()}
-        models = [load_file(path / shard_name("model", t, pp_rank, ep_rank)) for t in range(layout["tp"])]
+        shards = [read_coordinate(path, meta, t, pp_rank, ep_rank) for t in range(layout["tp"])]
+        models, optims = [m for m, _ in shards], [o for _, o in shards]
+        first = first or optims[0]
+        specs = read_specs(path, meta, pp_rank, list(models[0]), ep_rank)
         for n, t in merge_tp_shards([{n: m[n] for n in specs} for m in models], specs).items():
             model.setdefault(n, t)
-        optims = [load_file(path / shard_name("optim", t, pp_rank, ep_rank)) for t in range(layout["tp"])]
         names = list(optims[0]["state"])
         keys = list(optims[0]["state"][names[0]]) if names else []
         for key in keys:
@@ -147,26 +178,32 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
                 per_rank, {n: specs[n] for n in names})  # Adam's step is a replicated scalar
             for n in names:
                 state.setdefault(n, {}).setdefault(key, merged[n])
-        for i, g in enumerate(optims[0]["param_groups"]):
-            if i == len(groups):
-                groups.append({**g, "params": []})
-            groups[i]["params"] += [n for n in g["params"] if n not in groups[i]["params"]]
-    return model, {**optims[0], "state": state, "param_groups": groups}
+        if optims[0].get("param_groups") is None:
+            groups = None
+        elif groups is not None:
+            for i, g in enumerate(optims[0]["param_groups"]):
+                if i == len(groups):
+                    groups.append({**g, "params": []})
+                groups[i]["params"] += [n for n in g["params"] if n not in groups[i]["params"]]
+    return model, {**first, "state": state, "param_groups": groups}
 
 
 def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
                 specs_now: dict[str, Any], ep_size: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout, or by ZeRO.
+    """This rank's model and optimizer state from a checkpoint saved under any tp x pp x ep layout, with or without
+    ZeRO.
 
-    The same layout reads the rank's own files. Another one merges every shard into full
-    tensors (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the
-    current model's names and splits), for weights and optimizer moments alike.
+    The same tp x pp layout reads the rank's own coordinate (under ZeRO: its dp partitions consolidated), when it
+    holds this rank's parameters (the same stage split). Another one merges every shard into full tensors
+    (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the current model's names and
+    splits), for weights and optimizer moments alike. Under expert parallelism (saved or now) every coordinate is
+    merged: a rank's experts and its dense parameters live in different files.
     """
     layout = meta["layout"]
-    same = (layout["tp"], layout["pp"], layout.get("ep", 1)) == (tp_size, pp_size, 1) and ep_size == 1
-    if same and "deepspeed_tag" not in meta:
-        return (load_file(path / shard_name("model", tp_rank, pp_rank)),
-                load_file(path / shard_name("optim", tp_rank, pp_rank)))
+    if (layout["tp"], layout["pp"], layout.get("ep", 1), ep_size) == (tp_size, pp_size, 1, 1):
+        own = read_coordinate(path, meta, tp_rank, pp_rank)
+        if set(specs_now) <= set(own[0]):  # else the stages were split otherwise: merge every coordinate
+            return own
     full_model, full_optim = read_full_state(path, meta)
     missing = set(specs_now) - set(full_model)
     if missing:
@@ -186,6 +223,50 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
     return model_state, {**full_optim, "state": state}
 
 
+def check_files(step_dir: Path, meta: dict[str, Any], rank: int = 0, world_size: int = 1) -> None:
+    """Read every file meta.json lists (this rank's share of them: every ``world_size``-th) as its loader will,
+    before anything is loaded: tensors files through the weights-only unpickler (``load_file``: DeepSpeed's
+    allow-listed classes in a ZeRO checkpoint; storages mapped, not read), JSON through the JSON parser.
+    ValueError naming the first file that cannot be read (truncated, foreign, or a pickle payload, which is
+    refused unexecuted)."""
+    safe = []
+    if "deepspeed_tag" in meta:
+        from dist_trainer.checkpoint.deepspeed_files import deepspeed_safe_types
+
+        safe = deepspeed_safe_types()
+    for name in sorted(meta.get("files", []))[rank::world_size]:
+        path = step_dir / name
+        if name.endswith(".json"):
+            try:
+                json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from None
+        else:
+            load_file(path, safe_types=safe, mmap=True)
+
+
+def newest_readable(ckpt_root: Path, rank: int, world_size: int,
+                    gather: Callable[[str | None], list[str | None]]) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint whose every file reads (``check_files``, the files shared out over the
+    ranks), and a warning for each newer one that does not; ``gather`` collects one value from every rank (all
+    ranks call this, and agree). (None, []) when there is no checkpoint; ValueError when none reads."""
+    warnings: list[str] = []
+    checkpoints = list_checkpoints(ckpt_root)
+    for path in reversed(checkpoints):
+        try:
+            check_files(path, read_meta(path), rank, world_size)
+            reason = None
+        except ValueError as exc:
+            reason = str(exc)
+        failures = [r for r in gather(reason) if r is not None]
+        if not failures:
+            return path, warnings
+        warnings.append(f"warning: checkpoint {path} cannot be loaded ({failures[0]}); trying the previous one")
+    if checkpoints:
+        raise ValueError(f"no checkpoint in {ckpt_root} can be loaded: {'; '.join(warnings)}")
+    return None, warnings
+
+
 def zero_ds_dir(step_dir: Path, meta: dict[str, Any]) -> Path:
     """DeepSpeed's own folder inside a ZeRO step folder (its checkpoint tag)."""
     tag = meta.get("deepspeed_tag")
@@ -194,15 +275,9 @@ def zero_ds_dir(step_dir: Path, meta: dict[str, Any]) -> Path:
     return step_dir / tag
 
 
-def read_zero_state(step_dir: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A ZeRO step folder's full fp32 weights and AdamW moments by parameter name."""
-    from dist_trainer.parallel.zero.consolidate import consolidate  # DeepSpeed only when a ZeRO checkpoint is read
-
-    return consolidate(zero_ds_dir(step_dir, meta))
-
-
 def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
-    """Write a ZeRO checkpoint as a single-process checkpoint under ``out_dir/checkpoints``; return its folder.
+    """Write a ZeRO checkpoint (of any tp x pp layout) as a single-process checkpoint under ``out_dir/checkpoints``;
+    return its folder.
 
     The AdamW groups are rebuilt by name from the model (train.optim.param_groups), so the result loads with
     ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
@@ -213,7 +288,9 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     from dist_trainer.parallel.tp.reshard import tp_shard_specs
 
     meta = read_meta(step_dir)
-    model_state, optim = read_zero_state(step_dir, meta)
+    zero_ds_dir(step_dir, meta)  # a ZeRO checkpoint, or a ValueError naming its regime
+    check_files(step_dir, meta)
+    model_state, optim = read_full_state(step_dir, meta)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")
     missing = set(model.state_dict()) - set(model_state)

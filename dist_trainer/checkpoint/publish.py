@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
             continue
         try:
             meta = json.loads((d / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):  # unreadable: not a complete checkpoint
             continue
         if isinstance(meta, dict) and all((d / f).is_file() for f in meta.get("files", [])):
             found.append(d)
@@ -145,6 +146,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{meta_path} is not valid JSON ({exc.msg}): not a checkpoint's meta.json") from None
+    except UnicodeDecodeError as exc:  # binary content (a pickle, say)
+        raise ValueError(f"{meta_path} is not valid JSON (not UTF-8 text: {exc.reason}): not a checkpoint's "
+                         "meta.json") from None
     missing = [k for k in ("format", "step", "config", "layout") if k not in meta] if isinstance(meta, dict) else []
     if not isinstance(meta, dict) or missing:
         raise ValueError(f"{meta_path} is not a checkpoint's meta.json: " + (
@@ -154,11 +158,20 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load_file(path: Path) -> Any:
+def load_file(path: Path, safe_types: Sequence[type] = (), mmap: bool = False) -> Any:
+    """One checkpoint file, unpickled by torch's weights-only unpickler: tensors, containers, numbers and the
+    classes in ``safe_types`` only (``torch.serialization.safe_globals``: DeepSpeed's files hold a few of its
+    own), so a file that names any other global (a pickle payload calling ``os.system``) is refused unread.
+    ``mmap``: map the tensors' storage instead of reading it. ValueError naming the file when it cannot be read."""
     if not path.is_file():
         raise ValueError(f"checkpoint file {path} is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(safe_types)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:  # names a global the weights-only unpickler refuses: never executed
+        refused = next((line for line in str(exc).splitlines() if "GLOBAL" in line), str(exc).splitlines()[0])
+        raise ValueError(f"checkpoint file {path} cannot be read: it holds more than tensors and plain data "
+                         f"({refused.strip()}); refused unread, nothing in it was executed") from exc
     except Exception as exc:  # a truncated or foreign file: say which one
         raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from exc
 

@@ -225,6 +225,31 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def split_samples(path: Path, meta: dict[str, Any], split: str, seq_len: int,
+                  expect_vocab_size: int | None = None) -> int:
+    """The windows of seq_len + 1 tokens in ``split``, from meta.json alone (no shard is opened); ValueError when
+    the folder was prepared for another vocabulary, or the split is missing, empty or shorter than one window.
+    What ``TokenDataset`` checks first, and ``dist-trainer check`` for a world it does not run in."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    if expect_vocab_size is not None and expect_vocab_size != meta["vocab_size"]:
+        raise ValueError(f"{path} was prepared with vocab_size={meta['vocab_size']} but the model expects "
+                         f"vocab_size={expect_vocab_size}; set model.vocab_size={meta['vocab_size']} or prepare "
+                         f"again with --vocab-size {expect_vocab_size}")
+    splits = meta["splits"]
+    if split not in splits:
+        raise ValueError(f"split {split!r} is not in {path}; available: {', '.join(sorted(splits))}")
+    if splits[split]["documents"] == 0:
+        raise ValueError(f"split {split!r} of {path} is empty (prepared with val_fraction="
+                         f"{meta.get('val_fraction')}); prepare again with a val_fraction > 0")
+    samples = sum(s["tokens"] // (seq_len + 1) for s in splits[split]["shards"])
+    if samples < 1:
+        raise ValueError(f"split {split!r} of {path} holds {splits[split]['tokens']} tokens in shards of "
+                         f"{[s['tokens'] for s in splits[split]['shards']]}: not one window of seq_len+1 = "
+                         f"{seq_len + 1}; use a smaller seq_len or more data")
+    return samples
+
+
 class TokenDataset:
     """Fixed-length windows over one split's token shards, read through read-only memmaps."""
 
@@ -235,30 +260,15 @@ class TokenDataset:
         self.meta: dict[str, Any] = read_meta(self.path)
         self.vocab_size: int = self.meta["vocab_size"]
         self.special_tokens: dict[str, int] = dict(self.meta["special_tokens"])
-        if seq_len < 1:
-            raise ValueError(f"seq_len={seq_len} must be >= 1")
-        if expect_vocab_size is not None and expect_vocab_size != self.vocab_size:
-            raise ValueError(f"{self.path} was prepared with vocab_size={self.vocab_size} but the model expects "
-                             f"vocab_size={expect_vocab_size}; set model.vocab_size={self.vocab_size} or prepare "
-                             f"again with --vocab-size {expect_vocab_size}")
-        splits = self.meta["splits"]
-        if split not in splits:
-            raise ValueError(f"split {split!r} is not in {self.path}; available: {', '.join(sorted(splits))}")
+        split_samples(self.path, self.meta, split, seq_len, expect_vocab_size)
         check_shard_sizes(self.path, self.meta, [split])
         verify_folder(self.path, self.meta)  # the full check once per state of the folder, then its record
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")  # shards are little-endian on any host
         window = seq_len + 1
         # Shards too short for one window are skipped (an empty file cannot be memmapped anyway).
-        self._shards = [s for s in splits[split]["shards"] if s["tokens"] >= window]
+        self._shards = [s for s in self.meta["splits"][split]["shards"] if s["tokens"] >= window]
         counts = [s["tokens"] // window for s in self._shards]
         self._starts = np.cumsum([0, *counts]).tolist()  # first sample index of each shard
-        if splits[split]["documents"] == 0:
-            raise ValueError(f"split {split!r} of {self.path} is empty (prepared with val_fraction="
-                             f"{self.meta.get('val_fraction')}); prepare again with a val_fraction > 0")
-        if self._starts[-1] < 1:
-            raise ValueError(f"split {split!r} of {self.path} holds {splits[split]['tokens']} tokens in shards of "
-                             f"{[s['tokens'] for s in splits[split]['shards']]}: not one window of seq_len+1 = "
-                             f"{window}; use a smaller seq_len or more data")
         self._maps: list[np.memmap] | None = None
 
     def _memmaps(self) -> list[np.memmap]:

@@ -35,8 +35,11 @@ from dist_trainer.checkpoint.convert import (
     shard_name,
     write_specs,
 )
+from dist_trainer.checkpoint.weights import Gather, copy_start_weights_, read_start_weights
 from dist_trainer.config import Config
+from dist_trainer.finetune import frozen_modules
 from dist_trainer.model import Transformer, build_model
+from dist_trainer.model_lora import freeze_
 from dist_trainer.optim import set_lr
 from dist_trainer.parallel.ep.grad import expert_param_names
 from dist_trainer.parallel.state import ParallelState
@@ -52,10 +55,23 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
 
 
 def seeded_model(cfg: Config) -> Transformer:
-    """The single-process model drawn from ``train.seed``, activation checkpointing set: every regime's start."""
+    """The single-process model drawn from ``train.seed``, activation checkpointing set, ``start_finetune``
+    applied: every regime's start."""
     model = build_model(cfg.model, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every)
+    start_finetune(model, cfg)
     return model
+
+
+def start_finetune(model: nn.Module, cfg: Config, gathered: Gather | None = None) -> None:
+    """``train.init_from``'s weights by name (the model's adapters keep their draw), then ``train.freeze``.
+
+    ``model`` holds whole (not yet TP-split) modules under the plain model's names: the seeded model, the pipeline
+    rank's stages, or a ZeRO-3 model whose partitions ``gathered`` makes whole one module at a time.
+    """
+    if cfg.train.init_from:
+        copy_start_weights_(model, read_start_weights(cfg.train.init_from), gathered)
+    freeze_(model, frozen_modules(cfg.model, cfg.train.freeze))
 
 
 def clip_norm(cfg: Config) -> float:

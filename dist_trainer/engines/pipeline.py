@@ -12,12 +12,16 @@ parameter names (so they reload at any tp x pp x ep).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm
+from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm, start_finetune
+from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.layout_rules import n_microbatches
 from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
@@ -29,6 +33,8 @@ from dist_trainer.parallel.pipeline.split import StageModule, split_into_stages,
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
+from dist_trainer.parallel.zero.config import validate_zero_config
+from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, prepare_for_deepspeed, quiet_deepspeed
 
 
 class PipelineRankModule(nn.Module):
@@ -59,6 +65,7 @@ class PipelineEngine(NamedShardsMixin, Engine):
         self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
                                         balance=p.pp_balance, stage_layers=p.pp_stage_layers,
                                         seed=cfg.train.seed, device="cpu")
+        start_finetune(PipelineRankModule(self.stages), cfg)  # by global names, before TP splits the modules
         for stage in self.stages:
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
             apply_expert_parallel(stage.model, state)
@@ -69,8 +76,11 @@ class PipelineEngine(NamedShardsMixin, Engine):
         last = state.pp_size * p.pp_virtual_stages - 1
         self.last_stage_rank = next(r for r, owned in enumerate(placement) if last in owned)
         self.model = PipelineRankModule(self.stages)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.zero = _zero_optimizer(cfg, state, device, self.model) if p.zero_stage else None
+        self.optimizer = build_optimizer(self.model, cfg.optim) if self.zero is None else self.zero.optimizer
         self.name = f"pp[{p.pp_schedule}]" + ("+tp" if state.tp_size > 1 else "") + ("+dp" if state.dp_size > 1 else "")
+        if self.zero is not None:
+            self.name += f"+zero{p.zero_stage}"
 
     def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
         tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
@@ -101,7 +111,8 @@ class PipelineEngine(NamedShardsMixin, Engine):
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         loss_sum = self._run(batches, train=True)
-        if self.state.dp_size > 1:  # the gradient mean over dp, as DDP would, in one flat all-reduce
+        # the gradient mean over dp, as DDP would, in one flat all-reduce (ZeRO reduces in its own step)
+        if self.state.dp_size > 1 and self.zero is None:
             grads, _ = split_expert_grads(list(self.model.parameters()))  # experts: over edp, below
             flat = self.state.dp.all_reduce(_flatten_dense_tensors(grads)).div_(self.state.dp_size)
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -110,6 +121,9 @@ class PipelineEngine(NamedShardsMixin, Engine):
         return loss_sum
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
+        if self.zero is not None:  # partial TP grads were summed inside backward (prepare_for_deepspeed)
+            self.pipe.finalize_grads()  # tied embedding: on the whole .grad, before ZeRO's dp reduction
+            return self.zero.step(lr, reduce=True)
         for stage in self.stages:
             finalize_tp_grads(stage.model, self.state)
         self.pipe.finalize_grads()  # tied embedding: first-stage and last-stage copies get the summed gradient
@@ -126,3 +140,31 @@ class PipelineEngine(NamedShardsMixin, Engine):
         finally:
             for stage in self.stages:
                 stage.train()
+
+    def owned_state_bytes(self) -> dict[str, int]:
+        return super().owned_state_bytes() if self.zero is None else self.zero.owned_state_bytes()
+
+    def save_shards(self, folder: Path) -> dict[str, Any]:
+        return super().save_shards(folder) if self.zero is None else self.zero.save(folder)
+
+    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
+        if self.zero is None:
+            super().load_shards(folder, meta)
+        else:
+            self.zero.load(folder, meta)
+
+
+def _zero_optimizer(cfg: Config, state: ParallelState, device: torch.device, model: nn.Module) -> DeepSpeedZero:
+    """DeepSpeed's ZeRO-1 over this rank's stages (tagged after build_schedule marked the tied copy).
+
+    DeepSpeed sees one micro-batch of the whole per-rank batch and no accumulation: the schedule accumulates the
+    micro-batches in ``.grad`` itself (scaled by 1/n_micro), so each step is one DeepSpeed boundary. Its bf16/fp16
+    sections are off: the stages keep fp32 parameters under autocast, as without ZeRO.
+    """
+    quiet_deepspeed()
+    ds_config = {**validate_zero_config(cfg, state.dp_size, device.type),
+                 "train_micro_batch_size_per_gpu": cfg.parallel.global_batch_size // state.dp_size,
+                 "gradient_accumulation_steps": 1, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    mpu = DeepSpeedMpu(state)  # collective: every rank, once
+    prepare_for_deepspeed(model, state)
+    return DeepSpeedZero(cfg, state, model, ds_config, mpu)

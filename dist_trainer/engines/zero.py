@@ -1,20 +1,26 @@
-"""The DeepSpeed ZeRO regime (Rajbhandari et al. 2019, arXiv 1910.02054): stages 1, 2 and 3, optional offload.
+"""The DeepSpeed ZeRO regime (Rajbhandari et al. 2019, arXiv 1910.02054): stages 1, 2 and 3, optional offload,
+with Megatron tensor parallelism (and sequence parallelism) inside each data-parallel replica.
 
-``ZeroEngine`` implements the trainer's Engine interface around ``deepspeed.initialize``:
+``ZeroEngine`` implements the trainer's Engine interface around ``engines/deepspeed_zero.DeepSpeedZero``:
 
-- the model is ``build_model``'s, drawn from ``train.seed`` (the same weights as DDP's); under stage 3 it is
-  constructed inside ``deepspeed.zero.Init`` so each parameter is partitioned as soon as its module exists, and
-  the seed's draw is replayed one module at a time (``parallel/zero/deepspeed.init_partitioned``): no rank ever
-  holds the whole model;
-- the optimizer is our AdamW over ``train.optim.param_groups`` (torch's, ``foreach=False``, for exact parity
-  with DDP; DeepSpeedCPUAdam in AdamW mode when the optimizer is offloaded), its LR set by the Trainer;
-- DeepSpeed's gradient accumulation is the number of micro-batches the Trainer passes, its clipping
-  ``optim.grad_clip``; its data-parallel group is our ParallelState's (handed over through ``mpu``);
-- checkpoints are DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` inside the trainer's folder
-  (exact resume); ``parallel/zero/consolidate.py`` merges them by parameter name for every other reader;
-- with expert parallelism (ZeRO-1/2 only, ``layout_rules.check_ep``) DeepSpeed's MoE conventions apply
-  (``parallel/ep/zero.py``: expert groups, the MoE marker, MoE optimizer groups) and checkpoints are written by
-  parameter name, experts by global index, as the other regimes write them.
+- the model is ``build_model``'s, drawn from ``train.seed`` (the same weights as DDP's), cut into this rank's TP
+  shard (``apply_tensor_parallel``) and tagged for DeepSpeed (``prepare_for_deepspeed``: Megatron's
+  ``tensor_model_parallel`` on split parameters, partial TP gradients summed inside backward). ZeRO partitions
+  each rank's shard over its dp replicas only, as Megatron-DeepSpeed does through the same ``mpu`` protocol.
+  Under stage 3 at tp=1 the model is constructed inside ``deepspeed.zero.Init`` so each parameter is
+  partitioned as soon as its module exists, and the seed's draw is replayed one module at a time
+  (``parallel/zero/deepspeed.init_partitioned``): no rank ever holds the whole model; at tp > 1 the TP shard is
+  partitioned by ``deepspeed.initialize`` instead (zero.Init cannot slice weights it has already partitioned);
+- the optimizer is our AdamW (DeepSpeedCPUAdam when offloaded), its LR set by the Trainer; DeepSpeed's gradient
+  accumulation is the number of micro-batches the Trainer passes, its clipping ``optim.grad_clip`` over every
+  shard's gradients;
+- checkpoints are DeepSpeed's own files inside the trainer's folder plus the TP split specs, read back with
+  ``torch.load(weights_only=True)`` (``checkpoint/deepspeed_files.py``): natively for the same layout (exact
+  resume), by parameter name for any other layout or regime;
+- with expert parallelism (ZeRO-1/2, ``layout_rules.check_ep``) each rank keeps its experts
+  (``apply_expert_parallel``, after TP) and ``DeepSpeedZero`` follows DeepSpeed's MoE conventions (expert groups,
+  the MoE marker, MoE optimizer groups: ``parallel/ep/zero.py``); its checkpoints are then written by parameter
+  name, experts by global index, as the other regimes write them.
 """
 
 from __future__ import annotations
@@ -25,20 +31,15 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.convert import load_shards, optimizer_state_by_name
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, seeded_model, write_named_shards
+from dist_trainer.engines.base import Engine, seeded_model, start_finetune
+from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
-from dist_trainer.optim import build_optimizer, param_groups, set_lr
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
-from dist_trainer.parallel.ep.zero import mark_moe_model, moe_param_groups, register_expert_groups, state_by_name
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.reshard import tp_shard_specs
-from dist_trainer.parallel.zero.config import engine_config, validate_zero_config
-from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, quiet_deepspeed
-from dist_trainer.parallel.zero.memory import zero_owned_bytes
-
-DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
+from dist_trainer.parallel.tp.apply import apply_tensor_parallel
+from dist_trainer.parallel.zero.config import validate_zero_config
+from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, prepare_for_deepspeed, quiet_deepspeed
 
 
 class ZeroEngine(Engine):
@@ -52,35 +53,28 @@ class ZeroEngine(Engine):
         self.state = state
         self.device = device
         self.stage = cfg.parallel.zero_stage
-        self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "")
+        self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "") + (
+            "+tp" if state.tp_size > 1 else "")
         self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
         self.mpu = DeepSpeedMpu(state)  # collective (it may create groups): every rank, once
-        model = self._build_model(deepspeed)
-        if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers
-            apply_expert_parallel(model, state)
-            register_expert_groups(state)
-            mark_moe_model(model, cfg.model.n_experts, state.ep)
-        groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3
-        if state.ep_size > 1:
-            groups = moe_param_groups(groups)
-        if cfg.parallel.zero_offload:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            optimizer = DeepSpeedCPUAdam(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                         eps=cfg.optim.eps, adamw_mode=True)
-        else:
-            optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                          eps=cfg.optim.eps, foreach=False)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=engine_config(self.ds_config), mpu=self.mpu,
-            dist_init_required=False)
+        self.zero = DeepSpeedZero(cfg, state, self._build_model(deepspeed), self.ds_config, self.mpu)
+        self.engine, self.optimizer = self.zero.engine, self.zero.optimizer
         self.model: Transformer = self.engine.module
         # Called after each micro-batch's backward (the memory experiment reads the grads held in between).
         self.after_backward: Callable[[], None] | None = None
 
     def _build_model(self, deepspeed: Any) -> Transformer:
-        if self.stage < 3:
-            return seeded_model(self.cfg).to(self.device)
+        if self.stage < 3 or self.state.tp_size > 1:
+            # The seed's plain model, cut into this rank's TP shard. Under ZeRO-3 deepspeed.initialize then
+            # partitions each parameter of the shard over the dp group only (runtime/zero/parameter_offload.py:258
+            # _convert_to_zero_parameters -> zero.Init(module=..., data_parallel_group=mpu's)): the model is not
+            # built inside zero.Init, because apply_tensor_parallel slices full weights. Each rank holds the whole
+            # plain model briefly, before partitioning.
+            model = seeded_model(self.cfg)
+            apply_tensor_parallel(model, self.state, self.cfg.parallel.sequence_parallel)
+            apply_expert_parallel(model, self.state)  # each rank keeps its experts (no-op at ep_size 1)
+            prepare_for_deepspeed(model, self.state)
+            return model.to(self.device)
         torch.manual_seed(self.cfg.train.seed)
         # zero.Init reads only the zero_optimization section; its batch assertion would use the world size
         # before our mpu is consulted, so the batch keys stay with deepspeed.initialize.
@@ -95,6 +89,7 @@ class ZeroEngine(Engine):
                                  remote_device="cpu" if self.cfg.parallel.zero_offload else None, mpu=self.mpu):
             model = Transformer(self.cfg.model)
         init_partitioned(model)
+        start_finetune(model, self.cfg, lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
         model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
                                            self.cfg.parallel.checkpoint_every)
         return model.to(self.device)
@@ -119,10 +114,7 @@ class ZeroEngine(Engine):
         return loss_sum
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
-        set_lr(self.optimizer, lr)  # ZeRO's wrapper shares the client optimizer's param_groups
-        self.engine.step()  # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather
-        norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(0.0 if norm is None else float(norm))
+        return self.zero.step(lr)  # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -136,68 +128,12 @@ class ZeroEngine(Engine):
         return total
 
     def owned_state_bytes(self) -> dict[str, int]:
-        return zero_owned_bytes(self.optimizer, list(self.model.parameters()), self.stage)
+        return self.zero.owned_state_bytes()
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
-        if self.state.ep_size > 1:  # by name, as the other regimes (gathered over each parameter's group)
-            weights, moments = state_by_name(self.model, self.optimizer)
-            groups = optimizer_state_by_name(self.model, build_optimizer(self.model, self.cfg.optim))["param_groups"]
-            if self.state.edp.rank == 0:
-                write_named_shards(folder, self.state, self.model, weights, {"state": moments, "param_groups": groups})
-            return {}
-        # Every rank writes its own partition (DeepSpeed's zero_pp_rank_* files) under folder/DS_TAG.
-        self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
-        return {"zero_stage": self.stage, "zero_offload": self.cfg.parallel.zero_offload, "deepspeed_tag": DS_TAG}
+        return self.zero.save(folder)
 
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
-        tag = meta.get("deepspeed_tag")
-        if tag is None:  # a DDP/TP/single-process checkpoint starts this ZeRO run
-            self._load_plain(folder, meta)
-            return
-        path, _ = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
-        if path is None:
-            raise ValueError(f"DeepSpeed found no checkpoint {tag!r} in {folder}")
-
-    def _load_plain(self, folder: Path, meta: dict[str, Any]) -> None:
-        """Weights and AdamW moments by name (merged from any tp size) into DeepSpeed's partitions.
-
-        DeepSpeed's fragment API (deepspeed.utils.safe_set_full_*) writes each full tensor's slice into this
-        rank's fp32 master and optimizer-state partitions; the torch AdamW state over the flat partitions is
-        created first (it is lazy) with the saved step count.
-        """
-        import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-
-        model_state, optim_state = load_shards(folder, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                                               specs_now=tp_shard_specs(self.model), ep_size=self.state.ep_size)
-        saved = optim_state["state"]
-        missing = [n for n, _ in self.model.named_parameters() if n not in model_state]
-        if missing:
-            raise ValueError(f"checkpoint {folder} lacks parameters {missing[:5]}")
-        step = next((s["step"] for s in saved.values()), torch.tensor(0.0))
-        base = self.optimizer.optimizer
-        # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
-        # _set_fp32_optimizer_param_groups); stages 1/2 keep them in param_groups.
-        flats = list(self.optimizer.fp32_partitioned_groups_flat) if self.stage == 3 else \
-            [flat for group in base.param_groups for flat in group["params"]]
-        for flat in flats:
-            base.state[flat] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
-                                "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):  # stages 1/2 link fragments lazily
-            self.optimizer._hp_optimizer_states_linked = False
-            self.optimizer._lazy_init_hp_params_optimizer_state()
-        for name, p in self.model.named_parameters():
-            full = model_state[name].to(self.device, torch.float32)
-            safe_set_full_fp32_param(p, full)
-            for key in ("exp_avg", "exp_avg_sq"):
-                if name in saved:
-                    safe_set_full_optimizer_state(p, saved[name][key].to(self.device, torch.float32), key)
-            if self.stage == 3:
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                    p.data.copy_(full)
-            else:
-                p.data.copy_(full)
+        self.zero.load(folder, meta)

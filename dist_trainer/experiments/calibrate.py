@@ -10,6 +10,9 @@ is what it gets with the others busy):
 - Collectives over the real backend (gloo on CPU, NCCL on GPUs) for every group size 2..N inside the node:
   all-reduce of 256 B to 8 MiB; fitted to the ring model ``2(n-1)/n B / bw + 2(n-1) alpha`` (planner/cost.py
   ``ring_time``) for bandwidth and per-hop latency.
+- Streaming bandwidth (a 64 MiB copy) and the fixed cost of one op (a one-element add), for the elementwise work
+  between the GEMMs, the optimizer and the per-op cost of small models (planner/cost.py prices them only with a
+  calibrated profile; data-sheet profiles fold them into ``efficiency``).
 - CPU Adam throughput (parameters per second), for offloaded layouts.
 
 The profile is JSON with the fields of ``planner.hardware.HardwareProfile`` (``source`` says when and how it was
@@ -32,6 +35,21 @@ from dist_trainer.planner.hardware import GiB, HardwareProfile, get_hardware
 
 SIZES = (256, 4 * 2**10, 64 * 2**10, 1 * 2**20, 8 * 2**20)  # all-reduce buffers (bytes): latency to bandwidth
 REPEATS = 5
+
+
+def _rate(fn: Any, seconds: float = 0.4) -> float:
+    """Calls of ``fn`` per second over a window of ``seconds``, after one warm-up call. Every rank starts its window
+    at the same barrier and runs for the same time, so the ranks really run at once (a median of short repeats
+    would let a rank that finished early leave the others the whole machine)."""
+    import torch.distributed as dist
+
+    fn()
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        fn()
+        calls += 1
+    return calls / elapsed
 
 
 def _timed(fn: Any, repeats: int = REPEATS) -> float:
@@ -58,13 +76,12 @@ def measure_rank(rank: int, world_size: int, shapes: list[tuple[int, int, int]],
     for rows, inner, cols in shapes:
         x = torch.randn(rows, inner, dtype=dtype, device=dev)
         w = torch.randn(inner, cols, dtype=dtype, device=dev)
-        dist.barrier()  # every rank multiplies at once: the throughput a rank gets while the others work
 
         def mm(x: torch.Tensor = x, w: torch.Tensor = w) -> None:
             torch.matmul(x, w)
             sync()
 
-        gemms.append((rows, inner, cols, 2.0 * rows * inner * cols / _timed(mm)))
+        gemms.append((rows, inner, cols, 2.0 * rows * inner * cols * _rate(mm)))  # all ranks multiply at once
     collectives = []
     for n in range(2, world_size + 1):
         group = dist.new_group(list(range(n)))  # collective: every rank creates it
@@ -78,11 +95,17 @@ def measure_rank(rank: int, world_size: int, shapes: list[tuple[int, int, int]],
 
                 collectives.append((n, nbytes, _timed(all_reduce)))
             dist.barrier()
+    src = torch.randn(2**24, device=dev)  # 64 MiB: past every cache
+    dst = torch.empty_like(src)
+    copies_per_s = _rate(lambda: (dst.copy_(src), sync()))
+    tiny = torch.zeros(1, device=dev)
+    op_s = 1 / (1000 * _rate(lambda: ([tiny.add_(1) for _ in range(1000)], sync())))
     p = torch.nn.Parameter(torch.randn(2**22, device="cpu"))
     p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW([p], lr=1e-3, foreach=False)
     adam_s = _timed(adam.step)
-    return {"gemms": gemms, "collectives": collectives, "adam_params_per_s": p.numel() / adam_s}
+    return {"gemms": gemms, "collectives": collectives, "adam_params_per_s": p.numel() / adam_s,
+            "memory_bw": 2 * src.numel() * src.element_size() * copies_per_s, "op_overhead": op_s}
 
 
 def fit_gemm(gemms: list[tuple[int, int, int, float]]) -> tuple[float, float]:
@@ -130,6 +153,8 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
     peak, knee = fit_gemm(gemms)
     bw, alpha = fit_ring([c for res in results[:1] for c in res["collectives"]])
     adam = statistics.median(res["adam_params_per_s"] for res in results) / nprocs  # the node's cores, shared
+    memory_bw = statistics.median(res["memory_bw"] for res in results)
+    op_overhead = statistics.median(res["op_overhead"] for res in results)
     ref = get_hardware(base)
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     source = (f"dist-trainer calibrate on {platform.node()} ({device}) {when}: {nprocs} ranks at once; GEMM "
@@ -139,6 +164,7 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
     return dataclasses.replace(ref, name=name, peak_flops_fp32=peak, peak_flops_16bit=peak, efficiency=1.0,
                                gemm_knee=knee, intra_node_bw=bw, inter_node_bw=bw, intra_node_latency=alpha,
                                inter_node_latency=alpha, host_adam_params_per_s=adam * nprocs,
+                               memory_bw=memory_bw, op_overhead=op_overhead,
                                source=source + f"; {precision} measured, the other precision taken as equal")
 
 
@@ -181,6 +207,7 @@ def _main(args: argparse.Namespace) -> int:
     peak = profile.peak_flops(args.precision)
     print(f"wrote {out}: GEMM {peak / 1e9:.1f} GFLOP/s per rank at large shapes (knee {profile.gemm_knee:g}), "
           f"all-reduce {profile.intra_node_bw / 1e9:.2f} GB/s and {profile.intra_node_latency * 1e6:.0f} us per hop, "
+          f"memory {(profile.memory_bw or 0) / 1e9:.1f} GB/s, {(profile.op_overhead or 0) * 1e6:.1f} us per op, "
           f"CPU Adam {profile.host_adam_params_per_s / 1e6:.0f} M params/s; "
           f"memory {profile.memory_bytes / GiB:.0f} GiB (from {args.base})")
     print(json.dumps({"source": profile.source}))

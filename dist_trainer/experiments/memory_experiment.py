@@ -109,15 +109,18 @@ def measure_rank(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[s
 def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     """Per-rank model-state bytes: the paper's family in fp32 (4 + 4 + K bytes per parameter) and the planner's."""
     from dist_trainer.model import build_model, count_parameters
+    from dist_trainer.model_lora import count_trainable
     from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 
-    psi = count_parameters(build_model(cfg.model, device="meta"))
+    model = build_model(cfg.model, device="meta")
+    psi, trainable = count_parameters(model), count_trainable(model)  # LoRA: gradients and states for adapters only
     stage = cfg.parallel.zero_stage
     # K = 8 (AdamW moments); DeepSpeed's ZeRO optimizers add an fp32 master partition even for an fp32 model
     # (stage_1_and_2.py single_partition_of_fp32_groups, stage3.py fp32_partitioned_groups_flat): K = 12.
     k = 8 + (4 if stage > 0 else 0)
-    paper = {"params": 4 * psi // (nprocs if stage >= 3 else 1), "grads": 4 * psi // (nprocs if stage >= 2 else 1),
-             "optimizer": k * psi // (nprocs if stage >= 1 else 1)}
+    paper = {"params": 4 * psi // (nprocs if stage >= 3 else 1),
+             "grads": 4 * trainable // (nprocs if stage >= 2 else 1),
+             "optimizer": k * trainable // (nprocs if stage >= 1 else 1)}
     layout = Layout(dp_size=nprocs, zero_stage=stage, zero_offload=cfg.parallel.zero_offload,
                     micro_batch_size=cfg.parallel.micro_batch_size, n_microbatches=N_MICRO)
     planned = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len,
@@ -129,7 +132,7 @@ def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     return {"paper": paper, "planner": {"params": planned.params, "grads": planned.grads,
                                         "optimizer": planned.optimizer, "model_states": planned.model_states,
                                         "activations": planned.saved_activations, "host": planned.host},
-            "n_params": {"psi": psi}}
+            "n_params": {"psi": psi, "trainable": trainable}}
 
 
 def run_experiment(model: str | dict[str, Any], stages: list[int], nprocs: int, out: Path, *,

@@ -26,21 +26,25 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
   probabilities, log-sum-exp and top-k choices, the experts' input buffer (E x capacity slots per sequence:
   the dispatch buffer, or what the all-to-all brought under expert parallelism) and each expert's MLP tensors
   on every slot, and the gathered outputs the gates multiply; the block is whole on every TP rank.
+* fine-tuning (``planner/finetune.LayerGrads``): a tensor is kept only when a gradient that reads it is computed
+  (PyTorch's derivative formulas decide per input), so frozen weights drop their linears' inputs, a frozen bottom
+  keeps nothing, and LoRA adds each adapter's r-wide A x.
 
 Precision modes: ``fp32``; ``amp_bf16``/``amp_fp16`` (fp32 parameters under torch.autocast, as
 ``train.precision=bf16``: the residual stream stays fp32, every linear keeps a 16-bit copy of its input and
 autocast keeps 16-bit copies of the weights for the backward); ``bf16``/``fp16`` (a 16-bit model, as DeepSpeed
-and Megatron run it: 16-bit residual stream).
+and Megatron run it: 16-bit residual stream). ``activation_costs.py`` prices a rank's layers with these lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner.params import kv_sharded, padded_vocab
+from dist_trainer.model_names import FIRST_STAGE_MODULES
+from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
+from dist_trainer.planner.params import kv_sharded, lora_shapes, padded_vocab
 
 PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
 ATTENTION_KERNELS = ("flash", "math")
@@ -113,61 +117,97 @@ class ActivationSpec:
         return 1.0 if self.sp_saves_gathered_input else self.rep
 
 
-def _norm(cfg: ModelConfig, spec: ActivationSpec, name: str) -> list[SavedTensor]:
+def _norm(cfg: ModelConfig, spec: ActivationSpec, name: str, input_grad: bool = True,
+          weight_grad: bool = True) -> list[SavedTensor]:
+    """A norm's tensors: LayerNorm's one node keeps its input and statistics whenever it is in the graph; RMSNorm
+    keeps its input and rsqrt for the input's gradient and the normalised product for the weight's."""
     # model.py computes both norms in fp32: the saved input is an fp32 tensor in every precision.
-    out = [SavedTensor(f"{name}.input", cfg.d_model * spec.rep, 4)]
+    x = SavedTensor(f"{name}.input", cfg.d_model * spec.rep, 4)
     if cfg.norm == "layernorm":
-        out.append(SavedTensor(f"{name}.mean_rstd", 2 * spec.rep, 4))
-    else:  # RMSNorm: rsqrt(mean(x^2)) and x * rsqrt, both fp32 (the weight multiply needs the product)
-        out += [SavedTensor(f"{name}.rsqrt", spec.rep, 4), SavedTensor(f"{name}.normalised", cfg.d_model * spec.rep, 4)]
-    return out
+        return [x, SavedTensor(f"{name}.mean_rstd", 2 * spec.rep, 4)] if input_grad or weight_grad else []
+    # RMSNorm: rsqrt(mean(x^2)) and x * rsqrt, both fp32 (the weight multiply needs the product)
+    out = [x, SavedTensor(f"{name}.rsqrt", spec.rep, 4)] if input_grad else []
+    return out + ([SavedTensor(f"{name}.normalised", cfg.d_model * spec.rep, 4)] if weight_grad else [])
 
 
-def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
+def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool = True, grad_k: bool = True,
+                                 grad_v: bool = True) -> list[SavedTensor]:
     """What ``Attention.core`` (RoPE, GQA repeat, SDPA) saves when it is not recomputed; selective
-    recomputation keeps none of it and rebuilds it, one layer at a time, in backward."""
+    recomputation keeps none of it and rebuilds it, one layer at a time, in backward. ``grad_*``: whether q, k and
+    v require grad (all, unless fine-tuning freezes their projections and everything below)."""
     spec.validate()
     t, h, a, s = spec.tp_size, cfg.d_model, cfg.n_heads, spec.seq_len
-    if spec.attention_kernel == "flash":
+    if not (grad_q or grad_k or grad_v):
+        return []
+    if spec.attention_kernel == "flash":  # one node: it keeps all of them
         out = [SavedTensor(f"attn.{n}", h / t, spec.act) for n in ("q", "k", "v")]
         return out + [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", h / t, spec.act)]
-    # math kernel: the scaled q, k^T and v it multiplies, computed in fp32 on CPU for 16-bit inputs
+    # math kernel: the scaled q, k^T and v it multiplies, computed in fp32 on CPU for 16-bit inputs; each matmul
+    # keeps an operand only for the other operand's gradient
     inner = 4 if spec.device == "cpu" else spec.act
-    out = [SavedTensor(f"attn.{n}", h / t, inner) for n in ("q_scaled", "k_t", "v")]
-    out.append(SavedTensor("attn.probs", a * s / t, inner))  # the s x s probabilities per head
+    scores = grad_q or grad_k
+    out = [SavedTensor(f"attn.{n}", h / t, inner) for n, kept in (("q_scaled", grad_k), ("k_t", grad_q), ("v", scores))
+           if kept]
     if cfg.dropout > 0:
         mask = 1 if spec.device == "cuda" else inner
-        out += [SavedTensor("attn.dropout_mask", a * s / t, mask), SavedTensor("attn.dropped_probs", a * s / t, inner)]
+        out += [SavedTensor(n, a * s / t, b) for n, b, kept in (
+            ("attn.probs", inner, scores), ("attn.dropout_mask", mask, scores), ("attn.dropped_probs", inner, grad_v))
+            if kept]
+    elif scores or grad_v:
+        out.append(SavedTensor("attn.probs", a * s / t, inner))  # the s x s probabilities per head
     return out
 
 
-def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool) -> list[SavedTensor]:
+def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool, g: LayerGrads, qkv: tuple[bool, bool, bool]
+               ) -> list[SavedTensor]:
     h, t = cfg.d_model, spec.tp_size
+    o_input = [SavedTensor("o_proj.input", h / t, spec.act)] if g.reads_input("o_proj") else []
     if selective:
         # torch.utils.checkpoint keeps the core's inputs: the q/k/v projections' outputs (k and v before the GQA
         # repeat; under TP with replicated kv heads parallel/tp/layers.ReplicatedKVLinear already returns one kv
-        # head per local query head), and o_proj keeps the core's output, whatever the kernel.
+        # head per local query head), even in a frozen layer (its inputs are saved by a node that always requires
+        # grad); o_proj keeps the core's output, whatever the kernel.
         kv = cfg.kv_heads * cfg.head_dim
         kv_local = kv if t == 1 else (kv / t if kv_sharded(cfg, t) else h / t)
         return [SavedTensor("attn.q_proj_out", h / t, spec.act), SavedTensor("attn.k_proj_out", kv_local, spec.act),
-                SavedTensor("attn.v_proj_out", kv_local, spec.act), SavedTensor("o_proj.input", h / t, spec.act)]
-    out = attention_core_saved_tensors(cfg, spec)
-    if spec.attention_kernel == "math":
-        out.append(SavedTensor("attn.out", h / t, spec.act))  # the transpose-reshape copy o_proj keeps
-    elif cfg.pos_embedding == "rope":
-        # rotated q is contiguous (B, H, T, D); the kernel's output follows q's layout, so the
-        # transpose-reshape before o_proj copies it (measured on the CPU flash kernel)
-        out.append(SavedTensor("o_proj.input", h / t, spec.act))
+                SavedTensor("attn.v_proj_out", kv_local, spec.act), *o_input]
+    out = attention_core_saved_tensors(cfg, spec, *qkv)
+    if spec.attention_kernel == "math" or cfg.pos_embedding == "rope" or not any(qkv):
+        # math: o_proj keeps its transpose-reshape copy; rope: rotated q is contiguous (B, H, T, D), the kernel's
+        # output follows q's layout, so the transpose-reshape before o_proj copies it (measured on the CPU flash
+        # kernel); otherwise o_proj's input is a view of the kernel's saved output, unless the core saved nothing
+        out += o_input
     return out
 
 
-def _mlp(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
+def layer_flow(cfg: ModelConfig, g: LayerGrads) -> dict[str, bool]:
+    """Which tensors of the layer require grad: each linear's input (by leaf), and the attention core's q, k, v,
+    the residual sums and the MLP's output. All True when everything trains."""
+    pre = cfg.norm_placement == "pre"
+    f = {"q_proj": g.input or (pre and "attn_norm" in g.base)}  # q/k/v's input
+    f["k_proj"] = f["v_proj"] = f["q_proj"]
+    f.update({f"core_{x}": f["q_proj"] or g.trains(f"{x}_proj") for x in "qkv"})
+    f["o_proj"] = f["core_q"] or f["core_k"] or f["core_v"]  # the core's output
+    f["attn_out"] = f["o_proj"] or g.trains("o_proj")
+    f["mid"] = g.input or f["attn_out"]  # the residual sum after attention
+    f["up_proj"] = f["gate_proj"] = f["mid"] or ("mlp_norm" if pre else "attn_norm") in g.base  # the MLP's input
+    up, gate = f["up_proj"] or g.trains("up_proj"), f["up_proj"] or g.trains("gate_proj")
+    f["up"], f["gate"] = up, gate and cfg.activation == "swiglu"
+    f["down_proj"] = up or f["gate"]  # down's input
+    f["mlp_out"] = f["down_proj"] or g.trains("down_proj")
+    return f
+
+
+def _mlp(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, flow: dict[str, bool]) -> list[SavedTensor]:
     f = cfg.ffn_dim / spec.tp_size
+    down = g.reads_input("down_proj")
     if cfg.activation == "relu":  # relu saves its output, which is also down_proj's input
-        return [SavedTensor("mlp.relu_out", f, spec.act)]
-    if cfg.activation == "swiglu":
-        return [SavedTensor(f"mlp.{n}", f, spec.act) for n in ("gate_out", "silu_out", "up_out", "product")]
-    return [SavedTensor("mlp.up_out", f, spec.act), SavedTensor("mlp.gelu_out", f, spec.act)]
+        kept = {"relu_out": flow["up"] or down}
+    elif cfg.activation == "swiglu":  # silu keeps the gate; the product keeps each factor for the other's gradient
+        kept = {"gate_out": flow["gate"], "silu_out": flow["up"], "up_out": flow["gate"], "product": down}
+    else:
+        kept = {"up_out": flow["up"], "gelu_out": down}
+    return [SavedTensor(f"mlp.{n}", f, spec.act) for n, k in kept.items() if k]
 
 
 def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
@@ -183,52 +223,105 @@ def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTenso
            SavedTensor("moe.expert_input", d * slots * copies, spec.act)]
     if amp:  # the router runs outside autocast on the fp32 norm output
         out.append(SavedTensor("moe.router_input", d, 4))
-    out += [SavedTensor(f"moe.experts.{x.name}", x.per_token * slots, x.nbytes) for x in _mlp(cfg, whole)]
+    every = layer_flow(cfg, ALL_TRAIN)
+    out += [SavedTensor(f"moe.experts.{x.name}", x.per_token * slots, x.nbytes)
+            for x in _mlp(cfg, whole, ALL_TRAIN, every)]
     out += [SavedTensor("moe.picked_outputs", k * d, spec.act), SavedTensor("moe.gates", k, 4)]
     if cfg.n_shared_experts:
         wide = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.ffn_dim)
-        out += [SavedTensor(f"moe.shared_{x.name}", x.per_token, x.nbytes) for x in _mlp(wide, whole)]
+        out += [SavedTensor(f"moe.shared_{x.name}", x.per_token, x.nbytes) for x in _mlp(wide, whole, ALL_TRAIN, every)]
     return out
 
 
-def moe_layer_delta(cfg: ModelConfig, spec: ActivationSpec) -> float:
-    """Bytes per token a MoE layer keeps beyond a dense layer: its block's tensors less the MLP's; under autocast
-    without a shared expert, also less the 16-bit copies of the MLP input (no autocast linear reads it)."""
-    if not cfg.n_experts:
-        return 0.0
-    delta = sum(x.bytes_per_token for x in moe_saved_tensors(cfg, spec))
-    delta -= sum(x.bytes_per_token for x in _mlp(cfg, spec))
-    if spec.precision.startswith("amp") and not cfg.n_shared_experts:
-        up = 2 if cfg.activation == "swiglu" else 1
-        delta -= cfg.d_model * spec.lin_in * up * spec.act
-    return delta
+def _moe(cfg: ModelConfig, spec: ActivationSpec, mlp_input: list[SavedTensor], kept: bool) -> list[SavedTensor]:
+    """A MoE layer's tensors where a dense layer has the MLP's (``moe_saved_tensors``), when its backward runs
+    (``kept``). The MLP input the dense layer keeps stays: without autocast the router keeps that same fp32 tensor,
+    under autocast the shared expert's linears keep their 16-bit copies (no autocast linear reads it otherwise)."""
+    if not kept:
+        return []
+    keep_input = not spec.precision.startswith("amp") or cfg.n_shared_experts
+    return [*(mlp_input if keep_input else []), *moe_saved_tensors(cfg, spec)]
 
 
-def _residual_mask(cfg: ModelConfig, spec: ActivationSpec, name: str) -> list[SavedTensor]:
-    return [SavedTensor(name, cfg.d_model * spec.rep, spec.mask)] if cfg.dropout > 0 else []
+def _linear_input(cfg: ModelConfig, spec: ActivationSpec, name: str, g: LayerGrads, leaves: tuple[str, ...]
+                  ) -> list[SavedTensor]:
+    """The input several column-parallel linears read, kept by those whose weight gradient reads it. Under autocast
+    each linear casts its fp32 input to 16 bits on its own (only weights are cached), so q, k and v keep three
+    copies of the same input, and SwiGLU's up and gate two."""
+    readers = [leaf for leaf in leaves if g.reads_input(leaf) and (leaf != "gate_proj" or cfg.activation == "swiglu")]
+    copies = len(readers) if spec.precision.startswith("amp") else min(1, len(readers))
+    return [SavedTensor(name, cfg.d_model * spec.lin_in * copies, spec.act)] if copies else []
 
 
-def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bool = False) -> list[SavedTensor]:
-    """Everything one layer keeps for backward, per token, when it is not recomputed."""
+def _adapters(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, flow: dict[str, bool]) -> list[SavedTensor]:
+    """LoRA: each trained adapter keeps z = A x (r per token, for B's gradient; r per token on every TP rank), and
+    with lora_dropout its own dropped input (A's gradient reads it) and, when its input requires grad, the dropout's
+    scaled mask (a tensor of the input's dtype on CPU: q/k/v/up/gate read the fp32 norm output)."""
+    out = []
+    for leaf in sorted(g.adapters):
+        out.append(SavedTensor(f"{leaf}.lora_z", g.rank, spec.act))
+        if g.dropout:
+            row = {"o_proj": cfg.d_model / spec.tp_size, "down_proj": cfg.ffn_dim / spec.tp_size}.get(leaf)
+            width = cfg.d_model * spec.lin_in if row is None else row
+            mask = 1 if spec.device == "cuda" else (spec.residual if row is None else spec.act)
+            out.append(SavedTensor(f"{leaf}.lora_dropped_input", width, spec.act))
+            out += [SavedTensor(f"{leaf}.lora_dropout_mask", width, mask)] if flow[leaf] else []
+    return out
+
+
+def _residual_mask(cfg: ModelConfig, spec: ActivationSpec, name: str, kept: bool = True) -> list[SavedTensor]:
+    return [SavedTensor(name, cfg.d_model * spec.rep, spec.mask)] if cfg.dropout > 0 and kept else []
+
+
+def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bool = False,
+                        grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> list[SavedTensor]:
+    """Everything one layer keeps for backward, per token, when it is not recomputed.
+
+    ``grads``: which gradients the layer's backward computes (fine-tuning, ``planner/finetune.py``); a tensor is
+    kept when a gradient that reads it is computed, as PyTorch's derivative formulas decide. ``moe``: a
+    mixture-of-experts layer (``cfg.is_moe_layer``), its ``moe`` block in place of the MLP.
+    """
     spec.validate()
-    h = cfg.d_model
-    attn = _attention(cfg, spec, selective)
-    mlp = _mlp(cfg, spec)
-    # Under autocast each linear casts its fp32 input to 16 bits on its own (only weights are cached), so
-    # q, k and v keep three copies of the same input, and SwiGLU's up and gate two.
-    amp = spec.precision.startswith("amp")
-    qkv = 3 if amp else 1
-    up = 2 if amp and cfg.activation == "swiglu" else 1
-    if cfg.norm_placement == "pre":
-        return [*_norm(cfg, spec, "attn_norm"), SavedTensor("attn_norm.output", h * spec.lin_in * qkv, spec.act),
-                *attn, *_residual_mask(cfg, spec, "attn.residual_dropout_mask"), *_norm(cfg, spec, "mlp_norm"),
-                SavedTensor("mlp_norm.output", h * spec.lin_in * up, spec.act), *mlp,
-                *_residual_mask(cfg, spec, "mlp.residual_dropout_mask")]
+    g, pre = grads, cfg.norm_placement == "pre"
+    flow = layer_flow(cfg, g)
+    qkv = (flow["core_q"], flow["core_k"], flow["core_v"])
+    attn = [*_linear_input(cfg, spec, "attn_norm.output" if pre else "layer.input", g, ("q_proj", "k_proj", "v_proj")),
+            *_attention(cfg, spec, selective, g, qkv),
+            *_residual_mask(cfg, spec, "attn.residual_dropout_mask", flow["attn_out"])]
+    mlp_input = _linear_input(cfg, spec, "mlp_norm.output" if pre else "attn_norm.output", g, ("up_proj", "gate_proj"))
+    ffn = _moe(cfg, spec, mlp_input, flow["mlp_out"]) if moe else [*mlp_input, *_mlp(cfg, spec, g, flow)]
+    mlp = [*ffn, *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_out"])]
+    if pre:
+        return [*_norm(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
+                *_norm(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp, *_adapters(cfg, spec, g, flow)]
     # post-norm: the layer input feeds q/k/v directly; each norm sees the residual sum
-    return [SavedTensor("layer.input", h * spec.lin_in * qkv, spec.act), *attn,
-            *_residual_mask(cfg, spec, "attn.residual_dropout_mask"), *_norm(cfg, spec, "attn_norm"),
-            SavedTensor("attn_norm.output", h * spec.lin_in * up, spec.act), *mlp,
-            *_residual_mask(cfg, spec, "mlp.residual_dropout_mask"), *_norm(cfg, spec, "mlp_norm")]
+    return [*attn, *_norm(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base), *mlp,
+            *_norm(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base),
+            *_adapters(cfg, spec, g, flow)]
+
+
+def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> int:
+    """Bytes of the 16-bit weight casts autocast makes in one layer that the graph keeps: a linear keeps its cast
+    weight for its input's gradient, so only where that input requires grad (frozen or not; an adapter's B always).
+    A MoE layer (``moe``) casts every expert this rank runs (n_experts / ep_size) and the shared expert, whole on
+    every TP rank, in place of the MLP shard; its router runs outside autocast. 0 unless the precision is amp_*."""
+    if not spec.precision.startswith("amp"):
+        return 0
+    t, h, f = spec.tp_size, cfg.d_model, cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    kv_local = kv // t if kv_sharded(cfg, t) else kv
+    sizes = {"q_proj": h * h // t, "k_proj": h * kv_local, "v_proj": h * kv_local, "o_proj": h * h // t,
+             "up_proj": h * f // t, "gate_proj": h * f // t if cfg.activation == "swiglu" else 0,
+             "down_proj": f * h // t}
+    flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
+    if moe:
+        mats = 3 if cfg.activation == "swiglu" else 2
+        experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
+        sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mats * h * f * experts)
+        flow = {**flow, "moe": flow["mlp_out"]}
+    total = sum(n for leaf, n in sizes.items() if flow[leaf])
+    total += sum(grads.rank * (lora[leaf][0] * flow[leaf] + lora[leaf][1]) for leaf in grads.adapters)
+    return 2 * total
 
 
 def checkpointed_layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
@@ -236,25 +329,42 @@ def checkpointed_layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> 
     return [SavedTensor("checkpoint.input", cfg.d_model * spec.rep, spec.residual)]
 
 
-def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
-    """First stage, before layer 0: token ids, segment ids, the embedding norm (post-norm) and dropout mask."""
-    out = [SavedTensor("embedding.token_ids", 1, 8)]
-    if spec.tp_size > 1:  # the vocab-parallel lookup keeps its bool "id outside my shard" mask
-        out.append(SavedTensor("embedding.vocab_mask", 1, 1))
-    if cfg.n_token_types:
+def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec,
+                            trains: frozenset[str] | None = None) -> list[SavedTensor]:
+    """First stage, before layer 0: token ids, segment ids, the embedding norm (post-norm) and dropout mask.
+
+    ``trains``: the first-stage modules that train (None: all); a frozen table keeps no ids, and nothing keeps a
+    dropout mask when no embedding module trains."""
+    trains = frozenset(FIRST_STAGE_MODULES) if trains is None else trains
+    out = []
+    if "tok_emb" in trains:
+        out.append(SavedTensor("embedding.token_ids", 1, 8))
+        if spec.tp_size > 1:  # the vocab-parallel lookup keeps its bool "id outside my shard" mask
+            out.append(SavedTensor("embedding.vocab_mask", 1, 1))
+    if cfg.n_token_types and "type_emb" in trains:
         out.append(SavedTensor("embedding.type_ids", 1, 8))
+    tables = bool(trains & {"tok_emb", "pos_emb", "type_emb"})
     if cfg.norm_placement == "post":
-        out += _norm(cfg, spec, "emb_norm")
-    if cfg.dropout > 0:
+        out += _norm(cfg, spec, "emb_norm", tables, "emb_norm" in trains)
+    if cfg.dropout > 0 and (tables or "emb_norm" in trains):
         mask = 1 if spec.device == "cuda" else spec.residual  # the embedding sum is in the residual dtype
         out.append(SavedTensor("embedding.dropout_mask", cfg.d_model * spec.rep, mask))
     return out
 
 
-def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
-    """Last stage: final norm (pre-norm), the head's input, the fp32 log-softmax and the int64 targets."""
-    out = _norm(cfg, spec, "final_norm") if cfg.norm_placement == "pre" else []
-    out.append(SavedTensor("head.input", cfg.d_model * spec.lin_in, spec.act))
+def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool = True,
+                       trains: frozenset[str] | None = None) -> list[SavedTensor]:
+    """Last stage: final norm (pre-norm), the head's input, the fp32 log-softmax and the int64 targets.
+
+    ``input_grad``: the last layer's output requires grad; ``trains``: of final_norm and head, those that train
+    (None: both; a tied head trains with the token embedding)."""
+    trains = frozenset(("final_norm", "head")) if trains is None else trains
+    pre = cfg.norm_placement == "pre"
+    out = _norm(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
+    if "head" in trains:
+        out.append(SavedTensor("head.input", cfg.d_model * spec.lin_in, spec.act))
+    if not (input_grad or "head" in trains or (pre and "final_norm" in trains)):
+        return out  # the logits need no gradient: the loss keeps nothing
     vocab = padded_vocab(cfg.vocab_size, spec.tp_size) if spec.tp_size > 1 else cfg.vocab_size
     out += [SavedTensor("loss.log_softmax", vocab / spec.tp_size, 4), SavedTensor("loss.targets", 1, 8)]
     if spec.tp_size > 1:  # the vocab-parallel cross-entropy keeps two bool target-outside-shard masks
@@ -278,87 +388,12 @@ def loss_backward_bytes_per_token(cfg: ModelConfig, spec: ActivationSpec) -> flo
     return (4 + (2 if spec.act == 2 else 0)) * vocab
 
 
+def per_token(tensors: list[SavedTensor]) -> float:
+    return sum(x.bytes_per_token for x in tensors)
+
+
 def total_bytes(tensors: list[SavedTensor], tokens: int) -> int:
     return round(sum(x.bytes_per_token for x in tensors) * tokens)
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Bytes per token of one micro-batch, and the per-forward autocast weight copies, for one rank."""
-
-    full: float  # a layer that is not recomputed
-    selective: float  # a layer whose attention core is recomputed (keeps the projections' outputs instead)
-    checkpointed: float  # a fully recomputed layer (its input only)
-    attention_core: float  # what one layer's recomputed attention core holds while its backward runs
-    embedding: float
-    head: float
-    loss_backward: float  # the loss's gradients at the start of the last stage's backward
-    amp_layer_weights: int  # 16-bit weight copies autocast keeps per layer and micro-batch (0 unless amp_*)
-    amp_head_weights: int
-    moe_delta: float = 0.0  # a MoE layer's bytes per token beyond a dense layer's (moe_layer_delta)
-    moe_amp_weights_delta: int = 0  # a MoE layer's autocast weight copies beyond a dense layer's
-
-
-def layer_costs(cfg: ModelConfig, spec: ActivationSpec) -> LayerCosts:
-    def per_token(xs: list[SavedTensor]) -> float:
-        return sum(x.bytes_per_token for x in xs)
-
-    amp_layer = amp_head = amp_moe = 0
-    if spec.precision.startswith("amp"):
-        t, h = spec.tp_size, cfg.d_model
-        kv = cfg.kv_heads * cfg.head_dim
-        kv_local = kv // t if kv_sharded(cfg, t) else kv
-        mats = 3 if cfg.activation == "swiglu" else 2
-        amp_layer = 2 * (2 * h * h // t + 2 * h * kv_local + mats * h * cfg.ffn_dim // t)
-        amp_head = 2 * h * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
-        # every local expert and the shared expert run (the router outside autocast), instead of the MLP shard
-        experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
-        amp_moe = 2 * mats * h * cfg.ffn_dim * experts - 2 * mats * h * cfg.ffn_dim // t if cfg.n_experts else 0
-    return LayerCosts(full=per_token(layer_saved_tensors(cfg, spec)),
-                      selective=per_token(layer_saved_tensors(cfg, spec, selective=True)),
-                      checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
-                      attention_core=per_token(attention_core_saved_tensors(cfg, spec)),
-                      embedding=per_token(embedding_saved_tensors(cfg, spec)),
-                      head=per_token(head_saved_tensors(cfg, spec)),
-                      loss_backward=loss_backward_bytes_per_token(cfg, spec),
-                      amp_layer_weights=amp_layer, amp_head_weights=amp_head,
-                      moe_delta=moe_layer_delta(cfg, spec), moe_amp_weights_delta=amp_moe)
-
-
-def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
-                      first: bool, last: bool, in_flight: float, moe_ids: Collection[int] = ()) -> dict[str, int]:
-    """Activation terms of one pipeline stage at its peak, in bytes.
-
-    ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
-    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers);
-    ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
-    the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
-    first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core), alive
-    while that layer's backward runs. ``moe_ids``: the MoE layers among ``layer_ids`` (``costs.moe_delta`` more).
-    """
-    if mode not in RECOMPUTE:
-        raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
-    if mode == "full":
-        ckpt = set(layer_ids)
-    elif mode == "every_k":
-        ckpt = {i for i in layer_ids if i % every == 0}
-    else:
-        ckpt = set()
-    n_ckpt = len(ckpt)
-    n_plain = len(layer_ids) - n_ckpt
-    moe_plain = sum(1 for i in layer_ids if i in moe_ids and i not in ckpt)
-    per_layer = costs.selective if mode == "selective" else costs.full
-    per_token = n_ckpt * costs.checkpointed + n_plain * per_layer + moe_plain * costs.moe_delta
-    per_token += (costs.embedding if first else 0.0) + (costs.head if last else 0.0)
-    weights = n_plain * costs.amp_layer_weights + moe_plain * costs.moe_amp_weights_delta
-    weights += costs.amp_head_weights if last else 0
-    recompute = costs.full + (costs.moe_delta if ckpt & set(moe_ids) else 0.0) if n_ckpt else (
-        costs.attention_core if mode == "selective" and layer_ids else 0.0)
-    return {
-        "saved": round(per_token * tokens * in_flight),
-        "amp_weight_copies": round(weights * in_flight),
-        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
-    }
 
 
 def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,

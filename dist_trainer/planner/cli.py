@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,11 @@ import yaml
 
 from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
 from dist_trainer.files import output_dir
+from dist_trainer.finetune import frozen_modules
 from dist_trainer.parallel.zero.config import OWNED_KEYS
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.finetune import module_rows
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
 from dist_trainer.planner.memory import (
     GiB,
@@ -32,9 +35,12 @@ from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the params, memory and plan subcommands to the dist-trainer parser."""
-    p = subparsers.add_parser("params", help="exact parameter count, per module (total and active per token)")
+def register(subparsers: argparse._SubParsersAction,
+             check_written: Callable[[Path, int, int, str], None] | None = None) -> None:
+    """Add the params, memory and plan subcommands to the dist-trainer parser. ``check_written(run_yaml,
+    world_size, gpus_per_node, device)`` is called on what ``plan --out`` writes: the trainer's pre-launch check,
+    handed in from above (the planner never imports the trainer)."""
+    p = subparsers.add_parser("params", help="exact parameter count, per module (total, active per token, trainable)")
     _model_args(p)
     p.set_defaults(func=run_params)
 
@@ -86,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pp.add_argument("--no-pp", action="store_true", help="no pipeline (--pp 1)")
     q.add_argument("--zero", default="0,1,2,3", help="allowed ZeRO stages, comma-separated (0 = DDP)")
     q.add_argument("--no-offload", action="store_true", help="no ZeRO CPU offload")
-    q.set_defaults(func=run_plan)
+    q.set_defaults(func=run_plan, check_written=check_written)
 
 
 def _host_args(p: argparse.ArgumentParser, hardware: bool = True) -> None:
@@ -122,6 +128,11 @@ def _search_limits(args: argparse.Namespace) -> dict[str, Any]:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (configs/models) or YAML file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    # fine-tuning (dist_trainer/finetune.py): what trains changes the gradients, optimizer states and activations
+    p.add_argument("--lora-rank", type=int, default=0, help="model.lora_rank: LoRA adapters of this rank, base frozen")
+    p.add_argument("--lora-targets", default="q_proj,v_proj", help="model.lora_targets: linears, or all_linear")
+    p.add_argument("--freeze", default="", help="train.freeze: comma-separated module patterns or presets "
+                                                "(embeddings, bottom:N, norms_only)")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -138,40 +149,58 @@ def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragmentation", type=float, default=0.05)
 
 
-def _load_model(name: str) -> ModelConfig:
-    return model_config(name)
+def _load_model(args: argparse.Namespace) -> ModelConfig:
+    """The preset with --lora-rank/--lora-targets; --freeze checked against it (ValueError naming a bad pattern)."""
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
+    cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
+    frozen_modules(cfg, _freeze(args))
+    return cfg
+
+
+def _freeze(args: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in args.freeze.split(",") if p.strip()]
 
 
 def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
                            attention_kernel=args.attention_kernel, device=args.device,
-                           fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy])
+                           fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
+                           freeze=tuple(_freeze(args)))
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
 
 def run_params(args: argparse.Namespace) -> int:
-    cfg = _load_model(args.model)
+    cfg = _load_model(args)
     bd = param_breakdown(cfg)
-    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "active": active,
-             "share": tot / bd.total} for name, each, n, tot, active in bd.rows(active=True)]
+    trains = module_rows(cfg, _freeze(args))
+    rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "share": tot / bd.total,
+             "active": active, "trainable": trains.get(name, 0)} for name, each, n, tot, active in bd.rows(active=True)]
+    trainable = sum(trains.values())
+    # what fine-tuning saves against training every weight of the base model (Hu et al. 2021, section 4.2)
+    reduction = 1 - trainable / bd.base_total
     if args.json:
-        print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "per_layer": bd.layer_total,
+        print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "base_total": bd.base_total,
+                          "trainable": trainable, "reduction": reduction, "per_layer": bd.layer_total,
                           "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers, "breakdown": rows}, indent=2))
         return 0
-    width = max(26, *(len(r["module"]) + 2 for r in rows))
-    print(f"{'module':<{width}}{'each':>16}{'x':>6}{'total':>18}{'share':>9}{'active/token':>18}")
+    width = max(28, *(len(r["module"]) + 2 for r in rows))
+    print(f"{'module':<{width}}{'each':>16}{'x':>6}{'total':>18}{'share':>9}{'active/token':>18}{'trainable':>18}")
     for r in rows:
         print(f"{r['module']:<{width}}{r['per_instance']:>16,}{r['instances']:>6}{r['total']:>18,}{r['share']:>9.2%}"
-              f"{r['active']:>18,}")
+              f"{r['active']:>18,}{r['trainable']:>18,}")
     if bd.n_layers:
         print(f"{'one dense layer' if bd.n_moe_layers else 'one layer':<{width}}{bd.layer_total:>16,}")
-    print(f"{'total':<{width}}{'':>22}{bd.total:>18,}{'':>9}{bd.active:>18,}")
+    print(f"{'total':<{width}}{'':>22}{bd.total:>18,}{'':>9}{bd.active:>18,}{trainable:>18,}")
+    if trainable != bd.total:
+        print(f"trainable {trainable:,} of {bd.total:,} ({trainable / bd.total:.4%}); base model {bd.base_total:,}: "
+              f"{reduction:.4%} fewer trainable parameters than training it all")
     return 0
 
 
 def run_memory(args: argparse.Namespace) -> int:
-    cfg = _load_model(args.model)
+    cfg = _load_model(args)
     opts, over = _options(args)
     layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, ep_size=args.ep, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
@@ -204,7 +233,7 @@ def _memory_line(m: RankMemory) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    cfg = _load_model(args.model)
+    cfg = _load_model(args)
     opts, over = _options(args)
     hw = get_hardware(args.hardware)
     memory = round(args.gpu_memory_gb * GiB) if args.gpu_memory_gb else hw.memory_bytes
@@ -249,7 +278,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.verify and top:  # trial runs on the machines at hand; the measured fastest becomes the plan
         top = _verify(args, cfg, res.layouts[:args.verify], opts)
     if args.out and top:
-        _write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        if args.check_written is not None:  # the trainer's own pre-launch check on what was written
+            args.check_written(Path(args.out) / "run.yaml", top[0].layout.world_size, args.gpus_per_node, opts.device)
     return 0 if top else 1
 
 
@@ -260,7 +291,7 @@ def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[Planned
     from dist_trainer.planner.verify import report, run_trials
 
     def write(folder: Path, planned: PlannedLayout) -> None:
-        _write_plan(folder, cfg, planned, seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
+        write_plan(folder, cfg, planned, seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
 
     with tempfile.TemporaryDirectory(prefix="plan_verify_") as tmp:
         trials = run_trials(candidates, write, Path(tmp), steps=args.verify_steps, data=args.verify_data)
@@ -269,8 +300,9 @@ def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[Planned
     return [t.planned for t in trials if t.ok]
 
 
-def _write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
-                gpus_per_node: int) -> None:
+def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
+               gpus_per_node: int) -> None:
+    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``."""
     output_dir(out, "--out")
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)

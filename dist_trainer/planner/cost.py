@@ -64,6 +64,18 @@ from dist_trainer.planner.params import matmul_params
 from dist_trainer.planner.rank_params import rank_params
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+# The work between the GEMMs, counted on our layer (model.py), per token, forward + backward (backward about twice
+# the forward's passes), in elements read or written: norms and residual adds over d_model (split by t only under
+# SP); attention layout copies, SDPA's reads and writes and the MLP activation over the TP-split widths; the
+# log-softmax and its gradient over the vocabulary (split by t). Priced only with a profile's memory_bw.
+PASSES_REPLICATED = 28  # x d_model: 2 norms (2 each) + 2 residual adds (3 each) forward, ~1.8x that backward
+PASSES_SPLIT = 36  # x d_model / t: q/k/v/o layout copies and SDPA I/O (12 forward, 24 backward)
+PASSES_MLP = 5  # x ffn / t: the activation (2 forward, 3 backward)
+PASSES_LOSS = 5  # x vocab / t: log-softmax (2 forward), its gradient (3 backward)
+OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one micro-batch
+OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
+ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
+ADAM_OPS = 10  # ops per parameter tensor of torch's single-tensor AdamW (foreach=False); DeepSpeed's flat groups: 2
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
@@ -206,9 +218,13 @@ def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
 
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
-                       n_params_rank: int | None = None, n_expert_rank: int = 0) -> StepTime:
+                       n_params_rank: int | None = None, n_trainable_rank: int | None = None,
+                       n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
-    docstring: the overlap rules)."""
+    docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
+    trainable parameters only (default: all; frozen ones under fine-tuning); ZeRO-3 gathers every parameter. Under
+    expert parallelism ``n_expert_rank`` of the rank's parameters (``n_expert_trainable_rank`` trainable) are its
+    experts, reduced over edp, not dp (the ep and edp axes)."""
     n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
                         layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
@@ -216,19 +232,22 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     tokens = layout.micro_batch_size * seq_len
     most_layers = max(len(layout.rank_layer_ids(cfg, r)) for r in range(p))
     imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
+    rp = rank_params(cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
+                     balance=layout.pp_balance, ep_size=layout.ep_size) if n_params_rank is None else None
+    n_rank = rp.total if rp is not None else n_params_rank
+    expert = rp.expert if rp is not None else n_expert_rank  # this rank's experts under ep (their own groups)
+    assert n_rank is not None
+    trainable = n_rank if n_trainable_rank is None else n_trainable_rank
+    expert_trainable = expert if n_expert_trainable_rank is None else n_expert_trainable_rank
     compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
     if t > 1 and cfg.n_experts:  # the MoE blocks are whole on every TP rank: t times their share
         _, moe_hw = moe_flops_per_token(cfg, seq_len)
         block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
         compute += block * (t - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model)
+    compute += _memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
     bubble_frac = pipeline_bubble(p, m, v, layout.pp_schedule)
     bubble = compute * bubble_frac / (1 - bubble_frac)
     backward_one = compute * 2.0 / 3.0 / m  # one micro-batch's backward
-    rp = rank_params(cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
-                     balance=layout.pp_balance, ep_size=layout.ep_size) if n_params_rank is None else None
-    n_rank = rp.total if rp is not None else n_params_rank
-    expert = rp.expert if rp is not None else n_expert_rank
-    assert n_rank is not None
     act = 4 if options.precision == "fp32" else 2
     bsh = tokens * cfg.d_model * act
     intra = (hardware.intra_node_bw, hardware.intra_node_latency)
@@ -251,12 +270,15 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
                               f"the {critical} transfers on the schedule's critical path are exposed")
     if d > 1:
         link = inter if n > gpus_per_node else intra
-        axes["dp"] = _dp_time(layout, options, n_rank - expert, backward_one, compute, link)
-        axes.update(_expert_axes(cfg, layout, options, expert, backward_one, compute, link, seq_len=seq_len,
+        axes["dp"] = _dp_time(layout, options, n_rank - expert, trainable - expert_trainable, backward_one, compute,
+                              link)
+        axes.update(_expert_axes(cfg, layout, options, expert, expert_trainable, backward_one, compute, link,
+                                 seq_len=seq_len,
                                  ep_link=intra if ep_link_is_intra(ep_size=layout.ep_size, tp_size=t, pp_size=p,
                                                                    gpus_per_node=gpus_per_node) else inter))
     if layout.zero_offload:
-        shard = n_rank / d
+        # the optimizer's part: dense over dp, this rank's experts over edp (DeepSpeed's MoE groups)
+        shard = (trainable - expert_trainable) / d + expert_trainable * layout.ep_size / d
         per_micro = m if layout.zero_stage == 2 else 1  # stage 2 moves every micro-batch's gradient partition
         transfer = shard * (4 * per_micro + options.param_bytes) / hardware.pcie_bw
         adam = shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
@@ -267,42 +289,87 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)
 
 
-def _expert_axes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, expert: int, backward_one: float,
-                 compute: float, link: tuple[float, float], *, seq_len: int,
+def _memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile,
+                         layers: int, tokens: int, trainable: int) -> float:
+    """Seconds of the elementwise passes, the optimizer and the per-op cost of this rank's step (constants above),
+    when the profile has measured them (``memory_bw``, ``op_overhead``: dist-trainer calibrate); else 0, the
+    data-sheet profiles' efficiency standing for them. Every micro-batch crosses the last stage, so the loss's
+    passes are on the critical path whatever the stage. The optimizer updates the ``trainable`` parameters only."""
+    if hardware.memory_bw is None or hardware.op_overhead is None:
+        return 0.0
+    t, m, h = layout.tp_size, layout.n_microbatches, cfg.d_model
+    act = 4 if options.precision == "fp32" else 2
+    replicated = h / t if layout.sequence_parallel else h
+    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t)
+    recomputed = {"full": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
+        layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
+    per_token *= 1 + recomputed / 3
+    passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
+    optimizer_bytes = ADAM_BYTES * trainable / (layout.dp_size if layout.zero_stage else 1)
+    tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
+    optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
+    ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
+    return (passes + optimizer_bytes) / hardware.memory_bw + ops * hardware.op_overhead
+
+
+def _ep_exchange(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
+                 layer_ids: list[int]) -> tuple[int, int, int, int]:
+    """(MoE layers, recomputed MoE layers, bytes per element going out, coming back) of a rank holding
+    ``layer_ids``: the buffer leaves in the residual stream's dtype and comes back in the compute dtype."""
+    ids = moe_layer_ids(cfg, layer_ids)
+    recomputed = {"full": len(ids), "every_k": sum(1 for i in ids if i % layout.checkpoint_every == 0)}.get(
+        layout.activation_checkpointing, 0)
+    return len(ids), recomputed, 2 if options.precision in ("bf16", "fp16") else 4, \
+        4 if options.precision == "fp32" else 2
+
+
+def ep_counted_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, *, seq_len: int,
+                     layer_ids: list[int]) -> int:
+    """Bytes a rank holding ``layer_ids`` hands to its ep all-to-alls in one step: what ``comm_bytes/ep/all_to_all``
+    counts (the whole buffer per call), 0 without expert parallelism. ``train/plan_check.py`` compares the two."""
+    if layout.ep_size == 1 or not cfg.n_experts:
+        return 0
+    n_moe, recomputed, in_b, out_b = _ep_exchange(cfg, layout, options, layer_ids)
+    return all_to_all_bytes(cfg, n_moe_layers=n_moe, micro_batch=layout.micro_batch_size, seq_len=seq_len,
+                            n_microbatches=layout.n_microbatches, n_recomputed=recomputed, in_bytes=in_b,
+                            out_bytes=out_b)
+
+
+def _expert_axes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, expert: int, expert_trainable: int,
+                 backward_one: float, compute: float, link: tuple[float, float], *, seq_len: int,
                  ep_link: tuple[float, float]) -> dict[str, AxisTime]:
-    """The ep (token all-to-alls) and edp (expert gradients) axes of expert parallelism (module docstring)."""
+    """The ep (token all-to-alls) and edp (expert gradients) axes of expert parallelism (module docstring): this
+    rank's ``expert`` parameters, of which ``expert_trainable`` train (frozen experts have no gradient)."""
     ep, edp = layout.ep_size, layout.dp_size // layout.ep_size
     if ep == 1 or not cfg.n_experts:
         return {}
-    ids = max((moe_layer_ids(cfg, layout.rank_layer_ids(cfg, r)) for r in range(layout.pp_size)), key=len)
-    recomputed = {"full": len(ids), "every_k": sum(1 for i in ids if i % layout.checkpoint_every == 0)}.get(
-        layout.activation_checkpointing, 0)
-    in_b = 2 if options.precision in ("bf16", "fp16") else 4  # the residual stream's dtype goes out
-    out_b = 4 if options.precision == "fp32" else 2  # the experts' outputs come back in the compute dtype
-    counted = all_to_all_bytes(cfg, n_moe_layers=len(ids), micro_batch=layout.micro_batch_size, seq_len=seq_len,
-                               n_microbatches=layout.n_microbatches, n_recomputed=recomputed, in_bytes=in_b,
-                               out_bytes=out_b)
+    ids = max((layout.rank_layer_ids(cfg, r) for r in range(layout.pp_size)), key=lambda x: len(moe_layer_ids(cfg, x)))
+    counted = ep_counted_bytes(cfg, layout, options, seq_len=seq_len, layer_ids=ids)
+    n_moe, recomputed, in_b, out_b = _ep_exchange(cfg, layout, options, ids)
     elems = dispatch_elements(cfg, micro_batch=layout.micro_batch_size, seq_len=seq_len)
     one = {b: (ep - 1) / ep * elems * b / ep_link[0] + (ep - 1) * ep_link[1] for b in (in_b, out_b)}
-    calls = layout.n_microbatches * (2 * len(ids) + recomputed)  # of each direction
+    calls = layout.n_microbatches * (2 * n_moe + recomputed)  # of each direction
     time = calls * (one[in_b] + one[out_b])
     axes = {"ep": AxisTime((ep - 1) / ep * counted, time, time,
                            "between the router, the experts and the combine: all exposed")}
-    if edp > 1 and expert:
+    if edp > 1 and expert_trainable:
         if layout.zero_stage:
-            axes["edp"] = _dp_time(replace(layout, dp_size=edp), options, expert, backward_one, compute, link)
+            axes["edp"] = _dp_time(replace(layout, dp_size=edp), options, expert, expert_trainable, backward_one,
+                                   compute, link)
         else:
-            grads = expert * options.grad_bytes
+            grads = expert_trainable * options.grad_bytes
             t = ring_time("all_reduce", grads, edp, *link)
             axes["edp"] = AxisTime(2 * (edp - 1) / edp * grads, t, t, "one flat all-reduce after backward: exposed")
     return axes
 
 
-def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, backward_one: float, compute: float,
-             link: tuple[float, float]) -> AxisTime:
-    """The data-parallel axis of one step (module docstring): volume per regime and what overlaps it."""
+def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, trainable: int, backward_one: float,
+             compute: float, link: tuple[float, float]) -> AxisTime:
+    """The data-parallel axis of one step (module docstring): volume per regime and what overlaps it. Gradients and
+    ZeRO-1/2's updated partitions are the trainable parameters'; ZeRO-3 gathers every parameter for use."""
     d, m = layout.dp_size, layout.n_microbatches
-    grads, params = n_rank * options.grad_bytes, n_rank * options.param_bytes
+    grads = trainable * options.grad_bytes
+    params = (n_rank if layout.zero_stage == 3 else trainable) * options.param_bytes
     if layout.zero_stage == 0:
         time = ring_time("all_reduce", grads, d, *link)
         if layout.pp_size > 1:

@@ -44,7 +44,8 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
         "model": fields,
         "parallel": parallel_config_dict(layout),
         "data": {"seq_len": seq_len},
-        "train": {"precision": _TRAIN_PRECISION[options.precision]},
+        "train": {"precision": _TRAIN_PRECISION[options.precision],
+                  **({"freeze": list(options.freeze)} if options.freeze else {})},
     }
 
 

@@ -42,6 +42,10 @@ class HardwareProfile:
     intra_node_latency: float = 10e-6  # seconds per hop of a ring collective inside a node (NVLink: ~10 us)
     inter_node_latency: float = 20e-6  # per hop between nodes (InfiniBand: ~20 us with the stack)
     source: str = "data sheets (module docstring)"  # where the figures come from: data sheets or a calibration
+    # Explicit non-GEMM terms (calibrated profiles): streaming bandwidth for the elementwise work between the GEMMs
+    # and the optimizer, and the fixed cost of one kernel launch / CPU op. None: `efficiency` absorbs them.
+    memory_bw: float | None = None
+    op_overhead: float | None = None
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit

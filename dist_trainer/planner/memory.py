@@ -7,9 +7,17 @@ Megatron-LM's distributed optimizer also keeps an fp32 copy of 16-bit gradients 
 (``fp32_grad_copy=True``: its README's 20 = 4 + 16 bytes per parameter for fp16 params and grads).
 DeepSpeed's ZeRO optimizers instead build fp32 gradients inside ``step()``: reported as ``step_buffers``,
 apart from the model states they do not own between steps (``zero_step_buffers``).
+Under TP and PP the Psi above is the rank's own Psi_r (``rank_params``: its TP shard with the padded vocabulary
+rows and replicated norms/biases/kv heads, its pipeline stages with the last stage's copy of a tied embedding),
+and ZeRO shards it over the dp replicas only (DeepSpeed's data-parallel group is our dp axis): ZeRO-1 keeps
+4 Psi_r params and grads + 12 Psi_r/dp (fp32 master + moments), ZeRO-2 4 Psi_r + 16 Psi_r/dp, ZeRO-3 16 Psi_r/dp
+(fp32 model; ``tests/test_zero_tp_pp.py`` measures each rank of tp x dp, pp x dp and 3D layouts to within 1%).
 Activations come from ``activations.py`` (the tensors our model saves), overheads are explicit terms.
 Expert parallelism (``planner/moe.py``): a rank's experts keep their model states whole under DDP and partitioned
 over the expert-data-parallel group (dp / ep ranks) under ZeRO-1/2, never in DDP's buckets.
+Fine-tuning (``model.lora_rank``, ``TrainingOptions.freeze``): every parameter is held, but gradients, optimizer
+states, DeepSpeed's partitions and step buffers and DDP's buckets exist for the trainable ones only
+(``planner/finetune.py``), and activations keep what backward still computes.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_ep, check_offload, check_schedule, check_tp, layers_per_stage
 from dist_trainer.planner import activations as act
-from dist_trainer.planner.moe import moe_layer_ids
+from dist_trainer.planner.activation_costs import layer_costs, stage_activations
+from dist_trainer.planner.finetune import grad_plan, trainable_expert_params, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -65,7 +74,7 @@ class Layout:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         check_offload(self.zero_stage, self.zero_offload)
-        check_ep(cfg, self.ep_size, self.dp_size, self.zero_stage)
+        check_ep(cfg, self.ep_size, self.dp_size, self.zero_stage)  # its freeze rule: check_layout (runnable)
         if self.activation_checkpointing not in act.RECOMPUTE:
             raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r} is not one of "
                              f"{', '.join(act.RECOMPUTE)}")
@@ -107,6 +116,7 @@ class TrainingOptions:
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
     zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
+    freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:
@@ -140,7 +150,9 @@ class Overheads:
     cuda_context: int = 512 * 2**20  # CUDA context + cuBLAS/NCCL workspaces (measure with an empty process)
     fragmentation: float = 0.05  # caching-allocator slack, as a fraction of states + activations
     ddp_grad_buckets: bool = True  # torch DDP (gradient_as_bucket_view=False) copies every gradient into buckets
-    zero_bucket_elements: int = 500_000_000  # DeepSpeed reduce_bucket_size default
+    # DeepSpeed's reduce bucket: reduce_bucket_size elements of the gradient dtype, whatever the model size
+    # (stage_1_and_2.py:3266, stage3.py:782): configs/ds/zero*.json's 5e7 (DeepSpeed's own default is 5e8)
+    zero_bucket_elements: int = 50_000_000
     zero_sub_group_elements: int = 1_000_000_000  # DeepSpeed ZeRO-3 sub_group_size default (runtime/zero/config.py)
     host_buffer_factor: float = 1.0  # DeepSpeed's estimators use 1.5 for pinned host buffers
 
@@ -191,16 +203,20 @@ def node_host_bytes(rank: RankMemory, *, world_size: int, gpus_per_node: int) ->
 
 
 def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, zero_offload: bool = False,
-                      options: TrainingOptions = DEFAULT_OPTIONS) -> tuple[int, int, int, int]:
-    """(params, grads, optimizer, host) bytes of one rank holding ``n_params`` before DP/ZeRO sharding."""
+                      options: TrainingOptions = DEFAULT_OPTIONS, n_trainable: int | None = None
+                      ) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, host) bytes of one rank holding ``n_params`` before DP/ZeRO sharding, of which
+    ``n_trainable`` (default: all) train: frozen parameters have no gradient and no optimizer state, and DeepSpeed
+    partitions (and offloads) only the trainable ones' (its optimizer sees only them)."""
     options.validate()
+    n_train = n_params if n_trainable is None else n_trainable
     p = n_params * options.param_bytes
-    g = n_params * options.grad_bytes
-    o = n_params * options.optimizer_bytes
+    g = n_train * options.grad_bytes
+    o = n_train * options.optimizer_bytes
     if zero_stage >= 1 and options.param_bytes == 4 and options.zero_fp32_master:
         # DeepSpeed's ZeRO optimizers keep an fp32 master copy of their partition even when the
         # model is fp32 (measured: 12 bytes/param of optimizer state under ZeRO-1/2/3 with fp32 AdamW)
-        o += 4 * n_params
+        o += 4 * n_train
     shard = dp_size
     if zero_stage >= 1:
         o //= shard
@@ -211,7 +227,7 @@ def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, z
     host = 0
     if zero_offload:
         # DeepSpeed's CPU Adam keeps the optimizer partition and an fp32 gradient partition in host memory.
-        host, o = o + 4 * n_params // shard, 0
+        host, o = o + 4 * n_train // shard, 0
         if zero_stage >= 2:
             g = 0  # reduced gradients stream to the host partition; the GPU keeps only buckets
         if zero_stage == 3:
@@ -258,12 +274,12 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
                               precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
                               ep_size=layout.ep_size)
-    costs = act.layer_costs(cfg, spec)
-    ids = layout.rank_layer_ids(cfg, pp_rank)
-    return act.stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                 layer_ids=ids, tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
-                                 last=pp_rank == layout.pp_size - 1, in_flight=_in_flight(layout, pp_rank),
-                                 moe_ids=moe_layer_ids(cfg, ids))
+    costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
+    return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                             layer_ids=layout.rank_layer_ids(cfg, pp_rank),
+                             tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
+                             last=pp_rank == layout.pp_size - 1,
+                             in_flight=_in_flight(layout, pp_rank))
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:
@@ -274,24 +290,37 @@ def _in_flight(layout: Layout, pp_rank: int) -> float:
 
 
 def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: dict[str, int], *,
-                seq_len: int, options: TrainingOptions, overheads: Overheads, pp_rank: int) -> RankMemory:
-    """Assemble one rank's memory from its parameter count and activation terms (shared by the search)."""
+                seq_len: int, options: TrainingOptions, overheads: Overheads, pp_rank: int,
+                ep_rank: int | None = None) -> RankMemory:
+    """Assemble one rank's memory from its parameter count and activation terms (shared by the search);
+    ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
+    trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
+    expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
     p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
-                                      zero_offload=layout.zero_offload, options=options)
+                                      zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert)
     if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
-        expert = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
-                                   zero_offload=layout.zero_offload, options=options)
-        p, g, o, host = (a + b for a, b in zip((p, g, o, host), expert))
+        states = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
+                                   zero_offload=layout.zero_offload, options=options, n_trainable=expert)
+        p, g, o, host = (a + b for a, b in zip((p, g, o, host), states))
+    # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
+    per_dp = trainable - expert + expert * layout.ep_size
     detail = {f"activations.{k}": v for k, v in activations.items()}
-    step = zero_step_buffers(rp.total, layout, options, overheads)
+    if layout.zero_offload and layout.zero_stage in (1, 2) and layout.n_microbatches > 1 and trainable:
+        # accumulating over micro-batches, offloaded ZeRO-1/2 keep each partition parameter's gradient in host
+        # memory in the parameters' dtype (stage_1_and_2.py:1822-1853): Psi/N, plus the parameters that straddle
+        # a partition boundary (kept whole); frozen parameters have no gradient
+        detail["host.offload_grad_accumulation"] = per_dp * options.grad_bytes // layout.dp_size
+        host += detail["host.offload_grad_accumulation"]
+    step = zero_step_buffers(per_dp, layout, options, overheads)
     detail.update({f"step_buffers.{k}": v for k, v in step.items()})
     over: dict[str, int] = {}
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
     if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
-        over["ddp_grad_buckets"] = (rp.total - rp.expert) * options.grad_bytes  # DDP ignores the experts
-    if layout.dp_size > 1 and layout.zero_stage > 0:
-        over["zero_reduce_bucket"] = min(overheads.zero_bucket_elements, rp.total) * options.grad_bytes
+        over["ddp_grad_buckets"] = (trainable - expert) * options.grad_bytes  # DDP buckets what it reduces, not experts
+    if layout.dp_size > 1 and layout.zero_stage > 0 and trainable:
+        # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains
+        over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
     if layout.zero_stage == 3:
         # DeepSpeed's estimate_zero3_model_states_mem_needs: the largest layer gathered (params + grads).
         over["zero3_gathered_layer"] = rp.largest_layer * (options.param_bytes + options.grad_bytes)
@@ -309,10 +338,31 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
                       host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
 
 
+def rank_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions, pp_rank: int,
+                   ep_rank: int | None = None) -> int:
+    """The trainable parameters among ``rp`` (pipeline rank ``pp_rank``, expert-parallel rank ``ep_rank``, None: the
+    one that trains the most): all unless fine-tuning freezes some."""
+    if not cfg.lora_rank and not options.freeze:
+        return rp.total
+    return trainable_params(cfg, options.freeze, tp_size=layout.tp_size, layer_ids=layout.rank_layer_ids(cfg, pp_rank),
+                            first=pp_rank == 0, last=pp_rank == layout.pp_size - 1, pp_size=layout.pp_size,
+                            ep_size=layout.ep_size, ep_rank=ep_rank)
+
+
+def rank_expert_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions,
+                          pp_rank: int, ep_rank: int | None = None) -> int:
+    """The trainable ones among ``rp.expert`` (this rank's experts under expert parallelism; 0 at ep_size 1)."""
+    if not rp.expert or (not cfg.lora_rank and not options.freeze):
+        return rp.expert
+    return trainable_expert_params(cfg, options.freeze, layer_ids=layout.rank_layer_ids(cfg, pp_rank),
+                                   ep_size=layout.ep_size, ep_rank=ep_rank)
+
+
 def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                        options: TrainingOptions = DEFAULT_OPTIONS,
-                       overheads: Overheads = DEFAULT_OVERHEADS) -> list[RankMemory]:
-    """One RankMemory per pipeline stage (every TP and DP rank of a stage holds the same bytes)."""
+                       overheads: Overheads = DEFAULT_OVERHEADS, ep_rank: int | None = None) -> list[RankMemory]:
+    """One RankMemory per pipeline stage (every TP and DP rank of a stage holds the same bytes, but for the experts
+    fine-tuning freezes on some ep ranks only: ``ep_rank``'s, None: the ep rank that trains the most)."""
     cfg.validate()
     layout.validate(cfg)
     options.validate()
@@ -323,15 +373,16 @@ def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         rp = layout_rank_params(cfg, layout, r)
         acts = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=r)
         out.append(rank_memory(cfg, layout, rp, acts, seq_len=seq_len, options=options, overheads=overheads,
-                               pp_rank=r))
+                               pp_rank=r, ep_rank=ep_rank))
     return out
 
 
 def predict_rank_memory(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                         options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
-                        pp_rank: int | None = None) -> RankMemory:
-    """Bytes on a rank of stage ``pp_rank``; None = the stage with the largest device total."""
-    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=options, overheads=overheads)
+                        pp_rank: int | None = None, ep_rank: int | None = None) -> RankMemory:
+    """Bytes on a rank of stage ``pp_rank``; None = the stage with the largest device total (``ep_rank``:
+    ``predict_all_stages``)."""
+    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=options, overheads=overheads, ep_rank=ep_rank)
     if pp_rank is not None:
         if not 0 <= pp_rank < layout.pp_size:
             raise ValueError(f"pp_rank={pp_rank} must be in [0, {layout.pp_size})")

@@ -24,6 +24,9 @@ place of the MLP a router ``Linear(h, E, bias=False)``, E experts that are each 
 expert (an MLP n_shared_experts x d_ff wide). Per token only top_k experts run: the *active* count is the total
 less (E - top_k) experts per MoE layer (Mixtral 8x7B: 46,702,792,704 total, 12,879,925,248 active, the whole
 embedding table and the untied head included, as Mistral counts them).
+LoRA (``model.lora_rank`` r > 0, Hu et al. 2021): each target linear (in k, out d) adds A (r x k) and B (d x r).
+Under TP a column-parallel target keeps A whole and splits B's rows, a row-parallel one splits A's columns and
+keeps B whole (``parallel/tp/layers.attach_adapter``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.finetune import lora_target_leaves
+from dist_trainer.model_names import LAYER_MODULES, MLP_LEAVES
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -58,9 +63,6 @@ def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
         "type_emb": cfg.n_token_types * h,
         "emb_norm": norm_params(cfg) if cfg.norm_placement == "post" else 0,
     }
-
-
-MLP_MODULES = ("up_proj", "gate_proj", "down_proj")
 
 
 def mlp_params(cfg: ModelConfig, width: int, tp_size: int = 1) -> dict[str, int]:
@@ -100,7 +102,7 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
     """Parameters of each layer of the whole model: a dense layer, or attention and norms plus the MoE block with
     all its experts."""
     dense = layer_params(cfg)
-    moe = sum(v for k, v in dense.items() if k not in MLP_MODULES) + sum(
+    moe = sum(v for k, v in dense.items() if k not in MLP_LEAVES) + sum(
         v * (cfg.n_experts if k.startswith("experts.") else 1) for k, v in moe_block_params(cfg).items())
     return [moe if cfg.is_moe_layer(i) else sum(dense.values()) for i in range(cfg.n_layers)]
 
@@ -108,6 +110,33 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
 def expert_params(cfg: ModelConfig) -> int:
     """Parameters of one routed expert."""
     return sum(v for k, v in moe_block_params(cfg).items() if k.startswith("experts."))
+def lora_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, int, bool, bool]]:
+    """Per layer linear leaf: (A's input columns, B's output rows, A whole, B whole) on one TP rank."""
+    h, t, f = cfg.d_model, tp_size, cfg.ffn_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    split = kv_sharded(cfg, t)
+    kv_local = kv // t if split else kv
+    return {"q_proj": (h, h // t, True, t == 1), "k_proj": (h, kv_local, True, t == 1 or not split),
+            "v_proj": (h, kv_local, True, t == 1 or not split), "o_proj": (h // t, h, t == 1, True),
+            "up_proj": (h, f // t, True, t == 1), "gate_proj": (h, f // t, True, t == 1),
+            "down_proj": (f // t, h, t == 1, True)}
+
+
+def lora_layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
+    """Adapter parameters of one layer on one TP rank, keyed like ``layer_params`` (0 where no adapter)."""
+    targets = lora_target_leaves(cfg)
+    shapes = lora_shapes(cfg, tp_size)
+    return {leaf: cfg.lora_rank * (shapes[leaf][0] + shapes[leaf][1]) if leaf in targets else 0
+            for leaf in LAYER_MODULES}
+
+
+def lora_replicated_params(cfg: ModelConfig, tp_size: int) -> int:
+    """Adapter parameters of one layer that every TP rank keeps whole (A of column targets, B of row targets)."""
+    if tp_size == 1:
+        return 0
+    shapes = lora_shapes(cfg, tp_size)
+    return sum(cfg.lora_rank * (shapes[leaf][0] * shapes[leaf][2] + shapes[leaf][1] * shapes[leaf][3])
+               for leaf in lora_target_leaves(cfg))
 
 
 def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
@@ -123,8 +152,9 @@ def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict
 
 @dataclass(frozen=True)
 class ParamBreakdown:
-    """Per-module counts: embeddings (once), one dense layer (times n_layers), tail (once); a MoE model adds
-    n_moe_layers layers of attention and norms (per_layer's non-MLP modules) and ``moe`` (moe_block_params)."""
+    """Per-module counts: embeddings (once), one dense layer (times n_layers), tail (once), LoRA adapters per
+    layer; a MoE model adds n_moe_layers layers of attention and norms (per_layer's non-MLP modules) and ``moe``
+    (moe_block_params)."""
 
     embedding: dict[str, int]
     per_layer: dict[str, int]
@@ -134,14 +164,20 @@ class ParamBreakdown:
     moe: dict[str, int] = field(default_factory=dict)
     n_experts: int = 0
     top_k: int = 0
+    adapters: dict[str, int] = field(default_factory=dict)  # per layer, by the linear they adapt
 
     @property
     def layer_total(self) -> int:
-        return sum(self.per_layer.values())
+        return sum(self.per_layer.values()) + sum(self.adapters.values())
 
     @property
     def total(self) -> int:
         return sum(r[3] for r in self.rows())
+
+    @property
+    def base_total(self) -> int:
+        """The model without its adapters."""
+        return self.total - sum(r[3] for r in self.rows() if r[0].endswith(".lora"))
 
     @property
     def active(self) -> int:
@@ -154,9 +190,12 @@ class ParamBreakdown:
         n_moe = self.n_moe_layers
         out = [(f"embedding.{k}", v, 1, v) for k, v in self.embedding.items() if v]
         for k, v in self.per_layer.items():
-            n = self.n_layers + (n_moe if k not in MLP_MODULES else 0)
+            n = self.n_layers + (n_moe if k not in MLP_LEAVES else 0)  # a MoE layer's MLP is its ``moe``
             if v and n:
                 out.append((f"layers.*.{k}", v, n, v * n))
+            a = self.adapters.get(k, 0)
+            if a and n:
+                out.append((f"layers.*.{k}.lora", a, n, a * n))
         for k, v in self.moe.items():
             n = n_moe * (self.n_experts if k.startswith("experts.") else 1)
             if v and n:
@@ -173,7 +212,8 @@ def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
     cfg.validate()
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers - n_moe, tail_params(cfg),
-                          n_moe, moe_block_params(cfg) if n_moe else {}, cfg.n_experts, cfg.top_k)
+                          n_moe, moe_block_params(cfg) if n_moe else {}, cfg.n_experts, cfg.top_k,
+                          lora_layer_params(cfg))
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp, layers_per_stage
+from dist_trainer.model_names import MLP_LEAVES
 from dist_trainer.planner.moe import largest_moe_module, moe_holdings, moe_layer_ids
 from dist_trainer.planner.params import (
-    MLP_MODULES,
     embedding_params,
     kv_sharded,
     layer_params,
+    lora_layer_params,
+    lora_replicated_params,
     norm_params,
     tail_params,
 )
@@ -71,10 +73,14 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
     ids = [i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s])]
     n_here, n_moe = len(ids), len(moe_layer_ids(cfg, ids))
     for name, v in one_layer.items():
-        n = n_here - n_moe if name in MLP_MODULES else n_here  # a MoE layer has ``moe`` for its MLP
+        n = n_here - n_moe if name in MLP_LEAVES else n_here  # a MoE layer has ``moe`` for its MLP
         if v and n:
             modules[f"layers.*.{name}"] = v * n
-    replicated += rep_layer * (n_here - n_moe)
+    for name, v in lora_layer_params(cfg, tp_size).items():  # LoRA adapters (none without model.lora_rank)
+        n = n_here - n_moe if name in MLP_LEAVES else n_here  # (a MoE model takes attention targets only)
+        if v and n:
+            modules[f"layers.*.{name}.lora"] = v * n
+    replicated += rep_layer * (n_here - n_moe) + lora_replicated_params(cfg, tp_size) * n_here
     moe = moe_holdings(cfg, n_moe, ep_size)
     modules.update(moe.modules)
     if tp_size > 1 and n_moe:  # the block is whole on every TP rank; the layer has no down_proj bias

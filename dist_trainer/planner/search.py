@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, replace
 from dist_trainer.config import ModelConfig, config_from_dict
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
 from dist_trainer.planner.emit import run_config_dict
+from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
 from dist_trainer.planner.memory import (
     DEFAULT_OPTIONS,
@@ -27,9 +29,10 @@ from dist_trainer.planner.memory import (
     TrainingOptions,
     layout_rank_params,
     node_host_bytes,
+    rank_expert_trainable,
     rank_memory,
+    rank_trainable,
 )
-from dist_trainer.planner.moe import moe_layer_ids
 from dist_trainer.planner.rank_params import RankParams
 
 
@@ -98,7 +101,7 @@ class _Planner:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool, int], act.LayerCosts] = {}
+        self._costs: dict[tuple[int, bool, int], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -114,13 +117,13 @@ class _Planner:
             self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
         return self._layers[key]
 
-    def costs(self, tp: int, sp: bool, ep: int = 1) -> act.LayerCosts:
+    def costs(self, tp: int, sp: bool, ep: int = 1) -> LayerCosts:
         if (tp, sp, ep) not in self._costs:
             o = self.options
             spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
                                       attention_kernel=o.attention_kernel, device=o.device,
                                       sp_saves_gathered_input=o.sp_saves_gathered_input, ep_size=ep)
-            self._costs[(tp, sp, ep)] = act.layer_costs(self.cfg, spec)
+            self._costs[(tp, sp, ep)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
         return self._costs[(tp, sp, ep)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
@@ -135,12 +138,11 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = act.stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
-                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                         layer_ids=layers[r],
-                                         tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
-                                         last=r == p - 1, in_flight=in_flight,
-                                         moe_ids=moe_layer_ids(self.cfg, layers[r]))
+            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
+                                     mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                     layer_ids=layers[r],
+                                     tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                     last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
             if worst is None or mem.device_total > worst.device_total:
@@ -150,9 +152,13 @@ class _Planner:
 
     def price(self, layout: Layout) -> PlannedLayout:
         mem = self.memory_of(layout)
+        rp = self.params(layout, 0)
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
-                               n_params_rank=self.params(layout, 0).total, n_expert_rank=self.params(layout, 0).expert)
+                               n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
+                                                                                      self.options, 0),
+                               n_expert_rank=rp.expert,
+                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0))
         host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
@@ -277,7 +283,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             for zero, ep in ((z, e) for z in zero_stages for e in _ep_sizes(model, dp)):
                 if zero > 0 and dp == 1:
                     continue  # ZeRO shards over DP: nothing to shard
-                ep_refused = _refusal(check_ep, model, ep, dp, zero)  # the rule runnable() applies
+                ep_refused = _refusal(check_ep, model, ep, dp, zero, options.freeze)  # the rule runnable() applies
                 if ep_refused:
                     skipped.add("expert parallelism (layout_rules.check_ep)", ep_refused)
                     continue

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from dist_trainer.checkpoint.convert import load_shards
+from dist_trainer.checkpoint.convert import check_files, load_shards
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.config import Config, config_from_dict
 from dist_trainer.model import Transformer, build_model
@@ -17,6 +17,7 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     """The plain model of a checkpoint (any tp x pp layout, or ZeRO): run folder, checkpoints/ or step folder."""
     step_path = resolve_checkpoint(path)
     meta = read_meta(step_path)
+    check_files(step_path, meta)  # every file read weights-only first: a bad one is named, nothing executed
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")
     model.to_empty(device="cpu")

@@ -16,6 +16,10 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
     """Raise ValueError naming the values if ``cfg`` cannot run on ``world_size`` ranks of ``device_type``
     ("cpu" or "cuda"); return dp_size."""
     dp = check_layout_rules(cfg, world_size, device_type)
+    if cfg.train.init_from:
+        from dist_trainer.checkpoint.weights import check_start_weights
+
+        check_start_weights(cfg.train.init_from, cfg.model)
     if cfg.parallel.zero_stage > 0:
         from dist_trainer.parallel.zero.config import validate_zero_config  # DeepSpeed only when asked for
 

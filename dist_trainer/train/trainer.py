@@ -13,6 +13,7 @@ optimizer_step with the scheduled LR; metrics on rank 0, periodic eval and check
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,22 +23,23 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
-from dist_trainer.config import Config
+from dist_trainer.checkpoint.convert import newest_readable
+from dist_trainer.config import Config, ModelConfig
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, data_fingerprint
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
-from dist_trainer.layout_rules import fit_micro_batch, needs_process_group
+from dist_trainer.layout_rules import needs_process_group
 from dist_trainer.model import count_parameters
+from dist_trainer.model_lora import count_trainable
 from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.train.autolayout import choose_layout
+from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, oom_report, peak_resident_bytes
-from dist_trainer.train.prelaunch import check_layout
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -56,12 +58,10 @@ class Trainer:
         self.start_resident = peak_resident_bytes()  # the plan check's memory baseline (CPU)
         self.env = detect_launch_env()
         self.device = pick_device(cfg.train.device, self.env.local_rank)
-        self.auto_layout = None
-        if cfg.parallel.layout == "auto":  # the planner picks the layout for this world, before any group exists
-            cfg, self.auto_layout = choose_layout(cfg, self.env.world_size, self.env.local_world_size, self.device)
-        cfg, fit_note = fit_micro_batch(cfg, self.env.world_size)
-        self.cfg = cfg
-        self.dp_size = check_layout(cfg, self.env.world_size, self.device.type)  # before any group exists
+        # before any group exists: layout=auto's choice, the micro-batch fit, the layout rules (train/check.py)
+        launch = resolve_launch(cfg, self.env.world_size, self.env.local_world_size, self.device)
+        self.cfg = cfg = launch.cfg
+        self.dp_size, self.auto_layout = launch.dp_size, launch.auto_layout
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
@@ -75,12 +75,12 @@ class Trainer:
         # One run per out_dir, seen by every node (issue 16): rank 0's lock is held until close().
         self.run_lock = claim_run_dir(self.out_dir, self.env)
         try:
-            self._build(cfg, fit_note, log)
+            self._build(cfg, launch.notes, log)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, cfg: Config, fit_note: str | None, log: bool) -> None:
+    def _build(self, cfg: Config, launch_notes: list[str], log: bool) -> None:
         """Everything after the claim on out_dir: a failure here releases it again."""
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
                                           cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
@@ -94,17 +94,15 @@ class Trainer:
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
         self.plan_check = PlanCheck(cfg, self.dp_size, self.state.pp_rank, self.env.rank, self.env.world_size,
-                                    self.env.local_world_size, self.device, self.out_dir, self.start_resident)
+                                    self.env.local_world_size, self.device, self.out_dir, self.start_resident,
+                                    ep_rank=self.state.ep.rank)
         self.step = 0
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
         notes = self._resume() if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
-        if fit_note is not None:
-            notes.insert(0, fit_note)
-        if self.auto_layout is not None:
-            notes.insert(0, self.auto_layout.describe())
+        notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
             self.logger.write(note)
 
@@ -121,7 +119,8 @@ class Trainer:
         with self.plan_check.watch(step, _state_tensors(self.engine.model)):
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
-            self.plan_check.after_backward(step, self.engine.owned_state_bytes())
+            self.plan_check.after_backward(step, self.engine.owned_state_bytes(),
+                                           self.state.counter.bytes[("all_to_all", "ep")])
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         grad_norm = self.engine.optimizer_step(lr)
         mean_loss = self.state.dp.all_reduce(loss_sum / len(batches)) / self.dp_size
@@ -217,7 +216,9 @@ class Trainer:
 
     def describe(self) -> str:
         n = count_parameters(self.model)  # ZeRO-3 partitions count as what this rank holds
-        return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters on this rank; "
+        trainable = count_trainable(self.model)
+        tuned = f" ({trainable:,} trainable)" if trainable != n else ""
+        return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters{tuned} on this rank; "
                 f"world {self.env.world_size} ({self.env.launcher}), tp {self.state.tp_size} x "
                 f"pp {self.state.pp_size} x dp {self.dp_size}, device {self.device}, "
                 f"{self.cfg.train.precision}, {self.engine.name}, "
@@ -228,6 +229,14 @@ class Trainer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def _gather(self, value: str | None) -> list[str | None]:
+        """``value`` of every rank (one per rank, in rank order)."""
+        if not dist.is_initialized() or self.env.world_size == 1:
+            return [value]
+        out: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(out, value)
+        return out
 
     def save(self) -> Path:
         cfg = self.cfg
@@ -251,11 +260,13 @@ class Trainer:
             raise full from exc
 
     def _resume(self) -> list[str]:
-        path = ckpt.latest_checkpoint(self.ckpt_root)
+        # the newest checkpoint whose files all read (weights-only, shared out over the ranks); a newer one that
+        # does not (truncated, foreign, a pickle payload) is skipped with a warning, as a bad meta.json is
+        path, warnings = newest_readable(self.ckpt_root, self.env.rank, self.env.world_size, self._gather)
         if path is None:
             return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        notes = check_resumable(meta, self.cfg, self.train_data.meta)
+        notes = [*warnings, *check_resumable(meta, self.cfg, self.train_data.meta)]
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
         rng_path = path / ckpt.rng_file(self.env.rank)
@@ -276,23 +287,6 @@ def _is_comm_failure(exc: BaseException) -> bool:
     return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
 
 
-def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
-    """The splits must hold a global batch and the eval set."""
-    global_batch = cfg.parallel.global_batch_size
-    if n_train < global_batch:
-        raise ValueError(f"the train split of {cfg.data.path} has {n_train} sequences of data.seq_len="
-                         f"{cfg.data.seq_len}, fewer than one global batch of {global_batch}")
-    if cfg.train.eval_every and n_val < eval_set_size(cfg):
-        raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
-                         f"train.eval_batches*global_batch_size = {cfg.train.eval_batches}*{global_batch}; "
-                         f"lower train.eval_batches or prepare more validation text")
-
-
-def eval_set_size(cfg: Config) -> int:
-    """Validation sequences per evaluation: train.eval_batches global batches (independent of the layout)."""
-    return cfg.train.eval_batches * cfg.parallel.global_batch_size
-
-
 def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
     """What fixes the sample of every step (data/sampler.py: a pure function of the step): the data's shards,
     data.seq_len, the global batch and the seed. Recorded in every checkpoint, compared on resume."""
@@ -308,7 +302,8 @@ def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]
     content: the same shards moved to another data.path resume; other shards at the same path do not.
     tp, pp and dp may all change: the engines merge the saved shards and cut out their own part.
     """
-    saved_model = meta["config"]["model"]
+    # a field added since the checkpoint was written (LoRA's, issue 14) reads as its default
+    saved_model = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}
     current = cfg.to_dict()["model"]
     diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
     if diff:

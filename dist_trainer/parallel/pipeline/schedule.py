@@ -119,6 +119,8 @@ class PipelineSchedule:
         # the embedding on the first stage, its head copy on the last: each rank holds one
         owner = next(s for s in self.stages if s.is_first or s.is_last)
         weight = owner.model.tok_emb.weight
+        if not weight.requires_grad:  # frozen (train.freeze names tok_emb on both stages, or LoRA): no gradient
+            return
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         self.embedding_group.all_reduce(weight.grad)

@@ -6,6 +6,10 @@ flagged ``p.tp_reduce_grad``) hold partial gradients after backward; one flat al
 over TP sums them (Megatron-core's ``finalize_model_grads`` does the same for its
 sequence-parallel parameters).
 
+``sum_partial_grads_in_backward``: the same sum, made inside backward by a leaf tensor hook on each such
+parameter, for an optimizer that takes ``.grad`` away in its own backward hooks (DeepSpeed ZeRO-2/3 reduce
+and free it in post-accumulate hooks, so a sum after backward would come too late).
+
 ``clip_grad_norm_``: the global 2-norm over every rank's shards, counting a TP-sharded
 parameter's shards once each and a TP-replicated parameter once (on TP rank 0 only,
 Megatron's ``param_is_not_tensor_parallel_duplicate``), reduced over TP and PP. DP ranks
@@ -50,6 +54,29 @@ def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
 
 
+def sum_partial_grads_in_backward(model: nn.Module, state: ParallelState) -> int:
+    """Register a tensor hook on every ``tp_reduce_grad`` parameter that returns the TP sum of its gradient;
+    return how many were hooked. No-op at tp=1.
+
+    A leaf tensor hook (``Parameter.register_hook``) runs before AccumulateGrad adds the gradient to
+    ``.grad``, so each backward's contribution is summed over TP exactly once, whatever happens to ``.grad``
+    afterwards: post-accumulate hooks (DeepSpeed ZeRO-2/3's reductions, deepspeed/utils/torch.py
+    register_grad_hook) then see the summed gradient, and with gradient accumulation the running total is never
+    summed twice (a post-accumulate all-reduce of ``.grad`` would be, under ZeRO-1 which keeps ``.grad`` until
+    the step). Every TP rank runs the same graph, so the all-reduces meet in the same order. Register after
+    ``apply_tensor_parallel`` (it replaces the Parameters) and instead of, not with, ``finalize_tp_grads``.
+    """
+    if state.tp.size == 1:
+        return 0
+    group = state.tp
+    hooked = 0
+    for p in _params(model):
+        if getattr(p, "tp_reduce_grad", False):
+            p.register_hook(lambda g: group.all_reduce(g.detach().clone()))
+            hooked += 1
+    return hooked
+
+
 def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_norm: float,
                     state: ParallelState) -> torch.Tensor:
     """Scale gradients in place so that their global 2-norm is at most ``max_norm``.
@@ -60,13 +87,16 @@ def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_nor
     """
     if max_norm <= 0:
         raise ValueError(f"clip_grad_norm_: max_norm={max_norm} must be > 0")
-    owned = [(p, g) for p in _params(params_or_model) if (g := p.grad) is not None]
+    params = list(_params(params_or_model))
+    owned = [(p, g) for p in params if (g := p.grad) is not None]
     grads = [g for _, g in owned]
     device = grads[0].device if grads else torch.device("cpu")
     counted = [(p, g) for p, g in owned if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
     experts = [g for p, g in counted if getattr(p, "ep_expert", False)]
     sq = _square_sum([g for p, g in counted if not getattr(p, "ep_expert", False)], device)
-    if experts:  # each ep rank holds other experts: their squares add up over the ep group
+    # each ep rank holds other experts: their squares add up over the ep group. Asked whenever this stage holds
+    # experts, gradient or not: every rank of the ep group (the same stage) joins, even one whose experts are frozen
+    if state.ep.size > 1 and any(getattr(p, "ep_expert", False) for p in params):
         sq = sq + state.ep.all_reduce(_square_sum(experts, device))
     state.tp.all_reduce(sq)
     state.pp.all_reduce(sq)  # each stage holds different layers

@@ -13,11 +13,19 @@ same seed ("initialisation parity"). Parameters carry what the rest of the regim
 Vocabularies that tp does not divide are padded with zero rows to the next multiple of
 tp; padded logits are masked to -inf in the loss, so the loss equals the unpadded
 model's exactly (Megatron instead trains the padded columns: NVIDIA/Megatron-LM#1754).
+
+A LoRA linear (``model_lora.LoRALinear``) keeps its adapter through the split, laid out as PEFT's
+``LoraParallelLinear`` does for Megatron-LM's layers (peft/tuners/lora/tp_layer.py), so the adapter
+needs no collective beyond the base layer's (``attach_adapter``):
+column-parallel keeps A whole and splits B by output rows, row-parallel splits A by input columns
+and keeps B whole (its partial product is added before the base layer's ``g``). A whole adapter
+matrix beside split activations gets a partial gradient on each rank (``tp_reduce_grad``).
+A frozen parameter stays frozen (``requires_grad`` is copied).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.model import IGNORE_INDEX, set_attrs
+from dist_trainer.model_lora import LoRALinear, lora_delta
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.tp.comms import (
     enter_tp_region,
@@ -48,15 +57,50 @@ def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 
 
 def sharded_param(full: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
-    p = nn.Parameter(shard_of(full.detach(), dim, group.rank, group.size))
+    p = nn.Parameter(shard_of(full.detach(), dim, group.rank, group.size), requires_grad=full.requires_grad)
     set_attrs(p, tp_split_dim=dim, tp_full_size=full.shape[dim])
     return p
+
+
+def replicated_param(full: torch.Tensor) -> nn.Parameter:
+    """A copy of a parameter every TP rank keeps whole (frozen if the original is)."""
+    return nn.Parameter(full.detach().clone(), requires_grad=full.requires_grad)
 
 
 def mark_partial_grad(p: nn.Parameter | None, group: AxisGroup) -> None:
     """Flag a replicated parameter whose per-rank gradient is a partial sum over TP."""
     if p is not None and group.size > 1:
         set_attrs(p, tp_reduce_grad=True)
+
+
+def attach_adapter(layer: nn.Module, linear: nn.Linear, group: AxisGroup, *, a_dim: int | None,
+                   b_dim: int | None) -> None:
+    """Give ``layer`` the LoRA adapter of ``linear`` (none unless it is a ``LoRALinear``): A (r x k) split along
+    ``a_dim`` or kept whole, B (d x r) along ``b_dim`` or whole. A whole matrix meets split activations on the other
+    side (column: B's split outputs; row: A's split inputs; replicated k/v: the rows each rank uses), so its
+    per-rank gradient is a partial sum, added over TP by ``grad.finalize_tp_grads``."""
+    if not isinstance(linear, LoRALinear):
+        layer.register_parameter("lora_A", None)
+        layer.register_parameter("lora_B", None)
+        return
+    for name, dim in (("lora_A", a_dim), ("lora_B", b_dim)):
+        full = getattr(linear, name)
+        if dim is None:
+            p = replicated_param(full)
+            mark_partial_grad(p, group)
+        else:
+            p = sharded_param(full, dim, group)
+        layer.register_parameter(name, p)
+    set_attrs(layer, scaling=linear.scaling, lora_dropout=linear.lora_dropout)
+
+
+def _adapter(layer: nn.Module, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor | None:
+    """The layer's (alpha / r) B A x on this rank's shards (B's ``rows`` only), or None without an adapter."""
+    lora_a, lora_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+    if lora_a is None or lora_b is None:
+        return None
+    scaling, dropout = cast(float, layer.scaling), cast(nn.Module, layer.lora_dropout)  # set by attach_adapter
+    return lora_delta(x, lora_a, lora_b if rows is None else lora_b[rows], scaling, dropout)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -78,11 +122,15 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = sharded_param(linear.weight, 0, group)
         self.bias = None if linear.bias is None else sharded_param(linear.bias, 0, group)
+        attach_adapter(self, linear, group, a_dim=None, b_dim=0)  # A whole, B by output rows like the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = enter_tp_region(x, self.group, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
+        delta = _adapter(self, x)  # x is the whole (entered) input: B_i A x is this rank's output rows
+        if delta is not None:
+            y = y + delta
         if self.gather_output:
             y = gather_from_tp(y, self.group)[..., : self.out_features]
         return y
@@ -110,14 +158,19 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.weight = sharded_param(linear.weight, 1, group)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = None if linear.bias is None else replicated_param(linear.bias)
         if sequence_parallel:
             mark_partial_grad(self.bias, group)
+        attach_adapter(self, linear, group, a_dim=1, b_dim=None)  # A by input columns like the weight, B whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = exit_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        partial = F.linear(x, self.weight)
+        delta = _adapter(self, x)  # B (A_i x_i): a partial sum like the base product, reduced by the same g
+        if delta is not None:
+            partial = partial + delta
+        y = exit_tp_region(partial, self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -141,10 +194,11 @@ class ReplicatedKVLinear(nn.Module):
         super().__init__()
         self.group = group
         self.head_dim = head_dim
-        self.weight = nn.Parameter(linear.weight.detach().clone())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.weight = replicated_param(linear.weight)
+        self.bias = None if linear.bias is None else replicated_param(linear.bias)
         mark_partial_grad(self.weight, group)
         mark_partial_grad(self.bias, group)
+        attach_adapter(self, linear, group, a_dim=None, b_dim=None)  # whole; B's used rows like the weight's
         q_local = n_heads // group.size
         kv_of_q = [(group.rank * q_local + j) // (n_heads // n_kv_heads) for j in range(q_local)]
         self.kv_lo, self.kv_hi = kv_of_q[0], kv_of_q[-1] + 1
@@ -155,6 +209,9 @@ class ReplicatedKVLinear(nn.Module):
         rows = slice(self.kv_lo * self.head_dim, self.kv_hi * self.head_dim)
         bias = None if self.bias is None else self.bias[rows]
         y = F.linear(x, self.weight[rows], bias)  # (B, T, n_needed*D)
+        delta = _adapter(self, x, rows)
+        if delta is not None:
+            y = y + delta
         y = y.unflatten(-1, (-1, self.head_dim)).index_select(-2, self.head_index)  # (B, T, Hq_local, D)
         return y.flatten(-2)
 

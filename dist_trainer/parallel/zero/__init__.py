@@ -1,2 +1,3 @@
-"""DeepSpeed ZeRO: the DeepSpeed JSON from configs/ds and our config (config), the engine's DeepSpeed mechanisms
-(deepspeed), consolidation of its checkpoints by name (consolidate) and the bytes each rank owns (memory)."""
+"""DeepSpeed ZeRO: the DeepSpeed JSON from configs/ds and our config (config), the mechanisms DeepSpeed needs from
+our layout (deepspeed: the mpu, TP and pipeline tags, the partitioned init) and the bytes each rank owns (memory).
+Its checkpoint files are read by ``checkpoint/deepspeed_files.py``."""

@@ -8,6 +8,10 @@ the tensors themselves: every tensor the rank's engine holds in each category, c
 DeepSpeed's ZeRO optimizers keep an fp32 master partition even when the model itself is fp32
 (``single_partition_of_fp32_groups`` in stage_1_and_2.py, ``fp32_partitioned_groups_flat`` in stage3.py), so
 an fp32 AdamW ZeRO rank holds (4 master + 8 moments) Psi / N optimizer bytes, not 8 Psi / N.
+
+With TP and pipeline stages Psi is the rank's own shard and N its dp replicas (DeepSpeed partitions over the dp
+group only). With the optimizer offloaded, the fp32 gradient partition (and, across micro-batches, the
+accumulated gradients) sit in host memory beside the master and are counted as gradients here.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def zero_owned_bytes(ds_optimizer: Any, params: list[torch.nn.Parameter], stage:
         master = list(ds_optimizer.single_partition_of_fp32_groups)
         if getattr(ds_optimizer, "grads_in_partition", None) is not None:  # stage 2's contiguous partition buffer
             partition_grads.append(ds_optimizer.grads_in_partition)
+        if getattr(ds_optimizer, "cpu_offload", False):
+            # offloaded: the fp32 gradient partition beside the master in host memory (offload_gradient_dict views
+            # it), and across micro-batches each partition parameter's accumulated gradient (stage_1_and_2.py:1853)
+            partition_grads += [m.grad for m in master]
+            partition_grads += list(getattr(ds_optimizer, "accumulated_grads_in_cpu", {}).values())
     return {"params": unique_bytes(param_tensors),
             "grads": unique_bytes(module_grads + partition_grads),
             "optimizer": unique_bytes(master + optimizer_moments(ds_optimizer.optimizer))}

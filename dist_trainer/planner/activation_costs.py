@@ -1,0 +1,152 @@
+"""Per-stage activation bytes: each layer's cost in every recomputation mode, assembled over a rank's layers.
+
+``activations.py`` lists what each piece of the model saves for backward; this module prices one rank of a layout
+with it: the layers it holds (each with its own cost when fine-tuning freezes parts of the model, as on the first
+pipeline stage or a later one), the embedding on the first stage, the head and the loss's backward on the last,
+autocast's weight copies, and the micro-batches in flight (``activations.in_flight_microbatches``). A
+mixture-of-experts layer (``cfg.is_moe_layer``) has a cost of its own: its ``moe`` block in place of the MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.planner.activations import (
+    RECOMPUTE,
+    ActivationSpec,
+    amp_weight_copies,
+    attention_core_saved_tensors,
+    checkpointed_layer_saved_tensors,
+    embedding_saved_tensors,
+    head_saved_tensors,
+    layer_flow,
+    layer_saved_tensors,
+    loss_backward_bytes_per_token,
+    per_token,
+)
+from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
+from dist_trainer.planner.params import padded_vocab
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's bytes per token of one micro-batch in each recomputation mode, and its autocast weight copies."""
+
+    full: float  # not recomputed
+    selective: float  # its attention core recomputed (keeps the projections' outputs instead)
+    checkpointed: float  # fully recomputed: its input only (kept even in a frozen layer)
+    attention_core: float  # what its recomputed attention core holds while its backward runs
+    amp_weights: int  # 16-bit weight copies autocast keeps per micro-batch (0 unless amp_*)
+
+
+def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, moe: bool = False) -> LayerCost:
+    flow = layer_flow(cfg, g)
+    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g, moe=moe)),
+                     selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g, moe=moe)),
+                     checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
+                     attention_core=per_token(attention_core_saved_tensors(
+                         cfg, spec, flow["core_q"], flow["core_k"], flow["core_v"])),
+                     amp_weights=amp_weight_copies(cfg, spec, g, moe))
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Bytes per token of one micro-batch, and the per-forward autocast weight copies, for one rank.
+
+    Every layer costs ``layer`` unless fine-tuning freezes parts of the model: then each layer has its own cost,
+    as it sits on the first pipeline stage (its input's gradient as in one process) or on a later one (received
+    activations always require grad), and the head costs ``head_staged`` on a last stage that is not the first.
+    The MoE layers (``moe_ids``) cost ``moe_layer``.
+    """
+
+    layer: LayerCost
+    embedding: float
+    head: float
+    loss_backward: float  # the loss's gradients at the start of the last stage's backward
+    amp_head_weights: int
+    per_layer: tuple[LayerCost, ...] = ()
+    per_layer_staged: tuple[LayerCost, ...] = ()
+    head_staged: float | None = None
+    moe_layer: LayerCost | None = None
+    moe_ids: frozenset[int] = frozenset()
+
+    @property
+    def full(self) -> float:
+        return self.layer.full
+
+    def of(self, i: int, staged: bool) -> LayerCost:
+        if not self.per_layer:
+            return self.moe_layer if self.moe_layer is not None and i in self.moe_ids else self.layer
+        return (self.per_layer_staged if staged else self.per_layer)[i]
+
+
+def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = None) -> LayerCosts:
+    """Per-token costs of this model's layers, embedding and head on one rank; ``plan``: a fine-tuning run's
+    gradients (``planner/finetune.grad_plan``; None when everything trains)."""
+    amp_head = 0
+    if spec.precision.startswith("amp"):
+        t = spec.tp_size
+        amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+    layer, loss_backward = _layer_cost(cfg, spec, ALL_TRAIN), loss_backward_bytes_per_token(cfg, spec)
+    moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
+    if plan is None:
+        return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
+                          head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
+                          amp_head_weights=amp_head, moe_layer=moe_layer, moe_ids=moe_ids)
+    cache: dict[tuple[LayerGrads, bool], LayerCost] = {}
+
+    def cost(i: int, g: LayerGrads) -> LayerCost:
+        key = (g, i in moe_ids)
+        if key not in cache:
+            cache[key] = _layer_cost(cfg, spec, g, i in moe_ids)
+        return cache[key]
+
+    head = "head" in plan.tail
+    return LayerCosts(
+        layer, loss_backward=loss_backward, embedding=per_token(embedding_saved_tensors(cfg, spec, plan.embedding)),
+        head=per_token(head_saved_tensors(cfg, spec, plan.head_input(False), plan.tail)),
+        head_staged=per_token(head_saved_tensors(cfg, spec, True, plan.tail)),
+        amp_head_weights=amp_head if head or plan.head_input(False) else 0,
+        per_layer=tuple(cost(i, plan.layer(i, False)) for i in range(cfg.n_layers)),
+        per_layer_staged=tuple(cost(i, plan.layer(i, True)) for i in range(cfg.n_layers)),
+        moe_layer=moe_layer, moe_ids=moe_ids)
+
+
+def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
+                      first: bool, last: bool, in_flight: float) -> dict[str, int]:
+    """Activation terms of one pipeline stage at its peak, in bytes.
+
+    ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
+    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers);
+    ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
+    the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
+    first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core), alive
+    while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
+    on the rank that holds the embeddings; every other layer sits on a later stage.
+    """
+    if mode not in RECOMPUTE:
+        raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
+    chained = 0
+    while first and chained < len(layer_ids) and layer_ids[chained] == chained:
+        chained += 1
+    per_token = weights = recompute = 0.0
+    for k, i in enumerate(layer_ids):
+        c = costs.of(i, staged=k >= chained)
+        if mode == "full" or (mode == "every_k" and i % every == 0):
+            per_token += c.checkpointed
+            recompute = max(recompute, c.full)
+        else:
+            per_token += c.selective if mode == "selective" else c.full
+            weights += c.amp_weights
+            recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
+    head = costs.head_staged if costs.head_staged is not None and not first else costs.head
+    per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
+    weights += costs.amp_head_weights if last else 0
+    return {
+        "saved": round(per_token * tokens * in_flight),
+        "amp_weight_copies": round(weights * in_flight),
+        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
+    }

@@ -1,0 +1,190 @@
+"""Fine-tuning in the planner's terms: trainable parameters per module and rank, and the gradients backward computes.
+
+A frozen parameter costs its weights only: no gradient, no optimizer state (nor a ZeRO partition of them, nor a
+DDP bucket). Its activations are subtler, because autograd saves a tensor only for a gradient that will be
+computed (PyTorch's derivative formulas save ``x`` of ``x @ W`` only when ``W`` requires grad):
+
+- a frozen layer whose input needs no gradient (everything below it is frozen) keeps nothing for backward;
+- a frozen layer with something trainable below still passes the gradient down: it keeps what the input
+  gradient needs (norm statistics, the attention's tensors, the activation function's input), not the linears'
+  inputs, which only weight gradients read;
+- a LoRA layer keeps the adapters' inputs and their r-wide products A x.
+
+So each layer is described by ``LayerGrads`` (does its input need a gradient; which weights and adapters train),
+the chain of them from the embeddings upward (``grad_plan``), and ``activations.layer_saved_tensors`` keeps a
+tensor when a gradient that reads it is computed. A pipeline stage other than the first receives activations
+that always require grad (torch.distributed.pipelining marks them so), so its layers pass gradients down
+whatever is frozen below. Which modules train is ``dist_trainer.finetune``'s answer, as in the trainer.
+
+A mixture-of-experts layer's ``moe`` block (router, experts by global index, shared expert) stands where the MLP
+is: its parameters count in full (every expert, not the top_k a token meets: each holds gradients and states),
+the experts of one expert-parallel rank only under ``ep_size`` > 1, never divided by TP (the block is whole on
+every TP rank). For the activations the block is one unit: its tensors are kept when any of its modules trains or
+its input needs a gradient (``LayerGrads`` marks the MLP leaves trained then), an upper bound when part of the
+block is frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.finetune import layer_module_name, moe_module_names, training_plan
+from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES
+from dist_trainer.planner.params import embedding_params, layer_params, lora_layer_params, moe_block_params, tail_params
+
+
+@dataclass(frozen=True)
+class LayerGrads:
+    """Which gradients one layer's backward computes: all of them unless fine-tuning freezes some.
+
+    ``input``: the layer's input requires grad; ``base``: the leaves (model_names.LAYER_MODULES) whose own
+    parameters train; ``adapters``: the leaves whose LoRA adapter (rank ``rank``) trains; ``dropout``: the
+    adapters drop their input (model.lora_dropout > 0), so they keep their own dropped copy and its mask.
+    """
+
+    input: bool = True
+    base: frozenset[str] = frozenset(LAYER_MODULES)
+    adapters: frozenset[str] = frozenset()
+    rank: int = 0
+    dropout: bool = False
+
+    def trains(self, leaf: str) -> bool:
+        return leaf in self.base or leaf in self.adapters
+
+    def reads_input(self, leaf: str) -> bool:
+        """The linear ``leaf`` keeps its input: its weight's gradient, or an undropped adapter's A, reads it."""
+        return leaf in self.base or (leaf in self.adapters and not self.dropout)
+
+    @property
+    def output(self) -> bool:
+        """The layer's output requires grad: its input does (the residual carries it) or something in it trains."""
+        return self.input or bool(self.base) or bool(self.adapters)
+
+
+ALL_TRAIN = LayerGrads()
+
+
+@dataclass(frozen=True)
+class GradPlan:
+    """The gradients of a fine-tuning run, module by module (``None`` from ``grad_plan`` when everything trains)."""
+
+    embedding: frozenset[str]  # first-stage modules that train
+    layers: tuple[LayerGrads, ...]  # layer i with its input as in one process (the chain from the embeddings)
+    tail: frozenset[str]  # final_norm / head that train (a tied head trains with tok_emb)
+
+    def layer(self, i: int, staged: bool) -> LayerGrads:
+        """Layer i; ``staged``: on a pipeline stage after the first, whose received input always requires grad."""
+        return dataclasses.replace(self.layers[i], input=True) if staged else self.layers[i]
+
+    def head_input(self, staged: bool) -> bool:
+        """Whether the last layer's output (the final norm's input) requires grad."""
+        return staged or self.layers[-1].output
+
+
+def _key(cfg: ModelConfig, freeze: Sequence[str]) -> tuple:
+    return (cfg.n_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
+            cfg.tie_embeddings, cfg.pooler, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts, cfg.moe_every,
+            cfg.n_shared_experts, tuple(freeze))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(key: tuple) -> dict[str, tuple[bool, bool]]:
+    n_layers, pos, types, placement, activation, tied, pooler, rank, targets, experts, every, shared, freeze = key
+    shape = ModelConfig(n_layers=n_layers, pos_embedding=pos, n_token_types=types, norm_placement=placement,
+                        activation=activation, tie_embeddings=tied, pooler=pooler, lora_rank=rank,
+                        lora_targets=list(targets), n_experts=experts, moe_every=every,
+                        n_shared_experts=shared)  # only the fields that decide which modules exist
+    return training_plan(shape, list(freeze))
+
+
+def module_training(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, tuple[bool, bool]]:
+    """``finetune.training_plan`` (module -> (base trains, adapter trains)), cached for the search's many calls."""
+    return _plan(_key(cfg, freeze))
+
+
+def grad_plan(cfg: ModelConfig, freeze: Sequence[str] = ()) -> GradPlan | None:
+    """Each layer's ``LayerGrads`` in one process, chained from the embeddings; None when everything trains."""
+    if not cfg.lora_rank and not freeze:
+        return None
+    plan = module_training(cfg, freeze)
+    embedding = frozenset(n for n in FIRST_STAGE_MODULES if plan.get(n, (False, False))[0])
+    grad = bool(embedding)
+    layers = []
+    for i in range(cfg.n_layers):
+        names = {leaf: layer_module_name(i, leaf) for leaf in LAYER_MODULES}
+        base = frozenset(leaf for leaf, n in names.items() if plan.get(n, (False, False))[0])
+        if cfg.is_moe_layer(i) and any(plan[n][0] for n in moe_module_names(cfg, i)):
+            base |= frozenset(MLP_LEAVES)  # the moe block as one unit (module docstring)
+        adapters = frozenset(leaf for leaf, n in names.items() if plan.get(n, (False, False))[1])
+        layers.append(LayerGrads(grad, base, adapters, cfg.lora_rank, cfg.lora_dropout > 0))
+        grad = layers[-1].output
+    tail = {n for n in LAST_STAGE_MODULES if plan.get(n, (False, False))[0]}
+    if cfg.tie_embeddings and "tok_emb" in embedding:
+        tail.add("head")  # the tied head is the token embedding
+    return GradPlan(embedding, tuple(layers), frozenset(tail))
+
+
+def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: int = 1,
+                     layer_ids: Sequence[int] | None = None, first: bool = True, last: bool = True,
+                     pp_size: int = 1, ep_size: int = 1, ep_rank: int | None = None) -> int:
+    """Trainable parameters on one rank: its TP share of the embeddings (``first``), of the layers ``layer_ids``
+    (default: all) and of the tail (``last``; a tied head copy when pp_size > 1). A MoE layer's router and shared
+    expert count whole, its experts those of ep rank ``ep_rank`` (``trainable_expert_params``)."""
+    plan = module_training(cfg, freeze)
+    ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+    base, adapters = layer_params(cfg, tp_size), lora_layer_params(cfg, tp_size)
+    total = sum(base[leaf] * plan.get(layer_module_name(i, leaf), (False, False))[0]
+                + adapters[leaf] * plan.get(layer_module_name(i, leaf), (False, False))[1]
+                for i in ids for leaf in LAYER_MODULES)
+    block = moe_block_params(cfg) if cfg.n_experts else {}
+    total += sum(v * plan[f"layers.{i}.moe.{k}"][0] for i in ids if cfg.is_moe_layer(i)
+                 for k, v in block.items() if v and not k.startswith("experts."))
+    total += trainable_expert_params(cfg, freeze, layer_ids=ids, ep_size=ep_size, ep_rank=ep_rank)
+    if first:
+        total += sum(v for n, v in embedding_params(cfg, tp_size).items() if plan.get(n, (False, False))[0])
+    if last:
+        for n, v in tail_params(cfg, tp_size, pp_size=pp_size).items():
+            owner = "tok_emb" if n == "head" and cfg.tie_embeddings else n  # a tied head trains with the embedding
+            total += v * plan.get(owner, (False, False))[0]
+    return total
+
+
+def trainable_expert_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, layer_ids: Sequence[int] | None = None,
+                            ep_size: int = 1, ep_rank: int | None = None) -> int:
+    """Trainable routed-expert parameters of the MoE layers among ``layer_ids`` that ep rank ``ep_rank`` holds
+    (experts [r E/ep, (r+1) E/ep), ``parallel/ep/apply.local_experts``); ``None``: the ep rank with the most, the
+    planner's worst rank (a pattern such as ``layers.*.moe.experts.0-1`` freezes some ep ranks' experts only)."""
+    if not cfg.n_experts:
+        return 0
+    plan = module_training(cfg, freeze)
+    ids = [i for i in (range(cfg.n_layers) if layer_ids is None else layer_ids) if cfg.is_moe_layer(i)]
+    leaves = {k.rpartition(".")[2]: v for k, v in moe_block_params(cfg).items() if k.startswith("experts.") and v}
+    per = cfg.n_experts // ep_size
+
+    def held(r: int) -> int:
+        return sum(v * plan[f"layers.{i}.moe.experts.{e}.{leaf}"][0] for i in ids
+                   for e in range(r * per, (r + 1) * per) for leaf, v in leaves.items())
+
+    return held(ep_rank) if ep_rank is not None else max(held(r) for r in range(ep_size))
+
+
+def module_rows(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, int]:
+    """Trainable parameters per module kind, keyed as ``params.ParamBreakdown.rows`` (summed over the layers)."""
+    plan = module_training(cfg, freeze)
+    rows = {f"embedding.{n}": v for n, v in embedding_params(cfg).items() if plan.get(n, (False, False))[0]}
+    base, adapters = layer_params(cfg), lora_layer_params(cfg)
+    for leaf in LAYER_MODULES:
+        names = [layer_module_name(i, leaf) for i in range(cfg.n_layers)]
+        rows[f"layers.*.{leaf}"] = base[leaf] * sum(plan.get(n, (False, False))[0] for n in names)
+        rows[f"layers.*.{leaf}.lora"] = adapters[leaf] * sum(plan.get(n, (False, False))[1] for n in names)
+    moe_ids = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    for k, v in (moe_block_params(cfg) if moe_ids else {}).items():  # every expert counted: total, not active
+        subs = [k.replace("*", str(e)) for e in range(cfg.n_experts)] if k.startswith("experts.") else [k]
+        names = [f"layers.{i}.moe.{sub}" for i in moe_ids for sub in subs]
+        rows[f"layers.*.moe.{k}"] = v * sum(plan[n][0] for n in names) if v else 0
+    rows.update({n: v for n, v in tail_params(cfg).items() if plan.get(n, (False, False))[0]})
+    return rows

@@ -1,0 +1,99 @@
+"""The trainer's pre-launch validation, for the world it runs in or for any other (``dist-trainer check``).
+
+``resolve_launch`` is what ``Trainer.__init__`` runs before it creates a process group, and ``check_run`` runs the
+same functions for a world size and node shape given on the command line (so a 512-GPU job can be validated on a
+laptop): the config's own validation, ``parallel.layout=auto``'s choice (the planner's fastest layout that passes
+the trainer's rules), the micro-batch fitted to the data-parallel degree, the layout rules and the DeepSpeed JSON
+(``prelaunch.check_layout``), and the data checks that need only the data folder's meta.json (the vocabulary, the
+splits, one global batch of training windows and the eval set: ``data.dataset.split_samples``). No process group,
+no shard read: the shards' sizes and checksums are checked when the run opens them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dist_trainer.config import Config
+from dist_trainer.data.dataset import read_meta as read_data_meta
+from dist_trainer.data.dataset import split_samples
+from dist_trainer.layout_rules import check_nodes, fit_micro_batch, regime_of
+from dist_trainer.train.autolayout import AutoLayout, choose_layout
+from dist_trainer.train.prelaunch import check_layout
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The config a run uses on this world (layout=auto resolved, micro-batch fitted) and what was decided."""
+
+    cfg: Config
+    dp_size: int
+    auto_layout: AutoLayout | None
+    notes: list[str]
+
+
+def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> Launch:
+    """Raise ValueError naming the values if ``cfg`` cannot run on ``world_size`` ranks of ``device`` (nodes of
+    ``gpus_per_node``); else the config it runs with."""
+    cfg.validate()
+    auto = None
+    if cfg.parallel.layout == "auto":  # the planner picks the layout for this world
+        cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
+    cfg, fit_note = fit_micro_batch(cfg, world_size)
+    dp_size = check_layout(cfg, world_size, device.type)
+    notes = [n for n in (None if auto is None else auto.describe(), fit_note) if n is not None]
+    return Launch(cfg, dp_size, auto, notes)
+
+
+def eval_set_size(cfg: Config) -> int:
+    """Validation sequences per evaluation: train.eval_batches global batches (independent of the layout)."""
+    return cfg.train.eval_batches * cfg.parallel.global_batch_size
+
+
+def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
+    """The splits must hold a global batch and the eval set."""
+    global_batch = cfg.parallel.global_batch_size
+    if n_train < global_batch:
+        raise ValueError(f"the train split of {cfg.data.path} has {n_train} sequences of data.seq_len="
+                         f"{cfg.data.seq_len}, fewer than one global batch of {global_batch}")
+    if cfg.train.eval_every and n_val < eval_set_size(cfg):
+        raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
+                         f"train.eval_batches*global_batch_size = {cfg.train.eval_batches}*{global_batch}; "
+                         f"lower train.eval_batches or prepare more validation text")
+
+
+def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, device_type: str = "cuda") -> list[str]:
+    """The trainer's pre-launch check of ``cfg`` on ``world_size`` ranks of ``device_type``, in nodes of
+    ``gpus_per_node`` (default: one node holds the world). ValueError naming the values if it would refuse to
+    start; else the lines of a report (the layout it runs, the notes the run would log)."""
+    if world_size < 1:
+        raise ValueError(f"--world-size={world_size} must be >= 1")
+    per_node = world_size if gpus_per_node is None else gpus_per_node
+    node_note = check_nodes(world_size, per_node, cfg.parallel.tp_size)
+    p = cfg.parallel
+    if p.layout == "auto" and device_type == "cuda" and (p.device_memory_gb is None or p.hardware is None):
+        raise ValueError("parallel.layout=auto checked for another machine needs parallel.device_memory_gb and "
+                         "parallel.hardware (the target GPUs' memory and profile): this machine's are not theirs")
+    launch = resolve_launch(cfg, world_size, per_node, torch.device(device_type))
+    cfg = launch.cfg
+    notes = [*launch.notes, *([node_note] if node_note else [])]
+    data = Path(cfg.data.path)
+    if (data / "meta.json").is_file():
+        meta = read_data_meta(data)
+        n_train = split_samples(data, meta, "train", cfg.data.seq_len, cfg.model.vocab_size)
+        n_val = split_samples(data, meta, "val", cfg.data.seq_len) if cfg.train.eval_every else 0
+        check_data_sizes(cfg, n_train, n_val)
+        notes.append(f"data {data}: {n_train:,} training and {n_val:,} validation windows of data.seq_len="
+                     f"{cfg.data.seq_len} (vocabulary {meta['vocab_size']}); shard sizes and checksums are checked "
+                     "when the run opens them")
+    else:
+        notes.append(f"data not checked: {data} holds no meta.json here (the vocabulary and split sizes are checked "
+                     "when the run opens it)")
+    p = cfg.parallel
+    head = (f"ok: {world_size} ranks ({per_node} per node, {device_type}) run tp={p.tp_size} pp={p.pp_size} "
+            f"dp={launch.dp_size}{f' ep={p.ep_size}' if p.ep_size > 1 else ''} "
+            f"zero={p.zero_stage}{'+offload' if p.zero_offload else ''} "
+            f"({regime_of(p)} regime), micro-batch {p.micro_batch_size}, global batch {p.global_batch_size}")
+    return [head, *notes]
