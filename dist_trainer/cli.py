@@ -5,6 +5,8 @@
     dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
     dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora]  (safetensors)
+    dist-trainer report   RUN [--out DIR]                                  (PNGs from metrics.jsonl)
+    dist-trainer attention --checkpoint RUN_OR_STEP --text TEXT --out DIR  (attention maps, per-head table)
     dist-trainer params | memory | plan ...                             (the planner)
     dist-trainer memory-experiment --model PRESET --stages 0,1,2,3 --nprocs N   (ZeRO, measured vs predicted)
 
@@ -120,6 +122,37 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="draw a run's metrics (loss, LR, grad norm, throughput, health) as PNGs")
+    p.add_argument("run", help="the run folder (train.out_dir) holding metrics.jsonl")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN/report)")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from dist_trainer.health.report import write_report
+
+    for path in write_report(args.run, args.out):
+        print(path)
+    return 0
+
+
+def _register_attention(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("attention", help="attention maps per layer and per-head diagnostics of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
+    p.add_argument("--text", required=True, help="the text whose attention is drawn")
+    p.add_argument("--out", required=True, help="folder for attention_layerNN.png and attention.json")
+    p.add_argument("--data", default=None, help="folder with tokenizer.json (default: the run's data.path)")
+    p.set_defaults(func=run_attention)
+
+
+def run_attention(args: argparse.Namespace) -> int:
+    from dist_trainer.health.attention import diagnose
+
+    print(diagnose(args.checkpoint, args.text, args.out, args.data))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's parser. The modules imported here import torch only inside the functions that run,
     so `--help` and the planner's subcommands start in a fraction of a second (tests/test_cli_startup.py)."""
@@ -137,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     _register_check(sub)
     _register_generate(sub)
     _register_export(sub)
+    _register_report(sub)
+    _register_attention(sub)
     planner_cli.register(sub, check_written=_check_written)
     memory_experiment.register(sub)
     calibrate.register(sub)

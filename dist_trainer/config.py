@@ -375,6 +375,49 @@ class TrainConfig:
             )
 
 
+HEALTH_POLICIES = ("warn", "skip", "stop")
+
+
+@dataclass
+class HealthConfig:
+    """Training health (issue 13): what a run records about itself and what it does on a bad step.
+
+    Every step (free: values the loop computes anyway): a non-finite loss or gradient is never applied, and the
+    spike detector watches the loss and the grad norm. Every ``every`` steps: the per-layer signals, the gradient
+    noise scale, the per-rank step time and a progress record for the hang report (README, "Watching a run").
+    """
+
+    # the signals every `every` steps and the per-step gradient probes; false leaves only what is always on: the
+    # non-finite guard and the spike detector (they read the loss and grad norm the loop has anyway)
+    enabled: bool = True
+    # cadence of the signals. 25: benchmarks/health_overhead.py measures (demo model, CPU clock) one record plus
+    # 25 steps of probes at 0.41 of a plain step, steps/s 0.984 of health off (target >= 0.97); a record alone
+    # costs about a quarter of a step (parameter copies, norms, the MLP histogram, small all-reduces), so every
+    # 10 would fall under 0.97. The 800-step demo gets 32 records
+    every: int = 25
+    # a non-finite loss or gradient is never applied. stop: end the run naming the step, the first parameter,
+    # its layer and rank (issue 16's default); skip: drop the step's update, warn the same way, and go on
+    on_nonfinite: str = "stop"
+    on_spike: str = "warn"  # a loss or grad-norm spike: warn (record and go on) | skip (drop the update) | stop
+    spike_window: int = 50  # steps of running statistics (mean, std) the spike detector compares a step with
+    spike_threshold: float = 6.0  # a spike: more than this many standard deviations above the window's mean
+    spike_warmup: int = 20  # steps in the window before the detector judges (the first steps move fast)
+    noise_ema: float = 0.9  # EMA decay, per record, of the noise-scale estimates |G|^2 and tr(Sigma) (McCandlish 2018)
+    embed_sample: int = 64  # token-embedding rows (a fixed sample) in the mean pairwise cosine similarity
+    hang_grace_s: float = 3.0  # after a collective times out, how long a rank waits for the others' reports
+
+    def validate(self) -> None:
+        _positive(self, "every", "spike_window", "spike_warmup", "embed_sample")
+        _choice(self, "on_nonfinite", ("skip", "stop"))
+        _choice(self, "on_spike", HEALTH_POLICIES)
+        if not 2 <= self.spike_warmup <= self.spike_window:
+            raise ValueError(f"health.spike_warmup={self.spike_warmup} must be between 2 and health.spike_window="
+                             f"{self.spike_window}")
+        if self.spike_threshold <= 0 or not 0.0 <= self.noise_ema < 1.0 or self.hang_grace_s < 0:
+            raise ValueError(f"health.spike_threshold={self.spike_threshold} must be > 0, health.noise_ema="
+                             f"{self.noise_ema} in [0, 1) and health.hang_grace_s={self.hang_grace_s} >= 0")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -383,9 +426,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def validate(self) -> Config:
-        for section in (self.model, self.parallel, self.optim, self.data, self.train, self.wandb):
+        for section in (self.model, self.parallel, self.optim, self.data, self.train, self.wandb, self.health):
             section.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(

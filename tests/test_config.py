@@ -58,6 +58,11 @@ def test_run_configs_in_repo_are_valid() -> None:
     (["parallel.timeout_s=nan"], "parallel.timeout_s=nan must be a finite number"),
     (["train.peak_flops=inf"], "train.peak_flops=inf must be a finite number"),  # an optional float too
     (["model.n_layers=[1"], "override 'model.n_layers=[1': invalid YAML at line 1, column 3"),
+    (["health.on_spike=ignore"], "health.on_spike='ignore' is not one of warn, skip, stop"),
+    (["health.on_nonfinite=warn"], "health.on_nonfinite='warn' is not one of skip, stop"),  # never applied
+    (["health.every=0"], "health.every=0 must be a positive integer"),
+    (["health.spike_warmup=80"], "health.spike_warmup=80 must be between 2 and health.spike_window=50"),
+    (["health.noise_ema=1"], "health.noise_ema=1.0 in [0, 1)"),
 ])
 def test_bad_config_raises_value_error_naming_values(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError) as err:

@@ -134,6 +134,16 @@ def _check_merged_export(ws: Path, env: dict[str, str]) -> None:
         assert f.keys() and not any("lora_" in k for k in f.keys())
 
 
+def _check_report(ws: Path, env: dict[str, str]) -> None:
+    pngs = {p.name for p in (ws / "runs" / "watch" / "report").glob("*.png")}
+    assert {"loss.png", "lr.png", "grad_norm.png", "throughput.png"} <= pngs, pngs
+
+
+def _check_attention(ws: Path, env: dict[str, str]) -> None:
+    out = ws / "runs" / "watch" / "attention"
+    assert (out / "attention.json").is_file() and list(out.glob("attention_layer*.png")), sorted(out.iterdir())
+
+
 def _check_memory_experiment(ws: Path, env: dict[str, str]) -> None:
     rows = json.loads((ws / "runs" / "zero_memory" / "memory.json").read_text())
     assert rows, "memory.json is empty"
@@ -152,7 +162,10 @@ RUN: list[tuple[str, Run]] = [
     (r"^dist-trainer (generate|params|memory|plan|calibrate)\b", Run()),
     (r"^dist-trainer check\b", Run(expect=("ok: ",))),
     (r"^dist-trainer memory-experiment\b", Run(then=_check_memory_experiment)),
+    (r"^dist-trainer report\b", Run(then=_check_report)),
+    (r"^dist-trainer attention\b", Run(then=_check_attention)),
     (r"benchmarks/(trainer_overhead|zero_overhead|moe_dispatch)\.py", Run(append="--steps 3 --rounds 1")),
+    (r"benchmarks/health_overhead\.py", Run(append="--steps 3 --rounds 1 --every 2")),
     (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
     (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
     (r"benchmarks/planner_time\.py", Run(append="--quick --steps 3")),

@@ -1,4 +1,4 @@
-"""A rank that dies or stalls makes the others fail fast with a clear error, instead of hanging."""
+"""A rank that dies or stalls makes the others fail fast with a clear error naming it, instead of hanging."""
 
 from __future__ import annotations
 
@@ -32,14 +32,16 @@ def _trainer_with_fault(rank: int, world: int, data: Path, out: Path, fault: str
     trainer.train()
 
 
-@pytest.mark.parametrize("fault,parallel,coordinates", [
-    ("die", {}, "dp 0/2, pp 0/1"),
-    ("stall", {}, "dp 0/2, pp 0/1"),
-    ("die", {"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2"),
-    ("stall", {"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2"),
+@pytest.mark.parametrize("fault,parallel,coordinates,peer,collective", [
+    ("die", {}, "dp 0/2, pp 0/1", "dp 1/2, pp 0/1, tp 0/1", "all_reduce"),
+    ("stall", {}, "dp 0/2, pp 0/1", "dp 1/2, pp 0/1, tp 0/1", "all_reduce"),
+    ("die", {"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2", "dp 0/1, pp 1/2, tp 0/1", "pipeline send/recv"),
+    ("stall", {"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2", "dp 0/1, pp 1/2, tp 0/1",
+     "pipeline send/recv"),
 ])
 def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_path: Path, fault: str,
-                                                          parallel: dict, coordinates: str) -> None:
+                                                          parallel: dict, coordinates: str, peer: str,
+                                                          collective: str) -> None:
     with pytest.raises(DistributedTestError) as err:
         run_distributed(_trainer_with_fault, 2, (tiny_data, tmp_path, fault, parallel), timeout=20,
                         join_grace=TIMEOUT_S)
@@ -54,3 +56,9 @@ def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_p
     assert waited < (TIMEOUT_S if fault == "die" else TIMEOUT_S + 10), waited
     if fault == "stall":
         assert waited >= TIMEOUT_S - 1, waited
+    # the hang report: the collective rank 0 is inside, and that rank 1 never entered it (issue 13)
+    inside = re.search(r"inside (.+?) #(\d+) on axis (\w+) \(step 3\)", message)
+    assert inside is not None and inside.group(1) == collective, message
+    seq, axis = inside.group(2), inside.group(3)
+    assert f"rank 1 ({peer}) has not entered {collective} #{seq} on axis {axis} (step 3) (stalled or dead; " \
+           f"its last progress record (step 1, " in message, message

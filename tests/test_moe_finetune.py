@@ -14,6 +14,7 @@ import pytest
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import frozen_modules, module_names
+from dist_trainer.health.names import is_routed_expert
 from dist_trainer.model import build_model
 from dist_trainer.model_lora import count_trainable, freeze_, is_adapter
 from dist_trainer.parallel.ep.apply import local_experts
@@ -115,7 +116,11 @@ def _run(rank: int, data: Path, out: Path, parallel: dict, case: str) -> dict[st
     model, train = CASES[case]
     cfg = tiny_config(data, out, model={**MOE, **model}, optim={"lr": 3e-3},
                       parallel={"global_batch_size": GLOBAL_BATCH, **parallel}, train=train)
-    result = curves(Trainer(cfg).train())
+    trainer = Trainer(cfg)
+    result = curves(trainer.train())
+    # the elements of each routed expert this rank owns (what per-layer health statistics sum over)
+    result["pieces"] = {p.name: p.param.numel() for p in trainer.engine.owned_pieces(grads=False)
+                        if is_routed_expert(p.name)}
     if rank == 0:
         result["records"] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         result["plan_check"] = json.loads((out / "plan_check.json").read_text())["ranks"]
@@ -133,6 +138,18 @@ def test_frozen_experts_and_lora_under_expert_parallelism_match_one_process(tiny
     singles = {case: _run(0, tiny_data, tmp_path / f"single_{case}", {}, case) for case in CASES}
     two = {"uneven_ep2": ("uneven", {"ep_size": 2}), "even_zero2_ep2": ("even", {"ep_size": 2, "zero_stage": 2}),
            "lora_ep2": ("lora", {"ep_size": 2}), "lora_zero2_ep2": ("lora", {"ep_size": 2, "zero_stage": 2})}
-    results = run_distributed(_layouts, 2, (tiny_data, tmp_path, two))[0]
+    ranks = run_distributed(_layouts, 2, (tiny_data, tmp_path, two))
+    results = ranks[0]
     for name, (case, parallel) in two.items():
         _check(name, results[name], singles[case], parallel, world=2, frozen_moe=True)
+        # every trainable expert's elements owned exactly once over the ranks (ZeRO owns trainable ones only)
+        owned: dict[str, int] = {}
+        for per_rank in ranks:
+            for key, n in per_rank[name]["pieces"].items():
+                owned[key] = owned.get(key, 0) + n
+        model_cfg, train = CASES[case]
+        full = build_model(tiny_config(tiny_data, tmp_path, model={**MOE, **model_cfg}, train=train).model, "meta")
+        freeze_(full, frozen_modules(full.cfg, train.get("freeze", [])))
+        experts = {n: p.numel() for n, p in full.named_parameters() if is_routed_expert(n)}
+        trainable = {n for n, p in full.named_parameters() if is_routed_expert(n) and p.requires_grad}
+        assert trainable <= set(owned) <= set(experts) and all(owned[n] == experts[n] for n in owned), name

@@ -111,9 +111,22 @@ def save_checkpoint(
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
+    """Keep the last ``keep`` checkpoints, and the newest finite one if it is older (issue 16: a run that went
+    non-finite must not prune its last good state; the trainer marks what it checked with ``finite: true``)."""
     complete = sorted(list_checkpoints(ckpt_root))
+    finite = [d for d in complete if _meta_of(d).get("finite") is True]
+    protect = finite[-1] if finite else None
     for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != protect:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _meta_of(folder: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:

@@ -10,6 +10,13 @@ Every regime implements the same five calls, so the loop never branches on the r
     save_shards(folder)                             this rank's part of a checkpoint
     load_shards(folder, meta)                       and back, resharding where it can
 
+Inside ``optimizer_step`` every engine calls its ``step_hooks`` at the same two points: ``grads_ready()`` once
+the gradients are final (reduced, TP partial sums and tied copies summed; before clipping), and
+``allow_update(grad_norm)`` before the update, which it skips when the answer is no. The trainer's health
+monitor (``train/health``) is the hooks: it reads the gradients and refuses a non-finite or spiking step
+(issues 13 and 16). ``owned_pieces()`` says which elements of each full parameter this rank owns
+(``parallel/ownership.py``), so such statistics are the full model's in every layout.
+
 One module per regime implements them (``ddp.py``: DDP with Megatron TP inside each replica;
 ``pipeline.py``: stages on torch.distributed.pipelining with TP and DP around them; ``zero.py``:
 DeepSpeed ZeRO-1/2/3), and ``engines/__init__.py`` maps a layout to its engine. What they share
@@ -42,6 +49,7 @@ from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
 from dist_trainer.optim import set_lr
 from dist_trainer.parallel.ep.grad import expert_param_names
+from dist_trainer.parallel.ownership import Piece, dense_pieces
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.memory import optimizer_moments, unique_bytes
@@ -90,6 +98,28 @@ def apply_update(optimizer: torch.optim.Optimizer, lr: float, scaler: torch.amp.
     optimizer.zero_grad(set_to_none=True)
 
 
+def drop_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+    """Do not step: drop the gradients (the loss scaler, which was unscaled, still updates its scale)."""
+    if scaler is not None:
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class StepHooks:
+    """What the loop observes, or vetoes, between the final gradients and the update (see the module docstring).
+
+    These defaults do nothing, so an engine used on its own (tests, the memory experiment) steps as before.
+    """
+
+    def grads_ready(self) -> None:
+        """The gradients are final (reduced and summed where the regime sums them), not yet clipped."""
+
+    def allow_update(self, grad_norm: torch.Tensor | None) -> bool:
+        """Whether to apply this step's update; ``grad_norm``: the global norm before clipping, or None when
+        the engine learns it only inside the update (DeepSpeed)."""
+        return True
+
+
 class Engine(abc.ABC):
     """The interface every regime implements (see the module docstring).
 
@@ -99,6 +129,8 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     model: nn.Module  # this rank's module (its parameters are what this rank holds)
+    state: ParallelState
+    step_hooks: StepHooks = StepHooks()  # the trainer installs its health monitor here
 
     @abc.abstractmethod
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -119,6 +151,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
         """Load this rank's part of the checkpoint in ``folder`` (saved under any layout it can reshard)."""
+
+    def owned_pieces(self, grads: bool = True) -> list[Piece]:
+        """The elements of each full parameter this rank owns (values and, with ``grads``, gradients, as flat
+        views); the pieces of all ranks partition the model once. A regime that partitions otherwise (ZeRO)
+        overrides it."""
+        return dense_pieces(self.model, self.state)
 
     def owned_state_bytes(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: the bytes of model states this rank holds now, each storage once
@@ -145,6 +183,21 @@ def write_named_shards(folder: Path, state: ParallelState, model: nn.Module, mod
     publish.atomic_save(optim_state, folder / shard_name("optim", tp, pp, ep))
     if tp == 0:
         write_specs(folder, pp, specs, ep)
+
+
+class DenseUpdateMixin:
+    """The hooked update of engines that step a torch optimizer themselves (DDP, pipeline)."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    step_hooks: StepHooks
+
+    def update_unless_vetoed(self, grad_norm: torch.Tensor, lr: float) -> None:
+        """``apply_update`` at ``lr``, unless the step hooks refuse this step (then only drop the gradients)."""
+        if self.step_hooks.allow_update(grad_norm):
+            apply_update(self.optimizer, lr, self.scaler)
+        else:
+            drop_update(self.optimizer, self.scaler)
 
 
 class NamedShardsMixin:

@@ -13,7 +13,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm, seeded_model
+from dist_trainer.engines.base import (
+    DenseUpdateMixin,
+    Engine,
+    NamedShardsMixin,
+    autocast_for,
+    clip_norm,
+    seeded_model,
+)
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
@@ -24,14 +31,15 @@ from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads
 
 
 def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejects string annotations here
-    """DDP's own all-reduce (mean over dp) of a dist.GradBucket, recorded in the communication counter."""
+    """DDP's own all-reduce (mean over dp) of a dist.GradBucket, counted, numbered and timed by the dp axis."""
     buf = bucket.buffer()
-    dp.counter.record("all_reduce", "dp", buf.numel() * buf.element_size())
-    assert dp.group is not None, "DDP runs only over a dp group of more than one rank"
-    return default_hooks.allreduce_hook(dp.group, bucket)
+    group = dp.group
+    assert group is not None, "DDP runs only over a dp group of more than one rank"
+    return dp.track_async("all_reduce", buf.numel() * buf.element_size(),
+                          lambda: default_hooks.allreduce_hook(group, bucket))
 
 
-class DataParallelEngine(NamedShardsMixin, Engine):
+class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
     """DDP over the dp axis; Megatron TP (and SP) inside each replica when tp_size > 1."""
 
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
@@ -83,9 +91,10 @@ class DataParallelEngine(NamedShardsMixin, Engine):
         reduce_expert_grads(self.model, self.state)  # expert-parallel experts over edp
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        self.step_hooks.grads_ready()
         # Global norm over every rank's shards (TP-replicated params once), clipped if asked.
         grad_norm = clip_grad_norm_(self.model, clip_norm(self.cfg), self.state)
-        apply_update(self.optimizer, lr, self.scaler)
+        self.update_unless_vetoed(grad_norm, lr)
         return grad_norm
 
     @torch.no_grad()

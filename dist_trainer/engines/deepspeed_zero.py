@@ -54,14 +54,16 @@ from torch import nn
 from dist_trainer.checkpoint.convert import load_shards, optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
-from dist_trainer.engines.base import write_named_shards
+from dist_trainer.engines.base import StepHooks, write_named_shards
 from dist_trainer.model import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
+from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.config import engine_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu
+from dist_trainer.parallel.zero.fragments import skip_next_step, zero_pieces
 from dist_trainer.parallel.zero.memory import zero_owned_bytes
 
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
@@ -100,18 +102,31 @@ class DeepSpeedZero:
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module
 
-    def step(self, lr: float, *, reduce: bool = False) -> torch.Tensor:
-        """DeepSpeed's boundary step at ``lr``; the global gradient norm before clipping.
+    def step(self, lr: float, hooks: StepHooks, *, reduce: bool = False) -> torch.Tensor:
+        """DeepSpeed's boundary step at ``lr``; the global gradient norm before clipping (0 for a skipped step).
 
         ``reduce``: the gradients were accumulated in ``.grad`` outside ``engine.backward`` (a pipeline schedule):
         hand them to ZeRO-1's reduction first, averaging over dp and keeping this rank's partition.
+        ``hooks`` see the reduced gradients before the step; DeepSpeed measures the norm inside ``step()``, so
+        they judge it without one, and a step they refuse goes down DeepSpeed's own overflow path
+        (``fragments.skip_next_step``), its counters consistent.
         """
         if reduce:
-            self.optimizer.reduce_gradients(pipeline_parallel=True)
+            with self.state.dp.exchange("deepspeed reduce"):
+                self.optimizer.reduce_gradients(pipeline_parallel=True)
         set_lr(self.optimizer, lr)  # ZeRO's wrapper shares the client optimizer's param_groups
-        self.engine.step()
+        hooks.grads_ready()
+        applied = hooks.allow_update(None)
+        if not applied:
+            skip_next_step(self.module, self.state, self.stage)
+        with self.state.dp.exchange("deepspeed step"):  # DeepSpeed's collectives, for a hang report
+            self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(0.0 if norm is None else float(norm))
+        return torch.as_tensor(0.0 if norm is None or not applied else float(norm))
+
+    def pieces(self, grads: bool = True) -> list[Piece]:
+        """This rank's pieces of every trainable parameter (``parallel/zero/fragments.py``)."""
+        return zero_pieces(self.module, self.state, self.stage, grads)
 
     def owned_state_bytes(self) -> dict[str, int]:
         params = list({id(p): p for p in self.module.parameters()}.values())

@@ -20,7 +20,14 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, NamedShardsMixin, apply_update, autocast_for, clip_norm, start_finetune
+from dist_trainer.engines.base import (
+    DenseUpdateMixin,
+    Engine,
+    NamedShardsMixin,
+    autocast_for,
+    clip_norm,
+    start_finetune,
+)
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.layout_rules import n_microbatches
 from dist_trainer.model_moe import aux_loss_sum
@@ -28,6 +35,7 @@ from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ep.grad import reduce_expert_grads, split_expert_grads
+from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.pipeline.schedule import build_schedule
 from dist_trainer.parallel.pipeline.split import StageModule, split_into_stages, stage_placement
 from dist_trainer.parallel.state import ParallelState
@@ -56,7 +64,7 @@ class PipelineRankModule(nn.Module):
                 self.layers[str(i)] = layer
 
 
-class PipelineEngine(NamedShardsMixin, Engine):
+class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
         p = cfg.parallel
         self.cfg, self.state, self.device = cfg, state, device
@@ -87,8 +95,8 @@ class PipelineEngine(NamedShardsMixin, Engine):
         targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
         stage_ids = [s.stage_index for s in self.stages]
         aux_before = aux_loss_sum(self.model)
-        try:
-            with autocast_for(self.cfg.train.precision, self.device):
+        try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
+            with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
                 if train:
                     loss = self.pipe.step(tokens, targets)
                 else:
@@ -123,12 +131,13 @@ class PipelineEngine(NamedShardsMixin, Engine):
     def optimizer_step(self, lr: float) -> torch.Tensor:
         if self.zero is not None:  # partial TP grads were summed inside backward (prepare_for_deepspeed)
             self.pipe.finalize_grads()  # tied embedding: on the whole .grad, before ZeRO's dp reduction
-            return self.zero.step(lr, reduce=True)
+            return self.zero.step(lr, self.step_hooks, reduce=True)
         for stage in self.stages:
             finalize_tp_grads(stage.model, self.state)
         self.pipe.finalize_grads()  # tied embedding: first-stage and last-stage copies get the summed gradient
+        self.step_hooks.grads_ready()
         grad_norm = self.pipe.clip_grad_norm_(clip_norm(self.cfg), self.state)
-        apply_update(self.optimizer, lr)
+        self.update_unless_vetoed(grad_norm, lr)
         return grad_norm
 
     @torch.no_grad()
@@ -143,6 +152,9 @@ class PipelineEngine(NamedShardsMixin, Engine):
 
     def owned_state_bytes(self) -> dict[str, int]:
         return super().owned_state_bytes() if self.zero is None else self.zero.owned_state_bytes()
+
+    def owned_pieces(self, grads: bool = True) -> list[Piece]:
+        return super().owned_pieces(grads) if self.zero is None else self.zero.pieces(grads)
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
         return super().save_shards(folder) if self.zero is None else self.zero.save(folder)

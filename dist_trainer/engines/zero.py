@@ -36,6 +36,7 @@ from dist_trainer.engines.base import Engine, seeded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
+from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.zero.config import validate_zero_config
@@ -104,8 +105,9 @@ class ZeroEngine(Engine):
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             # No autocast: with bf16/fp16 DeepSpeed itself holds 16-bit params and fp32 master weights.
-            loss = self.engine(batch["tokens"], batch["targets"])
-            self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
+            with self.state.dp.exchange("deepspeed forward/backward"):  # DeepSpeed's collectives, for a hang report
+                loss = self.engine(batch["tokens"], batch["targets"])
+                self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
             if self.after_backward is not None:
                 self.after_backward()
             if i < n - 1:
@@ -114,7 +116,11 @@ class ZeroEngine(Engine):
         return loss_sum
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
-        return self.zero.step(lr)  # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather
+        # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather; the step hooks around it
+        return self.zero.step(lr, self.step_hooks)
+
+    def owned_pieces(self, grads: bool = True) -> list[Piece]:
+        return self.zero.pieces(grads)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

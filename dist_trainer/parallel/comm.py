@@ -7,12 +7,23 @@ hands to the collective (for all-gather: the local shard; for reduce-scatter: th
 input). That is the figure Megatron's and the ZeRO paper's volume formulas count; the
 ring traffic per rank follows from it (all-reduce 2(n-1)/n, gather/scatter (n-1)/n).
 Every method returns at once, counting nothing, on a one-rank axis.
+
+The counter is also this rank's progress record (issue 13), kept in memory only: each axis numbers the
+collectives this rank entered on it (``seq``, never reset), ``current`` names the one it is inside now, and
+``comm_s`` sums the seconds spent inside collectives since the last reset (a straggler waits less than its
+peers; ``train/health`` subtracts it from the step time). Nothing is written per collective: the record is
+published on the health cadence and when a collective fails (``parallel/watchdog.py``), which is what lets
+the survivors of a hang say which rank has not entered which collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,23 +32,67 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective as this rank numbers it: the ``seq``-th on ``axis``, entered at training step ``step``."""
+
+    axis: str
+    op: str
+    seq: int
+    step: int
+
+    def describe(self) -> str:
+        return f"{self.op} #{self.seq} on axis {self.axis} (step {self.step})"
+
+
 @dataclass
 class CommCounter:
-    """Bytes and calls per (op, axis) since the last reset."""
+    """Bytes and calls per (op, axis) since the last reset; and this rank's progress (never reset)."""
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    seq: Counter = field(default_factory=Counter)  # axis -> collectives entered since the start
+    step: int = 0  # the training step (1-based) the trainer is in: set by the loop
+    comm_s: float = 0.0  # seconds inside collectives since the last reset (synchronous ones, and the async tail)
+    _inside: list[Collective] = field(default_factory=list)  # the collectives this rank is inside, innermost last
+    _async: list[float] = field(default_factory=lambda: [0.0, 0.0])  # latest issue and completion of async ones
 
     def record(self, op: str, axis: str, nbytes: int) -> None:
         self.bytes[(op, axis)] += nbytes
         self.calls[(op, axis)] += 1
 
+    def enter(self, axis: str, op: str) -> Collective:
+        """Number the next collective on ``axis`` and mark this rank inside it."""
+        self.seq[axis] += 1
+        entry = Collective(axis, op, self.seq[axis], self.step)
+        self._inside.append(entry)
+        return entry
+
+    def leave(self, entry: Collective) -> None:
+        if entry in self._inside:
+            self._inside.remove(entry)
+
+    @property
+    def current(self) -> Collective | None:
+        """The collective this rank is inside now (the innermost), or None."""
+        return self._inside[-1] if self._inside else None
+
     def axis_bytes(self, axis: str) -> int:
         return sum(b for (_, a), b in self.bytes.items() if a == axis)
 
     def reset(self) -> None:
+        """Start a step: bytes, calls and time in collectives from zero (sequence numbers go on)."""
         self.bytes.clear()
         self.calls.clear()
+        self.comm_s = 0.0
+        self._async[:] = [0.0, 0.0]
+
+    def step_comm_s(self) -> float:
+        """Seconds this step spent inside collectives: the synchronous ones, plus the tail of the asynchronous
+        ones (DDP's bucket all-reduces) between the last issue and the last completion, when the backward
+        that issued them has nothing left to compute and waits."""
+        issued, done = self._async
+        return self.comm_s + max(0.0, done - issued)
 
     def summary(self) -> dict[str, int]:
         """{"tp/all_reduce": bytes, ...} for logging."""
@@ -63,26 +118,64 @@ class AxisGroup:
     def enabled(self) -> bool:
         return self.size > 1
 
+    def _run(self, op: str, nbytes: int | None, call: Callable[[], Any]) -> None:
+        """Count (unless ``nbytes`` is None), number and time one synchronous collective. A collective that
+        raises (a peer died or timed out) stays marked as the one this rank is inside, for the hang report."""
+        if nbytes is not None:
+            self.counter.record(op, self.axis, nbytes)
+        entry = self.counter.enter(self.axis, op)
+        start = time.perf_counter()
+        call()
+        self.counter.comm_s += time.perf_counter() - start
+        self.counter.leave(entry)
+
+    def track_async(self, op: str, nbytes: int, issue: Callable[[], torch.futures.Future]
+                    ) -> torch.futures.Future:
+        """Count and number an asynchronous collective (DDP's bucket all-reduce, issued by ``issue``); its
+        completion time feeds ``CommCounter.step_comm_s``. Returns the future to hand back to DDP."""
+        self.counter.record(op, self.axis, nbytes)
+        entry = self.counter.enter(self.axis, op)
+        times = self.counter._async
+        times[0] = time.perf_counter()
+
+        def done(fut: torch.futures.Future) -> Any:
+            value = fut.value()  # raises when the collective failed: it then stays the one this rank is inside
+            times[1] = time.perf_counter()
+            self.counter.leave(entry)
+            return value
+
+        return issue().then(done)
+
+    @contextlib.contextmanager
+    def exchange(self, op: str) -> Iterator[None]:
+        """Mark a span in which a library exchanges tensors on this axis for us (the pipeline schedule's
+        send/recv, DeepSpeed's reductions): numbered like a collective, so a hang inside it is reported, but
+        neither counted in bytes nor timed (the span also computes)."""
+        if self.size == 1:
+            yield
+            return
+        entry = self.counter.enter(self.axis, op)
+        yield
+        self.counter.leave(entry)
+
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of ``t``; returns ``t``."""
         if self.size == 1:
             return t
-        self.counter.record("all_reduce", self.axis, _nbytes(t))
-        dist.all_reduce(t, op=op, group=self.group)
+        self._run("all_reduce", _nbytes(t), lambda: dist.all_reduce(t, op=op, group=self.group))
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes equal)."""
         if self.size == 1:
             return t
-        self.counter.record("all_gather", self.axis, _nbytes(t))
         t = t.contiguous()
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         if dim == 0:
-            _all_gather_single(out, t, group=self.group)
+            self._run("all_gather", _nbytes(t), lambda: _all_gather_single(out, t, group=self.group))
             return out
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.group)
+        self._run("all_gather", _nbytes(t), lambda: dist.all_gather(parts, t, group=self.group))
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -94,15 +187,14 @@ class AxisGroup:
                 f"reduce_scatter on axis {self.axis}: dim {dim} of shape {tuple(t.shape)} "
                 f"is not divisible by the axis size {self.size}"
             )
-        self.counter.record("reduce_scatter", self.axis, _nbytes(t))
         parts = [p.contiguous() for p in t.chunk(self.size, dim=dim)]
         out = torch.empty_like(parts[self.rank])
         if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter: all-reduce, keep a slice
             full = torch.cat([p.flatten() for p in parts])
-            dist.all_reduce(full, group=self.group)
+            self._run("reduce_scatter", _nbytes(t), lambda: dist.all_reduce(full, group=self.group))
             out.copy_(full.view(self.size, -1)[self.rank].view_as(out))
         else:
-            dist.reduce_scatter(out, parts, group=self.group)
+            self._run("reduce_scatter", _nbytes(t), lambda: dist.reduce_scatter(out, parts, group=self.group))
         return out
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
@@ -113,19 +205,17 @@ class AxisGroup:
         if t.shape[0] % self.size:
             raise RuntimeError(f"all_to_all on axis {self.axis}: dim 0 of shape {tuple(t.shape)} is not divisible "
                                f"by the axis size {self.size}")
-        self.counter.record("all_to_all", self.axis, _nbytes(t))
         t = t.contiguous()
         out = torch.empty_like(t)
-        dist.all_to_all_single(out, t, group=self.group)
+        self._run("all_to_all", _nbytes(t), lambda: dist.all_to_all_single(out, t, group=self.group))
         return out
 
     def broadcast(self, t: torch.Tensor, src_axis_rank: int = 0) -> torch.Tensor:
         if self.size == 1:
             return t
-        self.counter.record("broadcast", self.axis, _nbytes(t))
-        dist.broadcast(t, src=self.ranks[src_axis_rank], group=self.group)
+        self._run("broadcast", _nbytes(t), lambda: dist.broadcast(t, src=self.ranks[src_axis_rank], group=self.group))
         return t
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self._run("barrier", None, lambda: dist.barrier(group=self.group))

@@ -70,6 +70,17 @@ class ParallelState:
         return (f"rank {self.rank}/{self.world_size}: dp {self.dp.rank}/{self.dp.size}, "
                 f"pp {self.pp.rank}/{self.pp.size}, tp {self.tp.rank}/{self.tp.size}{ep}")
 
+    def describe_rank(self, rank: int) -> str:
+        """Another rank's coordinates, read off the grid (tp fastest, then pp, then dp)."""
+        tp, pp, ep = self.tp.size, self.pp.size, self.ep.size
+        dp = rank // (tp * pp)
+        where = f"dp {dp}/{self.dp.size}, pp {rank // tp % pp}/{pp}, tp {rank % tp}/{tp}"
+        return where + (f", ep {dp % ep}/{ep}" if ep > 1 else "")  # ep varies fastest inside dp (expert_groups)
+
+    def group_ranks(self) -> dict[str, tuple[int, ...]]:
+        """Axis -> the global ranks of this rank's group on that axis (the expert-parallel ep and edp too)."""
+        return {a.axis: a.ranks for a in (self.dp, self.pp, self.tp, self.ep, self.edp)}
+
     @classmethod
     def single(cls) -> ParallelState:
         """One process, no process groups: every collective is a no-op."""

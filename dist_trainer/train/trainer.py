@@ -8,7 +8,10 @@ Build order (a bad config fails at step 1, before any process group exists):
      the optimizer
   5. resume from the newest checkpoint if asked
 Each step: this DP rank's micro-batches go through the engine's forward_backward, then its
-optimizer_step with the scheduled LR; metrics on rank 0, periodic eval and checkpoint.
+optimizer_step with the scheduled LR; metrics on rank 0, periodic eval and checkpoint. The health monitor
+(``health/monitor.py``) sits in the engine's step hooks: a non-finite step is never applied and a checkpoint
+is never written from non-finite state; every ``health.every`` steps it adds the per-layer signals, the noise
+scale and the slowest rank to the metrics. A collective that fails names the rank that did not enter it.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, data_fingerprint
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
+from dist_trainer.health.monitor import HealthMonitor
 from dist_trainer.layout_rules import needs_process_group
 from dist_trainer.model import count_parameters
 from dist_trainer.model_lora import count_trainable
 from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
 from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
@@ -68,6 +73,8 @@ class Trainer:
         self.train_data = TokenDataset(cfg.data.path, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
         self.val_data = TokenDataset(cfg.data.path, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
         check_data_sizes(cfg, len(self.train_data), len(self.val_data))
+        if self.device.type == "cuda":  # NCCL dumps its recent collectives on a timeout (before the group exists)
+            enable_nccl_flight_recorder(self.out_dir)
         # DeepSpeed needs torch.distributed even on one process: ZeRO gets a one-rank group there.
         self.has_process_group = init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s,
                                                   single_process_group=needs_process_group(cfg.parallel))
@@ -93,6 +100,8 @@ class Trainer:
                                               cfg.train.seed) if cfg.train.eval_every else None
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
+        self.health = HealthMonitor(cfg, self.engine, self.state, self.device, self.ckpt_root)
+        self.engine.step_hooks = self.health
         self.plan_check = PlanCheck(cfg, self.dp_size, self.state.pp_rank, self.env.rank, self.env.world_size,
                                     self.env.local_world_size, self.device, self.out_dir, self.start_resident,
                                     ep_rank=self.state.ep.rank)
@@ -114,6 +123,7 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self, step: int) -> dict[str, Any]:
+        self.health.begin_step(step)
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
         reset_router_stats(self.engine.model)  # MoE layers count this step's routing (moe/* metrics)
         with self.plan_check.watch(step, _state_tensors(self.engine.model)):
@@ -121,10 +131,14 @@ class Trainer:
         if step == CHECK_STEP:
             self.plan_check.after_backward(step, self.engine.owned_state_bytes(),
                                            self.state.counter.bytes[("all_to_all", "ep")])
+        local_loss = loss_sum / len(batches)
+        # the mean loss before the update: the health guard judges the step by it (and by the grad norm)
+        mean_loss = float(self.state.dp.all_reduce(local_loss.clone()) / self.dp_size)
+        self.health.loss_ready(local_loss, mean_loss)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
-        grad_norm = self.engine.optimizer_step(lr)
-        mean_loss = self.state.dp.all_reduce(loss_sum / len(batches)) / self.dp_size
-        return {"loss": float(mean_loss), "grad_norm": float(grad_norm), "lr": lr,
+        self.engine.optimizer_step(lr)
+        # the monitor's grad norm: the engine's, or measured before DeepSpeed's step (also when it was skipped)
+        return {"loss": mean_loss, "grad_norm": self.health.grad_norm, "lr": lr,
                 **router_metrics(self.engine.model, self.cfg.model, self.state)}
 
     @torch.no_grad()
@@ -174,6 +188,11 @@ class Trainer:
                                       "mfu": flops_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
                                       **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()}}
+            health = self._guarded(lambda _, dt=dt: self.health.end_step(dt), step)
+            record.update(health)
+            for note in self.health.notes:
+                self.logger.write(note)
+            self.health.notes.clear()
             checked = self.plan_check.after_step(step, dt)  # the planner's prediction next to this run's figures
             if checked:
                 record.update(checked)
@@ -181,7 +200,7 @@ class Trainer:
                     self.logger.write(warning)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                 record["eval_loss"] = result.eval_losses[self.step] = self.evaluate()
-            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
             if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps:
@@ -207,10 +226,15 @@ class Trainer:
         except (RuntimeError, dist.DistError) as exc:
             if self.env.world_size == 1 or not _is_comm_failure(exc):
                 raise
+            waited = time.monotonic() - start
+            counter = self.state.counter
+            inside = f", inside {counter.current.describe()}" if counter.current is not None else ""
+            hang = describe_hang(default_store(), counter, self.env.rank, self.state.group_ranks(),
+                                 self.state.describe_rank, self.cfg.health.hang_grace_s)
             raise RuntimeError(
                 f"rank {self.env.rank} ({self.state.describe()}) lost contact with its peers at step {step + 1} "
-                f"after {time.monotonic() - start:.1f}s: a rank died, or stalled past "
-                f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s. "
+                f"after {waited:.1f}s{inside}: a rank died, or stalled past "
+                f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s. {hang + ' ' if hang else ''}"
                 f"Resume from the last checkpoint in {self.ckpt_root} with --train.resume=true. Cause: {exc}"
             ) from exc
 
@@ -240,6 +264,7 @@ class Trainer:
 
     def save(self) -> Path:
         cfg = self.cfg
+        self.health.check_finite_state()  # never a checkpoint of non-finite state (issue 16)
         meta = {
             "config": cfg.to_dict(),
             "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.dp_size,
@@ -247,6 +272,7 @@ class Trainer:
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,
+            "finite": True,  # checked above; keep-last-K never prunes the newest finite checkpoint
         }
         try:
             return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,

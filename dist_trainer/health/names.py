@@ -1,0 +1,85 @@
+"""The stable names of the health signals (README, "Watching a run"): groups of parameters and metric keys.
+
+Torch-free: the monitor writes these keys and ``dist-trainer report`` reads them back.
+
+A parameter belongs to its layer's module kind, its layer, the kind over all layers and ``all``:
+``layers.3.mlp.up_proj.weight`` -> ``layers.3.mlp``, ``layers.3``, ``mlp``, ``all``. Module kinds: ``attn``
+(q/k/v/o projections), ``mlp`` (up/gate/down), ``norm`` (the layer's two norms; at the top the embedding
+and final norms), ``embed`` (token, position and type embeddings), ``head`` (an untied output head),
+``pooler``. An attention projection's weight also forms its own group (``layers.3.attn.q``), whose norm
+is the "attention projection norm".
+
+A mixture-of-experts layer's ``moe`` block (router, experts, shared expert; docs/moe.md) is that layer's
+feed-forward block: kind ``mlp`` (its gradients feed the layer's MLP gradient histogram). The routed experts of
+every layer also form the group ``experts`` (absent from a dense model's records), whose gradient norm the
+noise scale leaves out (``is_routed_expert``).
+"""
+
+from __future__ import annotations
+
+PREFIX = "health/"
+GROUP_SIGNALS = ("grad_norm", "param_norm", "update_ratio", "l1_change")  # per group, every record
+LAYER_KINDS = ("attn", "mlp", "norm")
+PROJECTIONS = ("q", "k", "v", "o")
+TOP_KINDS = {"tok_emb": "embed", "pos_emb": "embed", "type_emb": "embed", "emb_norm": "norm", "final_norm": "norm",
+             "head": "head", "pooler": "pooler"}
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def group_names(n_layers: int) -> list[str]:
+    """Every group of a model with ``n_layers`` layers, in a fixed order (the same on every rank)."""
+    names = []
+    for i in range(n_layers):
+        names += [f"layers.{i}.{k}" for k in LAYER_KINDS] + [f"layers.{i}"]
+        names += [f"layers.{i}.attn.{p}" for p in PROJECTIONS]
+    return names + ["embed", "head", "pooler", *LAYER_KINDS, "experts", "all"]
+
+
+def groups_of(name: str) -> list[str]:
+    """The groups parameter ``name`` (the plain model's name) adds to."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) >= 3:
+        layer, module = f"layers.{parts[1]}", parts[2]
+        kind = "attn" if module == "attn" else "mlp" if module in ("mlp", "moe") else "norm"
+        groups = [f"{layer}.{kind}", layer, kind, "all"]
+        if is_routed_expert(name):
+            groups.append("experts")
+        if module == "attn" and len(parts) == 5 and parts[4] == "weight" and parts[3][0] in PROJECTIONS:
+            groups.append(f"{layer}.attn.{parts[3][0]}")
+        return groups
+    top = TOP_KINDS.get(parts[0])
+    return [top, "all"] if top is not None else ["all"]
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's parameter (``layers.{i}.moe.experts.{e}.*``), by its global name in every layout."""
+    parts = name.split(".")
+    return len(parts) > 4 and parts[0] == "layers" and parts[2:4] == ["moe", "experts"]
+
+
+def is_mlp(name: str) -> bool:
+    """A parameter of a layer's feed-forward block: its MLP, or its MoE block."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "layers" and parts[2] in ("mlp", "moe")
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index of a parameter name, or None outside the layers."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else None
+
+
+def describe_parameter(name: str) -> str:
+    """``layers.1.mlp.up_proj.weight`` -> "layers.1.mlp.up_proj.weight (layer 1, mlp)" for messages."""
+    layer = layer_of(name)
+    kind = groups_of(name)[0].rsplit(".", 1)[-1]
+    return f"{name} (layer {layer}, {kind})" if layer is not None else f"{name} ({kind}, outside the layers)"
+
+
+def signal_key(signal: str, group: str) -> str:
+    return f"{PREFIX}{signal}/{group}"
+
+
+def quantile_key(layer: int, q: float | str) -> str:
+    label = q if isinstance(q, str) else f"p{round(q * 100):d}"
+    return f"{PREFIX}mlp_grad_abs/layers.{layer}/{label}"
