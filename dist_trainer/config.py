@@ -60,6 +60,14 @@ class ModelConfig:
     pooler: bool = False  # BERT pooler (dense + tanh on the first token); not used by the MLM loss
     init_std: float = 0.02  # std of normal init for every weight matrix and embedding
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
+    # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
+    n_experts: int = 0  # routed experts per MoE layer, each the model's own MLP (Mixtral: 8)
+    top_k: int = 2  # experts per token; their gates are renormalised to sum to 1 (Mixtral)
+    capacity_factor: float = 1.25  # slots per expert and sequence = ceil(factor * top_k * seq_len / n_experts)
+    moe_every: int = 1  # layer i is MoE when i % moe_every == 0 (Megatron's moe_layer_freq); 1 = every layer
+    router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient alpha (Fedus et al. 2021, eq. 4)
+    router_z_loss: float = 0.001  # router z-loss coefficient c_z (Zoph et al. 2022, eq. 5)
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times wide
     # LoRA (Hu et al. 2021, arXiv 2106.09685): every layer's target linears compute W0 x + (alpha / r) B A x with
     # A (r x in) Kaiming-uniform and B (out x r) zero, so step 0 is the base model; the base weights are frozen.
     lora_rank: int = 0  # r; 0 = no adapters
@@ -83,6 +91,16 @@ class ModelConfig:
     @property
     def ffn_dim(self) -> int:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) is a mixture-of-experts layer: the model, the planner and the
+        pipeline split ask here."""
+        return self.n_experts > 0 and layer % self.moe_every == 0
+
+    def expert_capacity(self, seq_len: int) -> int:
+        """Slots of each expert per sequence: ceil(capacity_factor * top_k * seq_len / n_experts) (GShard's
+        expert capacity with one group per sequence, so it does not depend on the batch or the layout)."""
+        return max(1, math.ceil(self.capacity_factor * self.top_k * seq_len / self.n_experts))
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
@@ -112,7 +130,28 @@ class ModelConfig:
             raise ValueError(f"model.n_token_types={self.n_token_types} must be >= 0")
         if self.init_std <= 0 or self.norm_eps <= 0:
             raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
+        self._validate_moe()
         self._validate_lora()
+
+    def _validate_moe(self) -> None:
+        for name in ("n_experts", "n_shared_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"model.{name}={value!r} must be an integer >= 0")
+        if self.n_experts == 0:
+            if self.n_shared_experts:
+                raise ValueError(f"model.n_shared_experts={self.n_shared_experts} needs routed experts "
+                                 "(model.n_experts > 0)")
+            return
+        _positive(self, "top_k", "moe_every")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"model.capacity_factor={self.capacity_factor} must be > 0 "
+                             f"(>= n_experts / top_k = {self.n_experts / self.top_k:g} never drops a token)")
+        if self.router_aux_loss < 0 or self.router_z_loss < 0:
+            raise ValueError(f"model.router_aux_loss={self.router_aux_loss} and model.router_z_loss="
+                             f"{self.router_z_loss} must be >= 0")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
@@ -137,6 +176,9 @@ class ParallelConfig:
 
     tp_size: int = 1  # tensor-parallel degree (Megatron column/row split); a TP group stays in a node
     pp_size: int = 1  # pipeline stages
+    # expert-parallel degree: each MoE layer's experts are split over groups of ep_size data-parallel ranks,
+    # tokens reach them by all-to-all (parallel/ep/); must divide dp_size and model.n_experts
+    ep_size: int = 1
     dp_size: int | None = None  # data-parallel degree; None = world_size / (tp_size * pp_size)
     zero_stage: int = 0  # 0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage
     zero_offload: bool = False  # DeepSpeed: offload optimizer (stage 3: and parameters) to CPU
@@ -198,7 +240,7 @@ class ParallelConfig:
         return dp
 
     def validate(self) -> None:
-        _positive(self, "tp_size", "pp_size", "micro_batch_size", "global_batch_size",
+        _positive(self, "tp_size", "pp_size", "ep_size", "micro_batch_size", "global_batch_size",
                   "checkpoint_every", "pp_virtual_stages")
         if self.dp_size is not None and self.dp_size < 1:
             raise ValueError(f"parallel.dp_size={self.dp_size} must be >= 1 or unset")

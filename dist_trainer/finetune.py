@@ -9,6 +9,9 @@ Fine-tuning trains part of a model. Two ways are configured, both in terms of th
   ``layers.3.attn.q_proj``), index ranges (``layers.0-11``), globs (``*.attn_norm``, ``*`` matching
   any characters) or presets (``embeddings``, ``bottom:N``, ``norms_only``). A pattern that names a
   module freezes what is under it too (``layers.3`` is the whole layer, its adapters included).
+  A mixture-of-experts layer's modules are ``layers.{i}.moe.router``, ``layers.{i}.moe.experts.{e}.{up,gate,
+  down}_proj`` (global expert index) and ``layers.{i}.moe.shared_expert.*`` (``model_moe.py``): freezing
+  ``*.moe.router``, ``layers.*.moe.experts`` or ``layers.0-3.moe.experts.0-1`` works like any other name.
 
 The trainer (``model_lora.freeze_``), the config check and the planner (``planner/finetune.py``) all
 resolve names here, so what trains and what the planner charges for cannot drift apart. A pattern that
@@ -29,6 +32,7 @@ from dist_trainer.model_names import (
     LAST_STAGE_MODULES,
     LAYER_MODULES,
     LORA_LINEARS,
+    MLP_LEAVES,
 )
 
 PRESETS = ("embeddings", "bottom:N", "norms_only")
@@ -47,6 +51,22 @@ class ModelShape(Protocol):
     pooler: bool
     lora_rank: int
     lora_targets: list[str]
+    n_experts: int
+    moe_every: int
+    n_shared_experts: int
+
+
+def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
+    """``ModelConfig.is_moe_layer`` for any ModelShape."""
+    return cfg.n_experts > 0 and layer % cfg.moe_every == 0
+
+
+def moe_module_names(cfg: ModelShape, layer: int) -> list[str]:
+    """The parameterised modules of MoE layer ``layer``'s ``moe`` block, in module order (model_moe.MoE)."""
+    leaves = [leaf for leaf in MLP_LEAVES if _present(cfg, leaf)]
+    names = [f"layers.{layer}.moe.router"]
+    names += [f"layers.{layer}.moe.experts.{e}.{leaf}" for e in range(cfg.n_experts) for leaf in leaves]
+    return names + ([f"layers.{layer}.moe.shared_expert.{leaf}" for leaf in leaves] if cfg.n_shared_experts else [])
 
 
 def layer_module_name(layer: int, leaf: str) -> str:
@@ -68,7 +88,12 @@ def module_names(cfg: ModelShape) -> list[str]:
     """Every module that holds parameters of its own, by full name, in the model's module order."""
     names = [n for n in FIRST_STAGE_MODULES if _present(cfg, n)]
     leaves = [leaf for leaf in LAYER_MODULES if _present(cfg, leaf)]
-    names += [layer_module_name(i, leaf) for i in range(cfg.n_layers) for leaf in leaves]
+    for i in range(cfg.n_layers):
+        if is_moe_layer(cfg, i):  # the block's ``moe`` in place of the MLP
+            names += [layer_module_name(i, leaf) for leaf in leaves if leaf not in MLP_LEAVES]
+            names += moe_module_names(cfg, i)
+        else:
+            names += [layer_module_name(i, leaf) for leaf in leaves]
     return names + [n for n in LAST_STAGE_MODULES if _present(cfg, n)]
 
 
@@ -78,6 +103,14 @@ def lora_target_leaves(cfg: ModelShape) -> tuple[str, ...]:
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"model.lora_targets={targets!r} must be a non-empty list of linear names or all_linear")
     linears = [leaf for leaf in LORA_LINEARS if _present(cfg, leaf)]
+    if cfg.lora_rank and cfg.n_experts:
+        # Decision (docs/moe.md): adapters on the experts' linears would be expert-parallel parameters the planner
+        # does not count yet; a MoE model takes adapters on the attention linears (its MoE blocks stay frozen).
+        mlp = [t for t in targets if t in (*MLP_LEAVES, "all_linear")]
+        if mlp:
+            raise ValueError(f"model.lora_targets={targets!r} with model.n_experts={cfg.n_experts}: LoRA adapters on "
+                             f"the MLP / expert linears ({', '.join(mlp)}) are not supported in a mixture-of-experts "
+                             f"model; adapt the attention linears (q_proj, k_proj, v_proj, o_proj)")
     if targets == ["all_linear"]:
         chosen = set(linears)
     else:

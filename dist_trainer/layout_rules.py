@@ -10,18 +10,22 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     layers_per_stage    the pipeline split: even by layers, by parameters, or given per stage
     check_schedule      a pipelining schedule against its micro-batches and virtual stages
     check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
+    check_ep            expert parallelism: a MoE model, ep dividing the experts and dp, which ZeRO stages take it
     check_precision     device limits: fp16 loss scaling needs CUDA
     check_layout        all of the above for a run config on a world size: the pre-launch check
     check_nodes         a world of several nodes fills whole ones; TP groups inside a node
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
+    expert_groups       the expert-parallel and expert-data-parallel groups inside the dp axis
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from dist_trainer.config import PP_SCHEDULES, Config, ModelConfig, ParallelConfig
-from dist_trainer.planner.params import embedding_params, layer_params, padded_vocab, tail_params
+from dist_trainer.planner.finetune import trainable_expert_params
+from dist_trainer.planner.params import embedding_params, layer_param_counts, padded_vocab, tail_params
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
@@ -115,7 +119,10 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
         for s in order[:extra]:
             counts[s] += 1
         return counts
-    block = sum(layer_params(model).values())
+    # parameters of layers [j, k): prefix[k] - prefix[j] (a MoE layer holds all its experts)
+    prefix = [0]
+    for count in layer_param_counts(model):
+        prefix.append(prefix[-1] + count)
     first = sum(embedding_params(model).values())
     tail = tail_params(model, pp_size=num_stages)
     last = sum(tail.values())
@@ -128,7 +135,7 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
         extra_cost = (first if s == 1 else 0) + (last if s == num_stages else 0)
         for k in range(s, n - (num_stages - s) + 1):
             for j in range(s - 1, k):
-                cost = max(best[s - 1][j], (k - j) * block + extra_cost)
+                cost = max(best[s - 1][j], prefix[k] - prefix[j] + extra_cost)
                 if cost < best[s][k]:
                     best[s][k], cut[s][k] = cost, j
     counts, k = [], n
@@ -231,6 +238,53 @@ def check_composition(parallel: ParallelConfig) -> None:
                          "tp and pp_size 1")
 
 
+def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0, freeze: Sequence[str] = ()) -> None:
+    """Expert parallelism (parallel/ep/) splits each MoE layer's experts over ep_size data-parallel ranks.
+
+    It needs experts to split (model.n_experts > 0, ep dividing them) and ep dividing dp (its groups are drawn
+    from the dp axis). Composes with TP (the MoE block is replicated on the TP ranks), pipeline stages and
+    ZeRO-1/2 (DeepSpeed's MoE conventions, in ``engines/deepspeed_zero.DeepSpeedZero``: expert parameters in their
+    own optimizer groups, partitioned over the expert-data-parallel group), and so with ZeRO-1/2 x TP (with or
+    without SP: ZeRO partitions each TP rank's shard, the replicated MoE block's experts over edp) and ZeRO-1 x PP
+    (what ``check_composition`` lets ZeRO do with stages); each is a parity test in tests/test_moe_parity.py.
+    ZeRO-3 is refused at any tp and pp: DeepSpeed 0.19.8 accepts no MoE under stage 3 but its own AutoEP layers
+    (engine._validate_zero3_moe_compatibility: "MoE not supported with Stage 3"), and without them it would
+    partition each rank's different experts over the whole dp group as if they were one tensor.
+
+    Fine-tuning (``train.freeze``, LoRA) composes with ep everywhere but one case: under ZeRO-1/2 a freeze that
+    leaves some ep ranks with trainable experts and others with none. DeepSpeed then builds MoE optimizer groups
+    on the first ranks only, and its gradient norm, reduced over the dp group one optimizer group after another
+    (stage_1_and_2.py get_grad_norm_direct), would pair different groups of different ranks.
+    """
+    ep = ep_size
+    if ep == 1:
+        return
+    if model.n_experts == 0:
+        raise ValueError(f"parallel.ep_size={ep} needs a mixture-of-experts model (model.n_experts > 0); "
+                         "a dense model has no experts to split: use ep_size 1")
+    valid = [d for d in _divisors(model.n_experts) if dp_size % d == 0]
+    if model.n_experts % ep:
+        raise ValueError(f"parallel.ep_size={ep} does not divide model.n_experts={model.n_experts}: every "
+                         f"expert-parallel rank holds the same number of experts; valid ep_size here: {valid}")
+    if dp_size % ep:
+        raise ValueError(f"parallel.ep_size={ep} does not divide the data-parallel degree dp_size={dp_size}: "
+                         f"expert-parallel groups are made of data-parallel ranks; valid ep_size here: {valid}")
+    if zero_stage == 3:
+        raise ValueError(f"parallel.zero_stage=3 with parallel.ep_size={ep} is not supported: DeepSpeed 0.19.8 "
+                         "refuses MoE layers under ZeRO-3 other than its AutoEP ones (\"MoE not supported with Stage "
+                         "3\"), and would otherwise partition each rank's different experts over the whole dp "
+                         "group; use zero_stage 1 or 2 with ep, or ep_size 1 with ZeRO-3")
+    if zero_stage in (1, 2) and (freeze or model.lora_rank):
+        held = [trainable_expert_params(model, freeze, ep_size=ep, ep_rank=r) for r in range(ep)]
+        if any(held) and not all(held):
+            raise ValueError(
+                f"train.freeze={list(freeze)} leaves ep ranks {[r for r, n in enumerate(held) if not n]} of "
+                f"parallel.ep_size={ep} without a trainable expert while the others train theirs: under "
+                f"parallel.zero_stage={zero_stage} DeepSpeed reduces the gradient norm over the data-parallel ranks "
+                "one optimizer group at a time, and those ranks would have no expert group; freeze the experts "
+                "alike on every ep rank (all, none, or the same projections of each), or use zero_stage 0")
+
+
 def check_precision(precision: str, device_type: str) -> None:
     """fp16 trains with dynamic loss scaling, which this trainer runs on CUDA only."""
     if precision == "fp16" and device_type != "cuda":
@@ -249,6 +303,7 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
     dp = p.resolve(world_size)
     check_tp(cfg.model, p.tp_size)
     check_composition(p)
+    check_ep(cfg.model, p.ep_size, dp, p.zero_stage, cfg.train.freeze)
     check_precision(cfg.train.precision, device_type)
     if p.pp_size > 1:
         check_pipeline(cfg.model, p, dp, cfg.train.precision)
@@ -303,3 +358,16 @@ def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list
         raise ValueError(f"dp*pp*tp = {dp_size}*{pp_size}*{tp_size} does not equal the world size {world_size}")
     return [[[(d * pp_size + p) * tp_size + t for t in range(tp_size)] for p in range(pp_size)]
             for d in range(dp_size)]
+
+
+def expert_groups(dp_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-data-parallel groups) as lists of data-parallel indices.
+
+    ep varies fastest inside dp (DeepSpeed's and Megatron-core's default order): an EP group is ep consecutive dp
+    ranks, which hold different experts and exchange tokens; the EDP group of a rank is the dp ranks holding its
+    experts (dp / ep of them), over which those experts' gradients are reduced."""
+    if ep_size < 1 or dp_size % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide dp_size={dp_size}")
+    ep = [[k * ep_size + j for j in range(ep_size)] for k in range(dp_size // ep_size)]
+    edp = [[k * ep_size + j for k in range(dp_size // ep_size)] for j in range(ep_size)]
+    return ep, edp

@@ -10,6 +10,8 @@ Module names (the TP plan refers to them):
   layers.{i}.attn_norm, layers.{i}.attn.{q,k,v,o}_proj,
   layers.{i}.mlp_norm, layers.{i}.mlp.{up,gate,down}_proj,
   final_norm, head (absent when tied), pooler, loss
+A mixture-of-experts layer (``model.n_experts`` > 0, ``model_moe.py``) holds ``layers.{i}.moe.{router,
+experts.{e}.*, shared_expert.*}`` in place of ``layers.{i}.mlp``.
 
 With ``model.lora_rank`` > 0 the ``model.lora_targets`` linears are ``model_lora.LoRALinear``s (their
 adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is frozen (``finetune.py``).
@@ -27,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
 from dist_trainer.model_lora import LoRALinear, init_adapter_, is_adapter
+from dist_trainer.model_moe import MoE, add_aux_losses
 
 IGNORE_INDEX = -100
 
@@ -160,13 +163,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Feed-forward block: up -> activation -> down, gated (SwiGLU, Shazeer 2020) when asked."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
         super().__init__()
         self.activation = cfg.activation
-        self.up_proj = build_linear(cfg, "up_proj", cfg.d_model, cfg.ffn_dim)
-        self.gate_proj = build_linear(cfg, "gate_proj", cfg.d_model, cfg.ffn_dim) if cfg.activation == "swiglu" \
-            else None
-        self.down_proj = build_linear(cfg, "down_proj", cfg.ffn_dim, cfg.d_model)
+        width = cfg.ffn_dim if width is None else width  # a MoE layer's shared expert is wider
+        self.up_proj = build_linear(cfg, "up_proj", cfg.d_model, width)
+        self.gate_proj = build_linear(cfg, "gate_proj", cfg.d_model, width) if cfg.activation == "swiglu" else None
+        self.down_proj = build_linear(cfg, "down_proj", width, cfg.d_model)
         set_attrs(self.down_proj, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,23 +184,28 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer layer; pre-norm (GPT-2/Llama) or post-norm (BERT)."""
+    """One transformer layer; pre-norm (GPT-2/Llama) or post-norm (BERT); ``moe`` in place of ``mlp`` in a
+    mixture-of-experts layer (``cfg.is_moe_layer(layer_id)``)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(layer_id):
+            self.moe = MoE(cfg, layer_id, lambda width: MLP(cfg, width))
+        else:
+            self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
         if self.pre_norm:
             x = x + self.drop(self.attn(self.attn_norm(x), rope))
-            return x + self.drop(self.mlp(self.mlp_norm(x)))
+            return x + self.drop(ffn(self.mlp_norm(x)))
         x = self.attn_norm(x + self.drop(self.attn(x, rope)))
-        return self.mlp_norm(x + self.drop(self.mlp(x)))
+        return self.mlp_norm(x + self.drop(ffn(x)))
 
 
 class LMLoss(nn.Module):
@@ -252,7 +260,7 @@ class Transformer(nn.Module):
         post = cfg.norm_placement == "post"
         self.emb_norm = build_norm(cfg) if post else None  # BERT normalises the embedding sum
         self.emb_drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = None if post else build_norm(cfg)  # post-norm layers end normalised
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
@@ -355,9 +363,10 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V) when targets is None, else the scalar mean loss."""
+        """Logits (B, T, V) when targets is None, else the scalar mean loss (in training, plus the MoE layers'
+        router losses)."""
         logits = self.logits(self.run_layers(self.embed(tokens, token_types)))
-        return logits if targets is None else self.loss(logits, targets)
+        return logits if targets is None else add_aux_losses(self, self.loss(logits, targets))
 
 
 def count_parameters(model: nn.Module) -> int:

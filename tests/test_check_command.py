@@ -8,6 +8,7 @@ checks read only the data's meta.json; ``plan --out`` runs the check on what it 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,29 @@ def test_the_check_command_and_plan_out_run_it(tiny_data: Path, tmp_path: Path) 
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert f"dist-trainer check --config {tmp_path / 'plan' / 'run.yaml'} --world-size 64 --gpus-per-node 8:\n  ok: " \
            "64 ranks (8 per node, cuda) run tp=4" in plan.stdout, plan.stdout
+
+
+def test_check_takes_expert_parallel_layouts_and_refuses_what_check_ep_refuses(tiny_data: Path,
+                                                                               tmp_path: Path) -> None:
+    """ep inside dp, with TP x ZeRO-2 and with pipeline stages x ZeRO-1 (issue 17); Mixtral layouts that the planner
+    ranks with ep > 1 pass the check as ``plan --out`` writes them."""
+    moe = {"n_experts": 4, "top_k": 2}
+    for parallel, world in (({"ep_size": 2}, 2), ({"ep_size": 2, "tp_size": 2, "zero_stage": 2}, 4),
+                            ({"ep_size": 4, "pp_size": 2, "zero_stage": 1, "global_batch_size": 16,
+                              "micro_batch_size": 2}, 8)):
+        report = check_run(tiny_config(tiny_data, tmp_path, model=moe, parallel=parallel), world, None, "cpu")
+        assert f" ep={parallel['ep_size']} zero={parallel.get('zero_stage', 0)} " in report[0], report
+    for parallel, why in (({"ep_size": 3}, "parallel.ep_size=3 does not divide model.n_experts=4"),
+                          ({"ep_size": 2, "zero_stage": 3}, "zero_stage=3 with parallel.ep_size=2 is not supported")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            check_run(tiny_config(tiny_data, tmp_path, model=moe, parallel={**parallel, "global_batch_size": 12}),
+                      6, None, "cpu")
+    mixtral, options = model_config("mixtral-8x7b"), TrainingOptions()
+    res = plan_layouts(mixtral, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=4096,
+                       global_batch=1024, hardware="H100-80GB", options=options, top_k=20)
+    with_ep = [p for p in res.layouts if p.layout.ep_size > 1]
+    assert with_ep, [p.layout for p in res.layouts]
+    for i, planned in enumerate(with_ep[:5]):
+        write_plan(tmp_path / f"mixtral_{i}", mixtral, planned, seq_len=4096, opts=options, gpus_per_node=8)
+        report = check_run(load_config(tmp_path / f"mixtral_{i}" / "run.yaml"), 64, 8, "cuda")
+        assert f" ep={planned.layout.ep_size} " in report[0], report

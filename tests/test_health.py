@@ -25,7 +25,12 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 HEALTH = {"health": {"every": 2}, "train": {"max_steps": 4, "eval_every": 2, "save_every": 2}}
 LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
            # ZeRO over each rank's TP shard (vocabulary padding, shard offsets) and over a pipeline rank's stage
-           "tp2+zero2": {"tp_size": 2, "zero_stage": 2}, "pp2+zero1": {"pp_size": 2, "zero_stage": 1}}
+           "tp2+zero2": {"tp_size": 2, "zero_stage": 2}, "pp2+zero1": {"pp_size": 2, "zero_stage": 1},
+           # a mixture-of-experts model, its experts split over ep=2 and partitioned by ZeRO-2 over edp (issue 17)
+           "ep2+zero2": {"ep_size": 2, "zero_stage": 2}}
+# layouts of another model than the tiny one, each against that model's own single-process run: 4 experts, a
+# shared one, capacity drops
+MODELS = {"ep2+zero2": {"n_experts": 4, "top_k": 2, "capacity_factor": 1.0, "n_shared_experts": 1}}
 SPIKE = {"health": {"every": 2, "on_spike": "skip", "spike_warmup": 3}, "train": {"max_steps": 6, "eval_every": 3,
                                                                                   "save_every": 3}}
 SPIKE_STEP = 4  # 0-based step whose gradient is multiplied by 1e4 on every rank
@@ -62,7 +67,8 @@ def _run(out: Path, data: Path, sections: dict, spike: bool = False) -> tuple[di
 
 
 def _layouts(rank: int, world: int, data: Path, out: Path) -> dict[str, Any]:
-    runs = {name: _run(out / name, data, _sections(parallel, HEALTH)) for name, parallel in LAYOUTS.items()}
+    runs = {name: _run(out / name, data, {**_sections(parallel, HEALTH), "model": MODELS.get(name, {})})
+            for name, parallel in LAYOUTS.items()}
     runs["zero2+spike"] = _run(out / "zero2+spike", data, _sections(LAYOUTS["zero2"], SPIKE), spike=True)
     return runs
 
@@ -84,10 +90,10 @@ def layouts(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 def test_signals_equal_the_single_process_run_in_every_layout(layouts: dict, tiny_data: Path,
                                                               tmp_path: Path) -> None:
-    """tp=2, pp=2, ZeRO-2, ZeRO-3, tp=2 x ZeRO-2 and pp=2 x ZeRO-1 record the single-process figures (1e-5):
-    per-layer grad and parameter norms, update-to-data ratios, L1 changes, attention projection norms, MLP
-    gradient quantiles, embedding cosine similarity, and the gradient noise scale (the same micro-batches in
-    every layout)."""
+    """tp=2, pp=2, ZeRO-2, ZeRO-3, tp=2 x ZeRO-2, pp=2 x ZeRO-1 and a MoE model's ep=2 x ZeRO-2 record the
+    single-process figures (1e-5): per-layer grad and parameter norms, update-to-data ratios, L1 changes, attention
+    projection norms, MLP gradient quantiles, embedding cosine similarity, and the gradient noise scale (the same
+    micro-batches in every layout); the MoE model's experts each counted once (the ``experts`` group)."""
     ref_curves, ref = _run(tmp_path, tiny_data, HEALTH)
     assert sorted(ref) == [2, 4]
     expected = {"health/grad_norm/layers.1.mlp", "health/param_norm/embed", "health/update_ratio/layers.0.norm",
@@ -97,10 +103,15 @@ def test_signals_equal_the_single_process_run_in_every_layout(layouts: dict, tin
     assert "health/l1_change/all" not in ref[2]  # no previous record to compare with
     assert math.isclose(ref[2]["health/grad_norm/all"], json.loads(
         (tmp_path / "metrics.jsonl").read_text().splitlines()[1])["grad_norm"], rel_tol=1e-6)
+    refs = {name: _run(tmp_path / name, tiny_data, {**HEALTH, "model": model}) for name, model in MODELS.items()}
+    moe = refs["ep2+zero2"][1]
+    assert {"health/grad_norm/experts", "health/param_norm/layers.1.mlp", "health/noise/b_simple"} <= set(moe[2])
+    assert "health/grad_norm/experts" not in ref[2]  # a dense model has no experts group
     for name in LAYOUTS:
         got_curves, got = layouts[name]
-        assert_same_curves(got_curves, ref_curves, what=name)
-        _assert_same_health(got, ref, name)
+        want_curves, want = refs.get(name, (ref_curves, ref))
+        assert_same_curves(got_curves, want_curves, what=name)
+        _assert_same_health(got, want, name)
 
 
 def test_a_skipped_step_is_not_applied_and_the_next_steps_stay_exact(layouts: dict, tiny_data: Path,

@@ -116,3 +116,32 @@ def test_runnable_names_the_reason() -> None:
     assert "zero_stage=3 with parallel.pp_size=2 is not supported: ZeRO-3 gathers" in str(
         runnable(MODELS["tiny"], zero_pp, seq_len=SEQ))
     assert runnable(MODELS["tiny"], replace(zero_pp, zero_stage=1), seq_len=SEQ) is None
+
+
+def test_expert_parallel_layouts_agree_and_are_ranked() -> None:
+    """MoE layouts: ep dividing dp and the experts, ZeRO-3 with ep refused (DeepSpeed), ep on a dense model refused;
+    the planner and the pre-launch check agree on each, and the search ranks ep > 1 layouts that run."""
+    moe = model_config("tiny-moe")  # 4 experts
+    options = TrainingOptions(precision="fp32", device="cpu")
+    answers = []
+    for world, tp, pp, ep, zero in itertools.product((2, 4, 8), (1, 2), (1, 2), (1, 2, 3, 4, 8), (0, 1, 2, 3)):
+        if world % (tp * pp):
+            continue
+        layout = Layout(tp_size=tp, pp_size=pp, dp_size=world // (tp * pp), ep_size=ep, zero_stage=zero,
+                        micro_batch_size=1, n_microbatches=2)
+        planner_says = runnable(moe, layout, seq_len=SEQ, options=options)
+        assert (planner_says is None) == _trainer_accepts(moe, layout, options), (layout, planner_says)
+        answers.append(planner_says)
+    assert None in answers
+    reasons = " ".join(a for a in answers if a)
+    for why in ("does not divide model.n_experts=4", "does not divide the data-parallel degree",
+                "zero_stage=3 with parallel.ep_size"):
+        assert why in reasons, why
+    dense = Layout(dp_size=2, ep_size=2, micro_batch_size=1, n_microbatches=2)
+    assert "needs a mixture-of-experts model" in str(runnable(MODELS["tiny"], dense, seq_len=SEQ, options=options))
+    res = plan_layouts(moe, n_gpus=8, gpus_per_node=8, gpu_memory_bytes=40 * GiB, seq_len=SEQ, global_batch=32,
+                       hardware="A100-80GB")
+    assert {p.layout.ep_size for p in res.layouts} >= {1, 2, 4}
+    assert not any(p.layout.ep_size > 1 and p.layout.zero_stage == 3 for p in res.layouts)
+    for planned in res.layouts[:20]:
+        assert _trainer_accepts(moe, planned.layout, TrainingOptions()), planned.layout

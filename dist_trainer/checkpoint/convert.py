@@ -5,13 +5,16 @@ A step folder of the DDP, TP and pipeline regimes holds, besides what ``publish.
     model_tp00_pp00.pt        parameter tensors by name (dp rank 0 of each (tp, pp) writes)
     optim_tp00_pp00.pt        optimizer state by parameter name, loss-scaler state
     tp_specs_pp00.json        how each parameter of the stage is split over tp
+    *_pp00_ep01.*             under expert parallelism, ep rank e > 0 of each (tp, pp) writes its experts alone
+                              (ep rank 0's files hold the dense parameters and its own experts)
 
-State is keyed by the plain model's parameter *name* (not optimizer index), so another tp x pp
-layout merges every shard into full tensors (``read_full_state``) and cuts out its own part
-(``load_shards``), weights and AdamW moments alike. A ZeRO checkpoint (any tp x pp layout) holds
-DeepSpeed's own files and ``tp_specs_ppPP.json``: each (tp, pp) coordinate's dp partitions are
-consolidated into the same by-name form (``deepspeed_files.consolidate``) and merged over tp the same
-way; ``export_zero_as_single`` writes one as a single-process checkpoint.
+State is keyed by the plain model's parameter *name* (not optimizer index; experts by their global
+index, ``layers.{i}.moe.experts.{e}``), so another tp x pp x ep layout merges every shard into full
+tensors (``read_full_state``) and cuts out its own part (``load_shards``), weights and AdamW moments
+alike. A ZeRO checkpoint (any tp x pp layout, ep_size 1) holds DeepSpeed's own files and
+``tp_specs_ppPP.json``: each (tp, pp) coordinate's dp partitions are consolidated into the same by-name
+form (``deepspeed_files.consolidate``) and merged over tp the same way; ``export_zero_as_single`` writes
+one as a single-process checkpoint. A ZeRO run with ep > 1 writes the by-name files above.
 """
 
 from __future__ import annotations
@@ -37,8 +40,21 @@ from dist_trainer.checkpoint.publish import (
 from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards, slice_for_tp
 
 
-def shard_name(kind: str, tp_rank: int, pp_rank: int) -> str:
-    return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+def _ep_suffix(ep_rank: int) -> str:
+    return f"_ep{ep_rank:02d}" if ep_rank else ""
+
+
+def shard_name(kind: str, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    return f"{kind}_tp{tp_rank:02d}_pp{pp_rank:02d}{_ep_suffix(ep_rank)}.pt"
+
+
+def select_names(model_state: dict[str, Any], optim_state: dict[str, Any],
+                 names: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The part of a rank's by-name model and optimizer state that concerns ``names`` (an ep rank's experts)."""
+    groups = [{**g, "params": [n for n in g["params"] if n in names]} for g in optim_state["param_groups"]]
+    return ({n: t for n, t in model_state.items() if n in names},
+            {**optim_state, "state": {n: v for n, v in optim_state["state"].items() if n in names},
+             "param_groups": groups})
 
 
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -91,38 +107,41 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def specs_file(pp_rank: int) -> str:
-    return f"tp_specs_pp{pp_rank:02d}.json"
+def specs_file(pp_rank: int, ep_rank: int = 0) -> str:
+    return f"tp_specs_pp{pp_rank:02d}{_ep_suffix(ep_rank)}.json"
 
 
-def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any]) -> None:
+def write_specs(folder: Path, pp_rank: int, specs: dict[str, Any], ep_rank: int = 0) -> None:
     """How each parameter of this stage is split over tp ({name: [dim, full_size]}); read when resharding."""
-    atomic_write_text(folder / specs_file(pp_rank),
+    atomic_write_text(folder / specs_file(pp_rank, ep_rank),
                        json.dumps({n: [s.dim, s.full_size] for n, s in specs.items()}, sort_keys=True))
 
 
-def read_specs(path: Path, meta: dict[str, Any], pp_rank: int, names: list[str]) -> dict[str, ShardSpec]:
-    """How each parameter of stage ``pp_rank`` was split over tp when saved. A checkpoint saved at tp 1 before
-    ZeRO checkpoints recorded their specs splits nothing: every name is whole."""
-    specs_path = path / specs_file(pp_rank)
+def read_specs(path: Path, meta: dict[str, Any], pp_rank: int, names: list[str],
+               ep_rank: int = 0) -> dict[str, ShardSpec]:
+    """How each parameter of stage ``pp_rank`` (ep rank ``ep_rank``'s files) was split over tp when saved. A
+    checkpoint saved at tp 1 before ZeRO checkpoints recorded their specs splits nothing: every name is whole."""
+    specs_path = path / specs_file(pp_rank, ep_rank)
     if not specs_path.is_file():
         if meta["layout"]["tp"] == 1 and "deepspeed_tag" in meta:
             return {n: ShardSpec(None, None) for n in names}
-        raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank)}; it cannot be resharded")
+        raise ValueError(f"checkpoint {path} lacks {specs_file(pp_rank, ep_rank)}; it cannot be resharded")
     try:
         return {n: ShardSpec(*v) for n, v in json.loads(specs_path.read_text()).items()}
     except (json.JSONDecodeError, TypeError) as exc:
         raise ValueError(f"checkpoint file {specs_path} cannot be read: {exc}") from None
 
 
-def read_coordinate(path: Path, meta: dict[str, Any], tp_rank: int,
-                    pp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(weights, optimizer state) by name of one (tp, pp) coordinate as saved: this project's two files, or a
+def read_coordinate(path: Path, meta: dict[str, Any], tp_rank: int, pp_rank: int,
+                    ep_rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(weights, optimizer state) by name of one (tp, pp, ep) coordinate as saved: this project's two files, or a
     ZeRO checkpoint's DeepSpeed partitions over dp consolidated (``deepspeed_files.consolidate``; fp32 master
-    weights and AdamW moments, ``param_groups`` None: the loading optimizer keeps its own)."""
+    weights and AdamW moments, ``param_groups`` None: the loading optimizer keeps its own). A ZeRO run with
+    expert parallelism writes this project's by-name files (``engines/deepspeed_zero.py``), never DeepSpeed's."""
     if "deepspeed_tag" not in meta:
-        return (load_file(path / shard_name("model", tp_rank, pp_rank)),
-                load_file(path / shard_name("optim", tp_rank, pp_rank)))
+        return (load_file(path / shard_name("model", tp_rank, pp_rank, ep_rank)),
+                load_file(path / shard_name("optim", tp_rank, pp_rank, ep_rank)))
+    assert ep_rank == 0, "DeepSpeed's own files are written at ep_size 1 only"
     from dist_trainer.checkpoint.deepspeed_files import consolidate, mp_rank  # DeepSpeed only for ZeRO checkpoints
 
     layout = meta["layout"]
@@ -136,18 +155,19 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
 
     Weights and optimizer moments are merged with the *saved* layout's specs (whether a
     tensor is split can depend on tp, e.g. GQA k/v). A tied embedding saved on both the
-    first and the last stage is kept once (the first stage's; the two are equal).
+    first and the last stage is kept once (the first stage's; the two are equal). Under expert
+    parallelism the ep ranks' files are joined: each holds other experts, by global name.
     """
     layout = meta["layout"]
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] | None = []
     first: dict[str, Any] = {}
-    for pp_rank in range(layout["pp"]):
-        shards = [read_coordinate(path, meta, t, pp_rank) for t in range(layout["tp"])]
+    for pp_rank, ep_rank in ((p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))):
+        shards = [read_coordinate(path, meta, t, pp_rank, ep_rank) for t in range(layout["tp"])]
         models, optims = [m for m, _ in shards], [o for _, o in shards]
         first = first or optims[0]
-        specs = read_specs(path, meta, pp_rank, list(models[0]))
+        specs = read_specs(path, meta, pp_rank, list(models[0]), ep_rank)
         for n, t in merge_tp_shards([{n: m[n] for n in specs} for m in models], specs).items():
             model.setdefault(n, t)
         names = list(optims[0]["state"])
@@ -169,16 +189,18 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
 
 
 def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                specs_now: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's model and optimizer state from a checkpoint saved under any tp x pp layout, with or without ZeRO.
+                specs_now: dict[str, Any], ep_size: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's model and optimizer state from a checkpoint saved under any tp x pp x ep layout, with or without
+    ZeRO.
 
     The same tp x pp layout reads the rank's own coordinate (under ZeRO: its dp partitions consolidated), when it
     holds this rank's parameters (the same stage split). Another one merges every shard into full tensors
     (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the current model's names and
-    splits), for weights and optimizer moments alike.
+    splits), for weights and optimizer moments alike. Under expert parallelism (saved or now) every coordinate is
+    merged: a rank's experts and its dense parameters live in different files.
     """
     layout = meta["layout"]
-    if (layout["tp"], layout["pp"]) == (tp_size, pp_size):
+    if (layout["tp"], layout["pp"], layout.get("ep", 1), ep_size) == (tp_size, pp_size, 1, 1):
         own = read_coordinate(path, meta, tp_rank, pp_rank)
         if set(specs_now) <= set(own[0]):  # else the stages were split otherwise: merge every coordinate
             return own

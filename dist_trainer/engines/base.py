@@ -38,6 +38,7 @@ from dist_trainer.checkpoint.convert import (
     load_optimizer_state_by_name,
     load_shards,
     optimizer_state_by_name,
+    select_names,
     shard_name,
     write_specs,
 )
@@ -47,6 +48,7 @@ from dist_trainer.finetune import frozen_modules
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
 from dist_trainer.optim import set_lr
+from dist_trainer.parallel.ep.grad import expert_param_names
 from dist_trainer.parallel.ownership import Piece, dense_pieces
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
@@ -166,6 +168,23 @@ class Engine(abc.ABC):
                 "optimizer": 0 if optimizer is None else unique_bytes(optimizer_moments(optimizer))}
 
 
+def write_named_shards(folder: Path, state: ParallelState, model: nn.Module, model_state: dict[str, torch.Tensor],
+                       optim_state: dict[str, Any]) -> None:
+    """Write one writer's by-name model and optimizer state (and, on tp rank 0, the split specs) as
+    ``checkpoint/convert.py`` reads them; under expert parallelism ep rank e > 0 keeps its experts alone."""
+    specs = tp_shard_specs(model)
+    tp, pp, ep = state.tp_rank, state.pp_rank, state.ep.rank
+    if ep > 0:  # the dense parameters are ep rank 0's to write
+        experts = set(expert_param_names(model))
+        model_state, optim_state = select_names(model_state, optim_state, experts)
+        specs = {n: s for n, s in specs.items() if n in experts}
+    # through publish.atomic_save, where every checkpoint file is written (one place to fail or test)
+    publish.atomic_save(model_state, folder / shard_name("model", tp, pp, ep))
+    publish.atomic_save(optim_state, folder / shard_name("optim", tp, pp, ep))
+    if tp == 0:
+        write_specs(folder, pp, specs, ep)
+
+
 class DenseUpdateMixin:
     """The hooked update of engines that step a torch optimizer themselves (DDP, pipeline)."""
 
@@ -186,6 +205,8 @@ class NamedShardsMixin:
 
     One writer per (tp, pp) coordinate (dp rank 0) saves weights and optimizer state by
     name, and tp rank 0 of each stage the split specs that let another layout reshard them.
+    Under expert parallelism the first rank of each edp group writes: ep rank 0 everything it
+    holds, ep rank e > 0 its experts alone (by global name) into ``*_epEE`` files.
     """
 
     model: nn.Module
@@ -194,22 +215,18 @@ class NamedShardsMixin:
     state: ParallelState
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
-        if self.state.dp_rank == 0:  # DP replicas hold the same state: one writer per (tp, pp)
+        if self.state.edp.rank == 0:  # DP replicas hold the same state: one writer per (tp, pp, ep)
             optim_state = optimizer_state_by_name(self.model, self.optimizer)
             if self.scaler is not None:
                 optim_state["scaler"] = self.scaler.state_dict()
             model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            # through publish.atomic_save, where every checkpoint file is written (one place to fail or test)
-            publish.atomic_save(model_state, folder / shard_name("model", self.state.tp_rank, self.state.pp_rank))
-            publish.atomic_save(optim_state, folder / shard_name("optim", self.state.tp_rank, self.state.pp_rank))
-            if self.state.tp_rank == 0:
-                write_specs(folder, self.state.pp_rank, tp_shard_specs(self.model))
+            write_named_shards(folder, self.state, self.model, model_state, optim_state)
         return {}
 
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
         model_state, optim_state = load_shards(
             folder, meta, tp_rank=self.state.tp_rank, tp_size=self.state.tp_size, pp_rank=self.state.pp_rank,
-            pp_size=self.state.pp_size, specs_now=tp_shard_specs(self.model))
+            pp_size=self.state.pp_size, specs_now=tp_shard_specs(self.model), ep_size=self.state.ep_size)
         self.model.load_state_dict(model_state)
         load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
         if self.scaler is not None and "scaler" in optim_state:

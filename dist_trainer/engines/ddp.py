@@ -1,4 +1,7 @@
-"""The DDP regime: torch DDP over the dp axis, Megatron tensor parallelism (and SP) inside each replica."""
+"""The DDP regime: torch DDP over the dp axis, Megatron tensor parallelism (and SP) inside each replica.
+
+With expert parallelism (parallel/ep/) DDP leaves the experts alone: their gradients are reduced over the
+expert-data-parallel group before clipping."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from dist_trainer.engines.base import (
 )
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.parallel.ep.apply import apply_expert_parallel
+from dist_trainer.parallel.ep.grad import expert_param_names, reduce_expert_grads
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads
@@ -52,11 +57,14 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         # Megatron TP: the full model is drawn from the seed, then each rank keeps its slices,
         # so every layout starts from the single-process weights.
         apply_tensor_parallel(model, self.state, self.cfg.parallel.sequence_parallel)
+        apply_expert_parallel(model, self.state)  # each rank keeps its experts (no-op at ep_size 1)
         return model.to(self.device)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.state.dp_size == 1:
             return model
+        # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads)
+        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
         ddp = DDP(model, process_group=self.state.dp.group,
                   device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=model.pooler is not None)  # the pooler takes no part in the MLM loss
@@ -80,6 +88,7 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
         finalize_tp_grads(self.model, self.state)  # partial grads of TP-replicated params (SP norms, ...)
+        reduce_expert_grads(self.model, self.state)  # expert-parallel experts over edp
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         self.step_hooks.grads_ready()

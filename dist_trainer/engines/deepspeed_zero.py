@@ -13,7 +13,32 @@
   as DeepSpeed's own pipeline engine does (``_exec_reduce_grads`` -> ``reduce_gradients(pipeline_parallel=True)``,
   deepspeed/runtime/pipe/engine.py:287, runtime/zero/stage_1_and_2.py:958);
 - checkpoints are DeepSpeed's own files (``save``), read back by ``checkpoint/deepspeed_files.py`` with
-  ``torch.load(weights_only=True)`` (``load``): never through DeepSpeed's loaders, which unpickle freely.
+  ``torch.load(weights_only=True)`` (``load``): never through DeepSpeed's loaders, which unpickle freely;
+- with expert parallelism (``parallel.ep_size`` > 1, ZeRO-1/2: ``layout_rules.check_ep``) DeepSpeed's MoE
+  conventions, here and nowhere else (DeepSpeed 0.19.8). DeepSpeed reduces and partitions expert parameters apart
+  from the dense ones only in an engine that knows it has MoE layers, which it learns from
+  ``isinstance(module, deepspeed.moe.layer.MoE)`` (runtime/engine.py ``_configure_distributed_model``); what its
+  own MoE layer would set up is set up for our groups:
+
+  1. ``_register_expert_groups``: our ep and edp process groups under DeepSpeed's name ``ep_size_{ep}`` in
+     ``deepspeed.utils.groups`` (what ``MoE.set_deepspeed_parallelism`` creates through
+     ``_create_expert_and_data_parallel``), a one-rank edp (ep_size = dp_size) as a group of that rank alone;
+     the engine then broadcasts each expert within its edp group only (``_broadcast_model``, by the experts'
+     ``allreduce = False`` and ``group_name`` that ``parallel/ep/apply.py`` sets);
+  2. ``_mark_moe_model``: a parameter-free subclass of DeepSpeed's MoE under ``model.ds_moe_marker``, so the engine
+     sets ``has_moe_layers`` (ZeRO's MoE settings, stage_1_and_2.py ``_configure_moe_settings``: stage 2 needs
+     contiguous_gradients, both need reduce_scatter, checked before launch by ``parallel/zero/config.py``);
+  3. ``_moe_param_groups``: DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` on our AdamW
+     groups (named ``decay`` and ``no_decay``), so each expert parameter sits in a group marked ``moe: True`` that
+     ZeRO partitions over edp (``real_dp_process_group``).
+
+  When no expert trains (LoRA, or ``train.freeze`` of every expert) 2 and 3 are skipped: DeepSpeed asserts that a
+  model with MoE layers has a MoE optimizer group, and frozen experts need none (``check_ep`` refuses a freeze
+  that leaves some ep ranks, but not all, without trainable experts: ZeRO's per-group norm reductions over dp
+  would not pair up). Checkpoints are then written by parameter name, experts by global index
+  (``_state_by_name``: DeepSpeed's ``safe_get_full_*``, collective over each parameter's partition group, into
+  ``engines/base.write_named_shards``), as the other regimes write them, because DeepSpeed's own MoE checkpoint
+  names experts by local index per ep rank.
 """
 
 from __future__ import annotations
@@ -23,13 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dist_trainer.checkpoint.convert import load_shards, write_specs
+from dist_trainer.checkpoint.convert import load_shards, optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
-from dist_trainer.engines.base import StepHooks
-from dist_trainer.optim import param_groups, set_lr
+from dist_trainer.engines.base import StepHooks, write_named_shards
+from dist_trainer.model import set_attrs
+from dist_trainer.optim import build_optimizer, param_groups, set_lr
+from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
@@ -63,8 +91,13 @@ class DeepSpeedZero:
 
         self.cfg, self.state, self.stage = cfg, state, cfg.parallel.zero_stage
         self.offload = cfg.parallel.zero_offload
-        # full shapes decide decay under ZeRO-3 (param_groups reads ds_shape)
-        optimizer = client_optimizer(param_groups(model, cfg.optim.weight_decay), cfg)
+        groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3 (ds_shape)
+        if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers (module docstring)
+            _register_expert_groups(state)  # collective
+            if any(is_expert_param(p) and p.requires_grad for p in model.parameters()):
+                _mark_moe_model(model, cfg.model.n_experts, state.ep_size)
+                groups = _moe_param_groups(groups)
+        optimizer = client_optimizer(groups, cfg)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module
@@ -102,7 +135,15 @@ class DeepSpeedZero:
     def save(self, folder: Path) -> dict[str, Any]:
         """Every rank writes its partition (DeepSpeed's ``zero_pp_rank_D_mp_rank_M_*`` files, M the (tp, pp)
         coordinate) under ``folder/DS_TAG``, and the first rank of each stage how its parameters are split over tp
-        (what merging the coordinates by name needs); returns what meta.json records."""
+        (what merging the coordinates by name needs); returns what meta.json records. With expert parallelism the
+        full fp32 weights and moments are gathered by name (collective) and written as every other regime does."""
+        if self.state.ep_size > 1:
+            weights, moments = self._state_by_name()
+            # the plain AdamW groups by name (decay membership, hyper-parameters), as the DDP and pipeline engines'
+            groups = optimizer_state_by_name(self.module, build_optimizer(self.module, self.cfg.optim))["param_groups"]
+            if self.state.edp.rank == 0:
+                write_named_shards(folder, self.state, self.module, weights, {"state": moments, "param_groups": groups})
+            return {}
         self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)  # ends with a barrier
         if self.state.rank == 0:
             # DeepSpeed copies its recovery scripts beside the files (engine.py _copy_recovery_script); they unpickle
@@ -134,8 +175,30 @@ class DeepSpeedZero:
                 return
         model_state, optim_state = load_shards(folder, meta, tp_rank=s.tp_rank, tp_size=s.tp_size,
                                                pp_rank=s.pp_rank, pp_size=s.pp_size,
-                                               specs_now=tp_shard_specs(self.module))
+                                               specs_now=tp_shard_specs(self.module), ep_size=s.ep_size)
         self._load_by_name(folder, model_state, optim_state)
+
+    def _state_by_name(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """(fp32 weights, {name: {step, exp_avg, exp_avg_sq}}) of every parameter this rank holds, whole (a frozen
+        one: its weights alone). Collective: every rank walks its parameters in the same order, each gather running
+        over that parameter's partition group (dp for dense parameters, edp for experts)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        # ZeRO-1/2 link each parameter to its AdamW moments after the first group's first step (stage_1_and_2.py,
+        # _lazy_init_hp_params_optimizer_state), before the other groups' moments exist: link again now they do
+        self.optimizer._hp_optimizer_states_linked = False
+        self.optimizer._lazy_init_hp_params_optimizer_state()
+        step = next((s["step"] for s in self.optimizer.optimizer.state.values() if "step" in s), torch.tensor(0.0))
+        weights: dict[str, torch.Tensor] = {}
+        moments: dict[str, dict[str, Any]] = {}
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:  # frozen (train.freeze, LoRA's base): no fp32 master nor moments; whole at ZeRO-1/2
+                weights[name] = p.detach().float().cpu()
+                continue
+            weights[name] = safe_get_full_fp32_param(p).detach().cpu()
+            moments[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone().cpu(),
+                             **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in MOMENTS}}
+        return weights, moments
 
     def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
         """Whether the saved flat partitions hold this optimizer's parameters in this order (DeepSpeed's own record
@@ -202,3 +265,57 @@ class DeepSpeedZero:
                     p.data.copy_(full)
             else:
                 p.data.copy_(full)
+
+
+# ---------------------------------------------------------------- DeepSpeed's MoE conventions (module docstring)
+
+
+def _register_expert_groups(state: ParallelState) -> None:
+    """Our ep / edp groups as DeepSpeed's expert groups of ``ep_size_{ep}`` (collective: every rank calls it)."""
+    from deepspeed.utils import groups
+
+    name = group_name(state.ep_size)
+    alone = None
+    if state.edp.size == 1:  # every rank is alone in its edp then: each creates every singleton, in rank order
+        for r in range(state.world_size):
+            g = dist.new_group([r])
+            if r == state.rank:
+                alone = g
+    for table, ranks_table, axis, group in ((groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                                             state.ep, state.ep.group),
+                                            (groups._EXPERT_DATA_PARALLEL_GROUP,
+                                             groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, state.edp,
+                                             state.edp.group or alone)):
+        assert group is not None, f"no process group for the {axis.axis} axis"
+        table[name] = group
+        ranks_table[name] = list(axis.ranks)
+
+
+def _mark_moe_model(model: nn.Module, n_experts: int, ep_size: int) -> None:
+    """Attach the marker that tells DeepSpeed the model has MoE layers (module docstring, point 2)."""
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    class ExpertParallelMarker(DeepSpeedMoE):
+        """No parameters, never called: our MoE layers run the experts; DeepSpeed reads num_experts here."""
+
+        def __init__(self) -> None:
+            nn.Module.__init__(self)  # not DeepSpeedMoE.__init__: no gate, no experts of its own
+            self.num_experts, self.ep_size = n_experts, ep_size
+            self.num_local_experts = n_experts // ep_size
+            self.expert_group_name = group_name(ep_size)
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass  # the groups are ours, registered by _register_expert_groups
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("ExpertParallelMarker only marks the model for DeepSpeed; it never runs")
+
+    set_attrs(model, ds_moe_marker=ExpertParallelMarker())
+
+
+def _moe_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our (decay, no-decay) AdamW groups with the expert parameters moved into DeepSpeed's MoE groups."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    named = [{**g, "name": name} for g, name in zip(groups, ("decay", "no_decay"), strict=True)]
+    return split_params_into_different_moe_groups_for_optimizer(named)

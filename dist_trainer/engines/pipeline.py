@@ -3,10 +3,11 @@
 ``PipelineEngine`` builds only this rank's stages (``parallel/pipeline/split.py``), applies TP to
 each, and runs the step through the ``torch.distributed.pipelining`` schedule named by
 ``parallel.pp_schedule`` (``parallel/pipeline/schedule.py``). What the library does not do for
-this model happens here: the gradient average over dp (one flat all-reduce, counted), the
-tied embedding's gradient sum between first and last stage, the global grad norm over all
-stages, the loss broadcast from the last stage so every rank reports the same value, and
-checkpoints under the plain model's parameter names (so they reload at any tp x pp).
+this model happens here: the gradient average over dp (one flat all-reduce, counted; expert-parallel
+experts over their edp group), the tied embedding's gradient sum between first and last stage, the
+global grad norm over all stages, the loss broadcast from the last stage so every rank reports the
+same value (plus the MoE router losses of every stage), and checkpoints under the plain model's
+parameter names (so they reload at any tp x pp x ep).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from dist_trainer.engines.base import (
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.layout_rules import n_microbatches
+from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 from dist_trainer.optim import build_optimizer
+from dist_trainer.parallel.ep.apply import apply_expert_parallel
+from dist_trainer.parallel.ep.grad import reduce_expert_grads, split_expert_grads
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.pipeline.schedule import build_schedule
 from dist_trainer.parallel.pipeline.split import StageModule, split_into_stages, stage_placement
@@ -72,6 +76,7 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         start_finetune(PipelineRankModule(self.stages), cfg)  # by global names, before TP splits the modules
         for stage in self.stages:
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
+            apply_expert_parallel(stage.model, state)
             stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)
             stage.to(device)
         self.pipe = build_schedule(self.stages, state, self.n_micro, p.pp_schedule, self.stages[-1].model.loss)
@@ -89,6 +94,7 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
         targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
         stage_ids = [s.stage_index for s in self.stages]
+        aux_before = aux_loss_sum(self.model)
         try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
             with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
                 if train:
@@ -106,16 +112,20 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         out = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
         # the loss lives on the last stage: one broadcast so every rank reports the same figure
         self.state.pp.broadcast(out, src_axis_rank=self.last_stage_rank)
+        if train and self.cfg.model.n_experts:  # each stage's router losses, mean over micro-batches, summed
+            aux = torch.tensor((aux_loss_sum(self.model) - aux_before) / self.n_micro, device=self.device)
+            out = out + self.state.pp.all_reduce(aux).to(out.dtype)
         return out * len(batches)
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         loss_sum = self._run(batches, train=True)
         # the gradient mean over dp, as DDP would, in one flat all-reduce (ZeRO reduces in its own step)
         if self.state.dp_size > 1 and self.zero is None:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grads, _ = split_expert_grads(list(self.model.parameters()))  # experts: over edp, below
             flat = self.state.dp.all_reduce(_flatten_dense_tensors(grads)).div_(self.state.dp_size)
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
+            reduce_expert_grads(self.model, self.state)
         return loss_sum
 
     def optimizer_step(self, lr: float) -> torch.Tensor:

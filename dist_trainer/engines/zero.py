@@ -16,7 +16,11 @@ with Megatron tensor parallelism (and sequence parallelism) inside each data-par
   shard's gradients;
 - checkpoints are DeepSpeed's own files inside the trainer's folder plus the TP split specs, read back with
   ``torch.load(weights_only=True)`` (``checkpoint/deepspeed_files.py``): natively for the same layout (exact
-  resume), by parameter name for any other layout or regime.
+  resume), by parameter name for any other layout or regime;
+- with expert parallelism (ZeRO-1/2, ``layout_rules.check_ep``) each rank keeps its experts
+  (``apply_expert_parallel``, after TP) and ``DeepSpeedZero`` follows DeepSpeed's MoE conventions (expert groups,
+  the MoE marker, MoE optimizer groups: ``parallel/ep/zero.py``); its checkpoints are then written by parameter
+  name, experts by global index, as the other regimes write them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, seeded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
+from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
@@ -68,6 +73,7 @@ class ZeroEngine(Engine):
             # plain model briefly, before partitioning.
             model = seeded_model(self.cfg)
             apply_tensor_parallel(model, self.state, self.cfg.parallel.sequence_parallel)
+            apply_expert_parallel(model, self.state)  # each rank keeps its experts (no-op at ep_size 1)
             prepare_for_deepspeed(model, self.state)
             return model.to(self.device)
         torch.manual_seed(self.cfg.train.seed)

@@ -29,7 +29,7 @@ import torch
 from dist_trainer.checkpoint import publish
 from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, StepHooks
-from dist_trainer.health.names import PREFIX, describe_parameter, layer_of
+from dist_trainer.health.names import PREFIX, describe_parameter, is_routed_expert, layer_of, signal_key
 from dist_trainer.health.noise import NoiseScale
 from dist_trainer.health.signals import LayerSignals, reduce_over_grid
 from dist_trainer.health.spikes import SpikeDetector
@@ -146,10 +146,11 @@ class HealthMonitor(StepHooks):
         if b_small is not None and math.isfinite(self.grad_norm) and not self._events.get(f"{PREFIX}skipped"):
             mean_small = float(noise_sq[0]) / (self.state.dp_size * self._calls)
             b_big = float(self.cfg.parallel.global_batch_size)
+            # the big batch over the same parameters as the small one: a MoE model's routed experts left out
+            big_sq = self.grad_norm ** 2 - metrics.get(signal_key("grad_norm", "experts"), 0.0) ** 2
             # a ratio whose |G|^2 estimate is not positive is left out (the raw one often is, with few samples)
             out.update({f"{PREFIX}noise/{k}": v for k, v in
-                        self.noise.update(b_small, mean_small, b_big, self.grad_norm ** 2).items()
-                        if math.isfinite(v)})
+                        self.noise.update(b_small, mean_small, b_big, big_sq).items() if math.isfinite(v)})
         out.update(self._straggler(busy))
         out[f"{PREFIX}skipped_steps"] = self.skipped_steps
         publish_progress(self.store, self.state.counter, self.state.rank)
@@ -249,8 +250,10 @@ class HealthMonitor(StepHooks):
 
     def _partial_groups(self) -> dict[int, AxisGroup]:
         """Parameters whose per-rank micro-batch gradient is a partial sum, and the group that sums it:
-        TP-replicated ones fed a part of the work (``tp_reduce_grad``) and a pipeline's tied embedding."""
-        out = {i: self.state.tp for i, (_, p) in enumerate(self.params) if getattr(p, "tp_reduce_grad", False)}
+        TP-replicated ones fed a part of the work (``tp_reduce_grad``) and a pipeline's tied embedding (a routed
+        expert never: the noise scale leaves experts out, ``_noise_local``)."""
+        out = {i: self.state.tp for i, (name, p) in enumerate(self.params)
+               if getattr(p, "tp_reduce_grad", False) and not is_routed_expert(name)}
         embedding_group = getattr(getattr(self.engine, "pipe", None), "embedding_group", None)
         tied = getattr(getattr(self.engine.model, "tok_emb", None), "weight", None)
         if embedding_group is not None and tied is not None:
@@ -258,7 +261,12 @@ class HealthMonitor(StepHooks):
         return out
 
     def _noise_local(self) -> tuple[torch.Tensor, float | None]:
-        """[sum over this rank's micro-batches of |g_mb|^2 (its owned share), micro-batches], and B_small."""
+        """[sum over this rank's micro-batches of |g_mb|^2 (its owned share), micro-batches], and B_small.
+
+        A MoE model's routed experts are left out (and from the big batch's |G|^2 in ``end_step``): under expert
+        parallelism an expert's gradient on a rank sums the micro-batches of its whole ep group (the all-to-all
+        brings their tokens), so no rank sees one micro-batch's expert gradient; every other parameter's gradient
+        on a rank is its own micro-batch's, in every layout."""
         calls = max(Counter(i for i, _ in self._norms).values(), default=0)  # micro-batches each parameter saw
         if calls == 0 or self.cfg.train.precision == "fp16":  # fp16: the loss scale is in every gradient
             return torch.zeros(1, dtype=torch.float64, device=self.device), None
@@ -267,7 +275,7 @@ class HealthMonitor(StepHooks):
         for i, norm in self._norms:
             p = self.params[i][1]
             if i not in self.partial and counted_on_this_tp_rank(p, self.state) and \
-                    not getattr(p, "pp_shared_copy", False):
+                    not getattr(p, "pp_shared_copy", False) and not is_routed_expert(self.params[i][0]):
                 sq += norm.double().to(self.device) ** 2
         for i in sorted(self.partial):  # the same order on every member of each group
             p = self.params[i][1]

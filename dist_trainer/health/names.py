@@ -8,6 +8,11 @@ A parameter belongs to its layer's module kind, its layer, the kind over all lay
 and final norms), ``embed`` (token, position and type embeddings), ``head`` (an untied output head),
 ``pooler``. An attention projection's weight also forms its own group (``layers.3.attn.q``), whose norm
 is the "attention projection norm".
+
+A mixture-of-experts layer's ``moe`` block (router, experts, shared expert; docs/moe.md) is that layer's
+feed-forward block: kind ``mlp`` (its gradients feed the layer's MLP gradient histogram). The routed experts of
+every layer also form the group ``experts`` (absent from a dense model's records), whose gradient norm the
+noise scale leaves out (``is_routed_expert``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def group_names(n_layers: int) -> list[str]:
     for i in range(n_layers):
         names += [f"layers.{i}.{k}" for k in LAYER_KINDS] + [f"layers.{i}"]
         names += [f"layers.{i}.attn.{p}" for p in PROJECTIONS]
-    return names + ["embed", "head", "pooler", *LAYER_KINDS, "all"]
+    return names + ["embed", "head", "pooler", *LAYER_KINDS, "experts", "all"]
 
 
 def groups_of(name: str) -> list[str]:
@@ -35,13 +40,27 @@ def groups_of(name: str) -> list[str]:
     parts = name.split(".")
     if parts[0] == "layers" and len(parts) >= 3:
         layer, module = f"layers.{parts[1]}", parts[2]
-        kind = module if module in ("attn", "mlp") else "norm"
+        kind = "attn" if module == "attn" else "mlp" if module in ("mlp", "moe") else "norm"
         groups = [f"{layer}.{kind}", layer, kind, "all"]
+        if is_routed_expert(name):
+            groups.append("experts")
         if module == "attn" and len(parts) == 5 and parts[4] == "weight" and parts[3][0] in PROJECTIONS:
             groups.append(f"{layer}.attn.{parts[3][0]}")
         return groups
     top = TOP_KINDS.get(parts[0])
     return [top, "all"] if top is not None else ["all"]
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's parameter (``layers.{i}.moe.experts.{e}.*``), by its global name in every layout."""
+    parts = name.split(".")
+    return len(parts) > 4 and parts[0] == "layers" and parts[2:4] == ["moe", "experts"]
+
+
+def is_mlp(name: str) -> bool:
+    """A parameter of a layer's feed-forward block: its MLP, or its MoE block."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "layers" and parts[2] in ("mlp", "moe")
 
 
 def layer_of(name: str) -> int | None:

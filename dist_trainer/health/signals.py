@@ -31,6 +31,7 @@ from dist_trainer.health.names import (
     QUANTILES,
     group_names,
     groups_of,
+    is_mlp,
     layer_of,
     quantile_key,
     signal_key,
@@ -89,7 +90,7 @@ class LayerSignals:
             g = piece.grad.float()
             sq[self._group_ids(piece.name)] += (torch.linalg.vector_norm(g).double() ** 2).to(device)
             layer = layer_of(piece.name)
-            if layer is not None and ".mlp." in piece.name:
+            if layer is not None and is_mlp(piece.name):
                 mag = g.abs()
                 gmax[layer] = torch.maximum(gmax[layer], mag.max().to(device))
                 logs = mag.clamp_min(10.0 ** LOG_MIN).log10().clamp(LOG_MIN, LOG_MAX - 1e-6)

@@ -1,7 +1,7 @@
 """Every collective of the project goes through an ``AxisGroup`` and is counted.
 
-An ``AxisGroup`` is one mesh axis (tp, pp or dp) as seen from this rank: its process
-group, size and rank, and the ``CommCounter`` shared by all axes of a ``ParallelState``.
+An ``AxisGroup`` is one mesh axis (tp, pp, dp; ep and edp under expert parallelism) as seen
+from this rank: its process group, size and rank, and the ``CommCounter`` shared by all axes of a ``ParallelState``.
 Each call records (op, axis, bytes), where bytes is the size of the buffer this rank
 hands to the collective (for all-gather: the local shard; for reduce-scatter: the full
 input). That is the figure Megatron's and the ZeRO paper's volume formulas count; the
@@ -107,7 +107,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class AxisGroup:
     """One axis of the (dp, pp, tp) grid from this rank's point of view."""
 
-    axis: str  # "tp", "pp" or "dp"
+    axis: str  # "tp", "pp", "dp", "ep" (expert-parallel) or "edp" (expert-data-parallel)
     size: int  # ranks along this axis
     rank: int  # this rank's coordinate on the axis
     group: dist.ProcessGroup | None  # None when size == 1 (no process group needed)
@@ -195,6 +195,19 @@ class AxisGroup:
             out.copy_(full.view(self.size, -1)[self.rank].view_as(out))
         else:
             self._run("reduce_scatter", _nbytes(t), lambda: dist.reduce_scatter(out, parts, group=self.group))
+        return out
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """Chunk ``i`` of ``t`` (dim 0 cut into ``size`` equal chunks) goes to axis rank ``i``; chunk ``j`` of the
+        result came from axis rank ``j`` (expert parallelism's token exchange). Counts the whole of ``t``."""
+        if self.size == 1:
+            return t
+        if t.shape[0] % self.size:
+            raise RuntimeError(f"all_to_all on axis {self.axis}: dim 0 of shape {tuple(t.shape)} is not divisible "
+                               f"by the axis size {self.size}")
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        self._run("all_to_all", _nbytes(t), lambda: dist.all_to_all_single(out, t, group=self.group))
         return out
 
     def broadcast(self, t: torch.Tensor, src_axis_rank: int = 0) -> torch.Tensor:

@@ -10,6 +10,9 @@ The pieces of all ranks partition every full parameter exactly once, whatever th
   (``pp_shared_copy``: its value and, after the tied-gradient sum, its gradient equal stage 0's);
 - data parallelism: replicas hold the same values, so each DP rank owns a 1/dp slice of every piece
   (``tensor_split`` of the flat tensor): a copy kept per piece then costs 1/dp of the replica's bytes;
+- expert parallelism: an expert (``ep_expert``, parallel/ep/) is held by the dp / ep ranks of one
+  expert-data-parallel group only, so each of them owns a 1/edp slice of it, and every expert is counted once
+  over the dp axis (the ep ranks of a group hold different experts);
 - ZeRO: DeepSpeed's own partitions (``parallel/zero/fragments.py``).
 
 ``offset`` is where the piece starts in the flattened full parameter, when the piece is contiguous there
@@ -62,7 +65,8 @@ def dense_pieces(model: nn.Module, state: ParallelState) -> list[Piece]:
         numel, start = tp_shard_extent(p, state)
         flat = p.detach().reshape(-1)[:numel]
         grad = None if p.grad is None else p.grad.detach().reshape(-1)[:numel]
-        lo, hi = numel * state.dp.rank // state.dp.size, numel * (state.dp.rank + 1) // state.dp.size
+        axis = state.edp if getattr(p, "ep_expert", False) else state.dp  # the replicas that hold it
+        lo, hi = numel * axis.rank // axis.size, numel * (axis.rank + 1) // axis.size
         pieces.append(Piece(name, flat[lo:hi], None if grad is None else grad[lo:hi],
                             None if start is None else start + lo))
     return pieces

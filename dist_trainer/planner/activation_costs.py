@@ -3,7 +3,8 @@
 ``activations.py`` lists what each piece of the model saves for backward; this module prices one rank of a layout
 with it: the layers it holds (each with its own cost when fine-tuning freezes parts of the model, as on the first
 pipeline stage or a later one), the embedding on the first stage, the head and the loss's backward on the last,
-autocast's weight copies, and the micro-batches in flight (``activations.in_flight_microbatches``).
+autocast's weight copies, and the micro-batches in flight (``activations.in_flight_microbatches``). A
+mixture-of-experts layer (``cfg.is_moe_layer``) has a cost of its own: its ``moe`` block in place of the MLP.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ class LayerCost:
     amp_weights: int  # 16-bit weight copies autocast keeps per micro-batch (0 unless amp_*)
 
 
-def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads) -> LayerCost:
+def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, moe: bool = False) -> LayerCost:
     flow = layer_flow(cfg, g)
-    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g)),
-                     selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g)),
+    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g, moe=moe)),
+                     selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g, moe=moe)),
                      checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
                      attention_core=per_token(attention_core_saved_tensors(
                          cfg, spec, flow["core_q"], flow["core_k"], flow["core_v"])),
-                     amp_weights=amp_weight_copies(cfg, spec, g))
+                     amp_weights=amp_weight_copies(cfg, spec, g, moe))
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class LayerCosts:
     Every layer costs ``layer`` unless fine-tuning freezes parts of the model: then each layer has its own cost,
     as it sits on the first pipeline stage (its input's gradient as in one process) or on a later one (received
     activations always require grad), and the head costs ``head_staged`` on a last stage that is not the first.
+    The MoE layers (``moe_ids``) cost ``moe_layer``.
     """
 
     layer: LayerCost
@@ -67,6 +69,8 @@ class LayerCosts:
     per_layer: tuple[LayerCost, ...] = ()
     per_layer_staged: tuple[LayerCost, ...] = ()
     head_staged: float | None = None
+    moe_layer: LayerCost | None = None
+    moe_ids: frozenset[int] = frozenset()
 
     @property
     def full(self) -> float:
@@ -74,7 +78,7 @@ class LayerCosts:
 
     def of(self, i: int, staged: bool) -> LayerCost:
         if not self.per_layer:
-            return self.layer
+            return self.moe_layer if self.moe_layer is not None and i in self.moe_ids else self.layer
         return (self.per_layer_staged if staged else self.per_layer)[i]
 
 
@@ -86,16 +90,19 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
         t = spec.tp_size
         amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
     layer, loss_backward = _layer_cost(cfg, spec, ALL_TRAIN), loss_backward_bytes_per_token(cfg, spec)
+    moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     if plan is None:
         return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
                           head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
-                          amp_head_weights=amp_head)
-    cache: dict[LayerGrads, LayerCost] = {}
+                          amp_head_weights=amp_head, moe_layer=moe_layer, moe_ids=moe_ids)
+    cache: dict[tuple[LayerGrads, bool], LayerCost] = {}
 
-    def cost(g: LayerGrads) -> LayerCost:
-        if g not in cache:
-            cache[g] = _layer_cost(cfg, spec, g)
-        return cache[g]
+    def cost(i: int, g: LayerGrads) -> LayerCost:
+        key = (g, i in moe_ids)
+        if key not in cache:
+            cache[key] = _layer_cost(cfg, spec, g, i in moe_ids)
+        return cache[key]
 
     head = "head" in plan.tail
     return LayerCosts(
@@ -103,8 +110,9 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
         head=per_token(head_saved_tensors(cfg, spec, plan.head_input(False), plan.tail)),
         head_staged=per_token(head_saved_tensors(cfg, spec, True, plan.tail)),
         amp_head_weights=amp_head if head or plan.head_input(False) else 0,
-        per_layer=tuple(cost(plan.layer(i, False)) for i in range(cfg.n_layers)),
-        per_layer_staged=tuple(cost(plan.layer(i, True)) for i in range(cfg.n_layers)))
+        per_layer=tuple(cost(i, plan.layer(i, False)) for i in range(cfg.n_layers)),
+        per_layer_staged=tuple(cost(i, plan.layer(i, True)) for i in range(cfg.n_layers)),
+        moe_layer=moe_layer, moe_ids=moe_ids)
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,

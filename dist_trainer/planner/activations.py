@@ -22,6 +22,10 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
 * selective recomputation (Korthikanti et al. 2022, section 4.2) runs each layer's attention core (RoPE, the
   GQA repeat, SDPA) under torch.utils.checkpoint: the layer keeps the q/k/v projections' outputs instead of the
   core's tensors, whatever the kernel;
+* a mixture-of-experts layer (``model_moe.py``) keeps, instead of the MLP's tensors, the router's fp32
+  probabilities, log-sum-exp and top-k choices, the experts' input buffer (E x capacity slots per sequence:
+  the dispatch buffer, or what the all-to-all brought under expert parallelism) and each expert's MLP tensors
+  on every slot, and the gathered outputs the gates multiply; the block is whole on every TP rank.
 * fine-tuning (``planner/finetune.LayerGrads``): a tensor is kept only when a gradient that reads it is computed
   (PyTorch's derivative formulas decide per input), so frozen weights drop their linears' inputs, a frozen bottom
   keeps nothing, and LoRA adds each adapter's r-wide A x.
@@ -34,6 +38,7 @@ and Megatron run it: 16-bit residual stream). ``activation_costs.py`` prices a r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
@@ -73,6 +78,7 @@ class ActivationSpec:
     # Our TP regime all-gathers the SP shard in an autograd Function before F.linear, so the linear keeps the
     # gathered input (parallel/tp/layers.py); Megatron keeps the shard and re-gathers in backward (False).
     sp_saves_gathered_input: bool = True
+    ep_size: int = 1  # expert parallelism: the experts whose weights autocast copies (the activations do not change)
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -204,6 +210,39 @@ def _mlp(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, flow: dict[str, 
     return [SavedTensor(f"mlp.{n}", f, spec.act) for n, k in kept.items() if k]
 
 
+def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
+    """What a MoE layer's ``moe`` block keeps for backward, per token of the micro-batch (module docstring)."""
+    E, k, d = cfg.n_experts, cfg.top_k, cfg.d_model
+    slots = E * cfg.expert_capacity(spec.seq_len) / spec.seq_len  # expert slots per token, padding included
+    amp = spec.precision.startswith("amp")
+    whole = dataclasses.replace(spec, tp_size=1, sequence_parallel=False)  # replicated on the TP ranks
+    copies = 2 if amp and cfg.activation == "swiglu" else 1  # autocast casts the input for up and gate apart
+    out = [SavedTensor("moe.router_probs", 2 * E, 4),  # softmax for the routing and for the aux loss
+           SavedTensor("moe.router_logits", E, 4), SavedTensor("moe.logsumexp", 2, 4),  # z-loss (and its square)
+           SavedTensor("moe.top_k", k, 8), SavedTensor("moe.top_p", k + 1, 4), SavedTensor("moe.keep", k, 1),
+           SavedTensor("moe.expert_input", d * slots * copies, spec.act)]
+    if amp:  # the router runs outside autocast on the fp32 norm output
+        out.append(SavedTensor("moe.router_input", d, 4))
+    every = layer_flow(cfg, ALL_TRAIN)
+    out += [SavedTensor(f"moe.experts.{x.name}", x.per_token * slots, x.nbytes)
+            for x in _mlp(cfg, whole, ALL_TRAIN, every)]
+    out += [SavedTensor("moe.picked_outputs", k * d, spec.act), SavedTensor("moe.gates", k, 4)]
+    if cfg.n_shared_experts:
+        wide = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.ffn_dim)
+        out += [SavedTensor(f"moe.shared_{x.name}", x.per_token, x.nbytes) for x in _mlp(wide, whole, ALL_TRAIN, every)]
+    return out
+
+
+def _moe(cfg: ModelConfig, spec: ActivationSpec, mlp_input: list[SavedTensor], kept: bool) -> list[SavedTensor]:
+    """A MoE layer's tensors where a dense layer has the MLP's (``moe_saved_tensors``), when its backward runs
+    (``kept``). The MLP input the dense layer keeps stays: without autocast the router keeps that same fp32 tensor,
+    under autocast the shared expert's linears keep their 16-bit copies (no autocast linear reads it otherwise)."""
+    if not kept:
+        return []
+    keep_input = not spec.precision.startswith("amp") or cfg.n_shared_experts
+    return [*(mlp_input if keep_input else []), *moe_saved_tensors(cfg, spec)]
+
+
 def _linear_input(cfg: ModelConfig, spec: ActivationSpec, name: str, g: LayerGrads, leaves: tuple[str, ...]
                   ) -> list[SavedTensor]:
     """The input several column-parallel linears read, kept by those whose weight gradient reads it. Under autocast
@@ -235,11 +274,12 @@ def _residual_mask(cfg: ModelConfig, spec: ActivationSpec, name: str, kept: bool
 
 
 def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bool = False,
-                        grads: LayerGrads = ALL_TRAIN) -> list[SavedTensor]:
+                        grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> list[SavedTensor]:
     """Everything one layer keeps for backward, per token, when it is not recomputed.
 
     ``grads``: which gradients the layer's backward computes (fine-tuning, ``planner/finetune.py``); a tensor is
-    kept when a gradient that reads it is computed, as PyTorch's derivative formulas decide.
+    kept when a gradient that reads it is computed, as PyTorch's derivative formulas decide. ``moe``: a
+    mixture-of-experts layer (``cfg.is_moe_layer``), its ``moe`` block in place of the MLP.
     """
     spec.validate()
     g, pre = grads, cfg.norm_placement == "pre"
@@ -248,8 +288,9 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
     attn = [*_linear_input(cfg, spec, "attn_norm.output" if pre else "layer.input", g, ("q_proj", "k_proj", "v_proj")),
             *_attention(cfg, spec, selective, g, qkv),
             *_residual_mask(cfg, spec, "attn.residual_dropout_mask", flow["attn_out"])]
-    mlp = [*_linear_input(cfg, spec, "mlp_norm.output" if pre else "attn_norm.output", g, ("up_proj", "gate_proj")),
-           *_mlp(cfg, spec, g, flow), *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_out"])]
+    mlp_input = _linear_input(cfg, spec, "mlp_norm.output" if pre else "attn_norm.output", g, ("up_proj", "gate_proj"))
+    ffn = _moe(cfg, spec, mlp_input, flow["mlp_out"]) if moe else [*mlp_input, *_mlp(cfg, spec, g, flow)]
+    mlp = [*ffn, *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_out"])]
     if pre:
         return [*_norm(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
                 *_norm(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp, *_adapters(cfg, spec, g, flow)]
@@ -259,10 +300,11 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
             *_adapters(cfg, spec, g, flow)]
 
 
-def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads = ALL_TRAIN) -> int:
+def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> int:
     """Bytes of the 16-bit weight casts autocast makes in one layer that the graph keeps: a linear keeps its cast
     weight for its input's gradient, so only where that input requires grad (frozen or not; an adapter's B always).
-    0 unless the precision is amp_*."""
+    A MoE layer (``moe``) casts every expert this rank runs (n_experts / ep_size) and the shared expert, whole on
+    every TP rank, in place of the MLP shard; its router runs outside autocast. 0 unless the precision is amp_*."""
     if not spec.precision.startswith("amp"):
         return 0
     t, h, f = spec.tp_size, cfg.d_model, cfg.ffn_dim
@@ -272,6 +314,11 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
              "up_proj": h * f // t, "gate_proj": h * f // t if cfg.activation == "swiglu" else 0,
              "down_proj": f * h // t}
     flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
+    if moe:
+        mats = 3 if cfg.activation == "swiglu" else 2
+        experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
+        sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mats * h * f * experts)
+        flow = {**flow, "moe": flow["mlp_out"]}
     total = sum(n for leaf, n in sizes.items() if flow[leaf])
     total += sum(grads.rank * (lora[leaf][0] * flow[leaf] + lora[leaf][1]) for leaf in grads.adapters)
     return 2 * total

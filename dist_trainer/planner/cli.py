@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction,
     """Add the params, memory and plan subcommands to the dist-trainer parser. ``check_written(run_yaml,
     world_size, gpus_per_node, device)`` is called on what ``plan --out`` writes: the trainer's pre-launch check,
     handed in from above (the planner never imports the trainer)."""
-    p = subparsers.add_parser("params", help="exact parameter count, per module")
+    p = subparsers.add_parser("params", help="exact parameter count, per module (total, active per token, trainable)")
     _model_args(p)
     p.set_defaults(func=run_params)
 
@@ -50,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction,
     m.add_argument("--tp", type=int, default=1)
     m.add_argument("--pp", type=int, default=1)
     m.add_argument("--dp", type=int, default=1)
+    m.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models; divides dp)")
     m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage (parallel.zero_stage)")
     m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
@@ -175,21 +176,23 @@ def run_params(args: argparse.Namespace) -> int:
     bd = param_breakdown(cfg)
     trains = module_rows(cfg, _freeze(args))
     rows = [{"module": name, "per_instance": each, "instances": n, "total": tot, "share": tot / bd.total,
-             "trainable": trains.get(name, 0)} for name, each, n, tot in bd.rows()]
+             "active": active, "trainable": trains.get(name, 0)} for name, each, n, tot, active in bd.rows(active=True)]
     trainable = sum(trains.values())
     # what fine-tuning saves against training every weight of the base model (Hu et al. 2021, section 4.2)
     reduction = 1 - trainable / bd.base_total
     if args.json:
-        print(json.dumps({"model": args.model, "total": bd.total, "base_total": bd.base_total, "trainable": trainable,
-                          "reduction": reduction, "per_layer": bd.layer_total, "n_layers": bd.n_layers,
-                          "breakdown": rows}, indent=2))
+        print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "base_total": bd.base_total,
+                          "trainable": trainable, "reduction": reduction, "per_layer": bd.layer_total,
+                          "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers, "breakdown": rows}, indent=2))
         return 0
-    print(f"{'module':<28}{'each':>16}{'x':>5}{'total':>18}{'share':>9}{'trainable':>18}")
+    width = max(28, *(len(r["module"]) + 2 for r in rows))
+    print(f"{'module':<{width}}{'each':>16}{'x':>6}{'total':>18}{'share':>9}{'active/token':>18}{'trainable':>18}")
     for r in rows:
-        print(f"{r['module']:<28}{r['per_instance']:>16,}{r['instances']:>5}{r['total']:>18,}{r['share']:>9.2%}"
-              f"{r['trainable']:>18,}")
-    print(f"{'one layer':<28}{bd.layer_total:>16,}")
-    print(f"{'total':<28}{'':>21}{bd.total:>18,}{'':>9}{trainable:>18,}")
+        print(f"{r['module']:<{width}}{r['per_instance']:>16,}{r['instances']:>6}{r['total']:>18,}{r['share']:>9.2%}"
+              f"{r['active']:>18,}{r['trainable']:>18,}")
+    if bd.n_layers:
+        print(f"{'one dense layer' if bd.n_moe_layers else 'one layer':<{width}}{bd.layer_total:>16,}")
+    print(f"{'total':<{width}}{'':>22}{bd.total:>18,}{'':>9}{bd.active:>18,}{trainable:>18,}")
     if trainable != bd.total:
         print(f"trainable {trainable:,} of {bd.total:,} ({trainable / bd.total:.4%}); base model {bd.base_total:,}: "
               f"{reduction:.4%} fewer trainable parameters than training it all")
@@ -199,7 +202,7 @@ def run_params(args: argparse.Namespace) -> int:
 def run_memory(args: argparse.Namespace) -> int:
     cfg = _load_model(args)
     opts, over = _options(args)
-    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, zero_stage=args.zero,
+    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, ep_size=args.ep, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)

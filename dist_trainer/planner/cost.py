@@ -31,16 +31,35 @@
        all-gather after the step always is.
   offload  fp32 gradients to the host and 16-bit parameters back over PCIe (ZeRO-2 moves gradients every
        micro-batch), CPU Adam on the node's cores: between backward and the next forward: exposed.
+  ep   mixture of experts under expert parallelism (planner/moe.py): per MoE layer and micro-batch the dispatch
+       buffer goes to the experts' ranks and their outputs come back, two all-to-alls forward and two backward
+       (two more per recomputed MoE layer), each sending (ep - 1)/ep of the buffer, inside a node when the ep
+       group's ep x pp x tp consecutive ranks fit one. Each sits between two dependent computations (router ->
+       experts -> combine): all exposed.
+  edp  the experts' gradients, over the expert-data-parallel group (dp / ep ranks) instead of dp: one flat
+       all-reduce after backward (exposed), or ZeRO-1/2's reductions and gather over edp (the dp rules).
+
+A MoE layer costs its router, top_k experts and its shared expert per token in model FLOPs (MFU), and every
+expert slot, padding included, in hardware FLOPs; its block is whole on every TP rank, so its FLOPs are not
+divided by tp.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.hardware import HardwareProfile
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
+from dist_trainer.planner.moe import (
+    all_to_all_bytes,
+    dense_mlp_flops_per_token,
+    dispatch_elements,
+    ep_link_is_intra,
+    moe_flops_per_token,
+    moe_layer_ids,
+)
 from dist_trainer.planner.params import matmul_params
 from dist_trainer.planner.rank_params import rank_params
 
@@ -72,19 +91,25 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
     """(model FLOPs, hardware FLOPs) of one optimizer step; they differ by the recomputed forwards."""
     tokens = global_batch * seq_len
     mm, attn = layer_forward_flops_per_token(cfg, seq_len)
-    forward = cfg.n_layers * (mm + attn) + 2.0 * matmul_params_head(cfg)
+    moe = moe_layer_ids(cfg)
+    moe_model, moe_hw = moe_flops_per_token(cfg, seq_len) if moe else (0.0, 0.0)
+    moe_model -= dense_mlp_flops_per_token(cfg) if moe else 0.0  # a MoE layer's extra over a dense one
+    moe_hw -= dense_mlp_flops_per_token(cfg) if moe else 0.0
+    forward = cfg.n_layers * (mm + attn) + 2.0 * matmul_params_head(cfg) + len(moe) * moe_model
     model = 3.0 * forward * tokens
+    padding = 3.0 * len(moe) * (moe_hw - moe_model) * tokens  # the experts' empty slots, computed all the same
     if recompute == "full":
-        extra = cfg.n_layers * (mm + attn)
+        extra = cfg.n_layers * (mm + attn) + len(moe) * moe_hw
     elif recompute == "every_k":
         extra = len(range(0, cfg.n_layers, checkpoint_every)) * (mm + attn)
+        extra += sum(1 for i in moe if i % checkpoint_every == 0) * moe_hw
     elif recompute == "selective":
         # only the attention core runs again: QK^T and AV, 4 s h per token and layer (Korthikanti et al. 2022,
         # appendix A: "2Bs^2h + 2Bs^2h"; their eq. 8 adds 12 B L s^2 h, three times this; see docs/planner.md)
         extra = cfg.n_layers * attn
     else:
         extra = 0.0
-    return model, model + extra * tokens
+    return model, model + padding + extra * tokens
 
 
 def matmul_params_head(cfg: ModelConfig) -> int:
@@ -193,10 +218,13 @@ def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
 
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
-                       n_params_rank: int | None = None, n_trainable_rank: int | None = None) -> StepTime:
+                       n_params_rank: int | None = None, n_trainable_rank: int | None = None,
+                       n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
     docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
-    trainable parameters only (default: all; frozen ones under fine-tuning); ZeRO-3 gathers every parameter."""
+    trainable parameters only (default: all; frozen ones under fine-tuning); ZeRO-3 gathers every parameter. Under
+    expert parallelism ``n_expert_rank`` of the rank's parameters (``n_expert_trainable_rank`` trainable) are its
+    experts, reduced over edp, not dp (the ep and edp axes)."""
     n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
                         layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
@@ -204,11 +232,18 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     tokens = layout.micro_batch_size * seq_len
     most_layers = max(len(layout.rank_layer_ids(cfg, r)) for r in range(p))
     imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
-    n_rank = n_params_rank if n_params_rank is not None else rank_params(
-        cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
-        balance=layout.pp_balance).total
+    rp = rank_params(cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
+                     balance=layout.pp_balance, ep_size=layout.ep_size) if n_params_rank is None else None
+    n_rank = rp.total if rp is not None else n_params_rank
+    expert = rp.expert if rp is not None else n_expert_rank  # this rank's experts under ep (their own groups)
+    assert n_rank is not None
     trainable = n_rank if n_trainable_rank is None else n_trainable_rank
+    expert_trainable = expert if n_expert_trainable_rank is None else n_expert_trainable_rank
     compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
+    if t > 1 and cfg.n_experts:  # the MoE blocks are whole on every TP rank: t times their share
+        _, moe_hw = moe_flops_per_token(cfg, seq_len)
+        block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
+        compute += block * (t - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model)
     compute += _memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
     bubble_frac = pipeline_bubble(p, m, v, layout.pp_schedule)
     bubble = compute * bubble_frac / (1 - bubble_frac)
@@ -234,10 +269,16 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         axes["pp"] = AxisTime(2 * m * v * msg, 2 * m * v * one, critical * one,
                               f"the {critical} transfers on the schedule's critical path are exposed")
     if d > 1:
-        axes["dp"] = _dp_time(layout, options, n_rank, trainable, backward_one, compute,
-                              inter if n > gpus_per_node else intra)
+        link = inter if n > gpus_per_node else intra
+        axes["dp"] = _dp_time(layout, options, n_rank - expert, trainable - expert_trainable, backward_one, compute,
+                              link)
+        axes.update(_expert_axes(cfg, layout, options, expert, expert_trainable, backward_one, compute, link,
+                                 seq_len=seq_len,
+                                 ep_link=intra if ep_link_is_intra(ep_size=layout.ep_size, tp_size=t, pp_size=p,
+                                                                   gpus_per_node=gpus_per_node) else inter))
     if layout.zero_offload:
-        shard = trainable / d  # the optimizer's part
+        # the optimizer's part: dense over dp, this rank's experts over edp (DeepSpeed's MoE groups)
+        shard = (trainable - expert_trainable) / d + expert_trainable * layout.ep_size / d
         per_micro = m if layout.zero_stage == 2 else 1  # stage 2 moves every micro-batch's gradient partition
         transfer = shard * (4 * per_micro + options.param_bytes) / hardware.pcie_bw
         adam = shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
@@ -269,6 +310,57 @@ def _memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOpti
     optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
     ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
     return (passes + optimizer_bytes) / hardware.memory_bw + ops * hardware.op_overhead
+
+
+def _ep_exchange(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
+                 layer_ids: list[int]) -> tuple[int, int, int, int]:
+    """(MoE layers, recomputed MoE layers, bytes per element going out, coming back) of a rank holding
+    ``layer_ids``: the buffer leaves in the residual stream's dtype and comes back in the compute dtype."""
+    ids = moe_layer_ids(cfg, layer_ids)
+    recomputed = {"full": len(ids), "every_k": sum(1 for i in ids if i % layout.checkpoint_every == 0)}.get(
+        layout.activation_checkpointing, 0)
+    return len(ids), recomputed, 2 if options.precision in ("bf16", "fp16") else 4, \
+        4 if options.precision == "fp32" else 2
+
+
+def ep_counted_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, *, seq_len: int,
+                     layer_ids: list[int]) -> int:
+    """Bytes a rank holding ``layer_ids`` hands to its ep all-to-alls in one step: what ``comm_bytes/ep/all_to_all``
+    counts (the whole buffer per call), 0 without expert parallelism. ``train/plan_check.py`` compares the two."""
+    if layout.ep_size == 1 or not cfg.n_experts:
+        return 0
+    n_moe, recomputed, in_b, out_b = _ep_exchange(cfg, layout, options, layer_ids)
+    return all_to_all_bytes(cfg, n_moe_layers=n_moe, micro_batch=layout.micro_batch_size, seq_len=seq_len,
+                            n_microbatches=layout.n_microbatches, n_recomputed=recomputed, in_bytes=in_b,
+                            out_bytes=out_b)
+
+
+def _expert_axes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, expert: int, expert_trainable: int,
+                 backward_one: float, compute: float, link: tuple[float, float], *, seq_len: int,
+                 ep_link: tuple[float, float]) -> dict[str, AxisTime]:
+    """The ep (token all-to-alls) and edp (expert gradients) axes of expert parallelism (module docstring): this
+    rank's ``expert`` parameters, of which ``expert_trainable`` train (frozen experts have no gradient)."""
+    ep, edp = layout.ep_size, layout.dp_size // layout.ep_size
+    if ep == 1 or not cfg.n_experts:
+        return {}
+    ids = max((layout.rank_layer_ids(cfg, r) for r in range(layout.pp_size)), key=lambda x: len(moe_layer_ids(cfg, x)))
+    counted = ep_counted_bytes(cfg, layout, options, seq_len=seq_len, layer_ids=ids)
+    n_moe, recomputed, in_b, out_b = _ep_exchange(cfg, layout, options, ids)
+    elems = dispatch_elements(cfg, micro_batch=layout.micro_batch_size, seq_len=seq_len)
+    one = {b: (ep - 1) / ep * elems * b / ep_link[0] + (ep - 1) * ep_link[1] for b in (in_b, out_b)}
+    calls = layout.n_microbatches * (2 * n_moe + recomputed)  # of each direction
+    time = calls * (one[in_b] + one[out_b])
+    axes = {"ep": AxisTime((ep - 1) / ep * counted, time, time,
+                           "between the router, the experts and the combine: all exposed")}
+    if edp > 1 and expert_trainable:
+        if layout.zero_stage:
+            axes["edp"] = _dp_time(replace(layout, dp_size=edp), options, expert, expert_trainable, backward_one,
+                                   compute, link)
+        else:
+            grads = expert_trainable * options.grad_bytes
+            t = ring_time("all_reduce", grads, edp, *link)
+            axes["edp"] = AxisTime(2 * (edp - 1) / edp * grads, t, t, "one flat all-reduce after backward: exposed")
+    return axes
 
 
 def _dp_time(layout: Layout, options: TrainingOptions, n_rank: int, trainable: int, backward_one: float,

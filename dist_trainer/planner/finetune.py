@@ -15,6 +15,13 @@ the chain of them from the embeddings upward (``grad_plan``), and ``activations.
 tensor when a gradient that reads it is computed. A pipeline stage other than the first receives activations
 that always require grad (torch.distributed.pipelining marks them so), so its layers pass gradients down
 whatever is frozen below. Which modules train is ``dist_trainer.finetune``'s answer, as in the trainer.
+
+A mixture-of-experts layer's ``moe`` block (router, experts by global index, shared expert) stands where the MLP
+is: its parameters count in full (every expert, not the top_k a token meets: each holds gradients and states),
+the experts of one expert-parallel rank only under ``ep_size`` > 1, never divided by TP (the block is whole on
+every TP rank). For the activations the block is one unit: its tensors are kept when any of its modules trains or
+its input needs a gradient (``LayerGrads`` marks the MLP leaves trained then), an upper bound when part of the
+block is frozen.
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import layer_module_name, training_plan
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES
-from dist_trainer.planner.params import embedding_params, layer_params, lora_layer_params, tail_params
+from dist_trainer.finetune import layer_module_name, moe_module_names, training_plan
+from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES
+from dist_trainer.planner.params import embedding_params, layer_params, lora_layer_params, moe_block_params, tail_params
 
 
 @dataclass(frozen=True)
@@ -80,15 +87,17 @@ class GradPlan:
 
 def _key(cfg: ModelConfig, freeze: Sequence[str]) -> tuple:
     return (cfg.n_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
-            cfg.tie_embeddings, cfg.pooler, cfg.lora_rank, tuple(cfg.lora_targets), tuple(freeze))
+            cfg.tie_embeddings, cfg.pooler, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts, cfg.moe_every,
+            cfg.n_shared_experts, tuple(freeze))
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(key: tuple) -> dict[str, tuple[bool, bool]]:
-    n_layers, pos, types, placement, activation, tied, pooler, rank, targets, freeze = key
+    n_layers, pos, types, placement, activation, tied, pooler, rank, targets, experts, every, shared, freeze = key
     shape = ModelConfig(n_layers=n_layers, pos_embedding=pos, n_token_types=types, norm_placement=placement,
                         activation=activation, tie_embeddings=tied, pooler=pooler, lora_rank=rank,
-                        lora_targets=list(targets))  # only the fields that decide which modules exist
+                        lora_targets=list(targets), n_experts=experts, moe_every=every,
+                        n_shared_experts=shared)  # only the fields that decide which modules exist
     return training_plan(shape, list(freeze))
 
 
@@ -108,6 +117,8 @@ def grad_plan(cfg: ModelConfig, freeze: Sequence[str] = ()) -> GradPlan | None:
     for i in range(cfg.n_layers):
         names = {leaf: layer_module_name(i, leaf) for leaf in LAYER_MODULES}
         base = frozenset(leaf for leaf, n in names.items() if plan.get(n, (False, False))[0])
+        if cfg.is_moe_layer(i) and any(plan[n][0] for n in moe_module_names(cfg, i)):
+            base |= frozenset(MLP_LEAVES)  # the moe block as one unit (module docstring)
         adapters = frozenset(leaf for leaf, n in names.items() if plan.get(n, (False, False))[1])
         layers.append(LayerGrads(grad, base, adapters, cfg.lora_rank, cfg.lora_dropout > 0))
         grad = layers[-1].output
@@ -119,15 +130,20 @@ def grad_plan(cfg: ModelConfig, freeze: Sequence[str] = ()) -> GradPlan | None:
 
 def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: int = 1,
                      layer_ids: Sequence[int] | None = None, first: bool = True, last: bool = True,
-                     pp_size: int = 1) -> int:
+                     pp_size: int = 1, ep_size: int = 1, ep_rank: int | None = None) -> int:
     """Trainable parameters on one rank: its TP share of the embeddings (``first``), of the layers ``layer_ids``
-    (default: all) and of the tail (``last``; a tied head copy when pp_size > 1)."""
+    (default: all) and of the tail (``last``; a tied head copy when pp_size > 1). A MoE layer's router and shared
+    expert count whole, its experts those of ep rank ``ep_rank`` (``trainable_expert_params``)."""
     plan = module_training(cfg, freeze)
     ids = range(cfg.n_layers) if layer_ids is None else layer_ids
     base, adapters = layer_params(cfg, tp_size), lora_layer_params(cfg, tp_size)
     total = sum(base[leaf] * plan.get(layer_module_name(i, leaf), (False, False))[0]
                 + adapters[leaf] * plan.get(layer_module_name(i, leaf), (False, False))[1]
                 for i in ids for leaf in LAYER_MODULES)
+    block = moe_block_params(cfg) if cfg.n_experts else {}
+    total += sum(v * plan[f"layers.{i}.moe.{k}"][0] for i in ids if cfg.is_moe_layer(i)
+                 for k, v in block.items() if v and not k.startswith("experts."))
+    total += trainable_expert_params(cfg, freeze, layer_ids=ids, ep_size=ep_size, ep_rank=ep_rank)
     if first:
         total += sum(v for n, v in embedding_params(cfg, tp_size).items() if plan.get(n, (False, False))[0])
     if last:
@@ -135,6 +151,25 @@ def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: i
             owner = "tok_emb" if n == "head" and cfg.tie_embeddings else n  # a tied head trains with the embedding
             total += v * plan.get(owner, (False, False))[0]
     return total
+
+
+def trainable_expert_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, layer_ids: Sequence[int] | None = None,
+                            ep_size: int = 1, ep_rank: int | None = None) -> int:
+    """Trainable routed-expert parameters of the MoE layers among ``layer_ids`` that ep rank ``ep_rank`` holds
+    (experts [r E/ep, (r+1) E/ep), ``parallel/ep/apply.local_experts``); ``None``: the ep rank with the most, the
+    planner's worst rank (a pattern such as ``layers.*.moe.experts.0-1`` freezes some ep ranks' experts only)."""
+    if not cfg.n_experts:
+        return 0
+    plan = module_training(cfg, freeze)
+    ids = [i for i in (range(cfg.n_layers) if layer_ids is None else layer_ids) if cfg.is_moe_layer(i)]
+    leaves = {k.rpartition(".")[2]: v for k, v in moe_block_params(cfg).items() if k.startswith("experts.") and v}
+    per = cfg.n_experts // ep_size
+
+    def held(r: int) -> int:
+        return sum(v * plan[f"layers.{i}.moe.experts.{e}.{leaf}"][0] for i in ids
+                   for e in range(r * per, (r + 1) * per) for leaf, v in leaves.items())
+
+    return held(ep_rank) if ep_rank is not None else max(held(r) for r in range(ep_size))
 
 
 def module_rows(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, int]:
@@ -146,5 +181,10 @@ def module_rows(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, int]:
         names = [layer_module_name(i, leaf) for i in range(cfg.n_layers)]
         rows[f"layers.*.{leaf}"] = base[leaf] * sum(plan.get(n, (False, False))[0] for n in names)
         rows[f"layers.*.{leaf}.lora"] = adapters[leaf] * sum(plan.get(n, (False, False))[1] for n in names)
+    moe_ids = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    for k, v in (moe_block_params(cfg) if moe_ids else {}).items():  # every expert counted: total, not active
+        subs = [k.replace("*", str(e)) for e in range(cfg.n_experts)] if k.startswith("experts.") else [k]
+        names = [f"layers.{i}.moe.{sub}" for i in moe_ids for sub in subs]
+        rows[f"layers.*.moe.{k}"] = v * sum(plan[n][0] for n in names) if v else 0
     rows.update({n: v for n, v in tail_params(cfg).items() if plan.get(n, (False, False))[0]})
     return rows

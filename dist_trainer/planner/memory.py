@@ -13,6 +13,8 @@ and ZeRO shards it over the dp replicas only (DeepSpeed's data-parallel group is
 4 Psi_r params and grads + 12 Psi_r/dp (fp32 master + moments), ZeRO-2 4 Psi_r + 16 Psi_r/dp, ZeRO-3 16 Psi_r/dp
 (fp32 model; ``tests/test_zero_tp_pp.py`` measures each rank of tp x dp, pp x dp and 3D layouts to within 1%).
 Activations come from ``activations.py`` (the tensors our model saves), overheads are explicit terms.
+Expert parallelism (``planner/moe.py``): a rank's experts keep their model states whole under DDP and partitioned
+over the expert-data-parallel group (dp / ep ranks) under ZeRO-1/2, never in DDP's buckets.
 Fine-tuning (``model.lora_rank``, ``TrainingOptions.freeze``): every parameter is held, but gradients, optimizer
 states, DeepSpeed's partitions and step buffers and DDP's buckets exist for the trainable ones only
 (``planner/finetune.py``), and activations keep what backward still computes.
@@ -23,10 +25,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules import check_offload, check_schedule, check_tp, layers_per_stage
+from dist_trainer.layout_rules import check_ep, check_offload, check_schedule, check_tp, layers_per_stage
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
-from dist_trainer.planner.finetune import grad_plan, trainable_params
+from dist_trainer.planner.finetune import grad_plan, trainable_expert_params, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -52,6 +54,7 @@ class Layout:
     pp_virtual_stages: int = 1
     pp_balance: str = "layers"  # how layout_rules.layers_per_stage splits the layers (as the trainer does)
     pp_stage_layers: tuple[int, ...] | None = None  # explicit (uneven) split: layers per stage
+    ep_size: int = 1  # expert parallelism: the experts of each MoE layer split over ep of the dp ranks
 
     @property
     def world_size(self) -> int:
@@ -63,7 +66,7 @@ class Layout:
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "micro_batch_size", "n_microbatches", "checkpoint_every",
-                     "pp_virtual_stages"):
+                     "pp_virtual_stages", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout.{name}={getattr(self, name)} must be >= 1")
         check_tp(cfg, self.tp_size)
@@ -71,6 +74,7 @@ class Layout:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         check_offload(self.zero_stage, self.zero_offload)
+        check_ep(cfg, self.ep_size, self.dp_size, self.zero_stage)  # its freeze rule: check_layout (runnable)
         if self.activation_checkpointing not in act.RECOMPUTE:
             raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r} is not one of "
                              f"{', '.join(act.RECOMPUTE)}")
@@ -235,7 +239,7 @@ def layout_rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> RankPa
     """The parameters pipeline rank ``pp_rank`` of ``layout`` holds (every TP and DP rank of it the same)."""
     return rank_params(cfg, tp_size=layout.tp_size, pp_size=layout.pp_size, pp_rank=pp_rank,
                        stage_layers=layout.pp_stage_layers, virtual_stages=layout.pp_virtual_stages,
-                       balance=layout.pp_balance)
+                       balance=layout.pp_balance, ep_size=layout.ep_size)
 
 
 def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, overheads: Overheads) -> dict[str, int]:
@@ -268,7 +272,8 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
     spec = act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
                               precision=options.precision, attention_kernel=options.attention_kernel,
-                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input)
+                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
+                              ep_size=layout.ep_size)
     costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
@@ -285,25 +290,34 @@ def _in_flight(layout: Layout, pp_rank: int) -> float:
 
 
 def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: dict[str, int], *,
-                seq_len: int, options: TrainingOptions, overheads: Overheads, pp_rank: int) -> RankMemory:
-    """Assemble one rank's memory from its parameter count and activation terms (shared by the search)."""
-    trainable = rank_trainable(cfg, layout, rp, options, pp_rank)
-    p, g, o, host = model_state_bytes(rp.total, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
-                                      zero_offload=layout.zero_offload, options=options, n_trainable=trainable)
+                seq_len: int, options: TrainingOptions, overheads: Overheads, pp_rank: int,
+                ep_rank: int | None = None) -> RankMemory:
+    """Assemble one rank's memory from its parameter count and activation terms (shared by the search);
+    ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
+    trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
+    expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
+    p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
+                                      zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert)
+    if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
+        states = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
+                                   zero_offload=layout.zero_offload, options=options, n_trainable=expert)
+        p, g, o, host = (a + b for a, b in zip((p, g, o, host), states))
+    # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
+    per_dp = trainable - expert + expert * layout.ep_size
     detail = {f"activations.{k}": v for k, v in activations.items()}
     if layout.zero_offload and layout.zero_stage in (1, 2) and layout.n_microbatches > 1 and trainable:
         # accumulating over micro-batches, offloaded ZeRO-1/2 keep each partition parameter's gradient in host
         # memory in the parameters' dtype (stage_1_and_2.py:1822-1853): Psi/N, plus the parameters that straddle
         # a partition boundary (kept whole); frozen parameters have no gradient
-        detail["host.offload_grad_accumulation"] = trainable * options.grad_bytes // layout.dp_size
+        detail["host.offload_grad_accumulation"] = per_dp * options.grad_bytes // layout.dp_size
         host += detail["host.offload_grad_accumulation"]
-    step = zero_step_buffers(trainable, layout, options, overheads)
+    step = zero_step_buffers(per_dp, layout, options, overheads)
     detail.update({f"step_buffers.{k}": v for k, v in step.items()})
     over: dict[str, int] = {}
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
     if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
-        over["ddp_grad_buckets"] = trainable * options.grad_bytes  # DDP buckets the gradients it reduces
+        over["ddp_grad_buckets"] = (trainable - expert) * options.grad_bytes  # DDP buckets what it reduces, not experts
     if layout.dp_size > 1 and layout.zero_stage > 0 and trainable:
         # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains
         over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
@@ -324,18 +338,31 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
                       host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
 
 
-def rank_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions, pp_rank: int) -> int:
-    """The trainable parameters among ``rp`` (pipeline rank ``pp_rank``): all unless fine-tuning freezes some."""
+def rank_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions, pp_rank: int,
+                   ep_rank: int | None = None) -> int:
+    """The trainable parameters among ``rp`` (pipeline rank ``pp_rank``, expert-parallel rank ``ep_rank``, None: the
+    one that trains the most): all unless fine-tuning freezes some."""
     if not cfg.lora_rank and not options.freeze:
         return rp.total
     return trainable_params(cfg, options.freeze, tp_size=layout.tp_size, layer_ids=layout.rank_layer_ids(cfg, pp_rank),
-                            first=pp_rank == 0, last=pp_rank == layout.pp_size - 1, pp_size=layout.pp_size)
+                            first=pp_rank == 0, last=pp_rank == layout.pp_size - 1, pp_size=layout.pp_size,
+                            ep_size=layout.ep_size, ep_rank=ep_rank)
+
+
+def rank_expert_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions,
+                          pp_rank: int, ep_rank: int | None = None) -> int:
+    """The trainable ones among ``rp.expert`` (this rank's experts under expert parallelism; 0 at ep_size 1)."""
+    if not rp.expert or (not cfg.lora_rank and not options.freeze):
+        return rp.expert
+    return trainable_expert_params(cfg, options.freeze, layer_ids=layout.rank_layer_ids(cfg, pp_rank),
+                                   ep_size=layout.ep_size, ep_rank=ep_rank)
 
 
 def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                        options: TrainingOptions = DEFAULT_OPTIONS,
-                       overheads: Overheads = DEFAULT_OVERHEADS) -> list[RankMemory]:
-    """One RankMemory per pipeline stage (every TP and DP rank of a stage holds the same bytes)."""
+                       overheads: Overheads = DEFAULT_OVERHEADS, ep_rank: int | None = None) -> list[RankMemory]:
+    """One RankMemory per pipeline stage (every TP and DP rank of a stage holds the same bytes, but for the experts
+    fine-tuning freezes on some ep ranks only: ``ep_rank``'s, None: the ep rank that trains the most)."""
     cfg.validate()
     layout.validate(cfg)
     options.validate()
@@ -346,15 +373,16 @@ def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
         rp = layout_rank_params(cfg, layout, r)
         acts = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=r)
         out.append(rank_memory(cfg, layout, rp, acts, seq_len=seq_len, options=options, overheads=overheads,
-                               pp_rank=r))
+                               pp_rank=r, ep_rank=ep_rank))
     return out
 
 
 def predict_rank_memory(cfg: ModelConfig, layout: Layout, *, seq_len: int,
                         options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
-                        pp_rank: int | None = None) -> RankMemory:
-    """Bytes on a rank of stage ``pp_rank``; None = the stage with the largest device total."""
-    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=options, overheads=overheads)
+                        pp_rank: int | None = None, ep_rank: int | None = None) -> RankMemory:
+    """Bytes on a rank of stage ``pp_rank``; None = the stage with the largest device total (``ep_rank``:
+    ``predict_all_stages``)."""
+    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=options, overheads=overheads, ep_rank=ep_rank)
     if pp_rank is not None:
         if not 0 <= pp_rank < layout.pp_size:
             raise ValueError(f"pp_rank={pp_rank} must be in [0, {layout.pp_size})")

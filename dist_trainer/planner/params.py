@@ -19,6 +19,11 @@ Pipeline parallelism: the embeddings sit on the first stage, final norm + head (
 with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding as its head (Megatron
 keeps a word-embedding copy on the last stage and all-reduces its gradient with the first).
 
+Mixture of experts (``dist_trainer/model_moe.py``): a MoE layer has the dense layer's attention and norms, and in
+place of the MLP a router ``Linear(h, E, bias=False)``, E experts that are each the MLP, and an optional shared
+expert (an MLP n_shared_experts x d_ff wide). Per token only top_k experts run: the *active* count is the total
+less (E - top_k) experts per MoE layer (Mixtral 8x7B: 46,702,792,704 total, 12,879,925,248 active, the whole
+embedding table and the untied head included, as Mistral counts them).
 LoRA (``model.lora_rank`` r > 0, Hu et al. 2021): each target linear (in k, out d) adds A (r x k) and B (d x r).
 Under TP a column-parallel target keeps A whole and splits B's rows, a row-parallel one splits A's columns and
 keeps B whole (``parallel/tp/layers.attach_adapter``).
@@ -26,12 +31,11 @@ keeps B whole (``parallel/tp/layers.attach_adapter``).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
-from dist_trainer.model_names import LAYER_MODULES
+from dist_trainer.model_names import LAYER_MODULES, MLP_LEAVES
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -61,12 +65,19 @@ def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
     }
 
 
+def mlp_params(cfg: ModelConfig, width: int, tp_size: int = 1) -> dict[str, int]:
+    """An MLP of ``width`` inner features on one TP rank: up and gate column-parallel, down row-parallel (its bias
+    replicated, added after the all-reduce)."""
+    h, bias, f = cfg.d_model, int(cfg.bias), width // tp_size
+    return {"up_proj": h * f + bias * f, "gate_proj": (h * f + bias * f) if cfg.activation == "swiglu" else 0,
+            "down_proj": f * h + bias * h}
+
+
 def layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """Parameters of one transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``)."""
+    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``)."""
     h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
     kv_dim = cfg.kv_heads * cfg.head_dim
     kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
-    f = cfg.ffn_dim // t
     return {
         "attn_norm": norm_params(cfg),
         "q_proj": h * (h // t) + bias * (h // t),  # column-parallel: output rows split
@@ -74,12 +85,31 @@ def layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
         "v_proj": h * kv_local + bias * kv_local,
         "o_proj": (h // t) * h + bias * h,  # row-parallel: bias replicated, added after the all-reduce
         "mlp_norm": norm_params(cfg),
-        "up_proj": h * f + bias * f,
-        "gate_proj": (h * f + bias * f) if cfg.activation == "swiglu" else 0,
-        "down_proj": f * h + bias * h,
+        **mlp_params(cfg, cfg.ffn_dim, t),
     }
 
 
+def moe_block_params(cfg: ModelConfig) -> dict[str, int]:
+    """A MoE layer's ``moe`` module: ``router``, ONE expert's projections (``experts.*.up_proj``, ...; the layer
+    holds n_experts of them) and the shared expert. Never split by TP (the block is replicated on TP ranks)."""
+    shared = cfg.n_shared_experts * cfg.ffn_dim
+    return {"router": cfg.d_model * cfg.n_experts,
+            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.ffn_dim).items()},
+            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()}}
+
+
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters of each layer of the whole model: a dense layer, or attention and norms plus the MoE block with
+    all its experts."""
+    dense = layer_params(cfg)
+    moe = sum(v for k, v in dense.items() if k not in MLP_LEAVES) + sum(
+        v * (cfg.n_experts if k.startswith("experts.") else 1) for k, v in moe_block_params(cfg).items())
+    return [moe if cfg.is_moe_layer(i) else sum(dense.values()) for i in range(cfg.n_layers)]
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Parameters of one routed expert."""
+    return sum(v for k, v in moe_block_params(cfg).items() if k.startswith("experts."))
 def lora_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, int, bool, bool]]:
     """Per layer linear leaf: (A's input columns, B's output rows, A whole, B whole) on one TP rank."""
     h, t, f = cfg.d_model, tp_size, cfg.ffn_dim
@@ -122,13 +152,19 @@ def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict
 
 @dataclass(frozen=True)
 class ParamBreakdown:
-    """Per-module counts: embeddings (once), one layer (times n_layers), tail (once); LoRA adapters per layer."""
+    """Per-module counts: embeddings (once), one dense layer (times n_layers), tail (once), LoRA adapters per
+    layer; a MoE model adds n_moe_layers layers of attention and norms (per_layer's non-MLP modules) and ``moe``
+    (moe_block_params)."""
 
     embedding: dict[str, int]
     per_layer: dict[str, int]
-    n_layers: int
+    n_layers: int  # dense layers
     tail: dict[str, int]
-    adapters: dict[str, int] = dataclasses.field(default_factory=dict)  # per layer, by the linear they adapt
+    n_moe_layers: int = 0
+    moe: dict[str, int] = field(default_factory=dict)
+    n_experts: int = 0
+    top_k: int = 0
+    adapters: dict[str, int] = field(default_factory=dict)  # per layer, by the linear they adapt
 
     @property
     def layer_total(self) -> int:
@@ -136,28 +172,47 @@ class ParamBreakdown:
 
     @property
     def total(self) -> int:
-        return sum(self.embedding.values()) + self.n_layers * self.layer_total + sum(self.tail.values())
+        return sum(r[3] for r in self.rows())
 
     @property
     def base_total(self) -> int:
         """The model without its adapters."""
-        return self.total - self.n_layers * sum(self.adapters.values())
+        return self.total - sum(r[3] for r in self.rows() if r[0].endswith(".lora"))
 
-    def rows(self) -> list[tuple[str, int, int, int]]:
-        """(module, count per instance, instances, count in total) for every non-empty module."""
+    @property
+    def active(self) -> int:
+        """Parameters that take part in one token's forward: all but the experts it is not routed to."""
+        return sum(r[4] for r in self.rows(active=True))
+
+    def rows(self, active: bool = False) -> list[tuple]:
+        """(module, count per instance, instances, count in total[, active per token]) for every non-empty
+        module; an expert's projection is one instance per expert and MoE layer."""
+        n_moe = self.n_moe_layers
         out = [(f"embedding.{k}", v, 1, v) for k, v in self.embedding.items() if v]
         for k, v in self.per_layer.items():
-            out += [(f"layers.*.{k}", v, self.n_layers, v * self.n_layers)] if v else []
+            n = self.n_layers + (n_moe if k not in MLP_LEAVES else 0)  # a MoE layer's MLP is its ``moe``
+            if v and n:
+                out.append((f"layers.*.{k}", v, n, v * n))
             a = self.adapters.get(k, 0)
-            out += [(f"layers.*.{k}.lora", a, self.n_layers, a * self.n_layers)] if a else []
+            if a and n:
+                out.append((f"layers.*.{k}.lora", a, n, a * n))
+        for k, v in self.moe.items():
+            n = n_moe * (self.n_experts if k.startswith("experts.") else 1)
+            if v and n:
+                out.append((f"layers.*.moe.{k}", v, n, v * n))
         out += [(k, v, 1, v) for k, v in self.tail.items() if v]
-        return out
+        if not active:
+            return out
+        share = {".moe.experts.": self.top_k / max(self.n_experts, 1)}
+        return [(*r, round(r[3] * next((f for key, f in share.items() if key in r[0]), 1))) for r in out]
 
 
 def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
     """The whole model's counts (single rank); ``.total`` equals count_parameters(build_model(cfg))."""
     cfg.validate()
-    return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers, tail_params(cfg),
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers - n_moe, tail_params(cfg),
+                          n_moe, moe_block_params(cfg) if n_moe else {}, cfg.n_experts, cfg.top_k,
                           lora_layer_params(cfg))
 
 
@@ -174,4 +229,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     h, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
     mlp_mats = 3 if cfg.activation == "swiglu" else 2
     linears = 2 * h * h + 2 * h * kv_dim + mlp_mats * h * cfg.ffn_dim
-    return cfg.n_layers * linears + cfg.vocab_size * cfg.d_model
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    # a MoE layer's token meets the router, top_k experts and the shared expert instead of one MLP
+    moe = h * cfg.n_experts + mlp_mats * h * cfg.ffn_dim * (cfg.top_k + cfg.n_shared_experts - 1) if n_moe else 0
+    return cfg.n_layers * linears + n_moe * moe + cfg.vocab_size * cfg.d_model

@@ -3,6 +3,8 @@
 Megatron's TP plan (Shoeybi et al. 2019, section 3) splits the layers' linears and the vocabulary; norms,
 row-parallel biases, position/type embeddings, the pooler and (when tp does not divide the kv heads) k/v are
 replicated on every TP rank. The pipeline split is ``layout_rules.layers_per_stage``, as the trainer builds it.
+A MoE layer's ``moe`` block is replicated on the TP ranks and, under expert parallelism, holds n_experts / ep
+experts (``planner/moe.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp, layers_per_stage
+from dist_trainer.model_names import MLP_LEAVES
+from dist_trainer.planner.moe import largest_moe_module, moe_holdings, moe_layer_ids
 from dist_trainer.planner.params import (
     embedding_params,
     kv_sharded,
@@ -31,6 +35,7 @@ class RankParams:
     sharded: int
     replicated: int
     largest_layer: int  # the biggest single module, for ZeRO-3's gathered working set
+    expert: int = 0  # of the total: expert-parallel experts (model states reduced over edp, not dp)
 
     @property
     def total(self) -> int:
@@ -39,7 +44,7 @@ class RankParams:
 
 def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
                 stage_layers: Sequence[int] | None = None, virtual_stages: int = 1,
-                balance: str = "layers") -> RankParams:
+                balance: str = "layers", ep_size: int = 1) -> RankParams:
     """Parameters on one rank of pipeline rank ``pp_rank`` (identical for every TP rank of the stage).
 
     The layers are the trainer's split (``layout_rules``): pp_size x virtual_stages stages by ``balance`` or
@@ -64,14 +69,22 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
         modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
         if tp_size > 1:
             replicated += emb["pos_emb"] + emb["type_emb"] + emb["emb_norm"]
-    n_here = sum(counts[pp_rank::pp_size])
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    ids = [i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s])]
+    n_here, n_moe = len(ids), len(moe_layer_ids(cfg, ids))
     for name, v in one_layer.items():
-        if v:
-            modules[f"layers.*.{name}"] = v * n_here
+        n = n_here - n_moe if name in MLP_LEAVES else n_here  # a MoE layer has ``moe`` for its MLP
+        if v and n:
+            modules[f"layers.*.{name}"] = v * n
     for name, v in lora_layer_params(cfg, tp_size).items():  # LoRA adapters (none without model.lora_rank)
-        if v:
-            modules[f"layers.*.{name}.lora"] = v * n_here
-    replicated += (rep_layer + lora_replicated_params(cfg, tp_size)) * n_here
+        n = n_here - n_moe if name in MLP_LEAVES else n_here  # (a MoE model takes attention targets only)
+        if v and n:
+            modules[f"layers.*.{name}.lora"] = v * n
+    replicated += rep_layer * (n_here - n_moe) + lora_replicated_params(cfg, tp_size) * n_here
+    moe = moe_holdings(cfg, n_moe, ep_size)
+    modules.update(moe.modules)
+    if tp_size > 1 and n_moe:  # the block is whole on every TP rank; the layer has no down_proj bias
+        replicated += (rep_layer - int(cfg.bias) * cfg.d_model) * n_moe + moe.replicated
     if pp_rank == pp_size - 1:
         tail = tail_params(cfg, tp_size, pp_size=pp_size)
         modules.update({k: v for k, v in tail.items() if v})
@@ -79,5 +92,6 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
             replicated += tail["final_norm"] + tail["pooler"]
     total = sum(modules.values())
     largest = max([*one_layer.values(), *embedding_params(cfg, tp_size).values(),
-                   *tail_params(cfg, tp_size, pp_size=pp_size).values()])
-    return RankParams(modules=modules, sharded=total - replicated, replicated=replicated, largest_layer=largest)
+                   *tail_params(cfg, tp_size, pp_size=pp_size).values(), largest_moe_module(cfg) if n_moe else 0])
+    return RankParams(modules=modules, sharded=total - replicated, replicated=replicated, largest_layer=largest,
+                      expert=moe.expert)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dist_trainer.config import ModelConfig, config_from_dict
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_layout, check_tp
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
@@ -29,6 +29,7 @@ from dist_trainer.planner.memory import (
     TrainingOptions,
     layout_rank_params,
     node_host_bytes,
+    rank_expert_trainable,
     rank_memory,
     rank_trainable,
 )
@@ -99,12 +100,12 @@ class _Planner:
                  hw: HardwareProfile, gpus_per_node: int, memory: int, host_memory: int) -> None:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
-        self._params: dict[tuple[int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool], LayerCosts] = {}
+        self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
+        self._costs: dict[tuple[int, bool, int], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
-        key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank)
+        key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
         if key not in self._params:
             self._params[key] = layout_rank_params(self.cfg, layout, rank)
         return self._params[key]
@@ -116,14 +117,14 @@ class _Planner:
             self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
         return self._layers[key]
 
-    def costs(self, tp: int, sp: bool) -> LayerCosts:
-        if (tp, sp) not in self._costs:
+    def costs(self, tp: int, sp: bool, ep: int = 1) -> LayerCosts:
+        if (tp, sp, ep) not in self._costs:
             o = self.options
             spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
                                       attention_kernel=o.attention_kernel, device=o.device,
-                                      sp_saves_gathered_input=o.sp_saves_gathered_input)
-            self._costs[(tp, sp)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
-        return self._costs[(tp, sp)]
+                                      sp_saves_gathered_input=o.sp_saves_gathered_input, ep_size=ep)
+            self._costs[(tp, sp, ep)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
+        return self._costs[(tp, sp, ep)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
@@ -137,7 +138,7 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel),
+            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
                                      mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                                      layer_ids=layers[r],
                                      tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
@@ -151,11 +152,13 @@ class _Planner:
 
     def price(self, layout: Layout) -> PlannedLayout:
         mem = self.memory_of(layout)
+        rp = self.params(layout, 0)
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
-                               n_params_rank=self.params(layout, 0).total,
-                               n_trainable_rank=rank_trainable(self.cfg, layout, self.params(layout, 0),
-                                                               self.options, 0))
+                               n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
+                                                                                      self.options, 0),
+                               n_expert_rank=rp.expert,
+                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0))
         host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
@@ -167,6 +170,11 @@ def _refusal(check: Callable[..., None], *args: object) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _ep_sizes(model: ModelConfig, dp: int) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for a MoE model every divisor of dp that divides the experts."""
+    return [e for e in _divisors(dp) if e == 1 or model.n_experts % e == 0] if model.n_experts else [1]
 
 
 def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -203,12 +211,13 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
     Enumerated: tp dividing gpus_per_node (a TP group stays in a node), pp up to n_layers, dp = n_gpus/(tp*pp)
-    dividing global_batch, micro-batches dividing the per-DP batch; each layout is then put to the trainer's
-    own rules (``runnable``: heads, MLP width and vocabulary under TP, the stage split, the schedule against its
-    micro-batches, which regimes compose, the device) and only those it accepts are priced and ranked. What the
-    user's cluster or code allows narrows it: ``tp_size`` (exactly) or ``max_tp_size``, ``pp_size`` (1: no
-    pipeline), ``zero_stages``, ``allow_offload``. Fitting: the worst rank's device bytes within
-    ``gpu_memory_bytes``, and a node's host bytes (``ranks per node`` x the rank's offloaded states) within
+    dividing global_batch, ep dividing dp and the experts (MoE models), micro-batches dividing the per-DP batch;
+    each layout is then put to the trainer's own rules (``runnable``: heads, MLP width and vocabulary under TP,
+    the stage split, the schedule against its micro-batches, which regimes compose, the device) and only those
+    it accepts are priced and ranked. What the user's cluster or code allows narrows it: ``tp_size`` (exactly)
+    or ``max_tp_size``, ``pp_size`` (1: no pipeline), ``zero_stages``, ``allow_offload``. Fitting: the worst
+    rank's device bytes within ``gpu_memory_bytes``, and a node's host bytes (``ranks per node`` x the rank's
+    offloaded states) within
     ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node.
     """
     start = time.perf_counter()
@@ -271,11 +280,16 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             if pp > 1 and per_dp < pp:  # fewer micro-batches than stages: 1F1B cannot fill the pipeline
                 skipped.add("pp needs at least pp micro-batches per DP rank", f"pp={pp} gets {per_dp} (dp={dp})")
                 continue
-            for zero in zero_stages:
+            for zero, ep in ((z, e) for z in zero_stages for e in _ep_sizes(model, dp)):
                 if zero > 0 and dp == 1:
                     continue  # ZeRO shards over DP: nothing to shard
+                ep_refused = _refusal(check_ep, model, ep, dp, zero, options.freeze)  # the rule runnable() applies
+                if ep_refused:
+                    skipped.add("expert parallelism (layout_rules.check_ep)", ep_refused)
+                    continue
                 for offload in ((False, True) if zero > 0 and allow_offload else (False,)):
-                    base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload)
+                    base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload,
+                                  ep_size=ep)
                     # Model states alone (micro-batch independent): prune when they overflow.
                     states = pl.memory_of(replace(base, micro_batch_size=1, n_microbatches=per_dp,
                                                   activation_checkpointing="full",
@@ -346,4 +360,6 @@ def describe(layout: Layout) -> str:
          f"ckpt={ck}{' sp' if layout.sequence_parallel else ''}")
     if layout.pp_size > 1:
         s += f" {layout.pp_schedule}" + (f"(v={layout.pp_virtual_stages})" if layout.pp_virtual_stages > 1 else "")
+    if layout.ep_size > 1:
+        s += f" ep={layout.ep_size}"
     return s

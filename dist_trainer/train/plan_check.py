@@ -8,8 +8,11 @@ Measured on every rank at step ``CHECK_STEP`` (the second: AdamW's states exist,
                    judged: it also holds the allocator's free lists and the libraries' first-use pages, 2.6x the
                    prediction in the demo's 1.4M-parameter run)
     step_time      the median of steps ``CHECK_STEP`` .. ``CHECK_STEP + TIMED_STEPS - 1``
+    ep_traffic     under expert parallelism: the bytes handed to the ep all-to-alls during that step's
+                   ``forward_backward`` (``comm_bytes/ep/all_to_all``), against ``cost.ep_counted_bytes``
 
-Predicted for this rank's pipeline stage: ``planner.memory.predict_rank_memory`` and ``estimate_step_time`` with
+Predicted for this rank's pipeline stage (and, under expert parallelism, the experts of its ep rank: frozen ones
+train on some ep ranks only): ``planner.memory.predict_rank_memory`` and ``estimate_step_time`` with
 the run's hardware profile (``parallel.hardware``, e.g. a ``dist-trainer calibrate`` JSON, else the device's).
 The rows of every rank go to ``OUT/plan_check.json`` and rank 0's to metrics.jsonl (``plan_check/<name>/...``);
 a figure further from the prediction than ``ACCURACY`` (the planner's documented accuracy, docs/planner.md)
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 from dist_trainer.config import Config
 from dist_trainer.files import atomic_write_text
-from dist_trainer.planner.cost import estimate_step_time
+from dist_trainer.planner.cost import ep_counted_bytes, estimate_step_time
 from dist_trainer.planner.emit import layout_from_parallel
 from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, predict_rank_memory
 from dist_trainer.train.metrics import device_hardware
@@ -41,7 +44,7 @@ CHECK_STEP = 1  # 0-based: the second step
 TIMED_STEPS = 3
 # |measured / predicted - 1| above which a warning is written (docs/planner.md, "Measured accuracy"): model states
 # are counted exactly; saved activations within a few percent; resident memory and step time much less so.
-ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5}
+ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "ep_traffic": 0.01}
 
 
 class SavedPeak:
@@ -121,8 +124,8 @@ class PlanCheck:
     """The prediction for this rank next to its measurements (module docstring); one per Trainer."""
 
     def __init__(self, cfg: Config, dp_size: int, pp_rank: int, rank: int, world_size: int, gpus_per_node: int,
-                 device: torch.device, out_dir: Path, baseline_bytes: int) -> None:
-        self.cfg, self.pp_rank, self.rank, self.world = cfg, pp_rank, rank, world_size
+                 device: torch.device, out_dir: Path, baseline_bytes: int, ep_rank: int = 0) -> None:
+        self.cfg, self.pp_rank, self.rank, self.world, self.ep_rank = cfg, pp_rank, rank, world_size, ep_rank
         self.device, self.path = device, out_dir / "plan_check.json"
         self.layout = layout_from_parallel(cfg.parallel, dp_size, cfg.parallel.grad_accum_steps(dp_size))
         self.options = planner_options(cfg, device)
@@ -143,9 +146,12 @@ class PlanCheck:
             yield
         self.measured["activations"] = tracker.peak
 
-    def after_backward(self, step: int, owned: dict[str, int]) -> None:
+    def after_backward(self, step: int, owned: dict[str, int], ep_traffic: int = 0) -> None:
+        """After the check step's ``forward_backward``: the bytes it owns, and what it handed to the ep all-to-alls."""
         if not self.done and step == CHECK_STEP:
             self.measured["model_states"] = sum(owned.values())
+            if self.layout.ep_size > 1:
+                self.measured["ep_traffic"] = ep_traffic
 
     def after_step(self, step: int, seconds: float) -> dict[str, float]:
         """The record entries once the check is complete (empty until then); writes plan_check.json."""
@@ -173,12 +179,14 @@ class PlanCheck:
     def _predicted(self) -> dict[str, float]:
         overheads = Overheads() if self.device.type == "cuda" else Overheads.none()
         mem = predict_rank_memory(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
-                                  overheads=overheads, pp_rank=self.pp_rank)
+                                  overheads=overheads, pp_rank=self.pp_rank, ep_rank=self.ep_rank)
         t = estimate_step_time(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, hardware=self.hardware,
                                gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
         device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
-                "step_time": t.total}
+                "step_time": t.total,
+                "ep_traffic": ep_counted_bytes(self.cfg.model, self.layout, self.options, seq_len=self.cfg.data.seq_len,
+                                               layer_ids=self.layout.rank_layer_ids(self.cfg.model, self.pp_rank))}
 
     def _row(self, predicted: dict[str, float]) -> dict[str, Any]:
         figures = {}

@@ -36,12 +36,14 @@ from dist_trainer.health.monitor import HealthMonitor
 from dist_trainer.layout_rules import needs_process_group
 from dist_trainer.model import count_parameters
 from dist_trainer.model_lora import count_trainable
+from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
 from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
+from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, oom_report, peak_resident_bytes
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
@@ -101,7 +103,8 @@ class Trainer:
         self.health = HealthMonitor(cfg, self.engine, self.state, self.device, self.ckpt_root)
         self.engine.step_hooks = self.health
         self.plan_check = PlanCheck(cfg, self.dp_size, self.state.pp_rank, self.env.rank, self.env.world_size,
-                                    self.env.local_world_size, self.device, self.out_dir, self.start_resident)
+                                    self.env.local_world_size, self.device, self.out_dir, self.start_resident,
+                                    ep_rank=self.state.ep.rank)
         self.step = 0
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
@@ -119,13 +122,15 @@ class Trainer:
                         mlm_probability=self.cfg.data.mlm_probability)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, Any]:
         self.health.begin_step(step)
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
+        reset_router_stats(self.engine.model)  # MoE layers count this step's routing (moe/* metrics)
         with self.plan_check.watch(step, _state_tensors(self.engine.model)):
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
-            self.plan_check.after_backward(step, self.engine.owned_state_bytes())
+            self.plan_check.after_backward(step, self.engine.owned_state_bytes(),
+                                           self.state.counter.bytes[("all_to_all", "ep")])
         local_loss = loss_sum / len(batches)
         # the mean loss before the update: the health guard judges the step by it (and by the grad norm)
         mean_loss = float(self.state.dp.all_reduce(local_loss.clone()) / self.dp_size)
@@ -133,7 +138,8 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.engine.optimizer_step(lr)
         # the monitor's grad norm: the engine's, or measured before DeepSpeed's step (also when it was skipped)
-        return {"loss": mean_loss, "grad_norm": self.health.grad_norm, "lr": lr}
+        return {"loss": mean_loss, "grad_norm": self.health.grad_norm, "lr": lr,
+                **router_metrics(self.engine.model, self.cfg.model, self.state)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -262,7 +268,7 @@ class Trainer:
         meta = {
             "config": cfg.to_dict(),
             "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.dp_size,
-                       "world": self.env.world_size},
+                       "ep": self.state.ep_size, "world": self.env.world_size},
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,

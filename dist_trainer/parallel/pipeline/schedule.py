@@ -33,6 +33,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule  # the sche
 
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule, rank_grid
 from dist_trainer.model import set_attrs
+from dist_trainer.model_moe import paused_router_stats
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.pipeline.split import StageModule
 from dist_trainer.parallel.state import ParallelState
@@ -160,6 +161,8 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
     pipeline_stages = [
         PipelineStage(s, s.stage_index, s.num_stages, device, group=state.pp.group) for s in stages
     ]
+    for ps, s in zip(pipeline_stages, stages):  # the library's shape-inference forward routes no real tokens
+        set_attrs(ps, _forward_metadata_inference=_pausing_stats(ps._forward_metadata_inference, s))
     cls = SCHEDULES[schedule_name]
     if schedule_name in MULTI_STAGE_SCHEDULES:
         schedule = cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
@@ -173,6 +176,15 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
             set_attrs(s.model.tok_emb.weight, pp_shared_copy=True)
     group = _embedding_group(state) if tied else None
     return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
+
+
+def _pausing_stats(infer: Callable, stage: StageModule) -> Callable:
+    """``infer`` (PipelineStage._forward_metadata_inference, run on the first step and after every switch between
+    training and evaluation) with the stage's MoE router statistics paused."""
+    def run(*args, **kwargs):
+        with paused_router_stats(stage):
+            return infer(*args, **kwargs)
+    return run
 
 
 class StageAction(NamedTuple):

@@ -33,6 +33,7 @@ from torch import nn
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import layers_per_stage
 from dist_trainer.model import Transformer, init_weights_
+from dist_trainer.model_moe import attach_aux_losses
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 
 PLACEMENTS = ("loop", "v")
@@ -81,7 +82,9 @@ class StageModule(nn.Module):
         if self.is_first:
             x = self.model.embed(x)
         x = self.model.run_layers(x, first_layer=self.first_layer)
-        return self.model.logits(x) if self.is_last else x
+        out = self.model.logits(x) if self.is_last else x
+        # the stage's MoE router losses train through its output's backward (the loss is the last stage's)
+        return attach_aux_losses(self.model, out) if self.training else out
 
 
 def stage_placement(pp_size: int, virtual_stages: int, placement: str = "loop") -> list[list[int]]:

@@ -14,6 +14,8 @@ decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section
     layers.*.mlp.down_proj row-parallel
     head                   column-parallel, vocabulary split (untied models)
     loss                   vocab-parallel cross-entropy
+    layers.*.moe           a mixture-of-experts block is replicated on every TP rank (router and experts whole,
+                           as DeepSpeed-MoE without expert slicing); under SP it gathers the sequence first
 
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) adds: norms and dropout
 run on sequence shards (their parameters get partial gradients, summed by
@@ -38,9 +40,16 @@ from torch import nn
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer, set_attrs
+from dist_trainer.model_moe import add_aux_losses
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.comms import enter_tp_region, gather_from_sequence, gather_from_tp, scatter_to_sequence
+from dist_trainer.parallel.tp.comms import (
+    enter_tp_region,
+    gather_from_sequence,
+    gather_from_tp,
+    gather_sequence_for_replicated,
+    scatter_to_sequence,
+)
 from dist_trainer.parallel.tp.layers import (
     ColumnParallelLinear,
     ReplicatedKVLinear,
@@ -125,6 +134,19 @@ class VocabLoss(Style):
         return VocabParallelLoss(ctx.group, ctx.cfg.vocab_size)
 
 
+class SequenceGathered(Style):
+    """SP: a block every TP rank computes in full on whole sequences (MoE routes a sequence as one): all-gather
+    the sequence shards before it (this rank's slice of the gradient backward), keep this rank's shard of its
+    output (all-gather of the gradient backward). Every rank then holds the same full gradients of the block's
+    parameters and router losses, as without SP."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        module.register_forward_pre_hook(
+            lambda _, args: (gather_sequence_for_replicated(args[0], ctx.group), *args[1:]))
+        module.register_forward_hook(lambda _, args, out: scatter_to_sequence(out, ctx.group))
+        return module
+
+
 class SequenceSharded(Style):
     """SP: the module runs on a sequence shard, so its parameters' gradients are partial."""
 
@@ -152,6 +174,7 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]
     ]
     if sequence_parallel:
         plan += [(name, SequenceSharded()) for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "final_norm")]
+        plan.append(("layers.*.moe", SequenceGathered()))
         if not _embed_reduce_scatter(cfg, sequence_parallel):
             # Positions / token types are added to the full sequence, then the sum is split
             # (Megatron-core's LanguageModelEmbedding does the same when it adds positions).
@@ -223,7 +246,7 @@ def _tp_forward(self: Transformer, tokens: torch.Tensor, targets: torch.Tensor |
     """As Transformer.forward: the scalar loss (same on every TP rank), or full (B, T, V) logits."""
     local = self.logits(self.run_layers(self.embed(tokens, token_types)))
     if targets is not None:
-        return self.loss(local, targets)
+        return add_aux_losses(self, self.loss(local, targets))
     return gather_from_tp(local, tp_context(self).group)[..., : self.cfg.vocab_size]
 
 

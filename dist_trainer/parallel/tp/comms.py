@@ -101,17 +101,18 @@ class _ScatterToSequence(torch.autograd.Function):
         return ctx.group.all_gather(grad, dim=SEQ_DIM), None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Column-parallel ``gather_output``: forward all-gather along the last dim, backward split."""
+class _GatherAlong(torch.autograd.Function):
+    """Shards -> the full tensor along ``dim``: forward all-gather, backward this rank's slice. Column-parallel
+    ``gather_output`` (the last dim), and the sequence for a block every TP rank computes in full (MoE)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return group.all_gather(x, dim=x.dim() - 1)
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return group.all_gather(x, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split(grad, ctx.group, grad.dim() - 1), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _split(grad, ctx.group, ctx.dim), None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -153,9 +154,15 @@ def scatter_to_sequence(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return x if group.size == 1 else _ScatterToSequence.apply(x, group)
 
 
+def gather_sequence_for_replicated(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """SP shards -> the full sequence for a replicated block: all-gather along T forward, split backward. Pair it
+    with ``scatter_to_sequence`` on the block's output (split forward, all-gather backward)."""
+    return x if group.size == 1 else _GatherAlong.apply(x, group, SEQ_DIM)
+
+
 def gather_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Last-dim shards -> full tensor: all-gather forward, split backward."""
-    return x if group.size == 1 else _GatherFromTP.apply(x, group)
+    return x if group.size == 1 else _GatherAlong.apply(x, group, x.dim() - 1)
 
 
 def scatter_to_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:

@@ -13,7 +13,8 @@ and free it in post-accumulate hooks, so a sum after backward would come too lat
 ``clip_grad_norm_``: the global 2-norm over every rank's shards, counting a TP-sharded
 parameter's shards once each and a TP-replicated parameter once (on TP rank 0 only,
 Megatron's ``param_is_not_tensor_parallel_duplicate``), reduced over TP and PP. DP ranks
-hold identical gradients after DDP's all-reduce, so DP is not reduced.
+hold identical gradients after DDP's all-reduce, so DP is not reduced; expert-parallel experts
+(``p.ep_expert``, parallel/ep/) differ across the ep group, so their part is summed over it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def finalize_tp_grads(model: nn.Module, state: ParallelState) -> None:
     flat = state.tp.all_reduce(_flatten_dense_tensors(grads))
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
+
+
+def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    # per-tensor norms (no squared temporaries), as torch.nn.utils.clip_grad_norm_ computes them
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]
+    return torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
 
 
 def sum_partial_grads_in_backward(model: nn.Module, state: ParallelState) -> int:
@@ -80,13 +87,17 @@ def clip_grad_norm_(params_or_model: nn.Module | Iterable[torch.Tensor], max_nor
     """
     if max_norm <= 0:
         raise ValueError(f"clip_grad_norm_: max_norm={max_norm} must be > 0")
-    owned = [(p, g) for p in _params(params_or_model) if (g := p.grad) is not None]
+    params = list(_params(params_or_model))
+    owned = [(p, g) for p in params if (g := p.grad) is not None]
     grads = [g for _, g in owned]
     device = grads[0].device if grads else torch.device("cpu")
-    # per-tensor norms (no squared temporaries), as torch.nn.utils.clip_grad_norm_ computes them
-    norms = [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
-             for p, g in owned if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
-    sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
+    counted = [(p, g) for p, g in owned if hasattr(p, "tp_split_dim") or state.tp.rank == 0]
+    experts = [g for p, g in counted if getattr(p, "ep_expert", False)]
+    sq = _square_sum([g for p, g in counted if not getattr(p, "ep_expert", False)], device)
+    # each ep rank holds other experts: their squares add up over the ep group. Asked whenever this stage holds
+    # experts, gradient or not: every rank of the ep group (the same stage) joins, even one whose experts are frozen
+    if state.ep.size > 1 and any(getattr(p, "ep_expert", False) for p in params):
+        sq = sq + state.ep.all_reduce(_square_sum(experts, device))
     state.tp.all_reduce(sq)
     state.pp.all_reduce(sq)  # each stage holds different layers
     norm = sq.sqrt()

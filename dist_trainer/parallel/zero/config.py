@@ -141,7 +141,18 @@ def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") ->
                          f"DeepSpeed 0.19.8 accepts {sorted(zero_optimization_keys())}")
     out = ds_config_for(cfg, dp_size)
     check_device(cfg, out["zero_optimization"], device_type)
+    if cfg.parallel.ep_size > 1:
+        check_expert_parallel(out["zero_optimization"], path)
     return out
+
+
+def check_expert_parallel(zero: dict[str, Any], path: Path) -> None:
+    """What DeepSpeed 0.19.8 asserts of ZeRO with MoE (stage_1_and_2.py ``_configure_moe_settings``), as a
+    ValueError before launch: reduce_scatter on, and under stage 2 contiguous_gradients on (both default on)."""
+    for key, stages in (("reduce_scatter", (1, 2)), ("contiguous_gradients", (2,))):
+        if zero["stage"] in stages and not zero.get(key, True):
+            raise ValueError(f"DeepSpeed config {path}: zero_optimization.{key}=false, but ZeRO-{zero['stage']} with "
+                             f"expert parallelism (parallel.ep_size > 1) needs it true (DeepSpeed's MoE support)")
 
 
 def _read(cfg: Config) -> tuple[dict[str, Any], Path]:

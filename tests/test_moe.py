@@ -1,0 +1,141 @@
+"""The mixture-of-experts layer on one process: routing, capacity, losses, counts, config errors (issue 17)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_trainer.config import ModelConfig, model_config
+from dist_trainer.model import Block, build_model, count_parameters
+from dist_trainer.model_moe import MoE, combine, dispatch, load_balancing_loss, moe_layers, route, z_loss
+from dist_trainer.planner.params import count_params, param_breakdown
+
+MOE = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 32, "n_experts": 4, "top_k": 2,
+       "capacity_factor": 1.0}
+
+
+def _cfg(**fields: object) -> ModelConfig:
+    return model_config("tiny", **{**MOE, **fields})
+
+
+def test_mixtral_counts_equal_the_published_figures_on_the_meta_device_and_in_closed_form() -> None:
+    cfg = model_config("mixtral-8x7b")
+    bd = param_breakdown(cfg)
+    assert count_parameters(build_model(cfg, "meta")) == 46_702_792_704 == bd.total
+    assert bd.active == 12_879_925_248  # Mistral's "12.9B parameters per token"
+    model = build_model(cfg, "meta")  # active from the model itself: everything but 6 of 8 experts per layer
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
+    assert count_parameters(model) - experts * 6 // 8 == bd.active
+
+
+@pytest.mark.parametrize("fields", [{}, {"moe_every": 2}, {"n_shared_experts": 2}, {"activation": "swiglu"},
+                                    {"bias": False, "activation": "swiglu", "tie_embeddings": False, "top_k": 1}])
+def test_closed_form_counts_equal_the_model(fields: dict) -> None:
+    cfg = _cfg(**fields)
+    model = build_model(cfg, "meta")
+    assert count_params(cfg) == count_parameters(model)
+    kinds = [hasattr(block, "moe") for block in model.layers]
+    assert kinds == [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+    assert kinds[0] and (kinds[1] == (cfg.moe_every == 1))
+
+
+def test_dense_model_has_no_moe_module() -> None:
+    model = build_model(model_config("tiny"), "meta")
+    assert not list(moe_layers(model))
+    assert all(hasattr(b, "mlp") and not hasattr(b, "moe") for b in model.layers)
+
+
+def test_route_drops_by_choice_then_position_per_sequence() -> None:
+    """4 tokens, 2 experts, top-2, 2 slots per expert and sequence: the first choices of every token claim slots
+    before any second choice, earlier positions first."""
+    logits = torch.tensor([[[3.0, 0.0], [2.0, 1.0], [0.0, 5.0], [1.0, 0.0]]])  # (1, T=4, E=2)
+    r = route(logits, top_k=2, capacity=2)
+    assert r.expert[0, 0].tolist() == [0, 0, 1, 0] and r.expert[0, 1].tolist() == [1, 1, 0, 1]
+    # first choices: expert 0 gets tokens 0 and 1 (full), token 3's first choice is dropped; expert 1 gets token 2
+    assert r.keep[0, 0].tolist() == [True, True, True, False]
+    # second choices: expert 1 has one slot left, for token 0 (earliest); expert 0 is full for token 2
+    assert r.keep[0, 1].tolist() == [True, False, False, False]
+    torch.testing.assert_close(r.gate.sum(1), torch.ones(1, 4))  # renormalised over the k chosen
+    # with E = k = 2 both experts are chosen, so the renormalised gates are the router probabilities
+    torch.testing.assert_close(r.gate[0, 0], logits.softmax(-1).max(-1).values[0])
+
+
+def test_a_sequence_routes_the_same_alone_or_in_any_batch() -> None:
+    torch.manual_seed(0)
+    cfg = _cfg()
+    layer = MoE(cfg, 0, lambda width: torch.nn.Linear(16, 16))
+    x = torch.randn(6, 32, 16)
+    alone = route(layer.router(x[2:3]).float(), 2, cfg.expert_capacity(32))
+    batched = route(layer.router(x).float(), 2, cfg.expert_capacity(32))
+    assert torch.equal(alone.keep[0], batched.keep[2]) and torch.equal(alone.expert[0], batched.expert[2])
+    assert (~batched.keep).any()  # capacity factor 1 drops here
+
+
+def test_dispatch_and_combine_equal_the_direct_mixture() -> None:
+    """With room for every assignment, the layer is sum_k gate_k * expert_k(x) per token; with drops, the dropped
+    assignments are left out (no renormalisation)."""
+    torch.manual_seed(1)
+    for factor in (2.0, 0.5):
+        cfg = _cfg(capacity_factor=factor, n_shared_experts=1)
+        block = Block(cfg, 0)
+        layer = block.moe
+        layer.eval()
+        x = torch.randn(3, 32, 16)
+        logits = layer.router(x).float()
+        r = route(logits, 2, cfg.expert_capacity(32))
+        y = combine(layer.run_experts(dispatch(x, r, 4)), r, x)
+        want = torch.zeros_like(x)
+        for b in range(3):
+            for j in range(2):
+                for t in range(32):
+                    if r.keep[b, j, t]:
+                        e = int(r.expert[b, j, t])
+                        want[b, t] += r.gate[b, j, t] * layer.experts[str(e)](x[b, t])
+        torch.testing.assert_close(y, want)
+        assert layer.shared_expert is not None
+        torch.testing.assert_close(layer(x), want + layer.shared_expert(x))
+        assert (factor < 1) == bool((~r.keep).any())
+
+
+def test_losses_follow_the_papers() -> None:
+    """Switch eq. 4: alpha under uniform routing; ST-MoE eq. 5: the mean squared log-sum-exp."""
+    E, T = 4, 64
+    probs = torch.full((T, E), 1.0 / E)
+    expert = torch.arange(T * 2).remainder(E).view(T, 2)  # every expert gets the same share
+    assert float(load_balancing_loss(probs, expert, E)) == pytest.approx(1.0)
+    skew = torch.zeros(T, 2, dtype=torch.long)  # all to expert 0, which has all the probability
+    assert float(load_balancing_loss(F.one_hot(skew[:, 0], E).float(), skew, E)) == pytest.approx(E)
+    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(7.0), 0.0]])
+    assert float(z_loss(logits)) == pytest.approx((math.log(4.0) ** 2 + math.log(8.0) ** 2) / 2)
+
+
+def test_training_loss_adds_the_router_losses_and_eval_does_not() -> None:
+    cfg = _cfg(router_aux_loss=0.1, router_z_loss=0.01)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        lm = model(tokens, tokens)
+    model.train()
+    total = model(tokens, tokens)
+    stats = [m.router_stats for m in moe_layers(model)]
+    aux = sum(float(s[cfg.n_experts + 1] + s[cfg.n_experts + 2]) for s in stats if s is not None)
+    assert aux > 0.1 and float(total.detach()) == pytest.approx(float(lm) + aux, rel=1e-6)
+    total.backward()
+    assert all(p.grad is not None for p in model.parameters())  # every expert and router trained
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"top_k": 5}, "model.top_k=5 exceeds model.n_experts=4"),
+    ({"capacity_factor": 0.0}, "model.capacity_factor=0.0 must be > 0"),
+    ({"moe_every": 0}, "model.moe_every=0 must be a positive integer"),
+    ({"router_aux_loss": -1.0}, "model.router_aux_loss=-1.0"),
+    ({"n_experts": 0, "n_shared_experts": 1}, "model.n_shared_experts=1 needs routed experts"),
+    ({"n_experts": -2}, "model.n_experts=-2 must be an integer >= 0"),
+])
+def test_bad_moe_config_is_a_value_error_naming_it(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        _cfg(**fields)
