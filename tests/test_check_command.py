@@ -30,7 +30,8 @@ CLUSTERS = [(8, 8), (64, 8), (512, 8), (1024, 4), (3072, 8)]  # (GPUs, GPUs per 
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_every_top20_layout_passes_the_check(name: str, tmp_path: Path) -> None:
+def test_every_top20_layout_passes_the_check(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the plans name data/default: not the checkout's demo data (another vocabulary)
     model, seq_len = MODELS[name]
     options = TrainingOptions()
     checked, composed = 0, set()
@@ -114,10 +115,11 @@ def test_the_check_command_and_plan_out_run_it(tiny_data: Path, tmp_path: Path) 
            "64 ranks (8 per node, cuda) run tp=4" in plan.stdout, plan.stdout
 
 
-def test_check_takes_expert_parallel_layouts_and_refuses_what_check_ep_refuses(tiny_data: Path,
-                                                                               tmp_path: Path) -> None:
+def test_check_takes_expert_parallel_layouts_and_refuses_what_check_ep_refuses(
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ep inside dp, with TP x ZeRO-2 and with pipeline stages x ZeRO-1 (issue 17); Mixtral layouts that the planner
     ranks with ep > 1 pass the check as ``plan --out`` writes them."""
+    monkeypatch.chdir(tmp_path)  # the plans name data/default: not the checkout's demo data (another vocabulary)
     moe = {"n_experts": 4, "top_k": 2}
     for parallel, world in (({"ep_size": 2}, 2), ({"ep_size": 2, "tp_size": 2, "zero_stage": 2}, 4),
                             ({"ep_size": 4, "pp_size": 2, "zero_stage": 1, "global_batch_size": 16,
