@@ -64,7 +64,7 @@ def test_a_figure_beyond_the_documented_accuracy_is_warned_about(tiny_data: Path
     assert "the cpu profile's figures are assumed: `dist-trainer calibrate` measures this machine" in out
     assert "plan check: model_states" not in out and "plan check: peak_memory" not in out
     figures = json.loads((tmp_path / "plan_check.json").read_text())["ranks"][0]["figures"]
-    assert figures["peak_memory"]["ok"] is None and figures["peak_memory"]["measured"] > 0
+    assert figures["peak_memory"]["ok"] is None and figures["peak_memory"]["measured"] >= 0  # recorded, not judged
     assert figures["step_time"]["ok"] is False and figures["model_states"]["ok"] is True
 
 
