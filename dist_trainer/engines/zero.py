@@ -19,8 +19,8 @@ with Megatron tensor parallelism (and sequence parallelism) inside each data-par
   resume), by parameter name for any other layout or regime;
 - with expert parallelism (ZeRO-1/2, ``layout_rules.check_ep``) each rank keeps its experts
   (``apply_expert_parallel``, after TP) and ``DeepSpeedZero`` follows DeepSpeed's MoE conventions (expert groups,
-  the MoE marker, MoE optimizer groups: ``parallel/ep/zero.py``); its checkpoints are then written by parameter
-  name, experts by global index, as the other regimes write them.
+  the MoE marker, MoE optimizer groups: ``engines/deepspeed_zero.py``); its checkpoints are then written by
+  parameter name, experts by global index, as the other regimes write them.
 """
 
 from __future__ import annotations
