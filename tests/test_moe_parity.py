@@ -19,7 +19,7 @@ import torch
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.generate import load_model_from_checkpoint
-from dist_trainer.train.trainer import Trainer
+from dist_trainer.train.trainer import Trainer, TrainResult
 from tests.helpers import TINY_SEQ, assert_same_curves, curves, relative_diff, tiny_config
 
 # A Mixtral in miniature with a shared expert; capacity factor 1 and large router-loss coefficients, so tokens
@@ -110,20 +110,20 @@ def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, tmp_path: Pat
         _check(name, results[name], single, parallel, world=4)
 
 
-def _save_then_continue(rank: int, world: int, data: Path, out: Path) -> dict[int, float]:
-    """ep=2 over dp=2: 5 steps, a checkpoint at step 3 (and 5): the uninterrupted reference."""
-    cfg = _config(data, out, {"ep_size": 2}, max_steps=5, save_every=3, eval_every=0)
-    return Trainer(cfg).train().losses
+def _save_then_continue(rank: int, world: int, data: Path, out: Path) -> TrainResult:
+    """ep=2 over dp=2: 5 steps, a checkpoint at step 3 (and 5), evaluation at 5: the uninterrupted reference."""
+    cfg = _config(data, out, {"ep_size": 2}, max_steps=5, save_every=3)
+    return Trainer(cfg).train()
 
 
-def _resume_at(rank: int, world: int, data: Path, out: Path, parallel: dict) -> dict[int, float]:
-    cfg = _config(data, out, parallel, max_steps=5, save_every=5, eval_every=0, resume=True)
+def _resume_at(rank: int, world: int, data: Path, out: Path, parallel: dict) -> TrainResult:
+    cfg = _config(data, out, parallel, max_steps=5, save_every=5, resume=True)
     trainer = Trainer(cfg)
     assert trainer.step == 3, trainer.step
-    return trainer.train().losses
+    return trainer.train()
 
 
-def _resume_many(rank: int, world: int, data: Path, root: Path, cases: dict[str, dict]) -> dict[str, dict]:
+def _resume_many(rank: int, world: int, data: Path, root: Path, cases: dict[str, dict]) -> dict[str, TrainResult]:
     return {name: _resume_at(rank, world, data, root / name, parallel) for name, parallel in cases.items()}
 
 
@@ -141,8 +141,10 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_ep4_with_tp_stages_and_under_zer
     resumed = {"ep1": _resume_at(0, 1, tiny_data, tmp_path / "ep1", {}),
                **run_distributed(_resume_many, 4, (tiny_data, tmp_path, four))[0],
                **run_distributed(_resume_many, 2, (tiny_data, tmp_path, two))[0]}
-    for name, losses in resumed.items():
-        assert relative_diff([losses[3], losses[4]], [reference[3], reference[4]]) <= 1e-5, (name, losses, reference)
+    for name, result in resumed.items():
+        got = [result.losses[3], result.losses[4], result.eval_losses[5]]
+        want = [reference.losses[3], reference.losses[4], reference.eval_losses[5]]
+        assert relative_diff(got, want) <= 1e-5, (name, got, want)
     # each loads as one plain model, every expert under its global index; ZeRO's by-name files hold the same
     # weights as the uninterrupted DDP run's at step 5
     model, _ = load_model_from_checkpoint(step3)
