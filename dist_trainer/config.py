@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.finetune import lora_target_leaves, training_plan
+from dist_trainer.finetune import is_moe_layer, lora_target_leaves, training_plan
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -95,7 +95,7 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) is a mixture-of-experts layer: the model, the planner and the
         pipeline split ask here."""
-        return self.n_experts > 0 and layer % self.moe_every == 0
+        return is_moe_layer(self, layer)
 
     def expert_capacity(self, seq_len: int) -> int:
         """Slots of each expert per sequence: ceil(capacity_factor * top_k * seq_len / n_experts) (GShard's

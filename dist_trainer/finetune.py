@@ -57,7 +57,8 @@ class ModelShape(Protocol):
 
 
 def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
-    """``ModelConfig.is_moe_layer`` for any ModelShape."""
+    """Whether layer ``layer`` (0-based) is a mixture-of-experts layer, for any ModelShape (the rule's one home;
+    ``ModelConfig.is_moe_layer`` asks here)."""
     return cfg.n_experts > 0 and layer % cfg.moe_every == 0
 
 

@@ -279,7 +279,7 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     """Write a ZeRO checkpoint (of any tp x pp layout) as a single-process checkpoint under ``out_dir/checkpoints``;
     return its folder.
 
-    The AdamW groups are rebuilt by name from the model (train.optim.param_groups), so the result loads with
+    The AdamW groups are rebuilt by name from the model (optim.param_groups), so the result loads with
     ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
     """
     from dist_trainer.config import config_from_dict
