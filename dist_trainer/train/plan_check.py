@@ -16,7 +16,7 @@ train on some ep ranks only): ``planner.memory.predict_rank_memory`` and ``estim
 the run's hardware profile (``parallel.hardware``, e.g. a ``dist-trainer calibrate`` JSON, else the device's).
 The rows of every rank go to ``OUT/plan_check.json`` and rank 0's to metrics.jsonl (``plan_check/<name>/...``);
 a figure further from the prediction than ``ACCURACY`` (the planner's documented accuracy, docs/planner.md)
-is warned about. On a CUDA out-of-memory error, ``oom_report`` says what the planner expected of this layout
+is warned about. On a CUDA out-of-memory error, ``PlanCheck.oom_report`` says what the planner expected of this layout
 and which layout it would pick for this device instead.
 """
 
@@ -176,10 +176,14 @@ class PlanCheck:
         return {f"plan_check/{k}/{kind}": v for k, entry in row["figures"].items() for kind, v in entry.items()
                 if kind != "ok"}
 
-    def _predicted(self) -> dict[str, float]:
+    def _memory(self) -> RankMemory:
+        """The planner's memory for this rank's stage and ep rank (CUDA's overheads only on a CUDA device)."""
         overheads = Overheads() if self.device.type == "cuda" else Overheads.none()
-        mem = predict_rank_memory(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
-                                  overheads=overheads, pp_rank=self.pp_rank, ep_rank=self.ep_rank)
+        return predict_rank_memory(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
+                                   overheads=overheads, pp_rank=self.pp_rank, ep_rank=self.ep_rank)
+
+    def _predicted(self) -> dict[str, float]:
+        mem = self._memory()
         t = estimate_step_time(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, hardware=self.hardware,
                                gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
         device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
@@ -218,36 +222,32 @@ class PlanCheck:
                               and not self.hardware.source.startswith("dist-trainer calibrate") else ""))
         return out
 
+    def oom_report(self, exc: BaseException) -> str:
+        """What to print on a CUDA out-of-memory error: the planner's breakdown for this rank, CUDA's own numbers,
+        and the planner's fastest layout that fits this device (or how far the closest misses)."""
+        from dist_trainer.planner.search import describe, plan_layouts
 
-def oom_report(cfg: Config, dp_size: int, pp_rank: int, world_size: int, gpus_per_node: int, device: torch.device,
-               exc: BaseException) -> str:
-    """What to print on a CUDA out-of-memory error: the planner's breakdown for this layout, CUDA's own numbers,
-    and the planner's fastest layout that fits this device (or how far the closest misses)."""
-    from dist_trainer.planner.search import describe, plan_layouts
-
-    layout = layout_from_parallel(cfg.parallel, dp_size, cfg.parallel.grad_accum_steps(dp_size))
-    options = planner_options(cfg, device)
-    mem: RankMemory = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=options,
-                                          pp_rank=pp_rank)
-    lines = [f"CUDA out of memory on pipeline stage {pp_rank} of {describe(layout)}: {str(exc).splitlines()[0]}",
-             f"the planner expected {mem.device_total / GiB:.2f} GiB per rank: params {mem.params / GiB:.2f}, "
-             f"grads {mem.grads / GiB:.2f}, optimizer {mem.optimizer / GiB:.2f}, activations "
-             f"{mem.activations / GiB:.2f}, step buffers {mem.step_buffers / GiB:.2f}, overheads "
-             f"{mem.overheads / GiB:.2f}"]
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        lines.append(f"CUDA: {torch.cuda.max_memory_allocated(device) / GiB:.2f} GiB max allocated, "
-                     f"{torch.cuda.max_memory_reserved(device) / GiB:.2f} GiB max reserved of {total / GiB:.2f} GiB")
-    else:
-        total = int(cfg.parallel.device_memory_gb * GiB) if cfg.parallel.device_memory_gb else 16 * GiB
-        lines.append(f"(not a CUDA device: planning for {total / GiB:.1f} GiB per rank)")
-    hardware = device_hardware(device, cfg.parallel.hardware).name
-    res = plan_layouts(cfg.model, n_gpus=world_size, gpus_per_node=min(max(1, gpus_per_node), world_size),
-                       gpu_memory_bytes=total, seq_len=cfg.data.seq_len, global_batch=cfg.parallel.global_batch_size,
-                       hardware=hardware, options=options)
-    if res.best is not None:
-        lines.append(f"the planner's fastest layout that fits: {describe(res.best.layout)} "
-                     f"({res.best.memory.device_total / GiB:.2f} GiB; dist-trainer plan prints it with --out)")
-    else:
-        lines.extend(res.notes)
-    return "\n".join(lines)
+        cfg, mem = self.cfg, self._memory()
+        lines = [f"CUDA out of memory on pipeline stage {self.pp_rank} of {describe(self.layout)}: "
+                 f"{str(exc).splitlines()[0]}",
+                 f"the planner expected {mem.device_total / GiB:.2f} GiB per rank: params {mem.params / GiB:.2f}, "
+                 f"grads {mem.grads / GiB:.2f}, optimizer {mem.optimizer / GiB:.2f}, activations "
+                 f"{mem.activations / GiB:.2f}, step buffers {mem.step_buffers / GiB:.2f}, overheads "
+                 f"{mem.overheads / GiB:.2f}"]
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            lines.append(f"CUDA: {torch.cuda.max_memory_allocated(self.device) / GiB:.2f} GiB max allocated, "
+                         f"{torch.cuda.max_memory_reserved(self.device) / GiB:.2f} GiB max reserved of "
+                         f"{total / GiB:.2f} GiB")
+        else:
+            total = int(cfg.parallel.device_memory_gb * GiB) if cfg.parallel.device_memory_gb else 16 * GiB
+            lines.append(f"(not a CUDA device: planning for {total / GiB:.1f} GiB per rank)")
+        res = plan_layouts(cfg.model, n_gpus=self.world, gpus_per_node=min(self.gpus_per_node, self.world),
+                           gpu_memory_bytes=total, seq_len=cfg.data.seq_len,
+                           global_batch=cfg.parallel.global_batch_size, hardware=self.hardware, options=self.options)
+        if res.best is not None:
+            lines.append(f"the planner's fastest layout that fits: {describe(res.best.layout)} "
+                         f"({res.best.memory.device_total / GiB:.2f} GiB; dist-trainer plan prints it with --out)")
+        else:
+            lines.extend(res.notes)
+        return "\n".join(lines)

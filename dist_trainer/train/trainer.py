@@ -44,7 +44,7 @@ from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_la
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.moe_metrics import router_metrics
-from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, oom_report, peak_resident_bytes
+from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -221,8 +221,7 @@ class Trainer:
         try:
             return fn(step)
         except torch.cuda.OutOfMemoryError as exc:  # what the planner expected, and the layout it would pick
-            raise ValueError(oom_report(self.cfg, self.dp_size, self.state.pp_rank, self.env.world_size,
-                                        self.env.local_world_size, self.device, exc)) from exc
+            raise ValueError(self.plan_check.oom_report(exc)) from exc
         except (RuntimeError, dist.DistError) as exc:
             if self.env.world_size == 1 or not _is_comm_failure(exc):
                 raise
