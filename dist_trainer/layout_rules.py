@@ -47,7 +47,8 @@ def needs_process_group(parallel: ParallelConfig) -> bool:
     return parallel.zero_stage > 0
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (the sizes a group of ``n`` can split into)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -66,12 +67,12 @@ def check_tp(model: ModelConfig, tp_size: int) -> None:
     if model.n_heads % tp_size:
         raise ValueError(
             f"model.n_heads={model.n_heads} is not divisible by parallel.tp_size={tp_size}: "
-            f"attention heads are split across TP ranks; valid tp_size: {_divisors(model.n_heads)}"
+            f"attention heads are split across TP ranks; valid tp_size: {divisors(model.n_heads)}"
         )
     if model.ffn_dim % tp_size:
         raise ValueError(
             f"the MLP width (model.d_ff={model.ffn_dim}) is not divisible by parallel.tp_size={tp_size}; "
-            f"valid tp_size: {[d for d in _divisors(model.ffn_dim) if model.n_heads % d == 0]}"
+            f"valid tp_size: {[d for d in divisors(model.ffn_dim) if model.n_heads % d == 0]}"
         )
     local_vocab = padded_vocab(model.vocab_size, tp_size) // tp_size
     if (tp_size - 1) * local_vocab >= model.vocab_size:
@@ -143,6 +144,13 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
         counts.append(k - cut[s][k])
         k = cut[s][k]
     return counts[::-1]
+
+
+def rank_layer_ids(counts: list[int], pp_rank: int, pp_size: int) -> list[int]:
+    """Global indices of the layers pipeline rank ``pp_rank`` holds, given the layers per stage ``counts``: its
+    stages r, r + pp, ... (the loop placement of the interleaved schedule)."""
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s])]
 
 
 def stage_counts(model: ModelConfig, parallel: ParallelConfig) -> list[int]:
@@ -262,7 +270,7 @@ def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0
     if model.n_experts == 0:
         raise ValueError(f"parallel.ep_size={ep} needs a mixture-of-experts model (model.n_experts > 0); "
                          "a dense model has no experts to split: use ep_size 1")
-    valid = [d for d in _divisors(model.n_experts) if dp_size % d == 0]
+    valid = [d for d in divisors(model.n_experts) if dp_size % d == 0]
     if model.n_experts % ep:
         raise ValueError(f"parallel.ep_size={ep} does not divide model.n_experts={model.n_experts}: every "
                          f"expert-parallel rank holds the same number of experts; valid ep_size here: {valid}")

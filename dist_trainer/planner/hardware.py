@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dist_trainer.files import read_json
+
 GiB = 2**30
 
 
@@ -63,9 +65,9 @@ class HardwareProfile:
     def from_json(cls, path: str | Path) -> HardwareProfile:
         """A profile written by ``dist-trainer calibrate`` (or by hand: every field of this class, by name)."""
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"hardware profile {path} cannot be read: {exc}") from None
+            data = read_json(Path(path), "not a hardware profile (dist-trainer calibrate writes one)")
+        except OSError as exc:
+            raise ValueError(f"hardware profile {path} cannot be read: {exc.strerror}") from None
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or set(data) - known or not {"name", "peak_flops_16bit"} <= set(data):
             raise ValueError(f"hardware profile {path} must be a JSON object with the fields of HardwareProfile "

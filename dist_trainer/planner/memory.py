@@ -25,7 +25,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules import check_ep, check_offload, check_schedule, check_tp, layers_per_stage
+from dist_trainer.layout_rules import (
+    check_ep,
+    check_offload,
+    check_schedule,
+    check_tp,
+    layers_per_stage,
+    rank_layer_ids,
+)
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.finetune import grad_plan, trainable_expert_params, trainable_params
@@ -94,9 +101,7 @@ class Layout:
     def rank_layer_ids(self, cfg: ModelConfig, pp_rank: int) -> list[int]:
         """Global indices of the layers pipeline rank ``pp_rank`` holds (its stages r, r + pp, ...: the loop
         placement of the interleaved schedule)."""
-        counts = self.stage_counts(cfg)
-        starts = [sum(counts[:s]) for s in range(len(counts))]
-        return [i for s in range(pp_rank, len(counts), self.pp_size) for i in range(starts[s], starts[s] + counts[s])]
+        return rank_layer_ids(self.stage_counts(cfg), pp_rank, self.pp_size)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules import check_tp, layers_per_stage
+from dist_trainer.layout_rules import check_tp, layers_per_stage, rank_layer_ids
 from dist_trainer.model_names import MLP_LEAVES
 from dist_trainer.planner.moe import largest_moe_module, moe_holdings, moe_layer_ids
 from dist_trainer.planner.params import (
@@ -69,8 +69,7 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
         modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
         if tp_size > 1:
             replicated += emb["pos_emb"] + emb["type_emb"] + emb["emb_norm"]
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    ids = [i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s])]
+    ids = rank_layer_ids(counts, pp_rank, pp_size)
     n_here, n_moe = len(ids), len(moe_layer_ids(cfg, ids))
     for name, v in one_layer.items():
         n = n_here - n_moe if name in MLP_LEAVES else n_here  # a MoE layer has ``moe`` for its MLP

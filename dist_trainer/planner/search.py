@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dist_trainer.config import ModelConfig, config_from_dict
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp, divisors
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
@@ -69,10 +69,6 @@ class PlanResult:
         if self.layouts or self.closest is None:
             return 0
         return self.closest.memory.device_total - self.gpu_memory_bytes
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class _Skipped:
@@ -174,7 +170,7 @@ def _refusal(check: Callable[..., None], *args: object) -> str | None:
 
 def _ep_sizes(model: ModelConfig, dp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for a MoE model every divisor of dp that divides the experts."""
-    return [e for e in _divisors(dp) if e == 1 or model.n_experts % e == 0] if model.n_experts else [1]
+    return [e for e in divisors(dp) if e == 1 or model.n_experts % e == 0] if model.n_experts else [1]
 
 
 def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -253,7 +249,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                 skipped.add("refused by the trainer's pre-launch check (layout_rules)", str(refused[key]))
         return refused[key]
 
-    for tp in ([tp_size] if tp_size else _divisors(min(gpus_per_node, n_gpus))):
+    for tp in ([tp_size] if tp_size else divisors(min(gpus_per_node, n_gpus))):
         if max_tp_size is not None and tp > max_tp_size:
             continue
         bad = [f"{k}={v}" for k, v in (("ranks_per_node", ranks_per_node), ("n_gpus", n_gpus)) if v % tp]
@@ -264,7 +260,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         if tp_refused:
             skipped.add("tensor parallelism (layout_rules.check_tp)", tp_refused)
             continue
-        for pp in ([pp_size] if pp_size else _divisors(n_gpus // tp)):
+        for pp in ([pp_size] if pp_size else divisors(n_gpus // tp)):
             if pp > model.n_layers:
                 skipped.add(f"every pipeline stage holds a layer: pp <= n_layers={model.n_layers}", f"pp={pp}")
                 continue
@@ -306,7 +302,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                         if closest is None or cand.memory.device_total < closest.memory.device_total:
                             closest = cand
                         continue
-                    for mb in _divisors(per_dp):
+                    for mb in divisors(per_dp):
                         m = per_dp // mb
                         for sched, v in _schedules(pp, pp_schedules):
                             for sp in ((False, True) if tp > 1 else (False,)):
