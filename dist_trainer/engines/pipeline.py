@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.config import Config
 from dist_trainer.engines.base import (
@@ -122,9 +121,7 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         # the gradient mean over dp, as DDP would, in one flat all-reduce (ZeRO reduces in its own step)
         if self.state.dp_size > 1 and self.zero is None:
             grads, _ = split_expert_grads(list(self.model.parameters()))  # experts: over edp, below
-            flat = self.state.dp.all_reduce(_flatten_dense_tensors(grads)).div_(self.state.dp_size)
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+            self.state.dp.all_reduce_flat_(grads, divide_by=self.state.dp_size)
             reduce_expert_grads(self.model, self.state)
         return loss_sum
 

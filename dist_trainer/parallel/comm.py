@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); keep both working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -164,6 +165,18 @@ class AxisGroup:
             return t
         self._run("all_reduce", _nbytes(t), lambda: dist.all_reduce(t, op=op, group=self.group))
         return t
+
+    def all_reduce_flat_(self, tensors: list[torch.Tensor], divide_by: int = 1) -> None:
+        """Sum ``tensors`` (gradients, say) over the group in one flat all-reduce, divide by ``divide_by``, and
+        write the results back in place: one collective however many tensors (none on a one-rank group, where
+        the division still applies: expert gradients over an edp of 1 are divided by dp)."""
+        if not tensors or (self.size == 1 and divide_by == 1):
+            return
+        flat = self.all_reduce(_flatten_dense_tensors(tensors))
+        if divide_by != 1:
+            flat.div_(divide_by)
+        for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(reduced)
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes equal)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.parallel.ep.apply import is_expert_param
 from dist_trainer.parallel.state import ParallelState
@@ -33,8 +32,4 @@ def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
     if state.ep.size == 1:
         return
     _, grads = split_expert_grads(list(model.parameters()))
-    if not grads:
-        return
-    flat = state.edp.all_reduce(_flatten_dense_tensors(grads)).div_(state.dp_size)
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
+    state.edp.all_reduce_flat_(grads, divide_by=state.dp_size)

@@ -23,7 +23,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dist_trainer.parallel.state import ParallelState
 
@@ -40,12 +39,8 @@ def finalize_tp_grads(model: nn.Module, state: ParallelState) -> None:
     """
     if state.tp.size == 1:
         return
-    grads = [p.grad for p in _params(model) if getattr(p, "tp_reduce_grad", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = state.tp.all_reduce(_flatten_dense_tensors(grads))
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
+    state.tp.all_reduce_flat_([p.grad for p in _params(model)
+                               if getattr(p, "tp_reduce_grad", False) and p.grad is not None])
 
 
 def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
