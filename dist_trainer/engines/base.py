@@ -48,9 +48,11 @@ from dist_trainer.finetune import frozen_modules
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
 from dist_trainer.optim import set_lr
+from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ep.grad import expert_param_names
 from dist_trainer.parallel.ownership import Piece, dense_pieces
 from dist_trainer.parallel.state import ParallelState
+from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.memory import optimizer_moments, unique_bytes
 
@@ -68,6 +70,15 @@ def seeded_model(cfg: Config) -> Transformer:
     model = build_model(cfg.model, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every)
     start_finetune(model, cfg)
+    return model
+
+
+def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
+    """``seeded_model`` cut to this rank: its TP slices (Megatron TP: the full model is drawn from the seed, then
+    each rank keeps its slices, so every layout starts from the single-process weights) and its experts."""
+    model = seeded_model(cfg)
+    apply_tensor_parallel(model, state, cfg.parallel.sequence_parallel)
+    apply_expert_parallel(model, state)  # no-op at ep_size 1
     return model
 
 

@@ -19,14 +19,12 @@ from dist_trainer.engines.base import (
     NamedShardsMixin,
     autocast_for,
     clip_norm,
-    seeded_model,
+    sharded_model,
 )
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
-from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ep.grad import expert_param_names, reduce_expert_grads
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads
 
 
@@ -53,12 +51,7 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
 
     def _build_model(self) -> nn.Module:
-        model = seeded_model(self.cfg)
-        # Megatron TP: the full model is drawn from the seed, then each rank keeps its slices,
-        # so every layout starts from the single-process weights.
-        apply_tensor_parallel(model, self.state, self.cfg.parallel.sequence_parallel)
-        apply_expert_parallel(model, self.state)  # each rank keeps its experts (no-op at ep_size 1)
-        return model.to(self.device)
+        return sharded_model(self.cfg, self.state).to(self.device)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.state.dp_size == 1:

@@ -32,13 +32,11 @@ from typing import Any
 import torch
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, seeded_model, start_finetune
+from dist_trainer.engines.base import Engine, sharded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
-from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.zero.config import validate_zero_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, prepare_for_deepspeed, quiet_deepspeed
 
@@ -71,9 +69,7 @@ class ZeroEngine(Engine):
             # _convert_to_zero_parameters -> zero.Init(module=..., data_parallel_group=mpu's)): the model is not
             # built inside zero.Init, because apply_tensor_parallel slices full weights. Each rank holds the whole
             # plain model briefly, before partitioning.
-            model = seeded_model(self.cfg)
-            apply_tensor_parallel(model, self.state, self.cfg.parallel.sequence_parallel)
-            apply_expert_parallel(model, self.state)  # each rank keeps its experts (no-op at ep_size 1)
+            model = sharded_model(self.cfg, self.state)
             prepare_for_deepspeed(model, self.state)
             return model.to(self.device)
         torch.manual_seed(self.cfg.train.seed)
