@@ -25,6 +25,7 @@ from dist_trainer.planner.activations import (
     layer_saved_tensors,
     loss_backward_bytes_per_token,
     per_token,
+    recomputed_layers,
 )
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
 from dist_trainer.planner.params import padded_vocab
@@ -133,9 +134,10 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     while first and chained < len(layer_ids) and layer_ids[chained] == chained:
         chained += 1
     per_token = weights = recompute = 0.0
+    redone = set(recomputed_layers(mode, every, layer_ids))
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
-        if mode == "full" or (mode == "every_k" and i % every == 0):
+        if i in redone:
             per_token += c.checkpointed
             recompute = max(recompute, c.full)
         else:

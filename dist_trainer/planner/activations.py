@@ -39,6 +39,7 @@ and Megatron run it: 16-bit residual stream). ``activation_costs.py`` prices a r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
@@ -49,6 +50,15 @@ from dist_trainer.planner.params import kv_sharded, lora_shapes, padded_vocab
 PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
 ATTENTION_KERNELS = ("flash", "math")
 RECOMPUTE = ("none", "selective", "every_k", "full")
+
+
+def recomputed_layers(mode: str, every: int, layer_ids: Sequence[int]) -> list[int]:
+    """The layers of ``layer_ids`` whose whole forward runs again in backward: all under ``full``, those whose
+    global index is a multiple of ``every`` under ``every_k`` (as ``Transformer.set_activation_checkpointing``
+    picks them), none otherwise (``selective`` recomputes only the attention core)."""
+    if mode == "full":
+        return list(layer_ids)
+    return [i for i in layer_ids if i % every == 0] if mode == "every_k" else []
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 

@@ -50,6 +50,7 @@ import functools
 from dataclasses import asdict, dataclass, replace
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.planner.activations import recomputed_layers
 from dist_trainer.planner.hardware import HardwareProfile
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
 from dist_trainer.planner.moe import (
@@ -98,11 +99,9 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
     forward = cfg.n_layers * (mm + attn) + 2.0 * matmul_params_head(cfg) + len(moe) * moe_model
     model = 3.0 * forward * tokens
     padding = 3.0 * len(moe) * (moe_hw - moe_model) * tokens  # the experts' empty slots, computed all the same
-    if recompute == "full":
-        extra = cfg.n_layers * (mm + attn) + len(moe) * moe_hw
-    elif recompute == "every_k":
-        extra = len(range(0, cfg.n_layers, checkpoint_every)) * (mm + attn)
-        extra += sum(1 for i in moe if i % checkpoint_every == 0) * moe_hw
+    if recompute in ("full", "every_k"):
+        redone = recomputed_layers(recompute, checkpoint_every, range(cfg.n_layers))
+        extra = len(redone) * (mm + attn) + len(set(redone) & set(moe)) * moe_hw
     elif recompute == "selective":
         # only the attention core runs again: QK^T and AV, 4 s h per token and layer (Korthikanti et al. 2022,
         # appendix A: "2Bs^2h + 2Bs^2h"; their eq. 8 adds 12 B L s^2 h, three times this; see docs/planner.md)
@@ -254,8 +253,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     inter = (hardware.inter_node_bw, hardware.inter_node_latency)
     axes: dict[str, AxisTime] = {}
     if t > 1:  # a TP group stays inside a node
-        recomputed = {"full": most_layers, "every_k": -(-most_layers // layout.checkpoint_every)}.get(
-            layout.activation_checkpointing, 0)
+        recomputed = max(len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every,
+                                                   layout.rank_layer_ids(cfg, r))) for r in range(p))
         calls = (4 * most_layers + 2 * recomputed) * m
         per_call = (ring_time("all_gather", bsh, t, *intra) + ring_time("reduce_scatter", bsh, t, *intra)
                     if layout.sequence_parallel else ring_time("all_reduce", bsh, t, *intra))
@@ -317,8 +316,7 @@ def _ep_exchange(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
     """(MoE layers, recomputed MoE layers, bytes per element going out, coming back) of a rank holding
     ``layer_ids``: the buffer leaves in the residual stream's dtype and comes back in the compute dtype."""
     ids = moe_layer_ids(cfg, layer_ids)
-    recomputed = {"full": len(ids), "every_k": sum(1 for i in ids if i % layout.checkpoint_every == 0)}.get(
-        layout.activation_checkpointing, 0)
+    recomputed = len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, ids))
     return len(ids), recomputed, 2 if options.precision in ("bf16", "fp16") else 4, \
         4 if options.precision == "fp32" else 2
 
