@@ -31,6 +31,7 @@ NORM_PLACEMENTS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -248,7 +249,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         _choice(self, "activation_checkpointing", CHECKPOINTING)
         _choice(self, "pp_schedule", PP_SCHEDULES)
-        _choice(self, "pp_balance", ("layers", "params"))
+        _choice(self, "pp_balance", PP_BALANCES)
         stages = self.pp_size * self.pp_virtual_stages
         if self.pp_stage_layers is not None and (len(self.pp_stage_layers) != stages or
                                                  any(not isinstance(n, int) or n < 1 for n in self.pp_stage_layers)):

@@ -23,13 +23,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dist_trainer.config import PP_SCHEDULES, Config, ModelConfig, ParallelConfig
+from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig
 from dist_trainer.planner.finetune import trainable_expert_params
 from dist_trainer.planner.params import embedding_params, layer_param_counts, padded_vocab, tail_params
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
-BALANCES = ("layers", "params")
 
 
 def regime_of(parallel: ParallelConfig) -> str:
@@ -105,8 +104,8 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
                 f"each >= 1, summing to model.n_layers={n}"
             )
         return counts
-    if balance not in BALANCES:
-        raise ValueError(f"parallel.pp_balance={balance!r} is not one of {', '.join(BALANCES)}")
+    if balance not in PP_BALANCES:
+        raise ValueError(f"parallel.pp_balance={balance!r} is not one of {', '.join(PP_BALANCES)}")
     if n < num_stages:
         raise ValueError(
             f"model.n_layers={n} is fewer than the {num_stages} pipeline stages (pp_size x virtual stages); "

@@ -152,7 +152,7 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
              for k, (r, i, c) in enumerate(shapes)]
     peak, knee = fit_gemm(gemms)
     bw, alpha = fit_ring([c for res in results[:1] for c in res["collectives"]])
-    adam = statistics.median(res["adam_params_per_s"] for res in results) / nprocs  # the node's cores, shared
+    adam = statistics.median(res["adam_params_per_s"] for res in results)  # one rank's; the node's is nprocs times it
     memory_bw = statistics.median(res["memory_bw"] for res in results)
     op_overhead = statistics.median(res["op_overhead"] for res in results)
     ref = get_hardware(base)

@@ -150,11 +150,9 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
     of the world calls it (the tied-embedding groups are created here).
     """
     virtual = len(stages)
-    if schedule_name not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule_name!r} is not one of {tuple(SCHEDULES)}")
+    check_schedule(state.pp_size, schedule_name, n_microbatches, n_microbatches, virtual)  # the name among them
     if virtual == 0:
         raise ValueError("build_schedule: no stages given for this rank")
-    check_schedule(state.pp_size, schedule_name, n_microbatches, n_microbatches, virtual)
     if state.pp_size == 1 and state.world_size > 1:
         raise ValueError("build_schedule needs pp_size > 1 in a multi-rank run (pp_size 1 runs the plain model)")
     device = next(stages[0].parameters()).device
