@@ -14,13 +14,14 @@ import itertools
 
 import pytest
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import ModelConfig, model_config
 from dist_trainer.planner.memory import (
     DEFAULT_OVERHEADS,
     Layout,
     TrainingOptions,
     model_state_bytes,
     predict_rank_memory,
+    rank_trainable,
     stage_activation_bytes,
 )
 from tests.planner_measure import measure_saved_bytes
@@ -105,3 +106,24 @@ def test_plan_writes_the_fine_tuning_into_the_run_config() -> None:
     tree = run_config_dict(cfg, Layout(dp_size=2), seq_len=S, options=TrainingOptions(freeze=("layers.0",)))
     run = config_from_dict(tree).validate()
     assert run.model.lora_rank == 4 and run.model.lora_targets == ["all_linear"] and run.train.freeze == ["layers.0"]
+
+
+def test_step_time_charges_the_optimizer_for_trainable_parameters_by_default() -> None:
+    """estimate_step_time without counts reads options.freeze and LoRA as the memory prediction does: LoRA
+    adapters (and a frozen bottom half) reduce less gradient and step less optimizer state than full training."""
+    from dist_trainer.planner.cost import estimate_step_time
+    from dist_trainer.planner.hardware import get_hardware
+    from dist_trainer.planner.rank_params import rank_params
+
+    cfg = dataclasses.replace(model_config("llama2-7b"), lora_rank=8)
+    layout = Layout(tp_size=1, dp_size=8, micro_batch_size=1, n_microbatches=8)
+    shape = {"seq_len": 4096, "hardware": get_hardware("cpu"), "gpus_per_node": 8}
+    for options in (TrainingOptions(), TrainingOptions(freeze=("bottom:16",))):
+        rp = rank_params(cfg, tp_size=1, pp_size=1, pp_rank=0)
+        trainable = rank_trainable(cfg, layout, rp, options, 0)
+        assert trainable < rp.total
+        default = estimate_step_time(cfg, layout, options=options, **shape).total
+        assert default == estimate_step_time(cfg, layout, options=options, n_params_rank=rp.total,
+                                             n_trainable_rank=trainable, **shape).total
+        assert default < estimate_step_time(cfg, layout, options=options, n_params_rank=rp.total,
+                                            n_trainable_rank=rp.total, **shape).total

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, replace
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.activations import recomputed_layers
 from dist_trainer.planner.hardware import HardwareProfile
-from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
+from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions, rank_expert_trainable, rank_trainable
 from dist_trainer.planner.moe import (
     all_to_all_bytes,
     dense_mlp_flops_per_token,
@@ -221,7 +221,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
                        n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
     docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
-    trainable parameters only (default: all; frozen ones under fine-tuning); ZeRO-3 gathers every parameter. Under
+    trainable parameters only (default: those ``options.freeze`` and LoRA leave trainable on pipeline rank 0);
+    ZeRO-3 gathers every parameter. Under
     expert parallelism ``n_expert_rank`` of the rank's parameters (``n_expert_trainable_rank`` trainable) are its
     experts, reduced over edp, not dp (the ep and edp axes)."""
     n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
@@ -236,8 +237,14 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     n_rank = rp.total if rp is not None else n_params_rank
     expert = rp.expert if rp is not None else n_expert_rank  # this rank's experts under ep (their own groups)
     assert n_rank is not None
-    trainable = n_rank if n_trainable_rank is None else n_trainable_rank
-    expert_trainable = expert if n_expert_trainable_rank is None else n_expert_trainable_rank
+    if n_trainable_rank is not None:
+        trainable = n_trainable_rank
+    else:  # options.freeze and LoRA say which of the counted ones train, as the memory prediction's do
+        trainable = rank_trainable(cfg, layout, rp, options, 0) if rp is not None else n_rank
+    if n_expert_trainable_rank is not None:
+        expert_trainable = n_expert_trainable_rank
+    else:
+        expert_trainable = rank_expert_trainable(cfg, layout, rp, options, 0) if rp is not None else expert
     compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
     if t > 1 and cfg.n_experts:  # the MoE blocks are whole on every TP rank: t times their share
         _, moe_hw = moe_flops_per_token(cfg, seq_len)
