@@ -87,6 +87,10 @@ def _predict(tree: dict, profile: HardwareProfile) -> float:
                               options=OPTIONS).total
 
 
+def _rounded(rows: tuple[tuple[int, float, float], ...]) -> list[tuple[float, ...]]:
+    return [(n, *(float(f"{x:.3g}") for x in rest)) for n, *rest in rows]
+
+
 def _ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=lambda i: values[i])
     ranks = [0.0] * len(values)
@@ -129,6 +133,9 @@ def main() -> None:
             profile = calibrate(WORLD, d_model=MODEL["d_model"], tokens=(SEQ, 2 * SEQ, 4 * SEQ), tp_sizes=(1, 2, 4),
                                 precision="fp32", device="cpu", name="calibrated", base="cpu")
         print(f"profile: {profile.source}")
+        print(f"  under load: collective_sync (n, a s, b) {_rounded(profile.collective_sync)}; zero_overhead "
+              f"(stage, s/param/step, s/param/micro-batch) {_rounded(profile.zero_overhead)}; "
+              f"{profile.ranks_at_once} ranks on {profile.cores} cores")
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         data = root / "data"
         prepare([stdlib / n for n in ("json", "email", "argparse.py", "textwrap.py")], data,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -72,12 +73,17 @@ def test_calibrate_writes_a_profile_that_plan_reads(tmp_path: Path) -> None:
 
     out = tmp_path / "profile.json"
     proc = subprocess.run([str(VENV_BIN / "dist-trainer"), "calibrate", "--nprocs", "2", "--out", str(out),
-                           "--tokens", "64,256", "--tp-sizes", "1,2"], env=subprocess_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+                           "--tokens", "64,256", "--tp-sizes", "1,2", "--zero-stages", "1"],
+                          env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     profile = HardwareProfile.from_json(out)
     assert profile.peak_flops_fp32 > 1e8 and profile.intra_node_bw > 1e6 and profile.efficiency == 1.0
     assert "dist-trainer calibrate" in profile.source
+    # under load (experiments/calibrate_load.py): the cores the 2 ranks shared, a sync fit for groups of 2, and
+    # DeepSpeed ZeRO-1's step against DDP's on the real engines (the one stage asked for)
+    assert profile.cores == len(os.sched_getaffinity(0)) and profile.ranks_at_once == 2
+    assert [n for n, *_ in profile.collective_sync] == [2] and min(profile.collective_sync[0][1:]) >= 0
+    assert [s for s, *_ in profile.zero_overhead] == [1] and all(math.isfinite(x) for x in profile.zero_overhead[0])
     plan = subprocess.run([str(VENV_BIN / "dist-trainer"), "plan", "--model", "tiny", "--gpus", "2",
                            "--gpus-per-node", "2", "--gpu-memory-gb", "2", "--hardware", str(out), "--seq-len", "128",
                            "--global-batch", "16", "--json"], env=subprocess_env(tmp_path), capture_output=True,

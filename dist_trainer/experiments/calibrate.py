@@ -14,6 +14,8 @@ is what it gets with the others busy):
   between the GEMMs, the optimizer and the per-op cost of small models (planner/cost.py prices them only with a
   calibrated profile; data-sheet profiles fold them into ``efficiency``).
 - CPU Adam throughput (parameters per second), for offloaded layouts.
+- Under load (``experiments/calibrate_load.py``): a collective issued between computations, as TP's are, per group
+  size; DeepSpeed ZeRO's own step over DDP's on the real engines; and, on a CPU, how many cores the ranks share.
 
 The profile is JSON with the fields of ``planner.hardware.HardwareProfile`` (``source`` says when and how it was
 measured); ``plan --hardware FILE.json``, ``parallel.hardware=FILE.json`` (layout=auto, MFU) read it.
@@ -25,13 +27,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from dist_trainer.experiments.calibrate_load import ZERO_LAYERS, fit_sync, fit_zero, measure_zero, zero_config
+from dist_trainer.planner.cost import ring_time
 from dist_trainer.planner.hardware import GiB, HardwareProfile, get_hardware
+from dist_trainer.planner.memory import TrainingOptions
 
 SIZES = (256, 4 * 2**10, 64 * 2**10, 1 * 2**20, 8 * 2**20)  # all-reduce buffers (bytes): latency to bandwidth
 REPEATS = 5
@@ -65,9 +71,12 @@ def _timed(fn: Any, repeats: int = REPEATS) -> float:
 
 def measure_rank(rank: int, world_size: int, shapes: list[tuple[int, int, int]], dtype_name: str,
                  device: str) -> dict[str, Any]:
-    """One rank: GEMM FLOP/s per (rows, inner, cols), all-reduce seconds per (group size, bytes), Adam params/s."""
+    """One rank: GEMM FLOP/s per (rows, inner, cols), all-reduce seconds per (group size, bytes), Adam params/s,
+    and the extra cost of an all-reduce between GEMMs (``calibrate_load.measure_sync``)."""
     import torch
     import torch.distributed as dist
+
+    from dist_trainer.experiments.calibrate_load import measure_sync
 
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
@@ -104,8 +113,11 @@ def measure_rank(rank: int, world_size: int, shapes: list[tuple[int, int, int]],
     p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW([p], lr=1e-3, foreach=False)
     adam_s = _timed(adam.step)
+    rows, inner, _ = shapes[len(shapes) // 2]
+    loaded = measure_sync(rank, world_size, inner, rows, dev, sync)
     return {"gemms": gemms, "collectives": collectives, "adam_params_per_s": p.numel() / adam_s,
-            "memory_bw": 2 * src.numel() * src.element_size() * copies_per_s, "op_overhead": op_s}
+            "memory_bw": 2 * src.numel() * src.element_size() * copies_per_s, "op_overhead": op_s,
+            "sync": loaded}
 
 
 def fit_gemm(gemms: list[tuple[int, int, int, float]]) -> tuple[float, float]:
@@ -139,15 +151,16 @@ def fit_ring(collectives: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 
 def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: tuple[int, ...], precision: str,
-              device: str, name: str, base: str) -> HardwareProfile:
-    """Run the measurements on ``nprocs`` ranks and fit a profile (``base`` supplies what is not measured)."""
+              device: str, name: str, base: str, zero_stages: tuple[int, ...] = (1, 2, 3)) -> HardwareProfile:
+    """Run the measurements on ``nprocs`` ranks and fit a profile (``base`` supplies what is not measured);
+    ``zero_stages`` are the ZeRO stages whose DeepSpeed step is measured (``calibrate_load.measure_zero``)."""
     from dist_trainer.testing import run_distributed
 
     if nprocs < 2:
         raise ValueError(f"--nprocs={nprocs} must be >= 2 (collectives are measured between ranks)")
     shapes = [(r, d_model, d_model // t) for r in tokens for t in tp_sizes if d_model % t == 0]
-    results = run_distributed(measure_rank, nprocs, (shapes, precision, device), timeout=600,
-                              backend="nccl" if device == "cuda" else "gloo")
+    backend = "nccl" if device == "cuda" else "gloo"
+    results = run_distributed(measure_rank, nprocs, (shapes, precision, device), timeout=600, backend=backend)
     gemms = [(r, i, c, statistics.median(res["gemms"][k][3] for res in results))
              for k, (r, i, c) in enumerate(shapes)]
     peak, knee = fit_gemm(gemms)
@@ -155,17 +168,53 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
     adam = statistics.median(res["adam_params_per_s"] for res in results)  # one rank's; the node's is nprocs times it
     memory_bw = statistics.median(res["memory_bw"] for res in results)
     op_overhead = statistics.median(res["op_overhead"] for res in results)
+    rows, inner, _ = shapes[len(shapes) // 2]
+    act_bytes = rows * inner * 4
+    sync = fit_sync([r for res in results for r in res["sync"]],
+                    {n: ring_time("all_reduce", act_bytes, n, bw, alpha) for n in range(2, nprocs + 1)})
     ref = get_hardware(base)
+    cores = _cores() if device == "cpu" else None
+    profile = dataclasses.replace(
+        ref, name=name, peak_flops_fp32=peak, peak_flops_16bit=peak, efficiency=1.0, gemm_knee=knee,
+        intra_node_bw=bw, inter_node_bw=bw, intra_node_latency=alpha, inter_node_latency=alpha,
+        host_adam_params_per_s=adam * nprocs, memory_bw=memory_bw, op_overhead=op_overhead,
+        cores=cores, ranks_at_once=nprocs if cores is not None else None, collective_sync=sync, backend=backend)
+    if zero_stages:
+        zero = run_distributed(measure_zero, nprocs, (d_model, rows, device, zero_stages), timeout=600,
+                               backend=backend, env={"DS_ACCELERATOR": "cpu" if device == "cpu" else "cuda"})[0]
+        modelled = _modelled_zero_traffic(profile, d_model, rows, nprocs, zero_stages)
+        profile = dataclasses.replace(profile, zero_overhead=fit_zero(zero["times"], zero["params"], modelled,
+                                                                      zero_stages))
     when = time.strftime("%Y-%m-%d %H:%M:%S")
-    source = (f"dist-trainer calibrate on {platform.node()} ({device}) {when}: {nprocs} ranks at once; GEMM "
-              f"{len(gemms)} shapes (d_model {d_model}, tokens {list(tokens)}, tp {list(tp_sizes)}, {precision}), "
-              f"all-reduce 256 B-8 MiB on 2..{nprocs} ranks; inter-node figures copied from intra-node")
+    source = (f"dist-trainer calibrate on {platform.node()} ({device}) {when}: {nprocs} ranks at once"
+              f"{f' on {cores} cores' if cores else ''}; GEMM {len(gemms)} shapes (d_model {d_model}, tokens "
+              f"{list(tokens)}, tp {list(tp_sizes)}, {precision}), all-reduce 256 B-8 MiB on 2..{nprocs} ranks, "
+              f"back to back and between GEMMs; DeepSpeed ZeRO {list(zero_stages)} against DDP on a "
+              f"{ZERO_LAYERS}-layer GPT; inter-node figures copied from intra-node")
     # one precision is measured: the other is taken to be equal (say so in the source)
-    return dataclasses.replace(ref, name=name, peak_flops_fp32=peak, peak_flops_16bit=peak, efficiency=1.0,
-                               gemm_knee=knee, intra_node_bw=bw, inter_node_bw=bw, intra_node_latency=alpha,
-                               inter_node_latency=alpha, host_adam_params_per_s=adam * nprocs,
-                               memory_bw=memory_bw, op_overhead=op_overhead,
-                               source=source + f"; {precision} measured, the other precision taken as equal")
+    return dataclasses.replace(profile, source=source + f"; {precision} measured, the other precision taken as equal")
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity), which the ranks of a CPU job share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _modelled_zero_traffic(profile: HardwareProfile, d_model: int, tokens: int, nprocs: int,
+                           stages: tuple[int, ...]) -> dict[str, float]:
+    """The exposed data-parallel seconds ``cost.py`` already charges ZeRO stage s over DDP on the measured model
+    (keys "s/m", m micro-batches): subtracted from the measured extra, so ``zero_overhead`` is DeepSpeed's own."""
+    from dist_trainer.planner.cost import estimate_step_time
+    from dist_trainer.planner.emit import layout_from_parallel
+
+    def dp_seconds(stage: int, micro: int) -> float:
+        cfg = zero_config(d_model, tokens, nprocs, stage, micro, "cpu")
+        layout = layout_from_parallel(cfg.parallel, nprocs, micro)
+        est = estimate_step_time(cfg.model, layout, seq_len=tokens, hardware=profile, gpus_per_node=nprocs,
+                                 options=TrainingOptions(precision="fp32", device="cpu"))
+        return est.dp_comm
+
+    return {f"{s}/{m}": dp_seconds(s, m) - dp_seconds(0, m) for s in stages for m in (1, 2)}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -180,6 +229,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-sizes", default="1,2,4", help="TP degrees whose GEMM widths to measure")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--zero-stages", default="1,2,3",
+                   help="ZeRO stages whose DeepSpeed step to measure against DDP (comma-separated; 'none': skip)")
     p.set_defaults(func=_main)
 
 
@@ -193,6 +244,15 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _stages(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    stages = _ints(text, "--zero-stages")
+    if not set(stages) <= {1, 2, 3}:
+        raise ValueError(f"--zero-stages={text!r} must list ZeRO stages 1, 2, 3 (or 'none')")
+    return stages
+
+
 def _main(args: argparse.Namespace) -> int:
     from dist_trainer.files import output_dir
 
@@ -202,7 +262,8 @@ def _main(args: argparse.Namespace) -> int:
     output_dir(out.parent if str(out.parent) else Path("."), "--out")
     profile = calibrate(args.nprocs, d_model=args.d_model, tokens=_ints(args.tokens, "--tokens"),
                         tp_sizes=_ints(args.tp_sizes, "--tp-sizes"), precision=args.precision, device=args.device,
-                        name=args.name or f"calibrated-{platform.node()}", base=args.base)
+                        name=args.name or f"calibrated-{platform.node()}", base=args.base,
+                        zero_stages=_stages(args.zero_stages))
     out.write_text(profile.to_json() + "\n")
     peak = profile.peak_flops(args.precision)
     print(f"wrote {out}: GEMM {peak / 1e9:.1f} GFLOP/s per rank at large shapes (knee {profile.gemm_knee:g}), "

@@ -8,14 +8,21 @@
   matmul shape (tokens of a micro-batch x features per TP rank; ``HardwareProfile.matmul_flops``).
 * Bubble: (p - 1)/(m + p - 1) of the step for GPipe/1F1B, (p - 1)/v in units of one micro-batch for
   interleaved 1F1B (Narayanan et al. 2021, section 2.2), a third of 1F1B's for zero bubble (ZB-H1,
-  Qi et al. 2023, section 3).
+  Qi et al. 2023, section 3). On shared cores (a CPU profile from ``calibrate``: more ranks than cores) a stage
+  idle in the bubble lends its core to the busy ones, so the step is the longer of the critical path at the
+  unloaded speed and the work over the cores (``HardwareProfile.oversubscription``).
 * Communication, per rank and step, per axis: what is sent, how long it takes (ring collectives: an
   all-reduce moves 2(n-1)/n of the buffer in 2(n-1) latency hops, a gather or scatter (n-1)/n in n-1), and
-  which part the schedule leaves exposed. The overlap rules follow from what waits for what:
+  which part the schedule leaves exposed. A blocking call between computations (TP's, the pipeline's transfers on
+  the critical path) also waits for peers still computing or paused by the scheduler: ``sync_cost`` per call, as
+  calibrated for its group size (``HardwareProfile.collective_sync``; 0 for the data-sheet profiles). The
+  overlap rules follow from what waits for what:
 
   tp   Megatron's f/g (Shoeybi et al. 2019): 2 all-reduces of b s h forward and 2 backward per layer and
-       micro-batch (under SP an all-gather + reduce-scatter pair of the same volume, Korthikanti et al. 2022),
-       2 more per recomputed layer. Each sits between two dependent matmuls, so none overlaps: all exposed.
+       micro-batch (under SP an all-gather + reduce-scatter pair of the same volume, Korthikanti et al. 2022;
+       on gloo, which has no reduce-scatter, parallel/comm.py all-reduces and keeps a slice), 2 more per
+       recomputed layer, one for the embedding and one for the LM head's input, and the vocab-parallel loss's
+       two small all-reduces. Each sits between two dependent matmuls, so none overlaps: all exposed.
   pp   the activation forward and its gradient backward per micro-batch and stage boundary (b s h / t under
        SP). A stage cannot start a micro-batch before its input arrives: the transfers on the critical path,
        2 (m v + p - 1), are exposed; the rest overlap other micro-batches' compute.
@@ -36,6 +43,9 @@
        (two more per recomputed MoE layer), each sending (ep - 1)/ep of the buffer, inside a node when the ep
        group's ep x pp x tp consecutive ranks fit one. Each sits between two dependent computations (router ->
        experts -> combine): all exposed.
+  deepspeed  what DeepSpeed's ZeRO step costs over DDP's beyond the traffic above (hooks, flat buffers, bucketed
+       collectives), per parameter per step and per micro-batch: measured by ``calibrate`` (zero_overhead), 0 for
+       the data-sheet profiles.
   edp  the experts' gradients, over the expert-data-parallel group (dp / ep ranks) instead of dp: one flat
        all-reduce after backward (exposed), or ZeRO-1/2's reductions and gather over edp (the dp rules).
 
@@ -251,8 +261,12 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
         compute += block * (t - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model)
     compute += _memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
+    ranks_per_node = min(gpus_per_node, n)
+    compute /= hardware.rank_speed(ranks_per_node)  # a CPU profile measured with another number of busy ranks
     bubble_frac = pipeline_bubble(p, m, v, layout.pp_schedule)
-    bubble = compute * bubble_frac / (1 - bubble_frac)
+    # the schedule's critical path; on shared cores (oversubscription f > 1) a stage idle in the bubble lends its
+    # core, the busy ones run up to f times faster, and the step is never shorter than the work over the cores
+    bubble = max(0.0, compute / hardware.oversubscription(ranks_per_node) / (1 - bubble_frac) - compute)
     backward_one = compute * 2.0 / 3.0 / m  # one micro-batch's backward
     act = 4 if options.precision == "fp32" else 2
     bsh = tokens * cfg.d_model * act
@@ -262,16 +276,23 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     if t > 1:  # a TP group stays inside a node
         recomputed = max(len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every,
                                                    layout.rank_layer_ids(cfg, r))) for r in range(p))
-        calls = (4 * most_layers + 2 * recomputed) * m
-        per_call = (ring_time("all_gather", bsh, t, *intra) + ring_time("reduce_scatter", bsh, t, *intra)
-                    if layout.sequence_parallel else ring_time("all_reduce", bsh, t, *intra))
-        time = calls * per_call
-        axes["tp"] = AxisTime(calls * 2 * (t - 1) / t * bsh, time, time, "between dependent matmuls: all exposed")
+        sp = layout.sequence_parallel
+        # per micro-batch: 4 per layer, 2 per recomputed layer, the embedding's and the LM head's (one stage holds
+        # each when p > 1: the last one's head is counted), in units of one all-reduce or SP's gather + scatter
+        calls = (4 * most_layers + 2 * recomputed + (2 if p == 1 else 1)) * m
+        per_call = (ring_time("all_gather", bsh, t, *intra) + ring_time(hardware.scatter_kind(), bsh, t, *intra)
+                    if sp else ring_time("all_reduce", bsh, t, *intra))
+        # the vocab-parallel loss: the row max and the (target logit, exp sum) pairs, fp32 per token
+        loss = m * (ring_time("all_reduce", 4 * tokens, t, *intra) + ring_time("all_reduce", 8 * tokens, t, *intra))
+        blocking = calls * (2 if sp else 1) + 2 * m  # SP: a gather and a scatter for each all-reduce
+        time = calls * per_call + loss + blocking * hardware.sync_cost(t, compute / blocking)
+        axes["tp"] = AxisTime(2 * (t - 1) / t * (calls * bsh + 12 * m * tokens), time, time,
+                              "between dependent matmuls: all exposed")
     if p > 1:
         msg = bsh / (t if layout.sequence_parallel else 1)
         link = intra if t * p <= gpus_per_node else inter
-        one = ring_time("p2p", msg, 2, *link)
         critical = 2 * (m * v + p - 1)
+        one = ring_time("p2p", msg, 2, *link) + hardware.sync_cost(2, compute / (2 * m * v))
         axes["pp"] = AxisTime(2 * m * v * msg, 2 * m * v * one, critical * one,
                               f"the {critical} transfers on the schedule's critical path are exposed")
     if d > 1:
@@ -290,6 +311,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         adam = shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
         axes["offload"] = AxisTime(shard * (4 * per_micro + options.param_bytes), transfer + adam,
                                    transfer + adam, "between backward and the next forward: exposed")
+    if layout.zero_stage and (extra := hardware.zero_step_overhead(layout.zero_stage, trainable, m)):
+        axes["deepspeed"] = AxisTime(0.0, extra, extra, "DeepSpeed's step over DDP's beyond the traffic (calibrated)")
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * n * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)

@@ -44,10 +44,22 @@ class HardwareProfile:
     intra_node_latency: float = 10e-6  # seconds per hop of a ring collective inside a node (NVLink: ~10 us)
     inter_node_latency: float = 20e-6  # per hop between nodes (InfiniBand: ~20 us with the stack)
     source: str = "data sheets (module docstring)"  # where the figures come from: data sheets or a calibration
+    # the collective backend: gloo has no reduce-scatter, so parallel/comm.py all-reduces and keeps a slice there
+    backend: str = "nccl"
     # Explicit non-GEMM terms (calibrated profiles): streaming bandwidth for the elementwise work between the GEMMs
     # and the optimizer, and the fixed cost of one kernel launch / CPU op. None: `efficiency` absorbs them.
     memory_bw: float | None = None
     op_overhead: float | None = None
+    # Under load (calibrate on the job's ranks at once; experiments/calibrate_load.py). A CPU's ranks share
+    # `cores` cores, and the rates above were measured with `ranks_at_once` ranks busy; None: a device per rank.
+    cores: int | None = None
+    ranks_at_once: int | None = None
+    # (n, a, b): a blocking collective of a group of n issued c seconds of compute after the previous one costs
+    # a + b c seconds beyond ring_time (peers still computing, or paused by the scheduler). Empty: nothing beyond.
+    collective_sync: tuple[tuple[int, float, float], ...] = ()
+    # (stage, s, s_micro): DeepSpeed ZeRO's step costs s per parameter per step and s_micro per parameter per
+    # micro-batch more than DDP's (never less than 0 in all), beyond the traffic cost.py prices. Empty: nothing.
+    zero_overhead: tuple[tuple[int, float, float], ...] = ()
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit
@@ -57,6 +69,37 @@ class HardwareProfile:
         reach less of peak (saturating in both dims); calibrated profiles fit ``efficiency`` and ``gemm_knee``."""
         return self.peak_flops(precision) * self.efficiency * rows / (rows + self.gemm_knee) * cols / (
             cols + self.gemm_knee)
+
+    def scatter_kind(self) -> str:
+        """How ``ring_time`` should price a reduce-scatter of our own code on this profile's backend."""
+        return "all_reduce" if self.backend == "gloo" else "reduce_scatter"
+
+    def rank_speed(self, ranks_per_node: int) -> float:
+        """How much faster (> 1) or slower one rank computes with ``ranks_per_node`` ranks on a node than when this
+        profile was measured: on shared cores a rank gets min(1, cores / ranks) of one; 1 with a device per rank."""
+        if self.cores is None or self.ranks_at_once is None:
+            return 1.0
+        return min(1.0, self.cores / ranks_per_node) / min(1.0, self.cores / self.ranks_at_once)
+
+    def oversubscription(self, ranks_per_node: int) -> float:
+        """Ranks per core (>= 1): above 1, a rank that waits lends its core to the others."""
+        return max(1.0, ranks_per_node / self.cores) if self.cores else 1.0
+
+    def sync_cost(self, n: int, compute_between: float) -> float:
+        """Seconds a blocking collective of ``n`` ranks costs beyond ``ring_time`` when ``compute_between`` seconds
+        of compute precede it: the fit of the largest measured group size <= n (0 when none is)."""
+        fits = [f for f in self.collective_sync if f[0] <= n]
+        if n < 2 or not fits:
+            return 0.0
+        _, a, b = max(fits)
+        return a + b * compute_between
+
+    def zero_step_overhead(self, stage: int, params: float, n_microbatches: int) -> float:
+        """Seconds DeepSpeed's ZeRO-``stage`` step adds over DDP's for ``params`` parameters (calibrated; else 0)."""
+        for s, per_step, per_micro in self.zero_overhead:
+            if s == stage:
+                return max(0.0, params * (per_step + per_micro * n_microbatches))
+        return 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -72,6 +115,8 @@ class HardwareProfile:
         if not isinstance(data, dict) or set(data) - known or not {"name", "peak_flops_16bit"} <= set(data):
             raise ValueError(f"hardware profile {path} must be a JSON object with the fields of HardwareProfile "
                              f"({', '.join(sorted(known))})")
+        for key in ("collective_sync", "zero_overhead"):  # JSON lists back to the tuples the class holds
+            data[key] = tuple(tuple(row) for row in data.get(key, ()))
         return cls(**data)
 
     def host_memory_per_node(self, gpus_per_node: int) -> int:
@@ -97,7 +142,7 @@ def hardware_profiles() -> dict[str, HardwareProfile]:
         # gloo's TCP loopback latency. A guess: `dist-trainer calibrate` measures the machine at hand.
         HardwareProfile("cpu", 1e11, 1e11, 16 * GiB, 5e9, 1.25e9, efficiency=0.3, pcie_bw=1e12,
                         host_memory_per_gpu=16 * GiB, intra_node_latency=50e-6, inter_node_latency=100e-6,
-                        source="a guess for a few CPU cores; calibrate measures this machine"),
+                        backend="gloo", source="a guess for a few CPU cores; calibrate measures this machine"),
     )}
 
 
