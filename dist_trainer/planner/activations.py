@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from dist_trainer.config import ModelConfig
 from dist_trainer.model_names import FIRST_STAGE_MODULES
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
-from dist_trainer.planner.params import kv_sharded, lora_shapes, padded_vocab
+from dist_trainer.planner.params import kv_sharded, lora_shapes, mlp_weights, padded_vocab
 
 PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
 ATTENTION_KERNELS = ("flash", "math")
@@ -325,9 +325,8 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
              "down_proj": f * h // t}
     flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
     if moe:
-        mats = 3 if cfg.activation == "swiglu" else 2
         experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
-        sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mats * h * f * experts)
+        sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mlp_weights(cfg) * experts)
         flow = {**flow, "moe": flow["mlp_out"]}
     total = sum(n for leaf, n in sizes.items() if flow[leaf])
     total += sum(grads.rank * (lora[leaf][0] * flow[leaf] + lora[leaf][1]) for leaf in grads.adapters)

@@ -71,7 +71,7 @@ from dist_trainer.planner.moe import (
     moe_flops_per_token,
     moe_layer_ids,
 )
-from dist_trainer.planner.params import matmul_params
+from dist_trainer.planner.params import layer_matmul_weights, matmul_params
 from dist_trainer.planner.rank_params import rank_params
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
@@ -91,10 +91,7 @@ ADAM_OPS = 10  # ops per parameter tensor of torch's single-tensor AdamW (foreac
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(matmul, attention) forward FLOPs of one layer per token."""
-    h, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    mats = 3 if cfg.activation == "swiglu" else 2
-    weights = 2 * h * h + 2 * h * kv + mats * h * cfg.ffn_dim
-    return 2.0 * weights, 4.0 * seq_len * h
+    return 2.0 * layer_matmul_weights(cfg), 4.0 * seq_len * cfg.d_model
 
 
 def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: str = "none",

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner.params import expert_params, moe_block_params
+from dist_trainer.planner.params import expert_params, mlp_weights, moe_block_params
 
 
 def moe_layer_ids(cfg: ModelConfig, layer_ids: Sequence[int] | None = None) -> list[int]:
@@ -83,16 +83,14 @@ def all_to_all_bytes(cfg: ModelConfig, *, n_moe_layers: int, micro_batch: int, s
 def moe_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(model, hardware) forward matmul FLOPs of a MoE layer's ``moe`` block per token, beyond the attention:
     the router, top_k experts (model) or every slot (hardware: padding is computed), the shared expert."""
-    mats = 3 if cfg.activation == "swiglu" else 2
-    mlp = 2.0 * mats * cfg.d_model * cfg.ffn_dim
+    mlp = dense_mlp_flops_per_token(cfg)
     router = 2.0 * cfg.d_model * cfg.n_experts
     shared = cfg.n_shared_experts * mlp
     return router + cfg.top_k * mlp + shared, router + slots_per_token(cfg, seq_len) * mlp + shared
 
 
 def dense_mlp_flops_per_token(cfg: ModelConfig) -> float:
-    mats = 3 if cfg.activation == "swiglu" else 2
-    return 2.0 * mats * cfg.d_model * cfg.ffn_dim
+    return 2.0 * mlp_weights(cfg)
 
 
 def ep_link_is_intra(*, ep_size: int, tp_size: int, pp_size: int, gpus_per_node: int) -> bool:

@@ -221,15 +221,28 @@ def count_params(cfg: ModelConfig) -> int:
     return param_breakdown(cfg).total
 
 
+def mlp_matrices(cfg: ModelConfig) -> int:
+    """Weight matrices of one MLP: up, gate and down for SwiGLU, up and down otherwise."""
+    return 3 if cfg.activation == "swiglu" else 2
+
+
+def mlp_weights(cfg: ModelConfig) -> int:
+    """Matmul weights of one (dense) MLP, d_model x d_ff each."""
+    return mlp_matrices(cfg) * cfg.d_model * cfg.ffn_dim
+
+
+def layer_matmul_weights(cfg: ModelConfig) -> int:
+    """Matmul weights of one dense layer: q and o (h x h), k and v (h x kv heads' width), the MLP."""
+    h = cfg.d_model
+    return 2 * h * h + 2 * h * cfg.kv_heads * cfg.head_dim + mlp_weights(cfg)
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul per token: every layer's linears and the output projection.
 
     Embedding lookups, norms and biases do no matmul; the head (tied or not) does. Used by cost.py.
     """
-    h, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    mlp_mats = 3 if cfg.activation == "swiglu" else 2
-    linears = 2 * h * h + 2 * h * kv_dim + mlp_mats * h * cfg.ffn_dim
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     # a MoE layer's token meets the router, top_k experts and the shared expert instead of one MLP
-    moe = h * cfg.n_experts + mlp_mats * h * cfg.ffn_dim * (cfg.top_k + cfg.n_shared_experts - 1) if n_moe else 0
-    return cfg.n_layers * linears + n_moe * moe + cfg.vocab_size * cfg.d_model
+    moe = cfg.d_model * cfg.n_experts + mlp_weights(cfg) * (cfg.top_k + cfg.n_shared_experts - 1) if n_moe else 0
+    return cfg.n_layers * layer_matmul_weights(cfg) + n_moe * moe + cfg.vocab_size * cfg.d_model
