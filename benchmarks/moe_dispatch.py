@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import benchmark_data  # noqa: E402
 from dist_trainer.config import config_from_dict  # noqa: E402
-from dist_trainer.planner.cost import step_flops  # noqa: E402
+from dist_trainer.planner.flops import step_flops  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
 SEQ, MICRO, NPROCS = 128, 8, 2

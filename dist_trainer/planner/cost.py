@@ -1,16 +1,11 @@
-"""FLOPs, communication volume, pipeline bubble and an estimated step time for one layout.
+"""Communication volume, the pipeline bubble and an estimated step time for one layout (FLOPs: ``flops.py``).
 
-* FLOPs: 2 per matmul weight per token forward, 4 backward (6 Psi per token, Kaplan et al. 2020), plus the
-  attention scores and weighted sum, 2 * 2 * s * h per layer and token forward, counted in full as Megatron
-  does (Narayanan et al. 2021, eq. 3; Korthikanti et al. 2022, appendix A: 72 B s L h^2 (1 + s/(6h) +
-  V/(12 h L)) for a GPT layer with d_ff = 4h); recomputation adds the recomputed forwards.
 * Compute: the hardware FLOPs of the slowest pipeline stage at the profile's GEMM throughput for this rank's
   matmul shape (tokens of a micro-batch x features per TP rank; ``HardwareProfile.matmul_flops``).
-* Bubble: (p - 1)/(m + p - 1) of the step for GPipe/1F1B, (p - 1)/v in units of one micro-batch for
-  interleaved 1F1B (Narayanan et al. 2021, section 2.2), a third of 1F1B's for zero bubble (ZB-H1,
-  Qi et al. 2023, section 3). On shared cores (a CPU profile from ``calibrate``: more ranks than cores) a stage
-  idle in the bubble lends its core to the busy ones, so the step is the longer of the critical path at the
-  unloaded speed and the work over the cores (``HardwareProfile.oversubscription``).
+* Bubble: the schedule's idle fraction (``flops.pipeline_bubble``) stretches the slowest stage's compute. On
+  shared cores (a CPU profile from ``calibrate``: more ranks than cores) a stage idle in the bubble lends its
+  core to the busy ones, so the step is the longer of the critical path at the unloaded speed and the work over
+  the cores (``HardwareProfile.oversubscription``).
 * Communication, per rank and step, per axis: what is sent, how long it takes (ring collectives: an
   all-reduce moves 2(n-1)/n of the buffer in 2(n-1) latency hops, a gather or scatter (n-1)/n in n-1), and
   which part the schedule leaves exposed. A blocking call between computations (TP's, the pipeline's transfers on
@@ -61,17 +56,16 @@ from dataclasses import asdict, dataclass, replace
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.activations import recomputed_layers
+from dist_trainer.planner.flops import pipeline_bubble, step_flops
 from dist_trainer.planner.hardware import HardwareProfile
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions, rank_expert_trainable, rank_trainable
 from dist_trainer.planner.moe import (
     all_to_all_bytes,
-    dense_mlp_flops_per_token,
     dispatch_elements,
     ep_link_is_intra,
     moe_flops_per_token,
     moe_layer_ids,
 )
-from dist_trainer.planner.params import layer_matmul_weights, matmul_params
 from dist_trainer.planner.rank_params import rank_params
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
@@ -87,60 +81,6 @@ OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one m
 OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
 ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
 ADAM_OPS = 10  # ops per parameter tensor of torch's single-tensor AdamW (foreach=False); DeepSpeed's flat groups: 2
-
-
-def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """(matmul, attention) forward FLOPs of one layer per token."""
-    return 2.0 * layer_matmul_weights(cfg), 4.0 * seq_len * cfg.d_model
-
-
-def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: str = "none",
-               checkpoint_every: int = 1) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one optimizer step; they differ by the recomputed forwards."""
-    tokens = global_batch * seq_len
-    mm, attn = layer_forward_flops_per_token(cfg, seq_len)
-    moe = moe_layer_ids(cfg)
-    moe_model, moe_hw = moe_flops_per_token(cfg, seq_len) if moe else (0.0, 0.0)
-    moe_model -= dense_mlp_flops_per_token(cfg) if moe else 0.0  # a MoE layer's extra over a dense one
-    moe_hw -= dense_mlp_flops_per_token(cfg) if moe else 0.0
-    forward = cfg.n_layers * (mm + attn) + 2.0 * matmul_params_head(cfg) + len(moe) * moe_model
-    model = 3.0 * forward * tokens
-    padding = 3.0 * len(moe) * (moe_hw - moe_model) * tokens  # the experts' empty slots, computed all the same
-    if recompute in ("full", "every_k"):
-        redone = recomputed_layers(recompute, checkpoint_every, range(cfg.n_layers))
-        extra = len(redone) * (mm + attn) + len(set(redone) & set(moe)) * moe_hw
-    elif recompute == "selective":
-        # only the attention core runs again: QK^T and AV, 4 s h per token and layer (Korthikanti et al. 2022,
-        # appendix A: "2Bs^2h + 2Bs^2h"; their eq. 8 adds 12 B L s^2 h, three times this; see docs/planner.md)
-        extra = cfg.n_layers * attn
-    else:
-        extra = 0.0
-    return model, model + padding + extra * tokens
-
-
-def matmul_params_head(cfg: ModelConfig) -> int:
-    return cfg.vocab_size * cfg.d_model
-
-
-def six_psi_flops(cfg: ModelConfig, tokens: int) -> float:
-    """The 6 x params x tokens rule on matmul weights alone (no attention), for comparison."""
-    return 6.0 * matmul_params(cfg) * tokens
-
-
-def megatron_model_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int) -> float:
-    """Korthikanti et al. 2022, appendix A: 72 B s L h^2 (1 + s/(6h) + V/(12 h L)) (GPT, d_ff = 4h, MHA)."""
-    B, s, L, h, V = global_batch, seq_len, cfg.n_layers, cfg.d_model, cfg.vocab_size
-    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
-
-
-def pipeline_bubble(pp_size: int, n_microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
-    """Idle fraction of the step: (p - 1)/(m + p - 1), with p - 1 divided by v (interleaved) or 3 (ZB-H1)."""
-    if pp_size == 1:
-        return 0.0
-    idle = (pp_size - 1) / (virtual_stages if schedule == "interleaved_1f1b" else 1)
-    if schedule == "zero_bubble":
-        idle /= 3.0
-    return idle / (n_microbatches + idle)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 
 from dist_trainer.config import Config
 from dist_trainer.files import atomic_write_text
-from dist_trainer.planner.cost import step_flops
+from dist_trainer.planner.flops import step_flops
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware, hardware_profiles
 
 
