@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from dist_trainer.config import config_from_dict  # noqa: E402
+from dist_trainer.config_load import config_from_dict  # noqa: E402
 from dist_trainer.planner.emit import layout_from_parallel  # noqa: E402
 from dist_trainer.planner.memory import GiB, Overheads, predict_rank_memory  # noqa: E402
 from dist_trainer.train.metrics import device_hardware, model_flops_per_step  # noqa: E402

@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import benchmark_data  # noqa: E402
-from dist_trainer.config import HealthConfig, config_from_dict  # noqa: E402
+from dist_trainer.config import HealthConfig  # noqa: E402
+from dist_trainer.config_load import config_from_dict
 from dist_trainer.train import trainer as trainer_module  # noqa: E402
 from dist_trainer.train.trainer import Trainer  # noqa: E402
 

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import benchmark_data  # noqa: E402
-from dist_trainer.config import config_from_dict  # noqa: E402
+from dist_trainer.config_load import config_from_dict  # noqa: E402
 from dist_trainer.planner.flops import step_flops  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
@@ -70,7 +70,7 @@ def _timed(fn: Callable, bucket: dict[str, float], key: str) -> Callable:
 def train(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, float]:
     """Mean step time after the first step; for a MoE run also the seconds per step in its parts."""
     import dist_trainer.model_moe as moe
-    from dist_trainer.config import config_from_dict as build
+    from dist_trainer.config_load import config_from_dict as build
     from dist_trainer.train.trainer import Trainer
 
     cfg = build(cfg_dict).validate()

@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dist_trainer.config import config_from_dict  # noqa: E402
+from dist_trainer.config_load import config_from_dict  # noqa: E402
 from dist_trainer.planner.cost import estimate_step_time  # noqa: E402
 from dist_trainer.planner.emit import layout_from_parallel  # noqa: E402
 from dist_trainer.planner.hardware import HardwareProfile  # noqa: E402

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dist_trainer.config import ModelConfig, ParallelConfig, model_config  # noqa: E402
+from dist_trainer.config import ModelConfig, ParallelConfig  # noqa: E402
+from dist_trainer.config_load import model_config
 from dist_trainer.model import build_model  # noqa: E402
 from dist_trainer.parallel.state import ParallelState  # noqa: E402
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel  # noqa: E402

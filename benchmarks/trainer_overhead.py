@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import benchmark_data  # noqa: E402
-from dist_trainer.config import config_from_dict  # noqa: E402
+from dist_trainer.config_load import config_from_dict  # noqa: E402
 from dist_trainer.data.dataset import TokenDataset  # noqa: E402
 from dist_trainer.data.sampler import GlobalBatchSampler  # noqa: E402
 from dist_trainer.model import build_model  # noqa: E402

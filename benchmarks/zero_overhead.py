@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import benchmark_data  # noqa: E402
-from dist_trainer.config import config_from_dict  # noqa: E402
+from dist_trainer.config_load import config_from_dict  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def raw_deepspeed(rank: int, world_size: int, cfg_dict: dict) -> float:
     import deepspeed
     import deepspeed.ops
 
-    from dist_trainer.config import config_from_dict as build
+    from dist_trainer.config_load import config_from_dict as build
     from dist_trainer.data.dataset import TokenDataset
     from dist_trainer.data.sampler import GlobalBatchSampler
     from dist_trainer.model import build_model
@@ -77,7 +77,7 @@ def raw_deepspeed(rank: int, world_size: int, cfg_dict: dict) -> float:
 
 
 def trainer_zero(rank: int, world_size: int, cfg_dict: dict) -> float:
-    from dist_trainer.config import config_from_dict as build
+    from dist_trainer.config_load import config_from_dict as build
     from dist_trainer.train.trainer import Trainer
 
     cfg = build(cfg_dict).validate()

@@ -32,7 +32,7 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from dist_trainer.config import load_config
+    from dist_trainer.config_load import load_config
     from dist_trainer.train.distributed import shutdown_distributed
     from dist_trainer.train.summary import print_summary
     from dist_trainer.train.trainer import Trainer
@@ -67,7 +67,7 @@ def _register_check(sub: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from dist_trainer.config import load_config
+    from dist_trainer.config_load import load_config
     from dist_trainer.train.check import check_run
 
     cfg = load_config(args.config, args.overrides)
@@ -78,7 +78,7 @@ def run_check(args: argparse.Namespace) -> int:
 def _check_written(run_yaml: Path, world_size: int, gpus_per_node: int, device: str) -> None:
     """`plan --out`: the trainer's pre-launch check on the run.yaml it wrote (a refused layout is an error; data
     that does not fit the planned model yet is reported as the step left to do)."""
-    from dist_trainer.config import load_config
+    from dist_trainer.config_load import load_config
     from dist_trainer.train.check import check_run
 
     report = check_run(load_config(run_yaml), world_size, gpus_per_node, device, data_required=False)

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dist_trainer.config import Config, config_from_dict
+from dist_trainer.config import Config
+from dist_trainer.config_load import config_from_dict
 from dist_trainer.train.trainer import TrainResult
 
 ROOT = Path(__file__).resolve().parents[1]

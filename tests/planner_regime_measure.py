@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dist_trainer.config import Config, config_from_dict
+from dist_trainer.config import Config
+from dist_trainer.config_load import config_from_dict
 from dist_trainer.data.batch import collate
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 from dist_trainer.train.plan_check import SavedPeak

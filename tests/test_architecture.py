@@ -122,7 +122,7 @@ def test_rules_and_planner_load_without_torch() -> None:
 
 
 def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
-    from dist_trainer.config import model_config
+    from dist_trainer.config_load import model_config
     from dist_trainer.engines import ENGINES
     from dist_trainer.model import build_model
     from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dist_trainer.config import ModelConfig, load_config, model_config
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import load_config, model_config
 from dist_trainer.planner.cli import write_plan
 from dist_trainer.planner.memory import GiB, TrainingOptions
 from dist_trainer.planner.search import plan_layouts

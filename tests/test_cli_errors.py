@@ -140,7 +140,7 @@ def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--debug", "train", "--optim.lr=inf"], ["train", "--optim.lr=inf", "--debug"]):
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert err.startswith("Traceback (most recent call last):") and 'config.py", line' in err
+        assert err.startswith("Traceback (most recent call last):") and 'config_load.py", line' in err
         assert err.splitlines()[-1] == "dist-trainer train: error: optim.lr=inf must be a finite number"
 
 

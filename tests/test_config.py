@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_trainer.config import Config, ModelConfig, ParallelConfig, load_config, model_config
+from dist_trainer.config import Config, ModelConfig, ParallelConfig
+from dist_trainer.config_load import load_config, model_config
 from dist_trainer.train.distributed import detect_launch_env
 from tests.helpers import ROOT
 

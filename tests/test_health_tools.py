@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_trainer.checkpoint.publish import _prune
-from dist_trainer.config import model_config
+from dist_trainer.config_load import model_config
 from dist_trainer.health.attention import attention_maps, explicit_attention, head_stats
 from dist_trainer.health.noise import NoiseScale, estimate
 from dist_trainer.health.spikes import SpikeDetector

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from dist_trainer.config import ModelConfig, config_from_dict, model_config
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import config_from_dict, model_config
 from dist_trainer.layout_rules import layers_per_stage, rank_grid
 from dist_trainer.planner.emit import run_config_dict
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions

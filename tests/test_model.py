@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from dist_trainer.config import ModelConfig, model_config
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import model_config
 from dist_trainer.model import IGNORE_INDEX, Transformer, build_model, count_parameters
 
 # Published counts (REFERENCES.md; HF model cards): the model built on meta must equal them exactly.

@@ -90,7 +90,7 @@ CASES = {"uneven": ({}, {"freeze": UNEVEN}), "even": ({}, {"freeze": EVEN}), "lo
 def test_zero_refuses_a_freeze_that_leaves_some_ep_ranks_without_trainable_experts() -> None:
     """DeepSpeed would build expert optimizer groups on some ranks only (layout_rules.check_ep); DDP runs it, and an
     even freeze or LoRA (no expert trains anywhere) runs under ZeRO; the planner's search ranks none it refuses."""
-    from dist_trainer.config import model_config
+    from dist_trainer.config_load import model_config
     from dist_trainer.layout_rules import check_ep
     from dist_trainer.planner.memory import GiB, TrainingOptions
     from dist_trainer.planner.search import plan_layouts

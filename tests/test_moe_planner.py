@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from dist_trainer.config import model_config
+from dist_trainer.config_load import model_config
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import apply_expert_parallel, is_expert_param

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_trainer.config import model_config
+from dist_trainer.config_load import model_config
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 from dist_trainer.planner.params import count_params
 from dist_trainer.planner.rank_params import rank_params

@@ -14,7 +14,8 @@ import itertools
 
 import pytest
 
-from dist_trainer.config import ModelConfig, model_config
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import model_config
 from dist_trainer.planner.memory import (
     DEFAULT_OVERHEADS,
     Layout,
@@ -99,7 +100,7 @@ def test_model_states_charge_gradients_and_optimizer_for_trainable_parameters_on
 
 def test_plan_writes_the_fine_tuning_into_the_run_config() -> None:
     """`plan --out` emits a run.yaml the trainer validates, with the adapters and the frozen modules planned for."""
-    from dist_trainer.config import config_from_dict
+    from dist_trainer.config_load import config_from_dict
     from dist_trainer.planner.emit import run_config_dict
 
     cfg = finetuned(LLAMA, {"lora_rank": 4, "lora_targets": "all_linear"})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_trainer.config import model_config
+from dist_trainer.config_load import model_config
 from dist_trainer.experiments.calibrate_load import fit_sync, fit_zero
 from dist_trainer.planner.cost import StepTime, estimate_step_time, ring_time
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dist_trainer.config import ModelConfig, model_config
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import model_config
 from dist_trainer.planner.flops import megatron_model_flops, pipeline_bubble, step_flops
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, model_state_bytes, predict_rank_memory
 from dist_trainer.planner.params import count_params

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dist_trainer.config import PRESET_DIR, ModelConfig, model_config
+from dist_trainer.config import PRESET_DIR, ModelConfig
+from dist_trainer.config_load import model_config
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.planner.params import count_params, param_breakdown
 from dist_trainer.planner.rank_params import rank_params

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_trainer.config import ModelConfig, config_from_dict, model_config
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import config_from_dict, model_config
 from dist_trainer.planner.cli import register
 from dist_trainer.planner.cost import estimate_step_time
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_trainer.config import model_config
+from dist_trainer.config_load import model_config
 from dist_trainer.experiments.calibrate import fit_gemm, fit_ring
 from dist_trainer.planner.cost import estimate_step_time, ring_time
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware

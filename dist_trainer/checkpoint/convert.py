@@ -282,7 +282,7 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     The AdamW groups are rebuilt by name from the model (optim.param_groups), so the result loads with
     ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
     """
-    from dist_trainer.config import config_from_dict
+    from dist_trainer.config_load import config_from_dict
     from dist_trainer.model import build_model
     from dist_trainer.optim import build_optimizer
     from dist_trainer.parallel.tp.reshard import tp_shard_specs

@@ -83,7 +83,7 @@ def fit_sync(rows: list[tuple[int, float, float]], back_to_back: dict[int, float
 
 
 def zero_config(d_model: int, tokens: int, world_size: int, stage: int, micro: int, device: str) -> Any:
-    from dist_trainer.config import config_from_dict
+    from dist_trainer.config_load import config_from_dict
 
     heads = max(1, d_model // 64)
     return config_from_dict({

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dist_trainer.config import Config, config_from_dict
+from dist_trainer.config import Config
+from dist_trainer.config_load import config_from_dict
 
 if TYPE_CHECKING:
     import torch  # imported where it runs: `dist-trainer --help` and the planner subcommands stay torch-free
@@ -58,7 +59,7 @@ def measure_rank(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[s
     """One rank of one stage (run under dist_trainer.testing.run_distributed)."""
     import torch
 
-    from dist_trainer.config import config_from_dict as build
+    from dist_trainer.config_load import config_from_dict as build
     from dist_trainer.engines import build_engine
     from dist_trainer.parallel.state import ParallelState
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.config import CONFIG_ROOT, ModelConfig, model_config
+from dist_trainer.config import CONFIG_ROOT, ModelConfig
+from dist_trainer.config_load import model_config
 from dist_trainer.files import output_dir
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.parallel.zero.config import OWNED_KEYS

@@ -6,7 +6,8 @@ import dataclasses
 import shlex
 from typing import Any
 
-from dist_trainer.config import ModelConfig, ParallelConfig, config_from_dict
+from dist_trainer.config import ModelConfig, ParallelConfig
+from dist_trainer.config_load import config_from_dict
 from dist_trainer.parallel.zero.config import ds_config_for
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
 
@@ -38,7 +39,7 @@ def layout_from_parallel(parallel: ParallelConfig, dp_size: int, n_microbatches:
 
 def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
                     options: TrainingOptions = DEFAULT_OPTIONS) -> dict[str, Any]:
-    """A config tree that dist_trainer.config.config_from_dict accepts (model fields spelled out)."""
+    """A config tree that dist_trainer.config_load.config_from_dict accepts (model fields spelled out)."""
     fields = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset"}
     return {
         "model": fields,

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dist_trainer.config import ModelConfig, config_from_dict
+from dist_trainer.config import ModelConfig
+from dist_trainer.config_load import config_from_dict
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp, divisors
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations

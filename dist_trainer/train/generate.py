@@ -8,7 +8,8 @@ import torch
 
 from dist_trainer.checkpoint.convert import check_files, load_shards
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
-from dist_trainer.config import Config, config_from_dict
+from dist_trainer.config import Config
+from dist_trainer.config_load import config_from_dict
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 

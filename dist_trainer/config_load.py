@@ -1,0 +1,142 @@
+"""Reading a run's config: YAML files, model presets, dotted CLI overrides, each value checked against its field.
+
+Precedence is CLI > file > defaults (``load_config``). Every value is checked against the field's annotation
+before the tree is built (``_coerce``: types, null, finite floats), so ``Config.validate`` sees typed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dist_trainer.config import PRESET_DIR, Config, ModelConfig
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """The fields of a model preset: a name in configs/models/ or a YAML path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ValueError(f"model preset {name_or_path!r} not found; known presets: {', '.join(known)}")
+    data = parse_yaml(path.read_text(), str(path)) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"model preset {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def model_config(name_or_path: str, **overrides: Any) -> ModelConfig:
+    """A validated ModelConfig from a preset name or YAML file, with field overrides."""
+    cfg = _build(ModelConfig, {**load_preset(name_or_path), **overrides}, "model")
+    cfg.preset = name_or_path
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults < YAML file < dotted CLI overrides (``model.n_layers=4``), validated."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
+        tree = parse_yaml(Path(path).read_text(), str(path)) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        if not name:
+            raise ValueError(f"override {item!r} must be dotted: section.field=value")
+        tree.setdefault(section, {})
+        if not isinstance(tree[section], dict):
+            raise ValueError(f"config section {section!r} must be a mapping")
+        tree[section][name] = value
+    return config_from_dict(tree).validate()
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    sections = {f.name: typing.cast(type, f.default_factory) for f in dataclasses.fields(Config)}
+    unknown = set(tree) - set(sections)
+    if unknown:
+        raise ValueError(f"unknown config sections {sorted(unknown)}; valid: {sorted(sections)}")
+    model_fields = dict(tree.get("model") or {})
+    if model_fields.get("preset"):
+        model_fields = {**load_preset(model_fields["preset"]), **model_fields}
+    built = {}
+    for name, cls in sections.items():
+        fields = model_fields if name == "model" else (tree.get(name) or {})
+        built[name] = _build(cls, fields, name)
+    return Config(**built)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``--model.n_layers=4`` or ``model.n_layers=4`` -> ("model.n_layers", 4); YAML typing."""
+    item = item[2:] if item.startswith("--") else item
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise ValueError(f"override {item!r} must look like section.field=value")
+    if raw.startswith("*"):  # a glob (--train.freeze=*.attn_norm), not a YAML alias: no anchor exists in one value
+        return key, raw
+    return key, parse_yaml(raw, f"override {item!r}") if raw != "" else None
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """``yaml.safe_load``; a syntax error becomes a ValueError naming ``source`` and the line, not
+    PyYAML's ``<unicode string>``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None and start.line != getattr(mark, "line", None):
+            problem += f" ({context} that starts at line {start.line + 1})"  # where the typo usually is
+        raise ValueError(f"{source}: invalid YAML{where}: {problem}") from None
+
+
+@functools.cache
+def _field_hints(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """(annotation per field, field names) of a config dataclass: resolved once (the planner builds many configs)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def _build(cls: type, fields: dict[str, Any], section: str) -> Any:
+    hints, valid = _field_hints(cls)
+    unknown = set(fields) - valid
+    if unknown:
+        raise ValueError(f"unknown {section} fields {sorted(unknown)}; valid: {sorted(valid)}")
+    return cls(**{k: _coerce(v, hints[k], f"{section}.{k}") for k, v in fields.items()})
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check a YAML value against the field's annotation (ints may stand for floats)."""
+    # the members of a union (X | None); a generic's own arguments (list[str]) are not alternatives
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ValueError(f"{name} may not be null")
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if base is float and isinstance(value, str):
+        try:
+            value = float(value)  # YAML reads "3e-4" (and "inf", "nan", "1e400") as a string
+        except ValueError:
+            pass
+    if base in (int, float, str, bool) and (not isinstance(value, base) or
+                                            (base is int and isinstance(value, bool))):
+        raise ValueError(f"{name}={value!r} must be of type {base.__name__}")
+    # inf or nan passes every range check (nan compares false): an lr of inf trained to exit 0 (issue 16)
+    if base is float and not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    return value
