@@ -42,14 +42,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
 from dist_trainer.model_names import FIRST_STAGE_MODULES
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import kv_sharded, lora_shapes, mlp_weights, padded_vocab
 
 PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
 ATTENTION_KERNELS = ("flash", "math")
-RECOMPUTE = ("none", "selective", "every_k", "full")
+RECOMPUTE = CHECKPOINTING  # the trainer's modes (config.py); PP_SCHEDULES likewise
 
 
 def recomputed_layers(mode: str, every: int, layer_ids: Sequence[int]) -> list[int]:
@@ -59,7 +59,6 @@ def recomputed_layers(mode: str, every: int, layer_ids: Sequence[int]) -> list[i
     if mode == "full":
         return list(layer_ids)
     return [i for i in layer_ids if i % every == 0] if mode == "every_k" else []
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
