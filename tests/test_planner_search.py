@@ -260,3 +260,16 @@ def test_selective_layouts_are_planned_and_emitted_as_runnable_configs() -> None
     plain = estimate_step_time(cfg, replace(res.best.layout, activation_checkpointing="none"), seq_len=4096,
                                hardware=get_hardware("A100-80GB"), gpus_per_node=8)
     assert res.best.time.compute > plain.compute  # the recomputed attention core
+
+
+def test_gpipe_may_run_fewer_micro_batches_than_stages() -> None:
+    """layout_rules lets GPipe run m < pp (1F1B refuses it): the search offers such layouts when gpipe is allowed
+    and skips that pp, saying why, when only 1F1B schedules are."""
+    tiny = model_config("tiny")
+    shape = dict(n_gpus=4, gpus_per_node=4, gpu_memory_bytes=4 * GiB, seq_len=128, global_batch=2,
+                 hardware="cpu", zero_stages=(0,), allow_offload=False, pp_size=4)
+    gpipe = plan_layouts(tiny, **shape, pp_schedules=("gpipe",))  # type: ignore[arg-type]
+    assert gpipe.layouts and all(p.layout.pp_schedule == "gpipe" and p.layout.n_microbatches < 4
+                                 for p in gpipe.layouts)
+    ofb = plan_layouts(tiny, **shape)  # type: ignore[arg-type]
+    assert ofb.layouts == [] and any("all schedules but gpipe" in note for note in ofb.notes)

@@ -274,8 +274,10 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                             f"dp={dp} (tp={tp} pp={pp})")
                 continue
             per_dp = global_batch // dp
-            if pp > 1 and per_dp < pp:  # fewer micro-batches than stages: 1F1B cannot fill the pipeline
-                skipped.add("pp needs at least pp micro-batches per DP rank", f"pp={pp} gets {per_dp} (dp={dp})")
+            # fewer micro-batches than stages: only GPipe runs it (layout_rules.check_schedule), 1F1B cannot fill
+            if pp > 1 and per_dp < pp and "gpipe" not in pp_schedules:
+                skipped.add("pp needs at least pp micro-batches per DP rank (all schedules but gpipe)",
+                            f"pp={pp} gets {per_dp} (dp={dp})")
                 continue
             for zero, ep in ((z, e) for z in zero_stages for e in _ep_sizes(model, dp)):
                 if zero > 0 and dp == 1:
