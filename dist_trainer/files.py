@@ -58,6 +58,20 @@ def read_json(path: Path, what: str) -> Any:
         raise ValueError(f"{path} is not valid JSON (not UTF-8 text: {exc.reason}): {what}") from None
 
 
+def read_step_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl: the JSON objects with an integer ``step``, in file order; a line cut short by
+    a kill (or anything else that is not such a record) is skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 def error_message(exc: BaseException) -> str:
     """The one line a user sees for ``exc``: an OSError as "PATH: what happened (ECODE)", without Python's
     "[Errno N]" prefix; anything else as its message."""

@@ -15,12 +15,12 @@ health records). Key names: ``health/names.py`` and README, "Watching a run".
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
+from dist_trainer.files import read_step_records
 from dist_trainer.health.names import GROUP_SIGNALS, LAYER_KINDS, PREFIX, quantile_key, signal_key
 
 
@@ -29,14 +29,7 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ValueError(f"{path} does not exist: give a run folder (train.out_dir) holding metrics.jsonl")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
+    records = read_step_records(path)
     if not records:
         raise ValueError(f"{path} holds no metrics records")
     return records

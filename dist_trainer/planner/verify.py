@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dist_trainer.files import read_step_records
 from dist_trainer.planner.search import PlannedLayout, describe
 
 
@@ -59,8 +60,7 @@ def _measured(planned: PlannedLayout, folder: Path, run_dir: Path, error: str | 
     metrics = run_dir / "metrics.jsonl"
     if error is not None or not metrics.is_file():
         return Trial(planned, folder, None, None, error or f"{metrics} was not written")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    times = [r["step_time_s"] for r in records if r.get("step", 0) > 1 and "step_time_s" in r]
+    times = [r["step_time_s"] for r in read_step_records(metrics) if r["step"] > 1 and "step_time_s" in r]
     check = run_dir / "plan_check.json"  # the run's own peak: CUDA's max allocated, or the resident-set growth
     peak = None
     if check.is_file():
