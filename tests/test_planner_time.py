@@ -14,7 +14,7 @@ from dist_trainer.config_load import model_config
 from dist_trainer.experiments.calibrate import fit_gemm, fit_ring
 from dist_trainer.planner.cost import estimate_step_time, ring_time
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
-from dist_trainer.planner.memory import Layout, TrainingOptions
+from dist_trainer.planner.memory import GiB, Layout, TrainingOptions
 from tests.helpers import VENV_BIN, subprocess_env
 
 H100 = get_hardware("H100-80GB")
@@ -146,3 +146,17 @@ def test_measured_non_gemm_terms_are_priced_only_with_a_calibrated_profile() -> 
     optimizer = cost.ADAM_BYTES * count_params(tiny)
     ops = 2 * (cost.OPS_PER_LAYER * L + cost.OPS_PER_MICRO) + cost.ADAM_OPS * (16 * L + 4)
     assert more.compute - base.compute == pytest.approx((passes + optimizer) / 1e10 + ops * 5e-6)
+
+
+def test_verify_reads_a_trial_whose_metrics_end_in_a_torn_line(tmp_path: Path) -> None:
+    """A trial killed mid-write leaves half a line: plan --verify takes the median of the whole records
+    (files.read_step_records), as dist-trainer report does, instead of failing on it."""
+    from dist_trainer.planner.search import plan_layouts
+    from dist_trainer.planner.verify import _measured
+
+    planned = plan_layouts(model_config("tiny"), n_gpus=2, gpus_per_node=2, gpu_memory_bytes=4 * GiB, seq_len=128,
+                           global_batch=8, hardware="cpu").layouts[0]
+    lines = [json.dumps({"step": s, "step_time_s": t}) for s, t in ((1, 9.0), (2, 0.3), (3, 0.5), (4, 0.4))]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, '{"note": "not a step"}', '{"step": 5, "step_ti']))
+    trial = _measured(planned, tmp_path, tmp_path, None)
+    assert trial.ok and trial.step_s == 0.4  # steps 2-4 (records count from 1): not the first, not the torn line
