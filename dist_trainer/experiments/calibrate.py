@@ -186,11 +186,11 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
         profile = dataclasses.replace(profile, zero_overhead=fit_zero(zero["times"], zero["params"], modelled,
                                                                       zero_stages))
     when = time.strftime("%Y-%m-%d %H:%M:%S")
+    zero_note = f"DeepSpeed ZeRO {list(zero_stages)} against DDP on a {ZERO_LAYERS}-layer GPT; " if zero_stages else ""
     source = (f"dist-trainer calibrate on {platform.node()} ({device}) {when}: {nprocs} ranks at once"
               f"{f' on {cores} cores' if cores else ''}; GEMM {len(gemms)} shapes (d_model {d_model}, tokens "
               f"{list(tokens)}, tp {list(tp_sizes)}, {precision}), all-reduce 256 B-8 MiB on 2..{nprocs} ranks, "
-              f"back to back and between GEMMs; DeepSpeed ZeRO {list(zero_stages)} against DDP on a "
-              f"{ZERO_LAYERS}-layer GPT; inter-node figures copied from intra-node")
+              f"back to back and between GEMMs; {zero_note}inter-node figures copied from intra-node")
     # one precision is measured: the other is taken to be equal (say so in the source)
     return dataclasses.replace(profile, source=source + f"; {precision} measured, the other precision taken as equal")
 
