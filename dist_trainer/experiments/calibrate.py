@@ -37,7 +37,6 @@ from typing import Any
 from dist_trainer.experiments.calibrate_load import ZERO_LAYERS, fit_sync, fit_zero, measure_zero, zero_config
 from dist_trainer.planner.cost import ring_time
 from dist_trainer.planner.hardware import GiB, HardwareProfile, get_hardware
-from dist_trainer.planner.memory import TrainingOptions
 
 SIZES = (256, 4 * 2**10, 64 * 2**10, 1 * 2**20, 8 * 2**20)  # all-reduce buffers (bytes): latency to bandwidth
 REPEATS = 5
@@ -72,7 +71,7 @@ def _timed(fn: Any, repeats: int = REPEATS) -> float:
 def measure_rank(rank: int, world_size: int, shapes: list[tuple[int, int, int]], dtype_name: str,
                  device: str) -> dict[str, Any]:
     """One rank: GEMM FLOP/s per (rows, inner, cols), all-reduce seconds per (group size, bytes), Adam params/s,
-    and the extra cost of an all-reduce between GEMMs (``calibrate_load.measure_sync``)."""
+    and the extra cost of an all-reduce between GEMMs of the middle shape (``calibrate_load.measure_sync``)."""
     import torch
     import torch.distributed as dist
 
@@ -113,7 +112,7 @@ def measure_rank(rank: int, world_size: int, shapes: list[tuple[int, int, int]],
     p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW([p], lr=1e-3, foreach=False)
     adam_s = _timed(adam.step)
-    rows, inner, _ = shapes[len(shapes) // 2]
+    rows, inner, _ = _middle(shapes)
     loaded = measure_sync(rank, world_size, inner, rows, dev, sync)
     return {"gemms": gemms, "collectives": collectives, "adam_params_per_s": p.numel() / adam_s,
             "memory_bw": 2 * src.numel() * src.element_size() * copies_per_s, "op_overhead": op_s,
@@ -168,7 +167,7 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
     adam = statistics.median(res["adam_params_per_s"] for res in results)  # one rank's; the node's is nprocs times it
     memory_bw = statistics.median(res["memory_bw"] for res in results)
     op_overhead = statistics.median(res["op_overhead"] for res in results)
-    rows, inner, _ = shapes[len(shapes) // 2]
+    rows, inner, _ = _middle(shapes)
     act_bytes = rows * inner * 4
     sync = fit_sync([r for res in results for r in res["sync"]],
                     {n: ring_time("all_reduce", act_bytes, n, bw, alpha) for n in range(2, nprocs + 1)})
@@ -182,7 +181,7 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
     if zero_stages:
         zero = run_distributed(measure_zero, nprocs, (d_model, rows, device, zero_stages), timeout=600,
                                backend=backend, env={"DS_ACCELERATOR": "cpu" if device == "cpu" else "cuda"})[0]
-        modelled = _modelled_zero_traffic(profile, d_model, rows, nprocs, zero_stages)
+        modelled = _modelled_zero_traffic(profile, d_model, rows, nprocs, zero_stages, device)
         profile = dataclasses.replace(profile, zero_overhead=fit_zero(zero["times"], zero["params"], modelled,
                                                                       zero_stages))
     when = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -195,23 +194,31 @@ def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: t
     return dataclasses.replace(profile, source=source + f"; {precision} measured, the other precision taken as equal")
 
 
+def _middle(shapes: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    """The GEMM shape the under-load measurements use (tokens of a middle micro-batch x d_model)."""
+    return shapes[len(shapes) // 2]
+
+
 def _cores() -> int:
     """The cores this process may run on (its affinity), which the ranks of a CPU job share."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _modelled_zero_traffic(profile: HardwareProfile, d_model: int, tokens: int, nprocs: int,
-                           stages: tuple[int, ...]) -> dict[str, float]:
+                           stages: tuple[int, ...], device: str) -> dict[str, float]:
     """The exposed data-parallel seconds ``cost.py`` already charges ZeRO stage s over DDP on the measured model
     (keys "s/m", m micro-batches): subtracted from the measured extra, so ``zero_overhead`` is DeepSpeed's own."""
+    import torch
+
     from dist_trainer.planner.cost import estimate_step_time
     from dist_trainer.planner.emit import layout_from_parallel
+    from dist_trainer.train.plan_check import planner_options
 
     def dp_seconds(stage: int, micro: int) -> float:
-        cfg = zero_config(d_model, tokens, nprocs, stage, micro, "cpu")
+        cfg = zero_config(d_model, tokens, nprocs, stage, micro, device)
         layout = layout_from_parallel(cfg.parallel, nprocs, micro)
         est = estimate_step_time(cfg.model, layout, seq_len=tokens, hardware=profile, gpus_per_node=nprocs,
-                                 options=TrainingOptions(precision="fp32", device="cpu"))
+                                 options=planner_options(cfg, torch.device(device)))  # what the engines ran
         return est.dp_comm
 
     return {f"{s}/{m}": dp_seconds(s, m) - dp_seconds(0, m) for s in stages for m in (1, 2)}
