@@ -16,12 +16,49 @@ from typing import Any
 
 import yaml
 
+from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
+
+# ModelConfig fields a run may set beside a Hugging Face folder's: they change no weight's name, shape or meaning
+FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "lora_rank", "lora_alpha",
+                     "lora_dropout", "lora_targets", "capacity_factor", "router_aux_loss", "router_z_loss")
+
+
+def hf_model_fields(path: str | Path) -> dict[str, Any]:
+    """ModelConfig fields of a Hugging Face folder (or its config.json): its config, and its tensor names (which
+    say whether a BERT folder has a pooler or a masked-LM head)."""
+    from dist_trainer.checkpoint.hf_config import model_fields_from_hf, read_hf_config
+
+    folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
+    names = None
+    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
+        from dist_trainer.checkpoint.source import safetensors_index
+
+        names = set(safetensors_index(folder))
+    return model_fields_from_hf(read_hf_config(folder), str(folder / "config.json"), names)
+
+
+def _model_from_hf(model_fields: dict[str, Any], folder: str) -> dict[str, Any]:
+    """A run's model section when it starts from a Hugging Face folder: the folder's fields; each field the run
+    set otherwise (but the free ones) is named on stderr, so a run config written for another model still runs."""
+    hf = hf_model_fields(folder)
+    differ = {k: (v, hf[k]) for k, v in model_fields.items() if k in hf and k not in FREE_MODEL_FIELDS and v != hf[k]}
+    if differ:
+        import sys
+
+        print(f"note: the model comes from {folder}/config.json; these model fields of the run config are replaced "
+              f"(run config -> folder): " + ", ".join(f"{k}={a!r} -> {b!r}" for k, (a, b) in sorted(differ.items())),
+              file=sys.stderr)
+    free = {k: v for k, v in model_fields.items() if k in FREE_MODEL_FIELDS or k not in hf}
+    return {**hf, **free, "preset": folder}
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
-    """The fields of a model preset: a name in configs/models/ or a YAML path."""
+    """The fields of a model preset: a name in configs/models/, a YAML path, or a Hugging Face folder (or its
+    config.json), whose config is mapped by ``checkpoint/hf_config.py``."""
     path = Path(name_or_path)
+    if is_hf_folder(path):
+        return hf_model_fields(path)
     if not path.suffix:
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
@@ -68,7 +105,15 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     if unknown:
         raise ValueError(f"unknown config sections {sorted(unknown)}; valid: {sorted(sections)}")
     model_fields = dict(tree.get("model") or {})
-    if model_fields.get("preset"):
+    init_from = (tree.get("train") or {}).get("init_from")
+    if isinstance(init_from, str) and is_hf_folder(init_from):  # the model is the folder's (issue 21)
+        if model_fields.get("preset") and not is_hf_folder(str(model_fields["preset"])):
+            model_fields = {**load_preset(model_fields["preset"]), **model_fields}
+        model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"}, init_from)
+    elif model_fields.get("preset") and is_hf_folder(str(model_fields["preset"])):
+        model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"},
+                                      str(model_fields["preset"]))
+    elif model_fields.get("preset"):
         model_fields = {**load_preset(model_fields["preset"]), **model_fields}
     built = {}
     for name, cls in sections.items():

@@ -42,7 +42,8 @@ from dist_trainer.checkpoint.convert import (
     shard_name,
     write_specs,
 )
-from dist_trainer.checkpoint.weights import Gather, copy_start_weights_, read_start_weights
+from dist_trainer.checkpoint.load import load_owned_
+from dist_trainer.checkpoint.source import open_source
 from dist_trainer.config import Config
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.model import Transformer, build_model
@@ -65,8 +66,8 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
 
 
 def seeded_model(cfg: Config) -> Transformer:
-    """The single-process model drawn from ``train.seed``, activation checkpointing set, ``start_finetune``
-    applied: every regime's start."""
+    """The single-process model drawn from ``train.seed``, activation checkpointing set, ``train.freeze``
+    applied: every regime's start (``train.init_from``'s weights come in once the model is cut to this rank)."""
     model = build_model(cfg.model, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every)
     start_finetune(model, cfg)
@@ -79,18 +80,22 @@ def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
     model = seeded_model(cfg)
     apply_tensor_parallel(model, state, cfg.parallel.sequence_parallel)
     apply_expert_parallel(model, state)  # no-op at ep_size 1
+    load_start_weights(model, cfg, state)
     return model
 
 
-def start_finetune(model: nn.Module, cfg: Config, gathered: Gather | None = None) -> None:
-    """``train.init_from``'s weights by name (the model's adapters keep their draw), then ``train.freeze``.
-
-    ``model`` holds whole (not yet TP-split) modules under the plain model's names: the seeded model, the pipeline
-    rank's stages, or a ZeRO-3 model whose partitions ``gathered`` makes whole one module at a time.
-    """
-    if cfg.train.init_from:
-        copy_start_weights_(model, read_start_weights(cfg.train.init_from), gathered)
+def start_finetune(model: nn.Module, cfg: Config) -> None:
+    """``train.freeze`` on whole modules under the plain model's names (the seeded model, the pipeline rank's
+    stages, a ZeRO-3 model) before TP splits them; the TP layers keep ``requires_grad``."""
     freeze_(model, frozen_modules(cfg.model, cfg.train.freeze))
+
+
+def load_start_weights(model: nn.Module, cfg: Config, state: ParallelState) -> None:
+    """``train.init_from``'s weights (a Hugging Face folder, an export or a checkpoint of any layout) into this
+    rank's cut of the model: each parameter reads only the slice it owns (``checkpoint/load.py``); the model's
+    adapters keep their draw."""
+    if cfg.train.init_from:
+        load_owned_(model, open_source(cfg.train.init_from), state.tp_rank, state.tp_size)
 
 
 def clip_norm(cfg: Config) -> float:

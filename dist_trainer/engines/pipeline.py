@@ -25,6 +25,7 @@ from dist_trainer.engines.base import (
     NamedShardsMixin,
     autocast_for,
     clip_norm,
+    load_start_weights,
     start_finetune,
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
@@ -77,6 +78,8 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
             apply_expert_parallel(stage.model, state)
             stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)
+        load_start_weights(PipelineRankModule(self.stages), cfg, state)  # each rank its stages' TP slices
+        for stage in self.stages:
             stage.to(device)
         self.pipe = build_schedule(self.stages, state, self.n_micro, p.pp_schedule, self.stages[-1].model.loss)
         placement = stage_placement(state.pp_size, p.pp_virtual_stages)

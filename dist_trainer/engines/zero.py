@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, sharded_model, start_finetune
+from dist_trainer.engines.base import Engine, load_start_weights, sharded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
 from dist_trainer.parallel.ownership import Piece
@@ -86,7 +86,8 @@ class ZeroEngine(Engine):
                                  remote_device="cpu" if self.cfg.parallel.zero_offload else None, mpu=self.mpu):
             model = Transformer(self.cfg.model)
         init_partitioned(model)
-        start_finetune(model, self.cfg, lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
+        start_finetune(model, self.cfg)
+        load_start_weights(model, self.cfg, self.state)  # each rank reads its own partition of every parameter
         model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
                                            self.cfg.parallel.checkpoint_every)
         return model.to(self.device)

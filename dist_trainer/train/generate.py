@@ -6,28 +6,14 @@ from pathlib import Path
 
 import torch
 
-from dist_trainer.checkpoint.convert import check_files, load_shards
-from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config import Config
-from dist_trainer.config_load import config_from_dict
-from dist_trainer.model import Transformer, build_model
-from dist_trainer.parallel.tp.reshard import tp_shard_specs
+from dist_trainer.model import Transformer
 
 
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
-    """The plain model of a checkpoint (any tp x pp layout, or ZeRO): run folder, checkpoints/ or step folder."""
-    step_path = resolve_checkpoint(path)
-    meta = read_meta(step_path)
-    check_files(step_path, meta)  # every file read weights-only first: a bad one is named, nothing executed
-    cfg = config_from_dict(meta["config"])
-    model = build_model(cfg.model, device="meta")
-    model.to_empty(device="cpu")
-    model.reset_parameters()
-    # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
-    state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                           specs_now=tp_shard_specs(model))
-    model.load_state_dict(state)
-    return model.to(device).eval(), cfg
+    """The plain model of a checkpoint (any tp x pp layout, or ZeRO), a native export or a Hugging Face folder."""
+    return load_plain_model(path, device)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:

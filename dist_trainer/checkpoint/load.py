@@ -1,0 +1,90 @@
+"""Fill a rank's model with the slices it owns of a ``WeightSource``, one tensor at a time.
+
+Called after the regime has cut the model (TP shards, a pipeline rank's stages, its experts, ZeRO-3 partitions):
+each parameter reads exactly its own part of the source, so no rank ever holds more of the source than it owns
+plus one tensor. A TP shard is rows (or columns) [r c, (r + 1) c) of the full tensor zero-padded to a multiple of
+tp (``parallel/tp/layers.shard_of``); a ZeRO-3 partition is elements [r n, (r + 1) n) of the flattened tensor
+(DeepSpeed's ``ds_tensor``), read as the rows that cover them. Adapters keep their own draw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from dist_trainer.checkpoint.source import WeightSource
+from dist_trainer.model_lora import is_adapter
+
+
+def _full_shape(p: nn.Parameter, tp_size: int) -> tuple[int, ...]:
+    """The unsplit shape of a (TP-sharded or ZeRO-3-partitioned) parameter."""
+    if hasattr(p, "ds_shape"):
+        return tuple(p.ds_shape)
+    shape = list(p.shape)
+    dim = getattr(p, "tp_split_dim", None)
+    if dim is not None:
+        shape[dim] = int(p.tp_full_size)  # type: ignore[attr-defined]
+    return tuple(shape)
+
+
+def check_fits(source: WeightSource, named: Iterable[tuple[str, nn.Parameter]], tp_size: int,
+               what: str = "train.init_from") -> None:
+    """ValueError naming the parameters the source lacks or holds in another shape (before anything is copied)."""
+    own = {n: p for n, p in named if not is_adapter(n)}
+    have = source.names()
+    missing = sorted(set(own) - have)
+    wrong = [(n, source.shape(n), _full_shape(own[n], tp_size)) for n in sorted(set(own) & have)
+             if tuple(source.shape(n)) != _full_shape(own[n], tp_size)]
+    if missing or wrong:
+        raise ValueError(f"{what}={source.where}: its weights do not fit this model: missing {missing[:5]}, other "
+                         f"shapes (source, model) {wrong[:5]}")
+
+
+def _tp_slice(source: WeightSource, name: str, p: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    dim = getattr(p, "tp_split_dim", None)
+    if dim is None:
+        return source.read(name)
+    full = int(p.tp_full_size)  # type: ignore[attr-defined]
+    chunk = p.shape[dim]
+    start, stop = tp_rank * chunk, min((tp_rank + 1) * chunk, full)
+    part = source.read(name, dim, start, stop) if stop > start else None
+    if part is not None and part.shape[dim] == chunk:
+        return part
+    out = torch.zeros(p.shape, dtype=part.dtype if part is not None else p.dtype)  # padded vocabulary rows: zeros
+    if part is not None:
+        out.narrow(dim, 0, part.shape[dim]).copy_(part)
+    return out
+
+
+def _zero3_partition(source: WeightSource, name: str, p: torch.Tensor) -> torch.Tensor:
+    """This rank's flat ZeRO-3 partition of ``name``: the rows that cover it, flattened and cut."""
+    import torch.distributed as dist
+
+    part = p.ds_tensor  # type: ignore[attr-defined]
+    rank = dist.get_rank(group=p.ds_process_group)  # type: ignore[attr-defined]
+    shape = tuple(p.ds_shape)  # type: ignore[attr-defined]
+    numel, n = math.prod(shape), part.numel()
+    start, stop = rank * n, min((rank + 1) * n, numel)
+    out = torch.zeros(n, dtype=part.dtype)
+    if stop > start:
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        first, last = start // row, -(-stop // row)
+        rows = source.read(name, 0, first, last).reshape(-1)
+        out[: stop - start] = rows[start - first * row: stop - first * row]
+    return out
+
+
+@torch.no_grad()
+def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_size: int = 1,
+                what: str = "train.init_from") -> None:
+    """Every base parameter of ``model`` (a rank's cut of the plain model, under its names) from ``source``."""
+    named = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
+    check_fits(source, named, tp_size, what)
+    for name, p in named:
+        if hasattr(p, "ds_tensor"):
+            p.ds_tensor.copy_(_zero3_partition(source, name, p).to(p.ds_tensor.dtype))  # type: ignore[attr-defined]
+        else:
+            p.copy_(_tp_slice(source, name, p, tp_rank, tp_size).to(p.dtype))

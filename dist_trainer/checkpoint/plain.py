@@ -1,0 +1,56 @@
+"""Any saved model as one plain ``Transformer``: a checkpoint of any layout, a native export or a Hugging Face
+folder (what ``generate``, ``export`` and ``attention`` read)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dist_trainer.checkpoint.convert import check_files, load_shards
+from dist_trainer.checkpoint.hf_config import is_hf_folder
+from dist_trainer.checkpoint.load import load_owned_
+from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
+from dist_trainer.checkpoint.source import open_source
+from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
+from dist_trainer.config import Config
+from dist_trainer.config_load import config_from_dict, hf_model_fields
+from dist_trainer.model import Transformer, build_model
+from dist_trainer.parallel.tp.reshard import tp_shard_specs
+
+
+def _empty_model(cfg: Config) -> Transformer:
+    model = build_model(cfg.model, device="meta")
+    model.to_empty(device="cpu")
+    model.reset_parameters()  # the position tables and the adapters' draw; every weight is then overwritten
+    return model
+
+
+def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
+    """The plain model at ``path`` and its run config (a Hugging Face folder or an export: the model section
+    alone, every other section default): an HF folder (``config.json`` + safetensors), a native export
+    (``model.safetensors`` + ``config.json``), or a checkpoint (run folder, checkpoints/ or step folder)."""
+    p = Path(path)
+    if is_hf_folder(p) or (p / EXPORT_WEIGHTS).is_file() or (p.is_file() and p.suffix == ".safetensors"):
+        if is_hf_folder(p):
+            fields = hf_model_fields(p)
+        else:
+            config = (p if p.is_dir() else p.parent) / EXPORT_CONFIG
+            if not config.is_file():
+                raise ValueError(f"{p}: an export needs its {EXPORT_CONFIG} beside {EXPORT_WEIGHTS}")
+            fields = json.loads(config.read_text())
+        cfg = config_from_dict({"model": {**fields, "preset": None}})
+        model = _empty_model(cfg)
+        load_owned_(model, open_source(p), what="--checkpoint")
+        return model.to(device).eval(), cfg
+    step_path = resolve_checkpoint(p)
+    meta = read_meta(step_path)
+    check_files(step_path, meta)  # every file read weights-only first: a bad one is named, nothing executed
+    cfg = config_from_dict(meta["config"])
+    model = _empty_model(cfg)
+    # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
+    state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                           specs_now=tp_shard_specs(model))
+    model.load_state_dict(state)
+    return model.to(device).eval(), cfg

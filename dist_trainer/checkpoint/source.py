@@ -1,0 +1,221 @@
+"""Where a run's start weights come from, read one tensor slice at a time: HF folders, exports, checkpoints.
+
+``open_source(path)`` gives a ``WeightSource`` keyed by this model's parameter names whatever the files hold:
+
+- ``HFSource``: a Hugging Face folder (``config.json``, ``model.safetensors`` or shards listed by
+  ``model.safetensors.index.json``), through ``hf_names``' recipes (transposes, fused q/k/v, RoPE row order);
+- ``SafetensorsSource``: this project's ``--format native`` export (``model.safetensors`` under our names);
+- ``CheckpointSource`` (``checkpoint_source.py``): a checkpoint of any layout, its shard files memory-mapped.
+
+``read(name, dim, start, stop)`` returns rows (or columns) [start, stop) of the full tensor along ``dim``; only
+those bytes are read from the memory-mapped file (safetensors' ``get_slice``), so a rank that owns a TP slice, a
+stage's layers or a ZeRO-3 partition never holds the whole model (``load.py`` asks for exactly what it owns).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
+from dist_trainer.checkpoint.hf_names import read_plan
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_REFUSED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+
+
+class WeightSource(Protocol):
+    """Full tensors by this model's parameter names, read in slices."""
+
+    where: str  # the path, for messages
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements [start, stop) along ``dim`` of the full tensor ``name`` (the whole tensor when dim is None)."""
+        ...
+
+
+def _sliced(view: Any, ndim: int, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+    """``view[..., start:stop, ...]`` on a safetensors slice or a tensor (a copy: the result owns its bytes)."""
+    if dim is None:
+        return view[:]
+    index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(ndim))
+    return view[index]
+
+
+class SafetensorsFiles:
+    """Tensors of one or more safetensors files by the files' own names, opened lazily and kept open."""
+
+    def __init__(self, files: dict[str, Path], where: str) -> None:
+        self.files = files  # tensor name -> file
+        self.where = where
+        self._open: dict[Path, Any] = {}
+
+    def handle(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(f"{path}: cannot be read as safetensors ({exc})") from None
+        return self._open[path]
+
+    def slice_of(self, name: str) -> Any:
+        handle = self.handle(name)
+        if name not in handle.keys():
+            raise ValueError(f"{self.where}: {self.files[name].name} does not hold tensor {name!r} "
+                             f"(named for it in {INDEX_FILE})")
+        return handle.get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.slice_of(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        view = self.slice_of(name)
+        return _sliced(view, len(view.get_shape()), dim, start, stop)
+
+
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """{tensor name: file} of an HF folder: its index, or its single ``model.safetensors``. ValueError naming the
+    file for a missing shard, an unreadable index, or a folder holding only pickled weights (never unpickled)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} cannot be read ({exc!r}); it should hold a weight_map") from None
+        files = {str(n): folder / str(f) for n, f in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                name = next(n for n, f in files.items() if f == path)
+                raise ValueError(f"{folder}: shard {path.name} listed in {INDEX_FILE} (for {name!r}) is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {n: single for n in f.keys()}
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{single}: cannot be read as safetensors ({exc})") from None
+    pickled = [n for n in _REFUSED if (folder / n).exists()]
+    if pickled:
+        raise ValueError(f"{folder / pickled[0]}: weights in a pickle or another framework's format are not read "
+                         "(unpickling can run code); convert the folder to safetensors first (transformers: "
+                         "model.save_pretrained(dir, safe_serialization=True))")
+    raise ValueError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE} there")
+
+
+class HFSource:
+    """A Hugging Face folder read under this model's names (module docstring)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.where = str(self.folder)
+        self.hf = read_hf_config(self.folder)
+        self.family = hf_family(self.hf, str(self.folder / "config.json"))
+        self.files = SafetensorsFiles(safetensors_index(self.folder), self.where)
+        hf_names = set(self.files.files)
+        self.model = model_fields_from_hf(self.hf, str(self.folder / "config.json"), hf_names)
+        self.plan = read_plan(self.family, self.model, hf_names)
+        missing = sorted(r.hf_name for r in self.plan.values() if r.hf_name not in hf_names)
+        if missing:
+            raise ValueError(f"{self.folder}: tensor {missing[0]!r} (one of {len(missing)} the "
+                             f"{self.family} config.json implies) is in none of the folder's files")
+
+    def names(self) -> set[str]:
+        return set(self.plan)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        r = self.plan[name]
+        shape = self.files.shape(r.hf_name)
+        if r.transpose:
+            shape = shape[::-1]
+        if r.offset is not None:
+            assert r.rows is not None
+            shape = (r.rows, *shape[1:])
+        return tuple(shape)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        r = self.plan[name]
+        full = self.shape(name)
+        if dim is None:
+            dim, start, stop = 0, 0, full[0]
+        stop = full[dim] if stop is None else stop
+        if r.rope_head_dim and dim == 0 and (start % r.rope_head_dim or stop % r.rope_head_dim):
+            raise AssertionError(f"{name}: rows [{start}, {stop}) cut a head of {r.rope_head_dim} rows")
+        hf_dim = (len(full) - 1 - dim) if r.transpose else dim
+        if r.offset is not None and dim == 0:  # a fused tensor: our rows are a block of the (transposed) HF rows
+            t = self.files.read(r.hf_name, hf_dim, r.offset + start, r.offset + stop)
+        elif r.offset is not None:  # columns of our block: the whole block's rows, those columns
+            t = self.files.read(r.hf_name, hf_dim, start, stop)
+            t = _sliced(t.t() if r.transpose else t, t.ndim, 0, r.offset, r.offset + full[0])
+            return t.contiguous()
+        else:
+            t = self.files.read(r.hf_name, hf_dim, start, stop)
+        if r.transpose:
+            t = t.t()
+        if r.rope_head_dim:
+            t = interleave_rope_rows(t, r.rope_head_dim)
+        return t.contiguous()
+
+
+def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q/k rows of whole heads from rotate_half order (pairs i, i + D/2) to adjacent pairs (2i, 2i + 1)."""
+    rest = w.shape[1:]
+    return w.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def rotate_half_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of ``interleave_rope_rows``: our q/k rows back to Hugging Face's order."""
+    rest = w.shape[1:]
+    return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+class SafetensorsSource:
+    """This project's native export (``model.safetensors`` under our own names)."""
+
+    def __init__(self, file: str | Path) -> None:
+        self.file = Path(file)
+        self.where = str(self.file)
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.file), framework="pt") as f:
+                names = list(f.keys())
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{self.file}: cannot be read as safetensors ({exc})") from None
+        self.files = SafetensorsFiles({n: self.file for n in names}, self.where)
+
+    def names(self) -> set[str]:
+        return set(self.files.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.files.shape(name)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.files.read(name, dim, start, stop)
+
+
+def open_source(path: str | Path) -> WeightSource:
+    """The weights at ``path``: an HF folder, a native export (folder or .safetensors file) or a checkpoint."""
+    p = Path(path)
+    if is_hf_folder(p):
+        return HFSource(p.parent if p.name == "config.json" else p)
+    if p.is_file() and p.suffix == ".safetensors":
+        return SafetensorsSource(p)
+    if (p / SINGLE_FILE).is_file():
+        return SafetensorsSource(p / SINGLE_FILE)
+    from dist_trainer.checkpoint.checkpoint_source import CheckpointSource
+
+    return CheckpointSource(p)
