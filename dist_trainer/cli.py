@@ -108,18 +108,29 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _register_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as one plain model (safetensors + config.json)")
-    p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
-    p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    p = sub.add_parser("export", help="write a checkpoint as one plain model (a Hugging Face folder by default)")
+    p.add_argument("--checkpoint", required=True,
+                   help="run folder, its checkpoints/ folder, a step folder, an export or a Hugging Face folder")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--format", default="hf", choices=("hf", "native"),
+                   help="hf: safetensors shards + config.json that transformers reads (default); native: this "
+                        "project's model.safetensors + config.json")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="tensor dtype (hf)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (hf), e.g. 5GB, 500MB")
+    p.add_argument("--adapter", action="store_true",
+                   help="hf: a LoRA run's adapters alone as a PEFT folder (adapter_config.json + "
+                        "adapter_model.safetensors); without it they are folded into the weights")
     p.add_argument("--merge-lora", action="store_true",
-                   help="fold a LoRA run's adapters into their weights (W0 + alpha/r B A): a plain model")
+                   help="native: fold a LoRA run's adapters into their weights (W0 + alpha/r B A)")
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from dist_trainer.train.export import export_safetensors
+    from dist_trainer.train.export import export_checkpoint
 
-    print(export_safetensors(args.checkpoint, args.out, merge_lora=args.merge_lora))
+    for path in export_checkpoint(args.checkpoint, args.out, args.format, args.dtype, args.max_shard_size,
+                                  merge_lora=args.merge_lora, adapter=args.adapter):
+        print(path)
     return 0
 
 

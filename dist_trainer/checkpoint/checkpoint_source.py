@@ -63,6 +63,17 @@ class CheckpointSource:
     def names(self) -> set[str]:
         return {n for n in self.specs if not is_adapter(n)}
 
+    def adapter_names(self) -> set[str]:
+        return {n for n in self.specs if is_adapter(n)}
+
+    def raw_shape(self, name: str) -> tuple[int, ...]:
+        """Any saved tensor's full shape, adapters included."""
+        return self._raw_shape(name)
+
+    def read_raw(self, name: str) -> torch.Tensor:
+        """Any saved tensor whole as saved (an adapter's A or B; base weights without the adapters folded in)."""
+        return self._read_raw(name, None, 0, None)
+
     def _raw_shape(self, name: str) -> tuple[int, ...]:
         pp, ep = self.coordinate[name]
         shape = list(self._shard(0, pp, ep)[name].shape)

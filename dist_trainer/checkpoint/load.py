@@ -85,6 +85,6 @@ def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_siz
     check_fits(source, named, tp_size, what)
     for name, p in named:
         if hasattr(p, "ds_tensor"):
-            p.ds_tensor.copy_(_zero3_partition(source, name, p).to(p.ds_tensor.dtype))  # type: ignore[attr-defined]
+            p.ds_tensor.copy_(_zero3_partition(source, name, p).to(p.ds_tensor.dtype))
         else:
             p.copy_(_tp_slice(source, name, p, tp_rank, tp_size).to(p.dtype))

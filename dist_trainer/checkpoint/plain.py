@@ -3,8 +3,10 @@ folder (what ``generate``, ``export`` and ``attention`` read)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,20 +29,26 @@ def _empty_model(cfg: Config) -> Transformer:
     return model
 
 
+def export_model_fields(path: str | Path) -> dict[str, Any]:
+    """Every ModelConfig field of an HF folder or a native export (its config.json; the rest defaults)."""
+    p = Path(path)
+    if is_hf_folder(p):
+        fields = hf_model_fields(p)
+    else:
+        config = (p if p.is_dir() else p.parent) / EXPORT_CONFIG
+        if not config.is_file():
+            raise ValueError(f"{p}: an export needs its {EXPORT_CONFIG} beside {EXPORT_WEIGHTS}")
+        fields = json.loads(config.read_text())
+    return dataclasses.asdict(config_from_dict({"model": {**fields, "preset": None}}).model)
+
+
 def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
     """The plain model at ``path`` and its run config (a Hugging Face folder or an export: the model section
     alone, every other section default): an HF folder (``config.json`` + safetensors), a native export
     (``model.safetensors`` + ``config.json``), or a checkpoint (run folder, checkpoints/ or step folder)."""
     p = Path(path)
     if is_hf_folder(p) or (p / EXPORT_WEIGHTS).is_file() or (p.is_file() and p.suffix == ".safetensors"):
-        if is_hf_folder(p):
-            fields = hf_model_fields(p)
-        else:
-            config = (p if p.is_dir() else p.parent) / EXPORT_CONFIG
-            if not config.is_file():
-                raise ValueError(f"{p}: an export needs its {EXPORT_CONFIG} beside {EXPORT_WEIGHTS}")
-            fields = json.loads(config.read_text())
-        cfg = config_from_dict({"model": {**fields, "preset": None}})
+        cfg = config_from_dict({"model": export_model_fields(p)})
         model = _empty_model(cfg)
         load_owned_(model, open_source(p), what="--checkpoint")
         return model.to(device).eval(), cfg

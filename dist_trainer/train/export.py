@@ -1,4 +1,8 @@
-"""Export a checkpoint (any tp layout) as one plain model: safetensors weights + the model config."""
+"""Export a checkpoint (any layout), a native export or a Hugging Face folder as one plain model.
+
+``--format hf`` (the default) writes a Hugging Face folder tensor by tensor (``checkpoint/hf_export.py``);
+``--format native`` this project's ``model.safetensors`` under its own names with its ``config.json``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.files import output_dir
 from dist_trainer.model_lora import merge_adapters
@@ -33,3 +38,39 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool
     save_file(tensors, str(out / EXPORT_WEIGHTS), metadata={"format": "pt", "producer": "dist_trainer"})
     (out / EXPORT_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2, sort_keys=True))
     return out / EXPORT_WEIGHTS
+
+
+FORMATS = ("hf", "native")
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "fp32",
+                      max_shard_size: str = "5GB", merge_lora: bool = False, adapter: bool = False) -> list[Path]:
+    """``dist-trainer export``: the files written. ``hf``: a Hugging Face folder (a LoRA run's adapters folded in,
+    or with ``adapter`` a PEFT adapter folder alone); ``native``: ``export_safetensors``."""
+    from dist_trainer.checkpoint.checkpoint_source import CheckpointSource
+    from dist_trainer.checkpoint.hf_export import export_hf, export_peft_adapter
+    from dist_trainer.checkpoint.source import open_source
+
+    if fmt not in FORMATS:
+        raise ValueError(f"--format={fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "native":
+        if adapter or dtype != "fp32":
+            raise ValueError("--adapter and --dtype are options of --format hf")
+        return [export_safetensors(checkpoint, out, merge_lora=merge_lora)]
+    out = output_dir(out, "--out")
+    source = open_source(checkpoint)
+    if isinstance(source, CheckpointSource):
+        model, config = dict(source.model), source.meta["config"]
+        dirs = [Path(p) for p in (config.get("data", {}).get("path"), config.get("train", {}).get("init_from"))
+                if isinstance(p, str)]
+        if adapter:
+            return export_peft_adapter(source, model, out, config.get("train", {}).get("init_from"), dtype)
+        model["lora_rank"] = 0  # the source folds the adapters into their weights
+    else:
+        if adapter:
+            raise ValueError(f"--adapter: {checkpoint} is no LoRA checkpoint")
+        from dist_trainer.checkpoint.plain import export_model_fields
+
+        model = export_model_fields(checkpoint)
+        dirs = [Path(checkpoint)] if is_hf_folder(checkpoint) else []
+    return export_hf(source, model, out, dtype, max_shard_size, dirs)

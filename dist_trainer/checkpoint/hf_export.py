@@ -1,0 +1,214 @@
+"""Write a Hugging Face folder from any ``WeightSource``, one tensor at a time (``export --format hf``).
+
+The shards are planned from the tensors' shapes alone (``--max-shard-size``, in file order), then each
+safetensors file is written as its format says (an 8-byte header length, the JSON header, the raw bytes in
+header order): every HF tensor is made from the source's full tensors (a fused GPT-2 ``c_attn`` from three),
+converted (``hf_names``' conventions, inverted), cast to ``--dtype``, written, and dropped, so the exporting
+process holds one tensor beyond what it writes, whatever the model's size. ``model.safetensors.index.json``
+lists the shards when there are several; ``config.json``, ``generation_config.json`` and the tokenizer files
+sit beside them. A LoRA checkpoint's adapters are either folded in (the source merges them) or written alone as a
+PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dist_trainer.checkpoint.hf_config import family_of, hf_config_from_model
+from dist_trainer.checkpoint.hf_names import Recipe, write_plan
+from dist_trainer.checkpoint.source import INDEX_FILE, SINGLE_FILE, WeightSource, rotate_half_rope_rows
+
+DTYPES = {"fp32": (torch.float32, "F32", "float32"), "bf16": (torch.bfloat16, "BF16", "bfloat16"),
+          "fp16": (torch.float16, "F16", "float16")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_size(text: str, setting: str = "--max-shard-size") -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count -> bytes; ValueError naming the setting."""
+    m = _SIZE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{setting}={text!r} is not a size such as 5GB, 500MB or 1000000")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def _to_hf(parts: list[tuple[str, Recipe]], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """One HF tensor from our full tensors (``hf_names``' recipes inverted)."""
+    tensors = []
+    for ours, r in sorted(parts, key=lambda pr: pr[1].offset or 0):
+        t = read(ours)
+        if r.rope_head_dim:
+            t = rotate_half_rope_rows(t, r.rope_head_dim)
+        tensors.append(t)
+    t = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+    return (t.t() if parts[0][1].transpose else t).contiguous()
+
+
+def _hf_shape(parts: list[tuple[str, Recipe]], shape: Callable[[str], tuple[int, ...]]) -> tuple[int, ...]:
+    shapes = [shape(ours) for ours, _ in parts]
+    rows = sum(s[0] for s in shapes)
+    full = (rows, *shapes[0][1:])
+    return full[::-1] if parts[0][1].transpose else full
+
+
+def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str], torch.Tensor],
+                       dtype: torch.dtype, code: str) -> None:
+    """One safetensors file, streamed: header from the shapes, then each tensor made, cast and written in turn."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in entries:
+        n = math.prod(shape) * size
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape in entries:
+            t = make(name).to(dtype).contiguous()
+            if tuple(t.shape) != shape:
+                raise RuntimeError(f"export: {name} came out {tuple(t.shape)}, planned {shape}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    tmp.replace(path)
+
+
+def _shards(entries: list[tuple[str, tuple[int, ...]]], bytes_per: int, max_bytes: int) -> list[list[tuple[str, Any]]]:
+    out: list[list[tuple[str, Any]]] = [[]]
+    used = 0
+    for name, shape in entries:
+        n = math.prod(shape) * bytes_per
+        if out[-1] and used + n > max_bytes:
+            out.append([])
+            used = 0
+        out[-1].append((name, shape))
+        used += n
+    return out
+
+
+def write_weights(out: Path, entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str], torch.Tensor],
+                  dtype_name: str, max_shard_bytes: int, single: str = SINGLE_FILE) -> list[Path]:
+    """The tensors ``entries`` as one file ``single`` or ``model-0000i-of-0000n.safetensors`` + the index."""
+    dtype, code, _ = DTYPES[dtype_name]
+    groups = _shards(entries, torch.tensor([], dtype=dtype).element_size(), max_shard_bytes)
+    if len(groups) == 1:
+        files = [out / single]
+    else:
+        stem = single.removesuffix(".safetensors")
+        files = [out / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for file, group in zip(files, groups):
+        _write_safetensors(file, group, make, dtype, code)
+    if len(groups) > 1:
+        total = sum(math.prod(s) for _, s in entries) * torch.tensor([], dtype=dtype).element_size()
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f.name for f, g in zip(files, groups) for n, _ in g}}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return files
+
+
+def export_hf(source: WeightSource, model: dict[str, Any], out: Path, dtype: str = "fp32",
+              max_shard_size: str = "5GB", tokenizer_dirs: Iterable[Path] = ()) -> list[Path]:
+    """Write ``source`` (this model's names; ``model``: its ModelConfig fields, adapters already folded in) as a
+    Hugging Face folder in ``out``; the files written."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
+    family = family_of(model)  # ValueError naming what no HF family computes, before anything is written
+    plan = write_plan(family, model)
+    missing = sorted(ours for parts in plan.values() for ours, _ in parts if ours not in source.names())
+    if missing:
+        raise ValueError(f"export: {source.where} lacks {missing[:5]} of its {family} model")
+    entries = [(hf, _hf_shape(parts, source.shape)) for hf, parts in plan.items()]
+    written = write_weights(out, entries, lambda hf: _to_hf(plan[hf], source.read), dtype, max_bytes)
+    config = hf_config_from_model(model, DTYPES[dtype][2])
+    config["dtype"] = DTYPES[dtype][2]
+    tokenizer = copy_tokenizer(out, tokenizer_dirs)
+    ids = _special_ids(out) if tokenizer else {}
+    config.update(ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **ids}, indent=2))
+    return [*written, out / "config.json", out / "generation_config.json", *tokenizer]
+
+
+def copy_tokenizer(out: Path, dirs: Iterable[Path]) -> list[Path]:
+    """The first folder among ``dirs`` that holds a ``tokenizer.json``: its tokenizer files copied into ``out``
+    (a ``tokenizer_config.json`` is written for a tokenizer trained by ``prepare``, which has none)."""
+    for folder in dirs:
+        if (folder / "tokenizer.json").is_file():
+            copied = []
+            for name in TOKENIZER_FILES:
+                if (folder / name).is_file():
+                    shutil.copyfile(folder / name, out / name)
+                    copied.append(out / name)
+            if not (out / "tokenizer_config.json").is_file():
+                (out / "tokenizer_config.json").write_text(json.dumps(
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                     "bos_token": "<|endoftext|>", "clean_up_tokenization_spaces": False}, indent=2))
+                copied.append(out / "tokenizer_config.json")
+            return copied
+    return []
+
+
+def _special_ids(out: Path) -> dict[str, int]:
+    """bos/eos token ids of the tokenizer written into ``out`` (from its tokenizer_config.json's tokens)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    conf = json.loads((out / "tokenizer_config.json").read_text())
+    ids = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        token = conf.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        token_id = tok.token_to_id(token) if isinstance(token, str) else None
+        if token_id is not None:
+            ids[f"{key}_id"] = token_id
+    return ids
+
+
+def export_peft_adapter(source: Any, model: dict[str, Any], out: Path, base: str | None,
+                        dtype: str = "fp32") -> list[Path]:
+    """A LoRA checkpoint's adapters alone, as PEFT reads them: ``adapter_model.safetensors`` under the HF task
+    model's module names (``base_model.model.<module>.lora_A.weight`` (r, in), ``lora_B.weight`` (out, r); the q/k
+    B rows in rotate_half order) and ``adapter_config.json``. ``source``: a ``CheckpointSource``."""
+    if not model.get("lora_rank"):
+        raise ValueError(f"--adapter: {source.where} has no LoRA adapters (model.lora_rank=0)")
+    family = family_of({**model, "lora_rank": 0})
+    plan = write_plan(family, model)
+    recipes = {ours: r for parts in plan.values() for ours, r in parts}
+    entries: list[tuple[str, tuple[int, ...]]] = []
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
+    targets = set()
+    for name in sorted(source.adapter_names()):
+        module, _, kind = name.rpartition(".")
+        r = recipes[f"{module}.weight"]
+        if r.offset is not None:
+            raise ValueError(f"--adapter: {module} is part of the fused {r.hf_name} in {family}; PEFT cannot hold "
+                             "its adapter apart: export the merged model instead (no --adapter)")
+        hf_module = r.hf_name.removesuffix(".weight")
+        targets.add(hf_module.rpartition(".")[2])
+        key = f"base_model.model.{hf_module}.{kind}.weight"
+        entries.append((key, tuple(source.raw_shape(name))))
+
+        def make(name: str = name, r: Recipe = r, kind: str = kind) -> torch.Tensor:
+            t = source.read_raw(name)
+            return rotate_half_rope_rows(t, r.rope_head_dim) if kind == "lora_B" and r.rope_head_dim else t
+        makers[key] = make
+    written = write_weights(out, entries, lambda k: makers[k](), dtype, 2**62, single="adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "FEATURE_EXTRACTION" if family == "bert" else "CAUSAL_LM",
+              "r": model["lora_rank"], "lora_alpha": model["lora_alpha"], "lora_dropout": model["lora_dropout"],
+              "target_modules": sorted(targets), "bias": "none", "base_model_name_or_path": base,
+              "fan_in_fan_out": family == "gpt2", "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return [*written, out / "adapter_config.json"]
