@@ -287,8 +287,9 @@ class OptimConfig:
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
 
     def validate(self) -> None:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"optim.lr={self.lr} must be > 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
+        # lr 0 is a run that changes no weight (a load-and-export round trip, a layout check): allowed
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim.lr={self.lr} must be >= 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(
                 f"optim.warmup_steps={self.warmup_steps}, weight_decay={self.weight_decay}, "

@@ -115,6 +115,7 @@ def write_weights(out: Path, entries: list[tuple[str, tuple[int, ...]]], make: C
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f.name for f, g in zip(files, groups) for n, _ in g}}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        files.append(out / INDEX_FILE)
     return files
 
 

@@ -152,8 +152,10 @@ class HFSource:
         if dim is None:
             dim, start, stop = 0, 0, full[0]
         stop = full[dim] if stop is None else stop
-        if r.rope_head_dim and dim == 0 and (start % r.rope_head_dim or stop % r.rope_head_dim):
-            raise AssertionError(f"{name}: rows [{start}, {stop}) cut a head of {r.rope_head_dim} rows")
+        hd = r.rope_head_dim
+        if hd and dim == 0 and (start % hd or stop % hd):  # the permutation is within heads: read whole ones
+            lo, hi = start // hd * hd, -(-stop // hd) * hd
+            return self.read(name, 0, lo, hi)[start - lo: stop - lo].contiguous()
         hf_dim = (len(full) - 1 - dim) if r.transpose else dim
         if r.offset is not None and dim == 0:  # a fused tensor: our rows are a block of the (transposed) HF rows
             t = self.files.read(r.hf_name, hf_dim, r.offset + start, r.offset + stop)

@@ -79,7 +79,7 @@ def owned_values(cfg: Config, dp_size: int) -> dict[str, Any]:
         # section is checked here and not handed to DeepSpeed.
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": o.warmup_steps,
                                                            "total_num_steps": cfg.train.max_steps,
-                                                           "cos_min_ratio": o.min_lr / o.lr}},
+                                                           "cos_min_ratio": o.min_lr / o.lr if o.lr else 1.0}},
     }
 
 

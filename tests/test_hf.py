@@ -1,0 +1,225 @@
+"""Hugging Face folders in and out (issue 21), against ``transformers`` itself (a test-only dependency).
+
+Tiny random models of each family are saved by ``transformers`` in several shards. Then:
+
+- one process: our model loaded from the folder gives transformers' logits (fp32, 1e-5) and its greedy ids;
+- every layout (tp=2, pp=2, tp=2 x pp=2, ZeRO-3; ep=2 for Mixtral), in one spawn of 4 ranks: a run started from
+  the folder (``train.init_from=DIR``, the model taken from its config.json, eval and checkpoints on) takes one
+  step at lr 0 with the single-process run's losses, and the single process's first loss is transformers' loss on
+  the same batch; the checkpoint exported with ``export --format hf`` equals the input tensor for tensor
+  (bitwise) and loads back into transformers with no missing or unexpected key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the dev extra's parity reference (never imported by dist_trainer/)
+
+from dist_trainer.checkpoint.plain import load_plain_model
+from dist_trainer.testing import run_distributed
+from dist_trainer.train.export import export_checkpoint
+from dist_trainer.train.generate import sample
+from dist_trainer.train.trainer import Trainer
+from tests.helpers import assert_same_curves, curves, tiny_config
+
+
+VOCAB = 515  # odd: TP pads it to 516
+
+
+def _hf_models() -> dict[str, Any]:
+    t = transformers
+    small = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "max_position_embeddings": 64}
+    return {
+        "gpt2": t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama": t.LlamaForCausalLM(t.LlamaConfig(**small, intermediate_size=56, num_key_value_heads=2,
+                                                  rope_theta=500000.0, rms_norm_eps=1e-5)),
+        "mistral": t.MistralForCausalLM(t.MistralConfig(**small, intermediate_size=48, num_key_value_heads=2,
+                                                        sliding_window=None, tie_word_embeddings=True)),
+        "mixtral": t.MixtralForCausalLM(t.MixtralConfig(**small, intermediate_size=40, num_key_value_heads=2,
+                                                        num_local_experts=4, num_experts_per_tok=2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stdlib corpus tokenized for the folders' vocabulary (odd: TP pads it)."""
+    import sysconfig
+
+    from dist_trainer.data.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("data") / "hf"
+    prepare([stdlib / n for n in ("json", "argparse.py", "textwrap.py")], out, vocab_size=VOCAB, val_fraction=0.1,
+            max_bytes=200_000, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each family's tiny random model, saved by transformers in several safetensors shards."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    folders = {}
+    for name, model in _hf_models().items():
+        model.save_pretrained(root / name, max_shard_size="40KB")
+        assert len(list((root / name).glob("model-*.safetensors"))) > 1, name
+        folders[name] = root / name
+    return folders
+
+
+def _reference(name: str, folder: Path) -> Any:
+    return getattr(transformers, json.loads((folder / "config.json").read_text())["architectures"][0]) \
+        .from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "mixtral"])
+def test_one_process_gives_transformers_logits_and_greedy_ids(family: str, hf_folders: dict[str, Path]) -> None:
+    folder = hf_folders[family]
+    ours, cfg = load_plain_model(folder)
+    theirs = _reference(family, folder)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = theirs(tokens).logits, ours(tokens)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), family
+    prompt = tokens[:1, :5]
+    ids = sample(ours, prompt, max_new_tokens=12, temperature=0.0)
+    ref = theirs.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                          pad_token_id=0, eos_token_id=None)
+    assert ids.tolist() == ref.tolist(), family
+
+
+# (family, parallel) per layout; every case one step at lr 0 on 4 ranks
+LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {}
+for _family in ("gpt2", "llama"):
+    LAYOUTS[f"{_family}:tp2"] = (_family, {"tp_size": 2, "sequence_parallel": True})
+    LAYOUTS[f"{_family}:pp2"] = (_family, {"pp_size": 2, "pp_schedule": "1f1b", "micro_batch_size": 2})
+    LAYOUTS[f"{_family}:tp2xpp2"] = (_family, {"tp_size": 2, "pp_size": 2, "micro_batch_size": 2})
+    LAYOUTS[f"{_family}:zero3"] = (_family, {"zero_stage": 3, "micro_batch_size": 2})
+LAYOUTS["mixtral:ep2"] = ("mixtral", {"ep_size": 2, "micro_batch_size": 2})
+LAYOUTS["mixtral:tp2"] = ("mixtral", {"tp_size": 2})
+LAYOUTS["mistral:tp2xpp2"] = ("mistral", {"tp_size": 2, "pp_size": 2, "micro_batch_size": 2})
+
+
+# Another model's section (replaced by the folder's, each field named on stderr); the router losses off, so a
+# training loss is the LM loss transformers computes (Mixtral's forward is ours either way)
+MODEL_SECTION = {"preset": "tiny", "router_aux_loss": 0.0, "router_z_loss": 0.0}
+
+
+def _run(data: Path, out: Path, folder: Path, parallel: dict[str, Any]) -> dict[str, Any]:
+    """One step at lr 0 from ``folder``: the model section comes from the folder's config.json."""
+    cfg = tiny_config(data, out, model=MODEL_SECTION,
+                      parallel={"micro_batch_size": 4, **parallel, "global_batch_size": 8},
+                      optim={"lr": 0.0, "min_lr": 0.0, "warmup_steps": 0},
+                      train={"init_from": str(folder), "max_steps": 1, "eval_every": 1, "save_every": 1})
+    trainer = Trainer(cfg, log=False)
+    return {**curves(trainer.train()), "engine": trainer.engine.name}
+
+
+def _layouts(rank: int, world_size: int, data: Path, root: Path, folders: dict[str, Path]) -> dict[str, Any]:
+    return {name: _run(data, root / name.replace(":", "_"), folders[family], parallel)
+            for name, (family, parallel) in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(hf_data: Path, hf_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("layouts")
+    results = run_distributed(_layouts, 4, (hf_data, root, hf_folders), env={"DS_ACCELERATOR": "cpu"},
+                              timeout=900)
+    return root, results
+
+
+def _hf_step0_loss(data: Path, out: Path, folder: Path) -> tuple[dict[str, Any], float]:
+    """The single-process run from ``folder`` and transformers' own loss on that run's first batch."""
+    cfg = tiny_config(data, out, model=MODEL_SECTION, optim={"lr": 0.0, "min_lr": 0.0, "warmup_steps": 0},
+                      train={"init_from": str(folder), "max_steps": 1, "eval_every": 1, "save_every": 1})
+    trainer = Trainer(cfg, log=False)
+    theirs = _reference("", folder)
+    losses = []
+    for indices in trainer.sampler.micro_batches(0):
+        batch = trainer._batch(trainer.train_data, indices, 0)
+        with torch.no_grad():
+            logits = theirs(batch["tokens"]).logits
+        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(),
+                                                        ignore_index=-100).item())
+    return curves(trainer.train()), sum(losses) / len(losses)
+
+
+def test_every_layout_starts_from_the_folder(layout_runs: Any, hf_data: Path, hf_folders: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    _, results = layout_runs
+    refs = {}
+    for family in {f for f, _ in LAYOUTS.values()}:
+        refs[family], hf_loss = _hf_step0_loss(hf_data, tmp_path / family, hf_folders[family])
+        assert math.isclose(refs[family]["losses"][0], hf_loss, rel_tol=1e-5), (family, refs[family], hf_loss)
+    for name, (family, _) in LAYOUTS.items():
+        got = results[0][name]
+        assert all(r[name]["losses"] == got["losses"] for r in results), name
+        assert_same_curves(got, refs[family], what=name)
+    engines = {results[0][n]["engine"] for n in LAYOUTS}
+    assert {"pp[1f1b]+dp", "zero3"} <= engines, engines
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_round_trip_export_equals_the_input(name: str, layout_runs: Any, hf_folders: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    """HF folder -> a step at lr 0 in a layout -> export --format hf: the input, bitwise; transformers loads it."""
+    root, _ = layout_runs
+    family = LAYOUTS[name][0]
+    out = tmp_path / "export"
+    files = export_checkpoint(root / name.replace(":", "_"), out, max_shard_size="40KB")
+    assert (out / "model.safetensors.index.json") in files
+    want, got = _tensors(hf_folders[family]), _tensors(out)
+    assert set(got) == set(want), set(got) ^ set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    cls = getattr(transformers, json.loads((out / "config.json").read_text())["architectures"][0])
+    _, info = cls.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_export_dtypes_and_shards(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """bf16 export: each tensor the input's bf16 cast exactly; --max-shard-size bounds every file."""
+    want = _tensors(hf_folders["llama"])
+    export_checkpoint(hf_folders["llama"], tmp_path / "bf16", dtype="bf16", max_shard_size="20KB")
+    got = _tensors(tmp_path / "bf16")
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    sizes = [f.stat().st_size for f in (tmp_path / "bf16").glob("model-*.safetensors")]
+    biggest = max(t.numel() * 2 for t in want.values())
+    assert len(sizes) > 2 and all(s <= max(20_000, biggest) + 4096 for s in sizes), sizes
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # and the bf16 folder loads back here, into fp32 master weights
+    model, _ = load_plain_model(tmp_path / "bf16")
+    assert model.tok_emb.weight.dtype == torch.float32
+    assert torch.equal(model.tok_emb.weight, want["model.embed_tokens.weight"].to(torch.bfloat16).float())
+
+
+def test_the_package_never_imports_transformers() -> None:
+    import ast
+
+    from tests.helpers import ROOT
+
+    offenders = []
+    for path in (ROOT / "dist_trainer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("transformers", "peft")]
+    assert offenders == []
