@@ -32,7 +32,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
     names = None
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
-        from dist_trainer.checkpoint.source import safetensors_index
+        from dist_trainer.checkpoint.hf_files import safetensors_index
 
         names = set(safetensors_index(folder))
     return model_fields_from_hf(read_hf_config(folder), str(folder / "config.json"), names)

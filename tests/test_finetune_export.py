@@ -46,8 +46,8 @@ def test_merged_export_gives_the_adapted_models_logits(runs: dict[str, Path], tm
     assert any(torch.count_nonzero(p) for n, p in adapted.named_parameters() if n.endswith("lora_B"))  # trained
     out = tmp_path / "merged"
     proc = subprocess.run([sys.executable, "-m", "dist_trainer.cli", "export", "--checkpoint", str(runs["lora"]),
-                           "--out", str(out), "--merge-lora"], env=subprocess_env(tmp_path), capture_output=True,
-                          text=True, timeout=120)
+                           "--out", str(out), "--format", "native", "--merge-lora"], env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     merged = _plain_model(out)
     assert merged.cfg.lora_rank == 0 and not any(is_adapter(k) for k in load_file(str(out / "model.safetensors")))

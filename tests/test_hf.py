@@ -28,7 +28,6 @@ from dist_trainer.train.generate import sample
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, tiny_config
 
-
 VOCAB = 515  # odd: TP pads it to 516
 
 

@@ -226,7 +226,8 @@ def test_export_safetensors_round_trip(tiny_data: Path, tmp_path: Path) -> None:
     from dist_trainer.cli import main
 
     Trainer(tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 1})).train()
-    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export"),
+                 "--format", "native"]) == 0
     tensors = load_file(str(tmp_path / "export" / "model.safetensors"))
     saved = ckpt.load_file(ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints") / "model_tp00_pp00.pt")
     assert set(tensors) == set(saved)

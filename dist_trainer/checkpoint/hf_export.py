@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from dist_trainer.checkpoint.hf_config import family_of, hf_config_from_model
+from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE
 from dist_trainer.checkpoint.hf_names import Recipe, write_plan
-from dist_trainer.checkpoint.source import INDEX_FILE, SINGLE_FILE, WeightSource, rotate_half_rope_rows
+from dist_trainer.checkpoint.source import WeightSource, rotate_half_rope_rows
 
 DTYPES = {"fp32": (torch.float32, "F32", "float32"), "bf16": (torch.bfloat16, "BF16", "bfloat16"),
           "fp16": (torch.float16, "F16", "float16")}

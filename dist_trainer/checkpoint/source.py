@@ -14,18 +14,14 @@ stage's layers or a ZeRO-3 partition never holds the whole model (``load.py`` as
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
+from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_index
 from dist_trainer.checkpoint.hf_names import read_plan
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-_REFUSED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 
 
 class WeightSource(Protocol):
@@ -82,38 +78,6 @@ class SafetensorsFiles:
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         view = self.slice_of(name)
         return _sliced(view, len(view.get_shape()), dim, start, stop)
-
-
-def safetensors_index(folder: Path) -> dict[str, Path]:
-    """{tensor name: file} of an HF folder: its index, or its single ``model.safetensors``. ValueError naming the
-    file for a missing shard, an unreadable index, or a folder holding only pickled weights (never unpickled)."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} cannot be read ({exc!r}); it should hold a weight_map") from None
-        files = {str(n): folder / str(f) for n, f in weight_map.items()}
-        for path in sorted(set(files.values())):
-            if not path.is_file():
-                name = next(n for n, f in files.items() if f == path)
-                raise ValueError(f"{folder}: shard {path.name} listed in {INDEX_FILE} (for {name!r}) is missing")
-        return files
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), framework="pt") as f:
-                return {n: single for n in f.keys()}
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise ValueError(f"{single}: cannot be read as safetensors ({exc})") from None
-    pickled = [n for n in _REFUSED if (folder / n).exists()]
-    if pickled:
-        raise ValueError(f"{folder / pickled[0]}: weights in a pickle or another framework's format are not read "
-                         "(unpickling can run code); convert the folder to safetensors first (transformers: "
-                         "model.save_pretrained(dir, safe_serialization=True))")
-    raise ValueError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE} there")
 
 
 class HFSource:

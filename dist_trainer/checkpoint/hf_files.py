@@ -1,0 +1,55 @@
+"""Which file of a Hugging Face folder holds which tensor (torch-free: the planner and the config loader ask it).
+
+A folder's weights are ``model.safetensors`` or the shards its ``model.safetensors.index.json`` lists; pickled
+weights (``pytorch_model.bin``) are refused unread, since unpickling can run code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_REFUSED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensors a safetensors file declares ({name: {dtype, shape, data_offsets}}), from its header alone;
+    ValueError naming the file when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= path.stat().st_size - 8:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot be read as safetensors ({exc})") from None
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """{tensor name: file} of an HF folder: its index, or its single ``model.safetensors``. ValueError naming the
+    file for a missing shard, an unreadable index, or a folder holding only pickled weights (never unpickled)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} cannot be read ({exc!r}); it should hold a weight_map") from None
+        files = {str(n): folder / str(f) for n, f in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                name = next(n for n, f in files.items() if f == path)
+                raise ValueError(f"{folder}: shard {path.name} listed in {INDEX_FILE} (for {name!r}) is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return {n: single for n in safetensors_header(single)}
+    pickled = [n for n in _REFUSED if (folder / n).exists()]
+    if pickled:
+        raise ValueError(f"{folder / pickled[0]}: weights in a pickle or another framework's format are not read "
+                         "(unpickling can run code); convert the folder to safetensors first (transformers: "
+                         "model.save_pretrained(dir, safe_serialization=True))")
+    raise ValueError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE} there")
