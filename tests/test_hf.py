@@ -222,3 +222,114 @@ def test_the_package_never_imports_transformers() -> None:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("transformers", "peft")]
     assert offenders == []
+
+
+def _copy(folder: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def _edit_json(path: Path, **changes: Any) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _corrupt_shape(folder: Path) -> str:
+    """Rewrite the shard holding k_proj of layer 0 with that tensor one row short; its file name."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors = load_file(str(folder / index[name]))
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(folder / index[name]), metadata={"format": "pt"})
+    return str(index[name])
+
+
+def _drop_shard(folder: Path) -> str:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.norm.weight"]
+    (folder / shard).unlink()
+    return str(shard)
+
+
+def _ghost_tensor(folder: Path) -> str:
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.0.mlp.ghost.weight"] = index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+    return "model.layers.0.mlp.ghost.weight"
+
+
+def _misplaced_tensor(folder: Path) -> str:
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    files = sorted(set(index["weight_map"].values()))
+    name = "model.norm.weight"
+    index["weight_map"][name] = next(f for f in files if f != index["weight_map"][name])
+    index_path.write_text(json.dumps(index))
+    return name
+
+
+def _pickled(folder: Path) -> str:
+    for f in list(folder.glob("*.safetensors")) + [folder / "model.safetensors.index.json"]:
+        f.unlink()
+    torch.save({"x": torch.zeros(1)}, folder / "pytorch_model.bin")
+    return "pytorch_model.bin"
+
+
+BAD_FOLDERS = {
+    "missing shard": (_drop_shard, "is missing"),
+    "shape": (_corrupt_shape, "disagrees with config.json"),
+    "index names a tensor no file holds": (_ghost_tensor, "does not hold it"),
+    "tensor in another file than the index says": (_misplaced_tensor, "does not hold it"),
+    "pickle": (_pickled, "not read"),
+}
+BAD_CONFIGS = {
+    "sliding_window": ({"sliding_window": 4096}, "sliding_window: 4096"),
+    "rope type": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    "attention_bias": ({"attention_bias": True}, "attention_bias: true"),
+    "hidden_act": ({"hidden_act": "gelu"}, 'hidden_act: "gelu"'),
+    "model_type": ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_a_bad_folder_is_named_and_nothing_is_written(case: str, hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(hf_folders["llama"], tmp_path / "bad")
+    corrupt, message = BAD_FOLDERS[case]
+    named = corrupt(folder)
+    for action in (lambda: load_plain_model(folder), lambda: export_checkpoint(folder, tmp_path / "out")):
+        with pytest.raises(ValueError, match=message) as info:
+            action()
+        assert named in str(info.value) and str(folder) in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_a_config_key_that_changes_the_maths_is_mapped_or_refused(case: str, hf_folders: dict[str, Path],
+                                                                 tmp_path: Path) -> None:
+    from dist_trainer.config_load import load_config
+
+    folder = _copy(hf_folders["mistral" if case == "sliding_window" else "llama"], tmp_path / "bad")
+    changes, message = BAD_CONFIGS[case]
+    _edit_json(folder / "config.json", **changes)
+    for action in (lambda: load_plain_model(folder),
+                   lambda: load_config(None, [f"train.init_from={folder}", "data.path=x"]),
+                   lambda: load_config(None, [f"model.preset={folder}"])):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")) as info:
+            action()
+        assert "config.json" in str(info.value)
+
+
+def test_params_of_a_folder_is_transformers_count(hf_folders: dict[str, Path]) -> None:
+    from dist_trainer.config_load import model_config
+    from dist_trainer.planner.params import count_params
+
+    for family, folder in hf_folders.items():
+        want = _reference(family, folder).num_parameters()
+        assert count_params(model_config(str(folder))) == want, family
+        assert count_params(model_config(str(folder / "config.json"))) == want, family

@@ -84,8 +84,15 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    source = params if params.get("rope_type") not in (None, "default") else scaling
+    given = [(key, d, d.get("rope_type") or d.get("type")) for key, d in (("rope_parameters", params),
+                                                                           ("rope_scaling", scaling))]
+    given = [(key, d, kind) for key, d, kind in given if kind not in (None, "default")]
+    def core(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k not in ("rope_theta", "type", "rope_type")}
+
+    if len({kind for _, _, kind in given}) > 1 or (len(given) > 1 and core(given[0][1]) != core(given[1][1])):
+        raise _refuse(where, "rope_scaling", scaling, f"it disagrees with rope_parameters {json.dumps(params)}")
+    key, source, kind = given[0] if given else ("", {}, "default")
     out: dict[str, Any] = {"rope_theta": float(theta)}
     if kind == "default":
         return out
@@ -96,8 +103,7 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
                 "rope_low_freq_factor": float(source["low_freq_factor"]),
                 "rope_high_freq_factor": float(source["high_freq_factor"]),
                 "rope_original_max_seq_len": int(source["original_max_position_embeddings"])}
-    key = "rope_parameters" if params.get("rope_type") not in (None, "default") else "rope_scaling"
-    raise _refuse(where, key, params or scaling, "rope types this model computes: default, linear, llama3")
+    raise _refuse(where, key, source, "rope types this model computes: default, linear, llama3")
 
 
 def _head_dim(hf: dict[str, Any], where: str, d_model: int, n_heads: int) -> None:

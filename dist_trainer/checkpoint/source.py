@@ -96,6 +96,29 @@ class HFSource:
         if missing:
             raise ValueError(f"{self.folder}: tensor {missing[0]!r} (one of {len(missing)} the "
                              f"{self.family} config.json implies) is in none of the folder's files")
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Every tensor the index names is in its file, and every shape is the one config.json implies: a
+        ValueError naming the file and the tensor, before any weight is read."""
+        from dist_trainer.checkpoint.hf_files import safetensors_header
+        from dist_trainer.config_load import config_from_dict
+        from dist_trainer.model import build_model
+
+        headers = {path: safetensors_header(path) for path in sorted(set(self.files.files.values()))}
+        for hf_name, path in sorted(self.files.files.items()):
+            if hf_name not in headers[path]:
+                raise ValueError(f"{self.folder}: {INDEX_FILE} names tensor {hf_name!r} in {path.name}, which does "
+                                 "not hold it")
+        model = build_model(config_from_dict({"model": {**self.model, "preset": None}}).model, device="meta")
+        want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        for name, r in self.plan.items():
+            got = self.shape(name)
+            if name in want and got != want[name]:
+                raise ValueError(f"{self.folder}: tensor {r.hf_name!r} in {self.files.files[r.hf_name].name} has "
+                                 f"shape {list(self.files.shape(r.hf_name))}, which disagrees with config.json "
+                                 f"(it implies {list(want[name][::-1] if r.transpose else want[name])} for "
+                                 f"{'part of ' if r.offset is not None else ''}it)")
 
     def names(self) -> set[str]:
         return set(self.plan)
