@@ -37,7 +37,7 @@ from dist_trainer.checkpoint.publish import (
     rng_file,
     save_checkpoint,
 )
-from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards, slice_for_tp
+from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards
 
 
 def _ep_suffix(ep_rank: int) -> str:
@@ -186,41 +186,6 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
                     groups.append({**g, "params": []})
                 groups[i]["params"] += [n for n in g["params"] if n not in groups[i]["params"]]
     return model, {**first, "state": state, "param_groups": groups}
-
-
-def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                specs_now: dict[str, Any], ep_size: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's model and optimizer state from a checkpoint saved under any tp x pp x ep layout, with or without
-    ZeRO.
-
-    The same tp x pp layout reads the rank's own coordinate (under ZeRO: its dp partitions consolidated), when it
-    holds this rank's parameters (the same stage split). Another one merges every shard into full tensors
-    (``read_full_state``) and cuts out this rank's parameters (``specs_now``: the current model's names and
-    splits), for weights and optimizer moments alike. Under expert parallelism (saved or now) every coordinate is
-    merged: a rank's experts and its dense parameters live in different files.
-    """
-    layout = meta["layout"]
-    if (layout["tp"], layout["pp"], layout.get("ep", 1), ep_size) == (tp_size, pp_size, 1, 1):
-        own = read_coordinate(path, meta, tp_rank, pp_rank)
-        if set(specs_now) <= set(own[0]):  # else the stages were split otherwise: merge every coordinate
-            return own
-    full_model, full_optim = read_full_state(path, meta)
-    missing = set(specs_now) - set(full_model)
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks parameters {sorted(missing)[:5]} of this model")
-    model_state = slice_for_tp({n: full_model[n] for n in specs_now}, specs_now, tp_rank, tp_size)
-    names = [n for n in specs_now if n in full_optim["state"]]
-    state: dict[str, dict[str, Any]] = {n: {} for n in names}
-    keys = list(full_optim["state"][names[0]]) if names else []
-    for key in keys:
-        tensors = {n: full_optim["state"][n][key] for n in names}
-        if tensors[names[0]].ndim == 0:
-            sliced = tensors
-        else:
-            sliced = slice_for_tp(tensors, {n: specs_now[n] for n in names}, tp_rank, tp_size)
-        for n in names:
-            state[n][key] = sliced[n]
-    return model_state, {**full_optim, "state": state}
 
 
 def check_files(step_dir: Path, meta: dict[str, Any], rank: int = 0, world_size: int = 1) -> None:

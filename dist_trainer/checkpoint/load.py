@@ -15,8 +15,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from dist_trainer.checkpoint.checkpoint_source import read_tp_shard
 from dist_trainer.checkpoint.source import WeightSource
 from dist_trainer.model_lora import is_adapter
+from dist_trainer.parallel.tp.reshard import ShardSpec
 
 
 def _full_shape(p: nn.Parameter, tp_size: int) -> tuple[int, ...]:
@@ -45,18 +47,8 @@ def check_fits(source: WeightSource, named: Iterable[tuple[str, nn.Parameter]], 
 
 def _tp_slice(source: WeightSource, name: str, p: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     dim = getattr(p, "tp_split_dim", None)
-    if dim is None:
-        return source.read(name)
-    full = int(p.tp_full_size)  # type: ignore[attr-defined]
-    chunk = p.shape[dim]
-    start, stop = tp_rank * chunk, min((tp_rank + 1) * chunk, full)
-    part = source.read(name, dim, start, stop) if stop > start else None
-    if part is not None and part.shape[dim] == chunk:
-        return part
-    out = torch.zeros(p.shape, dtype=part.dtype if part is not None else p.dtype)  # padded vocabulary rows: zeros
-    if part is not None:
-        out.narrow(dim, 0, part.shape[dim]).copy_(part)
-    return out
+    spec = ShardSpec(dim, None if dim is None else int(p.tp_full_size))  # type: ignore[attr-defined]
+    return read_tp_shard(lambda d, a, b: source.read(name, d, a, b), spec, tp_rank, tp_size, tuple(p.shape))
 
 
 def _zero3_partition(source: WeightSource, name: str, p: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.convert import check_files, load_shards
+from dist_trainer.checkpoint.checkpoint_source import load_shards
+from dist_trainer.checkpoint.convert import check_files
 from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.load import load_owned_
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint

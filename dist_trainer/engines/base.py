@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from dist_trainer.checkpoint import publish
+from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import (
     load_optimizer_state_by_name,
-    load_shards,
     optimizer_state_by_name,
     select_names,
     shard_name,

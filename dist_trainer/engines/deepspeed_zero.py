@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_trainer.checkpoint.convert import load_shards, optimizer_state_by_name, write_specs
+from dist_trainer.checkpoint.checkpoint_source import load_shards
+from dist_trainer.checkpoint.convert import optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
 from dist_trainer.engines.base import StepHooks, write_named_shards
@@ -160,9 +161,9 @@ class DeepSpeedZero:
         A checkpoint of this very layout (tp, pp, dp, ZeRO stage, offload, and the same parameters in the same
         flat order: a changed stage split or parameter grouping is not) is read natively: this rank's own
         partition file goes to DeepSpeed's optimizer as its engine would hand it over (exact resume, and no rank
-        reads the others' partitions). Any other one is read by parameter name (``convert.load_shards``: merged
-        over its tp x pp layout, consolidated from its dp partitions when it is a ZeRO checkpoint) and written into
-        this rank's partitions (``_load_by_name``).
+        reads the others' partitions). Any other one is read by parameter name (``checkpoint_source.load_shards``:
+        sliced over its tp x pp layout, consolidated from its dp partitions when it is a ZeRO checkpoint) and written
+        into this rank's partitions (``_load_by_name``).
         """
         layout, s = meta["layout"], self.state
         if ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"]) == (s.tp_size, s.pp_size, s.dp_size)
