@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from dist_trainer.cli import main
@@ -238,3 +239,31 @@ def test_every_encoding_engine_wraps_documents_alike(llama2: Path) -> None:
             for workers in (None, 1, 2)]
     assert runs[0] == runs[1] == runs[2]
     assert [ids for ids, _ in runs[0]] == [[bos, *tok.encode(d, add_special_tokens=False).ids, eos] for d, _ in docs]
+
+
+def test_a_bert_tokenizer_wraps_documents_in_cls_sep_and_masks_with_its_mask(
+        corpus: tuple[Path, list[str]], llama2: Path, tmp_path: Path) -> None:
+    from dist_trainer.data.batch import collate
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {w: i for i, w in enumerate([*specials, *sorted({w for d in corpus[1] for w in d.split()})])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    folder = hf_folder(tmp_path / "bert", tok, tokenizer_config={f"{r}_token": f"[{r.upper()}]"
+                                                                for r in ("pad", "unk", "cls", "sep", "mask")})
+    src, docs = corpus
+    meta = prepare([src], tmp_path / "data", val_fraction=0.0, tokenizer=folder)
+    assert shard_tokens(tmp_path / "data") == [i for d in docs for i in tok.encode(d).ids]  # [CLS] text [SEP]
+    assert meta["special_roles"]["mask"] == 4 and set(meta["special_tokens"].values()) == {0, 1, 2, 3, 4}
+    dataset = TokenDataset(tmp_path / "data", "train", seq_len=16)
+    batch = collate(dataset, [0, 1, 2, 3], causal=False, step=0, seed=0)
+    masked = batch["tokens"] != torch.stack([torch.from_numpy(dataset[i][:-1]) for i in range(4)])
+    assert (batch["tokens"] == 4).any() and not torch.isin(batch["targets"][batch["targets"] >= 0],
+                                                          torch.tensor([0, 1, 2, 3, 4])).any()
+    assert masked.any()
+    # data whose tokenizer has no mask token cannot train an encoder: named, not a KeyError
+    prepare([src], tmp_path / "llama", val_fraction=0.0, tokenizer=llama2)
+    with pytest.raises(ValueError, match="has no mask token"):
+        collate(TokenDataset(tmp_path / "llama", "train", seq_len=16), [0], causal=False, step=0, seed=0)
