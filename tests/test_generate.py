@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dist_trainer.cli import main
-from dist_trainer.train.generate import generate, generate_text, load_model_from_checkpoint
+from dist_trainer.train.generate import generate, generate_text, load_model_from_checkpoint, prompt_tokenizer
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, subprocess_env, tiny_config
 
@@ -152,3 +152,19 @@ def test_bad_prompts_are_refused_by_name(run: Path, capsys: pytest.CaptureFixtur
     bad = b"def \xff\xfe".decode("utf-8", "surrogateescape")
     assert one_line_error(capsys, [*base, "--prompt", bad]) == \
         "--prompt is not valid UTF-8: byte ff at byte 4 (give UTF-8 text, or token ids with --prompt-ids)"
+
+
+def test_data_prepared_before_tokenizer_config_was_written(run: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """A data folder of an earlier prepare (no tokenizer_config.json, no document_format) encodes and stops alike."""
+    old = tmp_path / "old"
+    shutil.copytree(tiny_data, old)
+    (old / "tokenizer_config.json").unlink()
+    meta = json.loads((old / "meta.json").read_text())
+    for key in ("tokenizer_files", "document_format", "special_roles", "tokenizer_vocab_sha256", "tokenizer_source"):
+        del meta[key]
+    (old / "meta.json").write_text(json.dumps(meta))
+    new = generate(run, prompt="def ", max_new_tokens=6, temperature=0.0, data_path=tiny_data)
+    assert generate(run, prompt="def ", max_new_tokens=6, temperature=0.0, data_path=old).as_json() == new.as_json()
+    cfg = load_model_from_checkpoint(run)[1]
+    eos = meta["special_tokens"]["<|endoftext|>"]
+    assert prompt_tokenizer(run, cfg, old).stop_ids == prompt_tokenizer(run, cfg, tiny_data).stop_ids == [eos]

@@ -162,10 +162,11 @@ class PromptTokenizer:
 
 def prompt_tokenizer(checkpoint_path: str | Path, cfg: Config, data_path: str | Path | None) -> PromptTokenizer:
     """``--data`` if given; else the checkpoint folder's own tokenizer.json (a Hugging Face folder or an export);
-    else the run's data.path. A prepared data folder's meta.json says how its documents were wrapped."""
+    else the run's data.path. Its tokenizer_config.json says how a document begins and ends (prepare writes one
+    into every data folder; in one prepared before that, meta.json's special tokens say it)."""
     from dist_trainer.data.dataset import META_FILE, TOKENIZER_FILE, load_tokenizer, special_id
     from dist_trainer.data.dataset import read_meta as read_data_meta
-    from dist_trainer.data.tokenizer import load_hf_tokenizer, stop_token_ids
+    from dist_trainer.data.tokenizer import TOKENIZER_CONFIG, load_hf_tokenizer, stop_token_ids
 
     checkpoint = Path(checkpoint_path)
     if data_path is not None:
@@ -174,7 +175,7 @@ def prompt_tokenizer(checkpoint_path: str | Path, cfg: Config, data_path: str | 
         folder = checkpoint
     else:
         folder = Path(cfg.data.path)
-    if folder.is_dir() and (folder / META_FILE).is_file():
+    if folder.is_dir() and (folder / META_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file():
         meta = read_data_meta(folder)
         eos = special_id(meta, "eos")
         return PromptTokenizer(load_tokenizer(folder), folder, meta.get("document_format", {}).get("bos_id"),
