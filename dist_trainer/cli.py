@@ -1,9 +1,9 @@
 """``dist-trainer`` entry point: parse, build, run, close. The logic lives in the modules.
 
-    dist-trainer prepare  --input PATH... --out DIR --vocab-size N
+    dist-trainer prepare  --input PATH... --out DIR --vocab-size N | --tokenizer HF_DIR
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
     dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
-    dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT
+    dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT | --prompt-ids 1,2,3 [--greedy] [--json]
     dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora]  (safetensors)
     dist-trainer report   RUN [--out DIR]                                  (PNGs from metrics.jsonl)
     dist-trainer attention --checkpoint RUN_OR_STEP --text TEXT --out DIR  (attention maps, per-head table)
@@ -87,23 +87,59 @@ def _check_written(run_yaml: Path, world_size: int, gpus_per_node: int, device: 
 
 
 def _register_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p = sub.add_parser("generate", help="sample text from a checkpoint, or greedy ids and log-probs to compare",
+                       description="Generate from a checkpoint, streaming each token as it is made. With --json: "
+                                   "one JSON document on stdout {\"prompt_ids\", \"ids\" (the new ids), "
+                                   "\"logprobs\" (of each new id under the model's full softmax, fp32)}, "
+                                   "notes on stderr.")
+    p.add_argument("--checkpoint", required=True,
+                   help="run folder, its checkpoints/ folder, a step folder, or an exported model folder")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
+    prompt.add_argument("--prompt-ids", metavar="IDS",
+                        help="token ids instead of text, e.g. 1,2,3 (no tokenizer needed; write --prompt-ids=-1 "
+                             "for an id argparse would take for an option)")
+    p.add_argument("--max-new-tokens", type=int, default=100,
+                   help="at most this many new tokens (capped where they would overflow the model's context "
+                        "unless --sliding-window)")
+    p.add_argument("--greedy", action="store_true", help="the most likely token at every step (--temperature 0)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="folder with tokenizer.json (default: the run's data.path)")
+    p.add_argument("--sliding-window", action="store_true",
+                   help="go on past the model's context, each token seeing the last max_seq_len tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="generate all --max-new-tokens, past any EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON document (ids and log-probs) at the end")
+    p.add_argument("--data", default=None,
+                   help="folder with tokenizer.json (default: the checkpoint folder's own, else the run's data.path)")
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from dist_trainer.train.generate import generate_text
+    import json
 
-    text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                         args.seed, args.data)
-    print(text)
+    from dist_trainer.train.generate import generate, parse_prompt_ids
+
+    if args.greedy and args.temperature not in (None, 0):
+        raise ValueError(f"--greedy and --temperature {args.temperature} disagree: greedy is temperature 0")
+    temperature = 0.0 if args.greedy else (0.8 if args.temperature is None else args.temperature)
+    prompt_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)
+
+    def note(text: str) -> None:
+        sys.stderr.write(f"generate: {text}\n")
+        sys.stderr.flush()
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = generate(args.checkpoint, prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+                      temperature=temperature, top_k=args.top_k, seed=args.seed, data_path=args.data,
+                      sliding_window=args.sliding_window, ignore_eos=args.ignore_eos,
+                      on_text=None if args.json else write, on_note=note)
+    note(result.notes[-1])
+    if args.json:
+        write(json.dumps(result.as_json()) + "\n")
     return 0
 
 

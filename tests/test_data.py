@@ -248,7 +248,8 @@ def test_full_check_runs_once_per_folder_state(tmp_path: Path, monkeypatch: pyte
     a rewritten shard is checked again at its next open."""
     prepare([write_folder(tmp_path / "c", make_docs(6))], tmp_path / "out", VOCAB, val_fraction=0.2)
     record = json.loads((tmp_path / "out" / dataset.VERIFIED_FILE).read_text())
-    assert set(record["files"]) == {"meta.json", "tokenizer.json", "train_000.bin", "val_000.bin"}
+    assert set(record["files"]) == {"meta.json", "tokenizer.json", "tokenizer_config.json", "train_000.bin",
+                                   "val_000.bin"}
     assert all(0 < top < VOCAB for top in record["largest_token_id"].values())
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path / "out", copy)  # new inodes: the record does not vouch for the copy
@@ -262,7 +263,7 @@ def test_full_check_runs_once_per_folder_state(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(dataset, "_digest", counting_digest)
     capsys.readouterr()
     TokenDataset(copy, "train", 8)
-    assert sorted(p.name for p in reads) == ["tokenizer.json", "train_000.bin", "val_000.bin"]
+    assert sorted(p.name for p in reads) == ["tokenizer.json", "tokenizer_config.json", "train_000.bin", "val_000.bin"]
     assert f"data: checking the sha256 of every file in {copy}" in capsys.readouterr().out
     reads.clear()
     TokenDataset(copy, "val", 8)

@@ -1,7 +1,9 @@
 """Data pipeline: corpus -> tokenizer -> token shards -> sampled, collated batches.
 
 corpus.py   find and read documents (files, folders, JSONL; the stdlib as the default corpus)
-prepare.py  `dist-trainer prepare`: train the byte-level BPE, write shards + meta.json atomically
+prepare.py  `dist-trainer prepare`: train the byte-level BPE (or take a model's HF tokenizer), write
+            shards + meta.json atomically
+tokenizer.py HF tokenizer folders: BOS/EOS from tokenizer_config.json, the vocabulary hash, check_data_tokenizer
 shards.py   parallel encoding and the shard writer
 dataset.py  the on-disk format, TokenDataset (memmapped windows), checksums (in full once per folder
             state, recorded in verified.json), load_tokenizer

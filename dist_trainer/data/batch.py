@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dist_trainer.data.dataset import MASK_TOKEN, TokenDataset
+from dist_trainer.data.dataset import TokenDataset, special_id
 from dist_trainer.model import IGNORE_INDEX
 
 MASK_SHARE = 0.8  # of the selected positions: replaced by <|mask|> (Devlin et al. 2018, section 3.1)
@@ -74,11 +74,15 @@ def collate(dataset: TokenDataset, indices: list[int], *, causal: bool, step: in
     if causal:
         return {"tokens": windows[:, :-1].contiguous(), "targets": windows[:, 1:].contiguous()}
     specials = dataset.special_tokens
+    mask_id = special_id(dataset.meta, "mask")
+    if mask_id is None:
+        raise ValueError(f"the data {dataset.path} has no mask token (its tokenizer names no mask_token): an "
+                         "encoder's masked LM needs one; prepare it with a tokenizer that has one")
     # Random replacements come from the trained vocabulary, which may be smaller than the requested one.
     vocab = dataset.meta.get("tokenizer_vocab_size", dataset.vocab_size)
     inputs, targets = [], []
     for index, window in zip(indices, windows):
-        x, y = mask_tokens(window[:-1], sample_generator(seed, step, int(index)), mask_id=specials[MASK_TOKEN],
+        x, y = mask_tokens(window[:-1], sample_generator(seed, step, int(index)), mask_id=mask_id,
                            vocab_size=vocab, special_ids=set(specials.values()), probability=mlm_probability)
         inputs.append(x)
         targets.append(y)

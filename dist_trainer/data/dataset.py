@@ -3,7 +3,9 @@
 On-disk format (``FORMAT_VERSION``): a folder with ``tokenizer.json`` (HF tokenizers),
 ``meta.json`` and, per split, raw little-endian token files ``{split}_{k:03d}.bin``
 (no header: ``np.memmap`` reads them directly; the dtype is in meta). Each shard holds
-whole documents, each followed by ``<|endoftext|>``.
+whole documents, each followed by ``<|endoftext|>`` (with a model's own tokenizer: between
+its BOS and EOS, as meta's ``document_format`` records; its other files beside tokenizer.json
+are listed with their sha256 in meta's ``tokenizer_files``).
 
 A sample is a non-overlapping window of ``seq_len + 1`` tokens of one shard (the
 extra token gives the shifted targets); windows never straddle shards and the tail
@@ -113,10 +115,10 @@ def verify_checksums(path: str | Path, meta: dict[str, Any] | None = None,
     path = Path(path)
     meta = read_meta(path) if meta is None else meta
     check_shard_sizes(path, meta, splits)
-    tok_path = path / TOKENIZER_FILE
-    if not tok_path.is_file() or file_sha256(tok_path) != meta["tokenizer_sha256"]:
-        raise ValueError(f"{tok_path} is missing or its sha256 differs from meta's {meta['tokenizer_sha256']}; "
-                         f"{_rebuild_hint(path)}")
+    for name, sha in {TOKENIZER_FILE: meta["tokenizer_sha256"], **meta.get("tokenizer_files", {})}.items():
+        tok_path = path / name
+        if not tok_path.is_file() or file_sha256(tok_path) != sha:
+            raise ValueError(f"{tok_path} is missing or its sha256 differs from meta's {sha}; {_rebuild_hint(path)}")
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     largest: dict[str, int] = {}
     for split in meta["splits"] if splits is None else splits:
@@ -161,7 +163,8 @@ def verify_folder(path: Path, meta: dict[str, Any], *, force: bool = False) -> d
 def _file_keys(path: Path, meta: dict[str, Any]) -> dict[str, list[int] | None]:
     """Each file the full check depends on -> [size, mtime_ns, inode] (None when missing). A write, a
     truncation, a replacement or a copy elsewhere changes the key, and the folder is checked again."""
-    names = [META_FILE, TOKENIZER_FILE, *(s["file"] for split in meta["splits"].values() for s in split["shards"])]
+    names = [META_FILE, TOKENIZER_FILE, *(n for n in meta.get("tokenizer_files", {}) if n != TOKENIZER_FILE),
+             *(s["file"] for split in meta["splits"].values() for s in split["shards"])]
     keys: dict[str, list[int] | None] = {}
     for name in names:
         try:
@@ -211,6 +214,15 @@ def data_fingerprint(meta: dict[str, Any]) -> str:
     parts = [meta["tokenizer_sha256"], *(f"{split}/{s['file']}:{s['sha256']}" for split in sorted(meta["splits"])
                                          for s in meta["splits"][split]["shards"])]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def special_id(meta: dict[str, Any], role: str) -> int | None:
+    """The id of the special token of ``role`` ("eos", "mask", ...) in a prepared folder's meta, None if it has
+    none (folders prepared before roles were recorded used SPECIAL_TOKENS)."""
+    if "special_roles" in meta:
+        return meta["special_roles"].get(role)
+    legacy = dict(zip(("eos", "pad", "mask", "cls"), SPECIAL_TOKENS))
+    return meta["special_tokens"].get(legacy[role]) if role in legacy else None
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -1,9 +1,12 @@
-"""``dist-trainer prepare``: corpus -> byte-level BPE tokenizer -> token shards + meta.json.
+"""``dist-trainer prepare``: corpus -> tokenizer (trained, or a model's own) -> token shards + meta.json.
 
 Steps: find the documents (``corpus.py``), hold out a validation set of whole
 documents chosen by a seeded permutation, train a byte-level BPE tokenizer (HF
-``tokenizers``) on the training documents only, encode every document in parallel
-with ``<|endoftext|>`` after each (``shards.py``), write the shards and meta.json
+``tokenizers``) on the training documents only, or take a model's own tokenizer from a
+Hugging Face folder (``--tokenizer``, ``tokenizer.py``: its files are copied into the
+folder), encode every document in parallel with ``<|endoftext|>`` after each (an HF
+tokenizer: its BOS/EOS as its tokenizer_config.json says) (``shards.py``), write the
+shards and meta.json
 into a temporary folder beside the output, verify the checksums (and record that in
 verified.json, so training does not read the data again), and rename it into place: a
 crash never leaves a half-written folder that looks complete.
@@ -29,9 +32,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dist_trainer.data import corpus
 from dist_trainer.data.dataset import (
+    CLS_TOKEN,
     EOS_TOKEN,
     FORMAT_VERSION,
+    MASK_TOKEN,
     META_FILE,
+    PAD_TOKEN,
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
     check_shard_sizes,
@@ -41,11 +47,22 @@ from dist_trainer.data.dataset import (
     verify_folder,
 )
 from dist_trainer.data.shards import BATCH_BYTES, DEFAULT_SHARD_TOKENS, ShardWriter, encode_stream
+from dist_trainer.data.tokenizer import (
+    MODEL_CONFIG,
+    TOKENIZER_CONFIG,
+    HFTokenizer,
+    load_hf_tokenizer,
+    model_vocab_size,
+    vocab_extent,
+    vocab_hash,
+)
 
+BPE_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
+                        "mask_token": MASK_TOKEN, "cls_token": CLS_TOKEN}
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte is a token in byte-level BPE, plus the specials
 # meta fields that must match for an existing folder to be reused.
 REQUEST_KEYS = ("format_version", "inputs", "input_fingerprint", "vocab_size", "val_fraction", "max_bytes",
-                "seed", "shard_tokens")
+                "seed", "shard_tokens", "tokenizer_source")
 
 
 def train_tokenizer(texts: Any, vocab_size: int, length: int | None = None) -> Tokenizer:
@@ -79,8 +96,8 @@ def choose_val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int
 
 
 def _check_args(vocab_size: int, val_fraction: float, max_bytes: int | None, workers: int | None,
-                shard_tokens: int) -> None:
-    if not MIN_VOCAB_SIZE <= vocab_size <= 2**32:
+                shard_tokens: int, bpe: bool = True) -> None:
+    if bpe and not MIN_VOCAB_SIZE <= vocab_size <= 2**32:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
                          f"{len(SPECIAL_TOKENS)} special tokens {list(SPECIAL_TOKENS)}, so at least {MIN_VOCAB_SIZE}"
                          if vocab_size < MIN_VOCAB_SIZE else f"vocab_size={vocab_size} exceeds 2**32")
@@ -138,17 +155,79 @@ def _publish(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare(inputs: list[Path] | None, out: Path, vocab_size: int, val_fraction: float = 0.01,
+def _tokenizer_request(tokenizer: str | Path, model_vocab: int | None) -> tuple[HFTokenizer, int]:
+    """The HF tokenizer and the vocabulary size the shards are prepared for (the model's); ValueError when the
+    tokenizer's ids do not fit the model, naming both sizes."""
+    hf = load_hf_tokenizer(tokenizer)
+    extent = vocab_extent(hf.tokenizer)
+    config_vocab = model_vocab_size(hf.folder)
+    config_file = hf.folder / MODEL_CONFIG
+    if model_vocab is not None and config_vocab is not None and model_vocab != config_vocab:
+        raise ValueError(f"--model-vocab {model_vocab} disagrees with vocab_size={config_vocab} of {config_file}")
+    target = model_vocab if model_vocab is not None else config_vocab
+    if target is None:
+        return hf, extent
+    if not 1 <= target <= 2**32:
+        raise ValueError(f"--model-vocab {target} must be in [1, 2**32]")
+    if extent > target:
+        where = f"--model-vocab {target}" if model_vocab is not None else f"vocab_size={target} of {config_file}"
+        raise ValueError(f"the tokenizer {hf.file} has a vocabulary of {extent} tokens (ids 0..{extent - 1}) but "
+                         f"the model's is {target} ({where}): its ids would index past the embedding")
+    return hf, target
+
+
+def _check_vocab_args(vocab_size: int | None, tokenizer: str | Path | None, model_vocab: int | None) -> None:
+    if tokenizer is None and vocab_size is None:
+        raise ValueError("give --vocab-size N (the BPE vocabulary prepare trains) or --tokenizer DIR (a model's "
+                         "Hugging Face tokenizer)")
+    if tokenizer is not None and vocab_size is not None:
+        raise ValueError(f"--vocab-size {vocab_size} sizes a BPE tokenizer prepare trains; with --tokenizer "
+                         f"{tokenizer} the vocabulary is that tokenizer's (--model-vocab N names the model's "
+                         "embedding size to check it against)")
+    if tokenizer is None and model_vocab is not None:
+        raise ValueError(f"--model-vocab {model_vocab} checks a --tokenizer against the model; without one the "
+                         "vocabulary is --vocab-size")
+
+
+def _source(tokenizer: str | Path, hf: HFTokenizer) -> dict[str, Any]:
+    """Where an HF tokenizer came from and the sha256 of each of its files used (a changed file rebuilds)."""
+    return {"path": str(Path(tokenizer).resolve()),
+            "files": {name: file_sha256(hf.folder / (hf.file.name if name == TOKENIZER_FILE else name))
+                      for name in hf.companions}}
+
+
+def _bpe_format(tokenizer: Tokenizer) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
+    """special_tokens, special_roles and document_format of a tokenizer train_tokenizer made."""
+    special_ids: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(tok)
+        assert token_id is not None, "the tokenizer was trained with every special token"
+        special_ids[tok] = token_id
+    roles = {role: special_ids[tok] for role, tok in zip(("eos", "pad", "mask", "cls"), SPECIAL_TOKENS)}
+    return special_ids, roles, {"bos_id": None, "eos_id": roles["eos"], "add_bos": False, "add_eos": True}
+
+
+def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None, val_fraction: float = 0.01,
             max_bytes: int | None = None, workers: int | None = None, seed: int = 0, *, force: bool = False,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS) -> dict[str, Any]:
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, tokenizer: str | Path | None = None,
+            model_vocab: int | None = None) -> dict[str, Any]:
     """Prepare ``out`` from ``inputs`` (None = the Python stdlib's source); return its meta.
 
-    ``max_bytes`` caps the UTF-8 text read (in deterministic order). ``workers``: None encodes on the
-    tokenizers library's thread pool (all cores), 1 on one core, N > 1 in N spawned processes (a calling
-    script then needs the ``if __name__ == "__main__":`` guard). ``shard_tokens`` is the size at which a
-    new shard file starts (shards end on document boundaries). The output does not depend on ``workers``.
+    ``tokenizer`` (an HF folder or a tokenizer.json) encodes with that tokenizer instead of training a BPE of
+    ``vocab_size``; ``model_vocab`` (else ``vocab_size`` of a config.json beside it) is the model's vocabulary,
+    which must hold the tokenizer's, and the shards' vocab_size. ``max_bytes`` caps the UTF-8 text read (in
+    deterministic order). ``workers``: None encodes on the tokenizers library's thread pool (all cores), 1 on
+    one core, N > 1 in N spawned processes (a calling script then needs the ``if __name__ == "__main__":``
+    guard). ``shard_tokens`` is the size at which a new shard file starts (shards end on document boundaries).
+    The output does not depend on ``workers``.
     """
-    _check_args(vocab_size, val_fraction, max_bytes, workers, shard_tokens)
+    _check_vocab_args(vocab_size, tokenizer, model_vocab)
+    hf = None
+    if tokenizer is not None:
+        hf, vocab_size = _tokenizer_request(tokenizer, model_vocab)
+        hf.check_document_boundary()
+    assert vocab_size is not None
+    _check_args(vocab_size, val_fraction, max_bytes, workers, shard_tokens, bpe=hf is None)
     out = Path(out)
     sources = corpus.discover(None if inputs is None else [Path(p) for p in inputs])
     _check_out(out)
@@ -161,6 +240,7 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int, val_fraction:
         "max_bytes": max_bytes,
         "seed": seed,
         "shard_tokens": shard_tokens,
+        "tokenizer_source": None if hf is None else _source(tokenizer or "", hf),
     }
     if not force and (meta := _reusable(out, request)) is not None:
         print(f"prepare: reusing {out} ({meta['splits']['train']['tokens']:,} train tokens, "
@@ -182,26 +262,41 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int, val_fraction:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        train_texts = (t for i, t in enumerate(corpus.iter_documents(sources, max_bytes)) if i not in val_docs)
-        tokenizer = train_tokenizer(train_texts, vocab_size, length=n_docs - len(val_docs))
-        tokenizer.save(str(tmp / TOKENIZER_FILE))
+        if hf is None:
+            train_texts = (t for i, t in enumerate(corpus.iter_documents(sources, max_bytes)) if i not in val_docs)
+            trained = train_tokenizer(train_texts, vocab_size, length=n_docs - len(val_docs))
+            trained.save(str(tmp / TOKENIZER_FILE))
+            special_ids, roles, doc_format = _bpe_format(trained)
+            # its special tokens by role, as a Hugging Face folder names them: an export hands both files on
+            (tmp / TOKENIZER_CONFIG).write_text(json.dumps(BPE_TOKENIZER_CONFIG, indent=2) + "\n")
+            names = [TOKENIZER_FILE, TOKENIZER_CONFIG]
+        else:  # the model's own files, byte for byte: what a run's export hands on
+            for name in hf.companions:
+                shutil.copyfile(hf.file if name == TOKENIZER_FILE else hf.folder / name, tmp / name)
+            special_ids, roles, doc_format = hf.special_tokens(), hf.roles, hf.document_format()
+            names = hf.companions
+            print(f"prepare: tokenizing with {hf.file} ({vocab_extent(hf.tokenizer)} tokens, model vocabulary "
+                  f"{vocab_size}); a document is {_describe(hf)}", flush=True)
         t_train = time.perf_counter() - start
-        special_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-        eos_id = special_ids[EOS_TOKEN]
-        assert eos_id is not None, "the tokenizer was trained with the EOS token"
+        used = Tokenizer.from_file(str(tmp / TOKENIZER_FILE))
 
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
         tagged = ((t, "val" if i in val_docs else "train")
                   for i, t in enumerate(corpus.iter_documents(sources, max_bytes)))
         # More processes than batches would only pay their start-up time.
         n_workers = None if workers is None else max(1, min(workers, n_bytes // BATCH_BYTES + 1))
-        for tokens, split in encode_stream(tmp / TOKENIZER_FILE, tagged, eos_id, dtype, n_workers):
+        for tokens, split in encode_stream(tmp / TOKENIZER_FILE, tagged, doc_format["eos_id"], dtype, n_workers,
+                                           bos_id=doc_format["bos_id"]):
             writers[split].add(tokens)
         splits = {split: w.close() for split, w in writers.items()}
 
         meta = {
             **request,
-            "tokenizer_vocab_size": tokenizer.get_vocab_size(),
+            "tokenizer_vocab_size": vocab_extent(used),
+            "tokenizer_vocab_sha256": vocab_hash(used),
+            "tokenizer_files": {name: file_sha256(tmp / name) for name in names},
+            "document_format": doc_format,
+            "special_roles": roles,
             "dtype": dtype.name,
             "special_tokens": special_ids,
             "tokenizer_sha256": file_sha256(tmp / TOKENIZER_FILE),
@@ -227,6 +322,13 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int, val_fraction:
     return meta
 
 
+def _describe(hf: HFTokenizer) -> str:
+    vocab = {i: t for t, i in hf.tokenizer.get_vocab(with_added_tokens=True).items()}
+    parts = [*([f"{vocab.get(hf.bos_id)!r}"] if hf.bos_id is not None else []), "text",
+             *([f"{vocab.get(hf.eos_id)!r}"] if hf.eos_id is not None else [])]
+    return " + ".join(parts) + f" (add_bos_token={hf.add_bos}, add_eos_token={hf.add_eos})"
+
+
 def parse_size(text: str) -> int:
     """``12M``, ``500k``, ``1G`` or a plain integer -> bytes (powers of 1000)."""
     units = {"k": 10**3, "m": 10**6, "g": 10**9}
@@ -242,16 +344,24 @@ def parse_size(text: str) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "prepare",
-        help="train a BPE tokenizer and write token shards",
+        help="tokenize a corpus (a BPE trained here, or a model's Hugging Face tokenizer) into token shards",
         description="Tokenize a corpus into token shards for training. Without --input the corpus is this "
-                    "Python's standard library source (no download needed).",
+                    "Python's standard library source (no download needed). --vocab-size N trains a byte-level "
+                    "BPE; --tokenizer DIR uses a model's own tokenizer instead.",
     )
     p.add_argument("--input", dest="inputs", nargs="+", action="extend", type=Path, metavar="PATH",
                    help="text files, folders (searched recursively) or JSONL files with a \"text\" field; "
                         "default: the Python stdlib's .py files")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
-    p.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                   help=f"BPE vocabulary size (>= {MIN_VOCAB_SIZE}: 256 bytes + {len(SPECIAL_TOKENS)} specials)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help=f"train a BPE of this vocabulary size (>= {MIN_VOCAB_SIZE}: 256 bytes + "
+                        f"{len(SPECIAL_TOKENS)} specials)")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                   help="tokenize with a Hugging Face tokenizer instead: a model folder holding tokenizer.json "
+                        "(and tokenizer_config.json: its BOS/EOS), or a tokenizer.json")
+    p.add_argument("--model-vocab", type=int, default=None, metavar="N",
+                   help="with --tokenizer: the model's vocabulary size, which must hold the tokenizer's "
+                        "(default: vocab_size of a config.json beside the tokenizer, else the tokenizer's own)")
     p.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
                    help="share of documents held out for validation (default 0.01)")
     p.add_argument("--max-bytes", type=parse_size, default=None, metavar="N",
@@ -266,5 +376,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prepare(args.inputs, args.out, args.vocab_size, val_fraction=args.val_fraction, max_bytes=args.max_bytes,
-            workers=args.workers, seed=args.seed, force=args.force)
+            workers=args.workers, seed=args.seed, force=args.force, tokenizer=args.tokenizer,
+            model_vocab=args.model_vocab)
     return 0

@@ -71,14 +71,17 @@ class ShardWriter:
         }
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype,
-                     batch_api: bool = True) -> list[np.ndarray]:
-    """Token ids of each text followed by eos, as ``dtype`` arrays."""
+def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int | None, dtype: np.dtype,
+                     batch_api: bool = True, bos_id: int | None = None) -> list[np.ndarray]:
+    """Token ids of each text between bos and eos (each where not None), as ``dtype`` arrays. The text itself
+    is encoded without the tokenizer's post-processor: the document's ends are exactly these."""
     if batch_api:
         encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     else:  # Tokenizer.encode never uses the library's thread pool
         encodings = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    return [np.array([*enc.ids, eos_id], dtype=dtype) for enc in encodings]
+    head = [] if bos_id is None else [bos_id]
+    tail = [] if eos_id is None else [eos_id]
+    return [np.array([*head, *enc.ids, *tail], dtype=dtype) for enc in encodings]
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,9 +89,9 @@ def _worker_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_file(path)  # once per worker process, not once per task
 
 
-def _encode_task(tokenizer_path: str, texts: list[str], tags: list[Any], eos_id: int,
-                 dtype: str) -> tuple[list[np.ndarray], list[Any]]:
-    return encode_documents(_worker_tokenizer(tokenizer_path), texts, eos_id, np.dtype(dtype), False), tags
+def _encode_task(tokenizer_path: str, texts: list[str], tags: list[Any], eos_id: int | None, dtype: str,
+                 bos_id: int | None) -> tuple[list[np.ndarray], list[Any]]:
+    return encode_documents(_worker_tokenizer(tokenizer_path), texts, eos_id, np.dtype(dtype), False, bos_id), tags
 
 
 def _batches(docs: Iterable[tuple[str, Any]], batch_bytes: int) -> Iterator[tuple[list[str], list[Any]]]:
@@ -106,8 +109,9 @@ def _batches(docs: Iterable[tuple[str, Any]], batch_bytes: int) -> Iterator[tupl
         yield texts, tags
 
 
-def encode_stream(tokenizer_path: Path, docs: Iterable[tuple[str, Any]], eos_id: int, dtype: np.dtype,
-                  workers: int | None, batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[np.ndarray, Any]]:
+def encode_stream(tokenizer_path: Path, docs: Iterable[tuple[str, Any]], eos_id: int | None, dtype: np.dtype,
+                  workers: int | None, batch_bytes: int = BATCH_BYTES, *,
+                  bos_id: int | None = None) -> Iterator[tuple[np.ndarray, Any]]:
     """Yield (tokens, tag) for each (text, tag) in ``docs``, in order; ``workers`` picks the engine (module doc).
 
     With processes at most 2 * workers batches are in flight, so memory stays bounded on any corpus size.
@@ -115,7 +119,7 @@ def encode_stream(tokenizer_path: Path, docs: Iterable[tuple[str, Any]], eos_id:
     if workers is None or workers == 1:
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
         for texts, tags in _batches(docs, batch_bytes):
-            yield from zip(encode_documents(tokenizer, texts, eos_id, dtype, batch_api=workers is None), tags)
+            yield from zip(encode_documents(tokenizer, texts, eos_id, dtype, workers is None, bos_id), tags)
         return
     # spawn, not fork: the parent has already run the tokenizers thread pool (training), and a forked
     # child of a multi-threaded process can deadlock (huggingface/tokenizers#537). Spawned children
@@ -123,7 +127,8 @@ def encode_stream(tokenizer_path: Path, docs: Iterable[tuple[str, Any]], eos_id:
     with mp.get_context("spawn").Pool(workers) as pool:
         pending: deque = deque()
         for texts, tags in _batches(docs, batch_bytes):
-            pending.append(pool.apply_async(_encode_task, (str(tokenizer_path), texts, tags, eos_id, dtype.str)))
+            pending.append(pool.apply_async(_encode_task, (str(tokenizer_path), texts, tags, eos_id, dtype.str,
+                                                           bos_id)))
             if len(pending) >= 2 * workers:
                 yield from zip(*pending.popleft().get())
         while pending:

@@ -1,14 +1,26 @@
-"""Load a checkpoint as one plain model and sample text from it."""
+"""Load a checkpoint as one plain model and generate from it: sampled text, or greedy ids and log-probs to compare
+token for token with another tool (``dist-trainer generate --prompt-ids 1,2,3 --greedy --json``).
+
+Work is bounded: the new tokens are capped where they would overflow the model's context (``max_seq_len``) unless a
+sliding window is asked for (then at most ``MAX_NEW_TOKENS``), and each token is handed on as it is generated.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config import Config
 from dist_trainer.model import Transformer
+
+MAX_NEW_TOKENS = 1_000_000  # with a sliding window, the stated bound on one call's work
 
 
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
@@ -16,58 +28,270 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     return load_plain_model(path, device)
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, sliding_window: bool = False) -> None:
     """ValueError naming a sampling setting that cannot work (top_k=0 kept no token; a negative length was
     taken silently); called before a checkpoint is loaded."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if sliding_window and max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds {MAX_NEW_TOKENS:,}, the most one generate call "
+                         "makes with a sliding window")
     if not temperature >= 0:  # also nan
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 (the number of most likely tokens sampled from)")
 
 
+def parse_prompt_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> [1, 2, 3]; ValueError naming what is not an id (a negative id is refused here, before any
+    checkpoint is read; ids past the vocabulary once the model is known)."""
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if not re.fullmatch(r"-?[0-9]+", p)]
+    if bad:
+        raise ValueError(f"--prompt-ids {text!r} is not a comma-separated list of token ids (not ids: "
+                         f"{', '.join(repr(p) for p in bad)})")
+    ids = [int(p) for p in parts]
+    if negative := [i for i in ids if i < 0]:
+        raise ValueError(f"--prompt-ids holds negative token ids: {', '.join(map(str, negative))}")
+    return ids
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    if outside := [i for i in ids if not 0 <= i < vocab_size]:
+        raise ValueError(f"--prompt-ids holds ids outside the model's vocabulary 0..{vocab_size - 1}: "
+                         f"{', '.join(map(str, outside))}")
+
+
+def check_prompt_text(prompt: str) -> None:
+    """ValueError when ``prompt`` is not UTF-8 text: Python hands invalid bytes of the command line on as lone
+    surrogates (surrogateescape), which no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = len(prompt[:exc.start].encode("utf-8", "surrogateescape"))
+        raw = prompt[exc.start:exc.end].encode("utf-8", "surrogateescape")
+        raise ValueError(f"--prompt is not valid UTF-8: byte {raw[:1].hex(' ')} at byte {where} (give UTF-8 "
+                         "text, or token ids with --prompt-ids)") from None
+
+
+def new_token_budget(prompt_len: int, max_new_tokens: int, context: int,
+                     sliding_window: bool) -> tuple[int, str | None]:
+    """The tokens to generate and, when fewer than asked, why. Without a sliding window every token attends to
+    the whole prompt, so prompt + new tokens fit ``context``; a prompt that fills it alone is refused."""
+    if sliding_window or prompt_len + max_new_tokens <= context:
+        return max_new_tokens, None
+    if prompt_len >= context:
+        raise ValueError(f"the prompt's {prompt_len} tokens fill the model's context (max_seq_len={context}): no "
+                         "token can follow it within the context; shorten the prompt or pass --sliding-window "
+                         f"(each token then sees only the last {context})")
+    budget = context - prompt_len
+    return budget, (f"max_new_tokens={max_new_tokens} capped at {budget}: the prompt's {prompt_len} tokens and the "
+                    f"new ones fill the model's context (max_seq_len={context}); pass --sliding-window to go on "
+                    f"with the last {context} tokens")
+
+
 @torch.no_grad()
+def generate_steps(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+                   top_k: int | None = 50, generator: torch.Generator | None = None,
+                   stop_ids: list[int] | None = None) -> Iterator[tuple[int, float]]:
+    """Yield (token, log-prob) for each new token as it is chosen; the log-prob is that of the model's full
+    softmax in fp32, before temperature and top-k. Stops after a token of ``stop_ids`` (which is yielded).
+    Each step sees the last ``max_seq_len`` tokens (``new_token_budget`` decides how many steps are asked)."""
+    if not model.cfg.causal:
+        raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
+    check_sampling(max_new_tokens, temperature, top_k, sliding_window=True)
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    stops = set(stop_ids or ())
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -model.cfg.max_seq_len:])[:, -1, :].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            scaled = logits / temperature
+            if top_k is not None and top_k < scaled.shape[-1]:
+                kth = torch.topk(scaled, top_k).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator)
+        token = int(nxt)
+        yield token, float(torch.log_softmax(logits, -1)[0, token])
+        ids = torch.cat([ids, nxt.to(ids.device)], dim=1)
+        if token in stops:
+            return
+
+
 def sample(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
            top_k: int | None = 50, generator: torch.Generator | None = None,
            stop_token: int | None = None) -> torch.Tensor:
     """Autoregressive sampling: (1, T) prompt ids -> (1, T + new) ids."""
+    new = [t for t, _ in generate_steps(model, prompt[0].tolist(), max_new_tokens, temperature, top_k, generator,
+                                        None if stop_token is None else [stop_token])]
+    return torch.cat([prompt, torch.tensor([new], dtype=prompt.dtype, device=prompt.device)], dim=1)
+
+
+@dataclass
+class PromptTokenizer:
+    """The tokenizer a text prompt is encoded with, and how a document of the data it trained on begins and ends."""
+
+    tokenizer: Tokenizer
+    source: Path
+    bos_id: int | None = None  # put before the prompt, as before every training document
+    stop_ids: list[int] = field(default_factory=list)
+
+    def encode(self, prompt: str) -> list[int]:
+        check_prompt_text(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
+        return ([] if self.bos_id is None else [self.bos_id]) + ids
+
+
+def prompt_tokenizer(checkpoint_path: str | Path, cfg: Config, data_path: str | Path | None) -> PromptTokenizer:
+    """``--data`` if given; else the checkpoint folder's own tokenizer.json (a Hugging Face folder or an export);
+    else the run's data.path. Its tokenizer_config.json says how a document begins and ends (prepare writes one
+    into every data folder; in one prepared before that, meta.json's special tokens say it)."""
+    from dist_trainer.data.dataset import META_FILE, TOKENIZER_FILE, load_tokenizer, special_id
+    from dist_trainer.data.dataset import read_meta as read_data_meta
+    from dist_trainer.data.tokenizer import TOKENIZER_CONFIG, load_hf_tokenizer, stop_token_ids
+
+    checkpoint = Path(checkpoint_path)
+    if data_path is not None:
+        folder = Path(data_path)
+    elif checkpoint.is_dir() and (checkpoint / TOKENIZER_FILE).is_file():
+        folder = checkpoint
+    else:
+        folder = Path(cfg.data.path)
+    if folder.is_dir() and (folder / META_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file():
+        meta = read_data_meta(folder)
+        eos = special_id(meta, "eos")
+        return PromptTokenizer(load_tokenizer(folder), folder, meta.get("document_format", {}).get("bos_id"),
+                               [] if eos is None else [eos])
+    if not (folder.is_file() or (folder / TOKENIZER_FILE).is_file()):
+        raise ValueError(f"no tokenizer for a text prompt: {folder} holds no {TOKENIZER_FILE} (pass --data DIR, or "
+                         "token ids with --prompt-ids)")
+    hf = load_hf_tokenizer(folder)
+    return PromptTokenizer(hf.tokenizer, hf.file, hf.bos_id, stop_token_ids(hf.folder))
+
+
+class TextStream:
+    """Writes the text of a growing sequence of ids as it grows; a token that ends inside a UTF-8 character (a
+    byte-level piece) waits for the rest of it. Decoding restarts after each newline, so the work per token stays
+    bounded by a line."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], write: Callable[[str], Any]) -> None:
+        self.tokenizer, self.write = tokenizer, write
+        self.ids = list(prompt)
+        self.shown = ""
+        self._show()
+
+    def _show(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.write(text[len(self.shown):])
+        self.shown = text
+        if text.endswith("\n"):
+            self.ids, self.shown = [], ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self._show()
+
+    def close(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.write(text[len(self.shown):] + "\n")
+
+
+class IdStream:
+    """Writes generated ids as they come, comma-separated (the syntax of --prompt-ids)."""
+
+    def __init__(self, write: Callable[[str], Any]) -> None:
+        self.write, self.sep = write, ""
+
+    def add(self, token: int) -> None:
+        self.write(f"{self.sep}{token}")
+        self.sep = ","
+
+    def close(self) -> None:
+        self.write("\n")
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    ids: list[int]  # the generated ids only
+    logprobs: list[float]  # of each generated id, under the model's full softmax (fp32)
+    notes: list[str]  # for the user: a capped length, how it ended
+    text: str | None = None  # a text prompt's: the prompt and the generated text, decoded
+
+    def as_json(self) -> dict[str, Any]:
+        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "logprobs": self.logprobs}
+
+
+def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_ids: list[int] | None = None,
+             max_new_tokens: int = 100, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
+             data_path: str | Path | None = None, sliding_window: bool = False, ignore_eos: bool = False,
+             on_text: Callable[[str], Any] | None = None, on_note: Callable[[str], Any] | None = None) -> Generation:
+    """Generate from a checkpoint, after a text ``prompt`` (encoded with ``prompt_tokenizer``) or ``prompt_ids``
+    (no tokenizer needed; generation then stops at the EOS that the checkpoint folder's generation_config.json,
+    config.json or tokenizer names, if any). ``on_text`` receives the output as it is generated (a text prompt:
+    the prompt and the new text; ids: the new ids, comma-separated), ``on_note`` a capped length before the
+    first token. ``ignore_eos`` generates all ``max_new_tokens``."""
+    from dist_trainer.data.tokenizer import stop_token_ids, vocab_extent
+
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give a text prompt (--prompt) or token ids (--prompt-ids), not both")
+    check_sampling(max_new_tokens, temperature, top_k, sliding_window)
+    if prompt is not None:
+        check_prompt_text(prompt)
+    model, cfg = load_model_from_checkpoint(checkpoint_path)
     if not model.cfg.causal:
         raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
-    check_sampling(max_new_tokens, temperature, top_k)
-    ids = prompt
-    for _ in range(max_new_tokens):
-        window = ids[:, -model.cfg.max_seq_len:]
-        logits = model(window)[:, -1, :].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.shape[-1]:
-                kth = torch.topk(logits, top_k).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
-        ids = torch.cat([ids, nxt], dim=1)
-        if stop_token is not None and int(nxt) == stop_token:
-            break
-    return ids
+    tokenizer = None
+    if prompt_ids is None:
+        assert prompt is not None
+        tokenizer = prompt_tokenizer(checkpoint_path, cfg, data_path)
+        if (size := vocab_extent(tokenizer.tokenizer)) > cfg.model.vocab_size:
+            raise ValueError(f"the tokenizer {tokenizer.source} has {size} tokens but the model only "
+                             f"{cfg.model.vocab_size}")
+        prompt_ids = tokenizer.encode(prompt)
+        stop_ids = tokenizer.stop_ids
+    else:
+        check_prompt_ids(prompt_ids, cfg.model.vocab_size)
+        folder = Path(checkpoint_path)
+        stop_ids = stop_token_ids(folder) if folder.is_dir() else []
+    stop_ids = [] if ignore_eos else stop_ids
+    budget, cap = new_token_budget(len(prompt_ids), max_new_tokens, cfg.model.max_seq_len, sliding_window)
+    notes = [cap] if cap else []
+    if cap and on_note is not None:
+        on_note(cap)
+    stream: TextStream | IdStream | None = None
+    if on_text is not None:
+        stream = IdStream(on_text) if tokenizer is None else TextStream(tokenizer.tokenizer, prompt_ids, on_text)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    generator = torch.Generator().manual_seed(seed)
+    for token, logprob in generate_steps(model, prompt_ids, budget, temperature, top_k, generator, stop_ids):
+        ids.append(token)
+        logprobs.append(logprob)
+        if stream is not None:
+            stream.add(token)
+    if stream is not None:
+        stream.close()
+    if ids and ids[-1] in stop_ids:
+        end = f"stopped at eos id {ids[-1]}"
+    else:
+        end = ("ran to the length asked" if ignore_eos or not stop_ids else
+               f"no eos (ids {', '.join(map(str, stop_ids))}) within it")
+    notes.append(f"{len(ids)} new token(s) after a {len(prompt_ids)}-token prompt; {end}")
+    text = None if tokenizer is None else tokenizer.tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
+    return Generation(prompt_ids, ids, logprobs, notes, text)
 
 
 def generate_text(checkpoint_path: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0, data_path: str | Path | None = None) -> str:
-    from dist_trainer.data.dataset import load_tokenizer
-
-    check_sampling(max_new_tokens, temperature, top_k)
-    model, cfg = load_model_from_checkpoint(checkpoint_path)
-    tokenizer = load_tokenizer(Path(data_path or cfg.data.path))
-    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {cfg.model.vocab_size}"
-        )
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
-    generator = torch.Generator().manual_seed(seed)
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    out = sample(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, generator, stop_token=eos)
-    return tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
+    """The prompt and the sampled text after it, decoded (special tokens skipped)."""
+    result = generate(checkpoint_path, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_k=top_k, seed=seed, data_path=data_path)
+    assert result.text is not None
+    return result.text
