@@ -333,3 +333,21 @@ def test_params_of_a_folder_is_transformers_count(hf_folders: dict[str, Path]) -
         want = _reference(family, folder).num_parameters()
         assert count_params(model_config(str(folder))) == want, family
         assert count_params(model_config(str(folder / "config.json"))) == want, family
+
+
+def test_a_run_from_a_folder_checks_the_datas_tokenizer(hf_folders: dict[str, Path], hf_data: Path,
+                                                        tiny_data: Path, tmp_path: Path) -> None:
+    """The folder's tokenizer.json must be the one the data was tokenized with (vocabulary hash), before any
+    process group; the same one passes the check."""
+    import shutil
+
+    from dist_trainer.train.check import check_run
+
+    folder = _copy(hf_folders["llama"], tmp_path / "with-tokenizer")
+    shutil.copyfile(tiny_data / "tokenizer.json", folder / "tokenizer.json")  # another tokenizer than hf_data's
+    cfg = tiny_config(hf_data, tmp_path / "run", model=MODEL_SECTION, train={"init_from": str(folder)})
+    with pytest.raises(ValueError, match="vocabulary sha256") as info:
+        check_run(cfg, 1, device_type="cpu")
+    assert str(folder) in str(info.value) and str(hf_data) in str(info.value)
+    shutil.copyfile(hf_data / "tokenizer.json", folder / "tokenizer.json")
+    assert check_run(cfg, 1, device_type="cpu")[0].startswith("ok:")

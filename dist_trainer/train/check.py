@@ -43,6 +43,8 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
         cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
     cfg, fit_note = fit_micro_batch(cfg, world_size)
     dp_size = check_layout(cfg, world_size, device.type)
+    if (Path(cfg.data.path) / "meta.json").is_file():
+        check_hf_tokenizer(cfg, Path(cfg.data.path))
     notes = [n for n in (None if auto is None else auto.describe(), fit_note) if n is not None]
     return Launch(cfg, dp_size, auto, notes)
 
@@ -62,6 +64,17 @@ def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
         raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
                          f"train.eval_batches*global_batch_size = {cfg.train.eval_batches}*{global_batch}; "
                          f"lower train.eval_batches or prepare more validation text")
+
+
+def check_hf_tokenizer(cfg: Config, data: Path) -> None:
+    """A run from a Hugging Face folder that has a tokenizer trains on data tokenized with it (the same vocabulary
+    hash); ValueError naming both otherwise."""
+    from dist_trainer.checkpoint.hf_config import is_hf_folder
+    from dist_trainer.data.tokenizer import check_data_tokenizer
+
+    source = cfg.train.init_from
+    if source and is_hf_folder(source) and (Path(source) / "tokenizer.json").is_file():
+        check_data_tokenizer(data, source)
 
 
 def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, device_type: str = "cuda", *,
