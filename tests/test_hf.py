@@ -123,9 +123,21 @@ def _run(data: Path, out: Path, folder: Path, parallel: dict[str, Any]) -> dict[
     return {**curves(trainer.train()), "engine": trainer.engine.name}
 
 
+LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}
+
+
+def _lora_run(data: Path, out: Path, folder: Path) -> dict[str, Any]:
+    """A LoRA fine-tune of the Llama folder at tp=2 (x dp=2) that moves the adapters (lr > 0, 3 steps)."""
+    cfg = tiny_config(data, out, model={**MODEL_SECTION, **LORA}, parallel={"tp_size": 2, "micro_batch_size": 4},
+                      optim={"lr": 5e-2, "warmup_steps": 0},
+                      train={"init_from": str(folder), "max_steps": 3, "eval_every": 3, "save_every": 3})
+    return curves(Trainer(cfg, log=False).train())
+
+
 def _layouts(rank: int, world_size: int, data: Path, root: Path, folders: dict[str, Path]) -> dict[str, Any]:
-    return {name: _run(data, root / name.replace(":", "_"), folders[family], parallel)
-            for name, (family, parallel) in LAYOUTS.items()}
+    out = {name: _run(data, root / name.replace(":", "_"), folders[family], parallel)
+           for name, (family, parallel) in LAYOUTS.items()}
+    return {**out, "lora": _lora_run(data, root / "lora", folders["llama"])}
 
 
 @pytest.fixture(scope="module")
@@ -351,3 +363,31 @@ def test_a_run_from_a_folder_checks_the_datas_tokenizer(hf_folders: dict[str, Pa
     assert str(folder) in str(info.value) and str(hf_data) in str(info.value)
     shutil.copyfile(hf_data / "tokenizer.json", folder / "tokenizer.json")
     assert check_run(cfg, 1, device_type="cpu")[0].startswith("ok:")
+
+
+def test_a_lora_run_exports_merged_and_as_a_peft_adapter(layout_runs: Any, hf_folders: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """LoRA on the HF Llama folder at tp=2: the merged export (transformers) and the adapter folder (PEFT on the
+    original folder) both compute what the trained adapted model computes."""
+    import peft
+
+    root, results = layout_runs
+    lora = results[0]["lora"]
+    assert lora["eval"][max(lora["eval"])] < lora["eval"][0], lora  # the adapters trained
+    adapted, _ = load_plain_model(root / "lora")
+    assert any(torch.count_nonzero(p) for n, p in adapted.named_parameters() if n.endswith("lora_B"))
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = adapted(tokens)
+    export_checkpoint(root / "lora", tmp_path / "merged")
+    merged, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    export_checkpoint(root / "lora", tmp_path / "adapter", adapter=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "down_proj"}
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_folders["llama"])
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        for got in (merged.eval()(tokens).logits, with_adapter(tokens).logits):
+            assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
