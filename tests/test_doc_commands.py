@@ -136,6 +136,44 @@ def _check_merged_export(ws: Path, env: dict[str, str]) -> None:
         assert f.keys() and not any("lora_" in k for k in f.keys())
 
 
+def _check_hf_export(ws: Path, env: dict[str, str]) -> None:
+    """The merged LoRA export of the README's Hugging Face section loads into transformers, key for key."""
+    import transformers
+
+    out = ws / "export" / "llama-lora"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, info = transformers.LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (out / "tokenizer.json").is_file()
+
+
+def _check_adapter_export(ws: Path, env: dict[str, str]) -> None:
+    config = json.loads((ws / "export" / "llama-adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and sorted(config["target_modules"]) == ["q_proj", "v_proj"], config
+    assert (ws / "export" / "llama-adapter" / "adapter_model.safetensors").is_file()
+
+
+def _write_hf_llama(folder: Path, corpus: Path) -> None:
+    """What `models/llama` stands for in the README: a tiny random Llama saved by transformers in shards, with a
+    BPE tokenizer (BOS/EOS in its tokenizer_config.json) trained on the workspace's corpus."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train([str(p) for p in sorted(corpus.iterdir())],
+              trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"]))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=0, eos_token_id=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False}))
+
+
 def _check_report(ws: Path, env: dict[str, str]) -> None:
     pngs = {p.name for p in (ws / "runs" / "watch" / "report").glob("*.png")}
     assert {"loss.png", "lr.png", "grad_norm.png", "throughput.png"} <= pngs, pngs
@@ -158,6 +196,8 @@ RUN: list[tuple[str, Run]] = [
     (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
      Run(append=TRAIN_SCALE, expect=SUMMARY)),
     (r"^dist-trainer export\b.*--merge-lora", Run(then=_check_merged_export)),
+    (r"^dist-trainer export\b.*--adapter", Run(then=_check_adapter_export)),
+    (r"^dist-trainer export\b.*export/llama-lora", Run(then=_check_hf_export)),
     (r"^dist-trainer export\b", Run(then=_check_export)),
     (r"^(\w+=\S+ )*dist-trainer plan\b.*--verify\b", Run(append="--verify-steps 3", expect=("verified the top",))),
     (r"^dist-trainer plan\b.*--out\b", Run(then=_run_small_plan)),
@@ -212,6 +252,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
         shutil.copy(stdlib / name, ws / "corpus" / name)
     (ws / "more.jsonl").write_text("".join(json.dumps({"text": (stdlib / n).read_text()}) + "\n"
                                           for n in ("fnmatch.py", "bisect.py")))
+    _write_hf_llama(ws / "models" / "llama", ws / "corpus")  # `models/llama`: README's Hugging Face section
     # `--config run.yaml` (docs/launching.md): a user's run config; the demo's is one
     shutil.copy(ROOT / "configs" / "runs" / "demo.yaml", ws / "run.yaml")
     env = subprocess_env(ws, TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"))

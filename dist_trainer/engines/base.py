@@ -42,7 +42,7 @@ from dist_trainer.checkpoint.convert import (
     shard_name,
     write_specs,
 )
-from dist_trainer.checkpoint.load import load_owned_
+from dist_trainer.checkpoint.load import load_owned_, materialize_
 from dist_trainer.checkpoint.source import open_source
 from dist_trainer.config import Config
 from dist_trainer.finetune import frozen_modules
@@ -65,10 +65,10 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def seeded_model(cfg: Config) -> Transformer:
+def seeded_model(cfg: Config, device: str = "cpu") -> Transformer:
     """The single-process model drawn from ``train.seed``, activation checkpointing set, ``train.freeze``
     applied: every regime's start (``train.init_from``'s weights come in once the model is cut to this rank)."""
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every)
     start_finetune(model, cfg)
     return model
@@ -77,9 +77,14 @@ def seeded_model(cfg: Config) -> Transformer:
 def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
     """``seeded_model`` cut to this rank: its TP slices (Megatron TP: the full model is drawn from the seed, then
     each rank keeps its slices, so every layout starts from the single-process weights) and its experts."""
-    model = seeded_model(cfg)
+    # Every weight comes from train.init_from (adapters aside, which draw their own): build on the meta device
+    # and give storage only to this rank's slices, so no rank ever holds the whole model (issue 21).
+    streamed = bool(cfg.train.init_from) and not cfg.model.lora_rank
+    model = seeded_model(cfg, device="meta" if streamed else "cpu")
     apply_tensor_parallel(model, state, cfg.parallel.sequence_parallel)
     apply_expert_parallel(model, state)  # no-op at ep_size 1
+    if streamed:
+        materialize_(model)
     load_start_weights(model, cfg, state)
     return model
 
