@@ -73,11 +73,40 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (seq_len, head_dim/2) for rotary embeddings (Su et al. 2021)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The head_dim/2 inverse frequencies theta^(-2i/d) (Su et al. 2021), scaled as ``cfg.rope_scaling`` asks.
+
+    Computed in fp32 with Hugging Face's operations in its order (transformers' modeling_rope_utils: the default,
+    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters``), as Meta's reference
+    (``precompute_freqs_cis``) does too: published Llama checkpoints were trained with these fp32 tables, and a
+    float64 table differs from them by the fp32 rounding of the angle (cos and sin up to 2.8e-4 apart over 4096
+    positions at head_dim 128, theta 5e5; 5e-7 over 16), past the 1e-5 at which a loaded model must reproduce
+    transformers' logits (tests/test_model_hf_maths.py).
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling == "linear":  # position interpolation: positions / factor, applied to the frequencies instead
+        return inv_freq / cfg.rope_scaling_factor
+    if cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_seq_len
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths (> old_len / low) are divided by factor, short ones (< old_len / high) kept, and the
+        # band between is a linear blend in old_len / wavelen
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_cache(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (seq_len or max_seq_len, head_dim/2) for rotary embeddings, fp32 as transformers computes
+    them (``rope_inv_freq``): angle = float(position) * inv_freq, rounded to fp32, then its cos and sin."""
+    positions = torch.arange(cfg.max_seq_len if seq_len is None else seq_len).float()
+    angles = positions[:, None] * rope_inv_freq(cfg)
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -279,7 +308,7 @@ class Transformer(nn.Module):
     def _init_buffers(self) -> None:
         cfg = self.cfg
         if cfg.pos_embedding == "rope":
-            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+            cos, sin = rope_cache(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         elif cfg.pos_embedding == "sinusoidal":

@@ -1,0 +1,210 @@
+"""The model's maths against transformers' (a test-only dependency), in fp32: RoPE tables, then whole models.
+
+Each case builds a tiny random transformers model, randomises every parameter (norm weights and biases too, so a
+mis-mapped norm shows), copies its weights by hand into ``dist_trainer.model.Transformer`` with the conventions the
+Hugging Face converter applies (q/k rows from rotate_half order to our interleaved pairs, GPT-2's Conv1D transposed
+and its fused c_attn split, tied heads), and compares logits at 1e-5. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers  # the dev extra pins it (pyproject.toml); a missing install fails here, nothing is skipped
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.model import Transformer, build_model, rope_cache, rope_inv_freq
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+SEQ = 24
+
+
+def _randomise_(model: nn.Module, seed: int) -> None:
+    """Every parameter random: matrices N(0, 0.05), vectors 1 + N(0, 0.1) for norm weights else N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() > 1:
+                p.copy_(0.05 * noise)
+            else:
+                is_norm_weight = name.endswith("weight") and ("norm" in name.lower() or ".ln_" in name)
+                p.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * noise)
+
+
+def _load_(ours: Transformer, weights: dict[str, torch.Tensor]) -> None:
+    """Our parameters, every one of them named in ``weights`` (no missing or unexpected names)."""
+    own = dict(ours.named_parameters())
+    assert set(weights) == set(own), (sorted(set(own) - set(weights)), sorted(set(weights) - set(own)))
+    with torch.no_grad():
+        for name, value in weights.items():
+            assert own[name].shape == value.shape, (name, own[name].shape, value.shape)
+            own[name].copy_(value)
+
+
+def _tokens(vocab: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- RoPE tables ---------------------------------------------------------------------------------------------
+
+ROPE_CASES = {
+    "default": ({}, dict(rope_theta=10000.0)),
+    "linear": (dict(rope_scaling="linear", rope_scaling_factor=4.0),
+               dict(rope_theta=10000.0, rope_type="linear", factor=4.0)),
+    # original length 64 over head_dim 32 at theta 5e5: the three bands (kept, blended, divided) all occur
+    "llama3": (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_max_seq_len=64),
+               dict(rope_theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64)),
+}
+
+
+def _rope_pair(case: str) -> tuple[ModelConfig, object]:
+    ours, theirs = ROPE_CASES[case]
+    theta = theirs["rope_theta"]
+    cfg = ModelConfig(d_model=128, n_heads=4, pos_embedding="rope", max_seq_len=256, rope_theta=theta, **ours)
+    rope = {"rope_type": "default", **theirs}
+    hf = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=256,
+                                  rope_parameters=rope)
+    return cfg, hf
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_tables_equal_transformers(case: str) -> None:
+    cfg, hf = _rope_pair(case)
+    if case == "default":
+        theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf).inv_freq
+    else:
+        theirs, scale = ROPE_INIT_FUNCTIONS[case](hf)
+        assert scale == 1.0  # neither type rescales cos/sin
+    ours = rope_inv_freq(cfg)
+    assert ours.dtype == theirs.dtype == torch.float32
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+    if case == "llama3":  # the case exercises all three bands
+        base = rope_inv_freq(ModelConfig(d_model=128, n_heads=4, pos_embedding="rope", rope_theta=500000.0))
+        ratio = base / ours
+        assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any(), ratio
+    # cos/sin as LlamaRotaryEmbedding.forward computes them (its tables repeat our half-width ones: rotate_half)
+    emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf)
+    x = torch.zeros(1, 1, cfg.max_seq_len, cfg.head_dim)
+    cos, sin = emb(x, torch.arange(cfg.max_seq_len)[None])
+    our_cos, our_sin = rope_cache(cfg)
+    assert torch.equal(cos[0], torch.cat([our_cos, our_cos], -1))
+    assert torch.equal(sin[0], torch.cat([our_sin, our_sin], -1))
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(rope_scaling="yarn"), "rope_scaling='yarn'"),
+    (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope_scaling_factor=0.5"),
+    (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+     "rope_low_freq_factor=4.0 and model.rope_high_freq_factor=1.0"),
+    (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=0),
+     "rope_original_max_seq_len=0"),
+    (dict(rope_scaling="linear", rope_scaling_factor=2.0, pos_embedding="learned"), "needs model.pos_embedding"),
+])
+def test_bad_rope_scaling_is_refused_naming_the_values(fields: dict, match: str) -> None:
+    base = dict(d_model=32, n_heads=4, pos_embedding="rope")
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig(**{**base, **fields}).validate()
+
+
+# ---- whole models ----------------------------------------------------------------------------------------------
+
+
+def rotate_half_to_interleaved(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q/k rows of each head from transformers' rotate_half order to our (x[2i], x[2i+1]) pairs:
+    new_row[2i] = old_row[i], new_row[2i+1] = old_row[i + head_dim/2]."""
+    rows, cols = weight.shape
+    return weight.view(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _llama_weights(hf: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    sd, d = hf.state_dict(), cfg.head_dim
+    out = {"tok_emb.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"],
+           "head.weight": sd["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.attn.q_proj.weight"] = rotate_half_to_interleaved(sd[p + "self_attn.q_proj.weight"], d)
+        out[f"layers.{i}.attn.k_proj.weight"] = rotate_half_to_interleaved(sd[p + "self_attn.k_proj.weight"], d)
+        for ours, theirs in (("attn.v_proj", "self_attn.v_proj"), ("attn.o_proj", "self_attn.o_proj"),
+                             ("mlp.up_proj", "mlp.up_proj"), ("mlp.gate_proj", "mlp.gate_proj"),
+                             ("mlp.down_proj", "mlp.down_proj")):
+            out[f"layers.{i}.{ours}.weight"] = sd[f"{p}{theirs}.weight"]
+    return out
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_llama_logits_equal_transformers(rope: str) -> None:
+    """Llama (GQA 4 query / 2 kv heads, SwiGLU, RMSNorm, untied head), with and without Llama 3.1 RoPE scaling."""
+    scaling = ROPE_CASES[rope]
+    rope_hf = {"rope_type": "default", "rope_theta": 10000.0, **scaling[1]}
+    hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      rms_norm_eps=1e-6, rope_parameters=rope_hf, tie_word_embeddings=False,
+                                      attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    _randomise_(hf, seed=1)
+    cfg = ModelConfig(vocab_size=97, d_model=64, d_ff=96, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                      pos_embedding="rope", rope_theta=rope_hf["rope_theta"], norm="rmsnorm", norm_eps=1e-6,
+                      activation="swiglu", bias=False, tie_embeddings=False, **scaling[0])
+    ours = build_model(cfg, seed=0).eval()
+    _load_(ours, _llama_weights(hf, cfg))
+    tokens = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, **TOL)
+    # the permutation is what makes them agree: without it the logits differ by far more than the tolerance
+    plain = {k: v for k, v in _llama_weights(hf, cfg).items()}
+    for i in range(cfg.n_layers):
+        for leaf in ("q_proj", "k_proj"):
+            plain[f"layers.{i}.attn.{leaf}.weight"] = hf.state_dict()[f"model.layers.{i}.self_attn.{leaf}.weight"]
+    _load_(ours, plain)
+    with torch.no_grad():
+        assert (ours(tokens) - expected).abs().max() > 1e-3
+
+
+def _gpt2_weights(hf: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Conv1D stores (in, out): transposed to nn.Linear's (out, in); c_attn's [q | k | v] columns split."""
+    sd, h = hf.state_dict(), cfg.d_model
+    out = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
+           "final_norm.weight": sd["transformer.ln_f.weight"], "final_norm.bias": sd["transformer.ln_f.bias"]}
+    for i in range(cfg.n_layers):
+        p, q = f"transformer.h.{i}.", f"layers.{i}."
+        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            out[f"{q}{ours}.weight"], out[f"{q}{ours}.bias"] = sd[f"{p}{theirs}.weight"], sd[f"{p}{theirs}.bias"]
+        w, b = sd[p + "attn.c_attn.weight"], sd[p + "attn.c_attn.bias"]
+        for j, leaf in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{q}attn.{leaf}.weight"] = w[:, j * h:(j + 1) * h].t()
+            out[f"{q}attn.{leaf}.bias"] = b[j * h:(j + 1) * h]
+        for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"),
+                             ("mlp.down_proj", "mlp.c_proj")):
+            out[f"{q}{ours}.weight"] = sd[f"{p}{theirs}.weight"].t()
+            out[f"{q}{ours}.bias"] = sd[f"{p}{theirs}.bias"]
+    return out
+
+
+def test_gpt2_logits_equal_transformers() -> None:
+    """GPT-2: learned positions, pre-norm LayerNorm with biases, gelu_new (the tanh approximation), tied head."""
+    hf_cfg = transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
+                                     layer_norm_epsilon=1e-5, activation_function="gelu_new", resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    _randomise_(hf, seed=2)
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied, as ours
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ, pos_embedding="learned",
+                      norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", bias=True, tie_embeddings=True)
+    ours = build_model(cfg, seed=0).eval()
+    _load_(ours, _gpt2_weights(hf, cfg))
+    tokens = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(input_ids=tokens).logits, **TOL)
