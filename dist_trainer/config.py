@@ -64,6 +64,10 @@ class ModelConfig:
     causal: bool = True  # True: decoder, causal-LM objective; False: encoder, masked-LM objective
     n_token_types: int = 0  # BERT segment embeddings (2); 0 = none
     pooler: bool = False  # BERT pooler (dense + tanh on the first token); not used by the MLM loss
+    # BERT's masked-LM prediction head (BertForMaskedLM's cls.predictions): before the (tied) output projection,
+    # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
+    # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
+    mlm_head: bool = False
     init_std: float = 0.02  # std of normal init for every weight matrix and embedding
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
     # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
@@ -127,6 +131,11 @@ class ModelConfig:
         if self.pos_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got d_model/n_heads = {self.head_dim}")
         self._validate_rope_scaling()
+        if not isinstance(self.mlm_head, bool):
+            raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
+        if self.mlm_head and self.activation == "swiglu":
+            raise ValueError("model.mlm_head=true applies model.activation to one dense layer's output: it needs "
+                             "gelu, gelu_tanh or relu, not the gated swiglu")
         if self.pos_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.ffn_dim < 1:

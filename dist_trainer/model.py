@@ -9,7 +9,8 @@ Module names (the TP plan refers to them):
   tok_emb, pos_emb, type_emb, emb_norm,
   layers.{i}.attn_norm, layers.{i}.attn.{q,k,v,o}_proj,
   layers.{i}.mlp_norm, layers.{i}.mlp.{up,gate,down}_proj,
-  final_norm, head (absent when tied), pooler, loss
+  final_norm, mlm_transform.{dense,norm} and output_bias (a parameter of the model itself; model.mlm_head),
+  head (absent when tied), pooler, loss
 A mixture-of-experts layer (``model.n_experts`` > 0, ``model_moe.py``) holds ``layers.{i}.moe.{router,
 experts.{e}.*, shared_expert.*}`` in place of ``layers.{i}.mlp``.
 
@@ -203,13 +204,29 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
-        if self.gate_proj is not None:
-            h = F.silu(self.gate_proj(x)) * up
-        elif self.activation == "relu":
-            h = F.relu(up)
-        else:
-            h = F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        h = F.silu(self.gate_proj(x)) * up if self.gate_proj is not None else activate(up, self.activation)
         return self.down_proj(h)
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """A non-gated activation: relu, exact gelu (BERT) or its tanh approximation (GPT-2's gelu_new)."""
+    if activation == "relu":
+        return F.relu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+class MLMTransform(nn.Module):
+    """BERT's prediction-head transform (BertPredictionHeadTransform): norm(activation(dense(x))), before the
+    output projection (Devlin et al. 2019; the masked-LM head of the released checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.activation = cfg.activation
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.norm = build_norm(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(activate(self.dense(x), self.activation))
 
 
 class Block(nn.Module):
@@ -251,7 +268,8 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
     """The initial values of one module's own parameters, drawn from the global RNG.
 
     Normal(0, init_std) for linear and embedding weights, with residual output projections
-    at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases; unit norms.
+    at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases (the model's own ``output_bias``
+    too: it draws nothing, so where it sits in the draw order changes no other weight); unit norms.
     A LoRA adapter draws from its own generator (``model_lora.init_adapter_``), never from the global one.
     Other modules are left alone.
     """
@@ -269,6 +287,8 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
         bias = getattr(module, "bias", None)
         if bias is not None:
             nn.init.zeros_(bias)
+    elif isinstance(output_bias := getattr(module, "output_bias", None), nn.Parameter):  # a model with mlm_head
+        nn.init.zeros_(output_bias)
 
 
 class Transformer(nn.Module):
@@ -278,6 +298,7 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     pos_table: torch.Tensor
+    output_bias: nn.Parameter | None  # registered in __init__ (None without model.mlm_head)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -291,7 +312,10 @@ class Transformer(nn.Module):
         self.emb_drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = None if post else build_norm(cfg)  # post-norm layers end normalised
+        self.mlm_transform = MLMTransform(cfg) if cfg.mlm_head else None
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # BERT's decoder bias (cls.predictions.bias): on the model, beside a head that may be the tied embedding
+        self.register_parameter("output_bias", nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.mlm_head else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
         self.loss = LMLoss()
         self.checkpointed: frozenset[int] = frozenset()
@@ -375,10 +399,12 @@ class Transformer(nn.Module):
         return self.tok_emb.weight if self.head is None else self.head.weight
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, then the head)."""
+        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return F.linear(x, self.output_weight())
+        if self.mlm_transform is not None:
+            x = self.mlm_transform(x)
+        return F.linear(x, self.output_weight(), self.output_bias)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""

@@ -208,3 +208,77 @@ def test_gpt2_logits_equal_transformers() -> None:
     tokens = _tokens(cfg.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(input_ids=tokens).logits, **TOL)
+
+
+def bert_mlm_pair(seed: int = 4) -> tuple[nn.Module, ModelConfig]:
+    """A tiny random BertForMaskedLM and our config for it: post-norm, exact gelu, LayerNorm eps 1e-12, token
+    types, learned positions, the MLM head with its tied decoder and output bias."""
+    hf_cfg = transformers.BertConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=96, max_position_embeddings=SEQ, type_vocab_size=2,
+                                     hidden_act="gelu", layer_norm_eps=1e-12, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, pad_token_id=0)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.BertForMaskedLM(hf_cfg).eval()
+    _randomise_(hf, seed)
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=SEQ,
+                      pos_embedding="learned", norm="layernorm", norm_eps=1e-12, norm_placement="post",
+                      activation="gelu", bias=True, tie_embeddings=True, causal=False, n_token_types=2,
+                      mlm_head=True)
+    return hf, cfg
+
+
+def bert_mlm_weights(hf: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    sd = hf.state_dict()
+    names = {"tok_emb": "bert.embeddings.word_embeddings", "pos_emb": "bert.embeddings.position_embeddings",
+             "type_emb": "bert.embeddings.token_type_embeddings", "emb_norm": "bert.embeddings.LayerNorm",
+             "mlm_transform.dense": "cls.predictions.transform.dense",
+             "mlm_transform.norm": "cls.predictions.transform.LayerNorm"}
+    for i in range(cfg.n_layers):
+        p = f"bert.encoder.layer.{i}."
+        names.update({f"layers.{i}.attn.q_proj": p + "attention.self.query",
+                      f"layers.{i}.attn.k_proj": p + "attention.self.key",
+                      f"layers.{i}.attn.v_proj": p + "attention.self.value",
+                      f"layers.{i}.attn.o_proj": p + "attention.output.dense",
+                      f"layers.{i}.attn_norm": p + "attention.output.LayerNorm",
+                      f"layers.{i}.mlp.up_proj": p + "intermediate.dense",
+                      f"layers.{i}.mlp.down_proj": p + "output.dense",
+                      f"layers.{i}.mlp_norm": p + "output.LayerNorm"})
+    out = {f"{ours}.{kind}": sd[f"{theirs}.{kind}"] for ours, theirs in names.items() for kind in ("weight", "bias")
+           if f"{theirs}.{kind}" in sd}
+    out["output_bias"] = sd["cls.predictions.bias"]
+    return out
+
+
+def test_bert_masked_lm_logits_equal_transformers() -> None:
+    """BertForMaskedLM: post-norm layers, exact gelu, eps 1e-12, segment embeddings, and the prediction head
+    (dense, gelu, LayerNorm, decoder tied to the word embedding plus its own bias)."""
+    hf, cfg = bert_mlm_pair()
+    assert hf.cls.predictions.decoder.weight.data_ptr() == hf.bert.embeddings.word_embeddings.weight.data_ptr()
+    ours = build_model(cfg, seed=0).eval()
+    _load_(ours, bert_mlm_weights(hf, cfg))
+    tokens = _tokens(cfg.vocab_size)
+    types = torch.randint(0, 2, tokens.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(input_ids=tokens, token_type_ids=types).logits
+        torch.testing.assert_close(ours(tokens, token_types=types), expected, **TOL)
+        # the head's pieces each matter: the bias alone moves the logits by its own size
+        ours.output_bias.zero_()
+        assert (ours(tokens, token_types=types) - expected).abs().max() > 1e-2
+
+
+def test_bert_masked_lm_parameter_count_equals_transformers() -> None:
+    """bert-base with model.mlm_head: BertForMaskedLM(BertConfig()) (no pooler, tied decoder counted once); without
+    it the preset keeps BertModel's count (with its pooler)."""
+    from dist_trainer.config_load import model_config
+    from dist_trainer.model import count_parameters
+    from dist_trainer.planner.params import count_params
+
+    with torch.device("meta"):
+        mlm = transformers.BertForMaskedLM(transformers.BertConfig())
+        encoder = transformers.BertModel(transformers.BertConfig())
+    theirs_mlm = sum(p.numel() for p in mlm.parameters())  # parameters() yields a tied tensor once
+    theirs_encoder = sum(p.numel() for p in encoder.parameters())
+    cfg = model_config("bert-base", mlm_head=True, pooler=False)
+    assert count_params(cfg) == count_parameters(build_model(cfg, "meta")) == theirs_mlm
+    assert count_params(model_config("bert-base")) == theirs_encoder
