@@ -141,6 +141,13 @@ def test_pipeline_stages_hold_the_head_on_the_last_stage() -> None:
     for s in stages:
         h = s(h)
     torch.testing.assert_close(h, build_model(BERT_MLM, seed=3)(x), rtol=0, atol=0)
+    # the pipeline engine's rank module names them as the plain model does, and a freeze pattern reaches them
+    from dist_trainer.engines.pipeline import PipelineRankModule
+    last = PipelineRankModule([s for s in stages if s.is_last])
+    names = {n for n, _ in last.named_parameters()}
+    assert {"output_bias", "mlm_transform.dense.weight", "mlm_transform.norm.bias"} <= names
+    freeze_(last, frozen_modules(BERT_MLM, ["output_bias"]))
+    assert [n for n, p in last.named_parameters() if not p.requires_grad] == ["output_bias"]
 
 
 def _tp_worker(rank: int, world_size: int) -> dict:
@@ -176,3 +183,22 @@ def test_tp2_matches_single_process() -> None:
             assert got[(sp, "numel")] == planned.total and got[(sp, "replicated")] == planned.replicated
             bias = got[(sp, "bias")]  # trained, on both ranks' rows
             assert bias[:31].abs().max() > 0 and bias[31:].abs().max() > 0
+
+
+def test_zero3_builds_the_seeds_weights_and_trains_as_one_process(tiny_data, tmp_path) -> None:
+    """zero.Init partitions the model's own output_bias too, the per-module replay gives build_model's draw, and
+    the Trainer's ZeRO-3 losses are the single process's (the bias is gathered with the model's own forward)."""
+    from tests.helpers import assert_same_curves
+    from tests.test_zero_parity import DS_ENV, _curves, _stage3_weights
+
+    out = run_distributed(_stage3_weights, 2, (tiny_data, tmp_path / "init", {"mlm_head": True}), env=DS_ENV)
+    for r in out:
+        assert r["max_diff"] == 0.0
+        got, expected = r["groups"]
+        assert got == expected and "output_bias" in got[1]  # a bias: no weight decay
+    sections = {"model": {"mlm_head": True}, "train": {"max_steps": 4, "eval_every": 2, "save_every": 2}}
+    single = _curves(0, 1, tiny_data, tmp_path / "single", sections)
+    zero = run_distributed(_curves, 2, (tiny_data, tmp_path / "zero3", {**sections, "parallel": {"zero_stage": 3}}),
+                           env=DS_ENV)
+    assert zero[0] == zero[1]
+    assert_same_curves(zero[0], single, what="zero3 mlm_head")
