@@ -78,11 +78,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """The head_dim/2 inverse frequencies theta^(-2i/d) (Su et al. 2021), scaled as ``cfg.rope_scaling`` asks.
 
     Computed in fp32 with Hugging Face's operations in its order (transformers' modeling_rope_utils: the default,
-    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters``), as Meta's reference
-    (``precompute_freqs_cis``) does too: published Llama checkpoints were trained with these fp32 tables, and a
-    float64 table differs from them by the fp32 rounding of the angle (cos and sin up to 2.8e-4 apart over 4096
-    positions at head_dim 128, theta 5e5; 5e-7 over 16), past the 1e-5 at which a loaded model must reproduce
-    transformers' logits (tests/test_model_hf_maths.py).
+    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters``), so the tables equal
+    transformers' bit for bit (tests/test_model_hf_maths.py); Meta's reference (``precompute_freqs_cis``) also
+    computes them in fp32. A float64 table differs from them by the fp32 rounding of the angle: cos and sin up
+    to 2.8e-4 apart over 4096 positions at head_dim 128, theta 5e5 (5e-7 over 16).
     """
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))

@@ -131,44 +131,86 @@ def _llama_weights(hf: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
         out[f"layers.{i}.attn.q_proj.weight"] = rotate_half_to_interleaved(sd[p + "self_attn.q_proj.weight"], d)
         out[f"layers.{i}.attn.k_proj.weight"] = rotate_half_to_interleaved(sd[p + "self_attn.k_proj.weight"], d)
-        for ours, theirs in (("attn.v_proj", "self_attn.v_proj"), ("attn.o_proj", "self_attn.o_proj"),
-                             ("mlp.up_proj", "mlp.up_proj"), ("mlp.gate_proj", "mlp.gate_proj"),
-                             ("mlp.down_proj", "mlp.down_proj")):
-            out[f"layers.{i}.{ours}.weight"] = sd[f"{p}{theirs}.weight"]
+        for leaf in ("attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.gate_proj", "mlp.down_proj"):
+            theirs = f"{p}{leaf.replace('attn.', 'self_attn.')}.weight"
+            if theirs in sd:  # (a mixture-of-experts layer has its experts in place of the MLP)
+                out[f"layers.{i}.{leaf}.weight"] = sd[theirs]
     return out
 
 
-@pytest.mark.parametrize("rope", ["default", "llama3"])
-def test_llama_logits_equal_transformers(rope: str) -> None:
-    """Llama (GQA 4 query / 2 kv heads, SwiGLU, RMSNorm, untied head), with and without Llama 3.1 RoPE scaling."""
-    scaling = ROPE_CASES[rope]
-    rope_hf = {"rope_type": "default", "rope_theta": 10000.0, **scaling[1]}
-    hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      rms_norm_eps=1e-6, rope_parameters=rope_hf, tie_word_embeddings=False,
-                                      attention_bias=False, mlp_bias=False)
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    _randomise_(hf, seed=1)
-    cfg = ModelConfig(vocab_size=97, d_model=64, d_ff=96, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
-                      pos_embedding="rope", rope_theta=rope_hf["rope_theta"], norm="rmsnorm", norm_eps=1e-6,
-                      activation="swiglu", bias=False, tie_embeddings=False, **scaling[0])
-    ours = build_model(cfg, seed=0).eval()
-    _load_(ours, _llama_weights(hf, cfg))
-    tokens = _tokens(cfg.vocab_size)
+LLAMA_SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def _ours_like_llama(rope_theta: float, **fields: object) -> ModelConfig:
+    return ModelConfig(vocab_size=97, d_model=64, d_ff=96, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                       pos_embedding="rope", rope_theta=rope_theta, norm="rmsnorm", norm_eps=1e-6,
+                       activation="swiglu", bias=False, tie_embeddings=False, **fields)
+
+
+def _compare(hf: nn.Module, ours: Transformer, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Load ``weights`` into ours, assert equal logits on the same tokens; return transformers' logits."""
+    _load_(ours, weights)
+    tokens = _tokens(ours.cfg.vocab_size)
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
-        got = ours(tokens)
-    torch.testing.assert_close(got, expected, **TOL)
+        torch.testing.assert_close(ours(tokens), expected, **TOL)
+    return expected
+
+
+@pytest.mark.parametrize("family, rope", [("llama", "default"), ("llama", "llama3"), ("mistral", "default")])
+def test_llama_and_mistral_logits_equal_transformers(family: str, rope: str) -> None:
+    """Llama (GQA 4 query / 2 kv heads, SwiGLU, RMSNorm, untied head), with and without Llama 3.1 RoPE scaling;
+    Mistral without a sliding window is the same maths under other class names."""
+    scaling = ROPE_CASES[rope]
+    rope_hf = {"rope_type": "default", "rope_theta": 10000.0, **scaling[1]}
+    if family == "llama":
+        hf_cfg = transformers.LlamaConfig(**LLAMA_SHAPE, rope_parameters=rope_hf, attention_bias=False, mlp_bias=False)
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        hf_cfg = transformers.MistralConfig(**LLAMA_SHAPE, rope_parameters=rope_hf, sliding_window=None)
+        model_cls = transformers.MistralForCausalLM
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = model_cls(hf_cfg).eval()
+    _randomise_(hf, seed=1)
+    cfg = _ours_like_llama(rope_hf["rope_theta"], **scaling[0])
+    ours = build_model(cfg, seed=0).eval()
+    expected = _compare(hf, ours, _llama_weights(hf, cfg))
     # the permutation is what makes them agree: without it the logits differ by far more than the tolerance
-    plain = {k: v for k, v in _llama_weights(hf, cfg).items()}
+    plain = _llama_weights(hf, cfg)
     for i in range(cfg.n_layers):
         for leaf in ("q_proj", "k_proj"):
             plain[f"layers.{i}.attn.{leaf}.weight"] = hf.state_dict()[f"model.layers.{i}.self_attn.{leaf}.weight"]
     _load_(ours, plain)
     with torch.no_grad():
-        assert (ours(tokens) - expected).abs().max() > 1e-3
+        assert (ours(_tokens(cfg.vocab_size)) - expected).abs().max() > 1e-3
+
+
+def test_mixtral_logits_equal_transformers() -> None:
+    """Mixtral: every layer a top-2 mixture of 4 SwiGLU experts, softmax router renormalised over the two chosen
+    (ours with capacity_factor n_experts / top_k, so no token is dropped: Mixtral drops none). transformers keeps
+    each layer's experts fused: gate_up_proj (E, 2 d_ff, h) = [gate; up], down_proj (E, h, d_ff)."""
+    hf_cfg = transformers.MixtralConfig(**LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                        sliding_window=None, router_jitter_noise=0.0)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
+    _randomise_(hf, seed=6)
+    cfg = _ours_like_llama(1e6, n_experts=4, top_k=2, capacity_factor=2.0, n_shared_experts=0)
+    ours = build_model(cfg, seed=0).eval()
+    sd, f = hf.state_dict(), cfg.ffn_dim
+    weights = _llama_weights(hf, cfg)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}.mlp."
+        weights[f"layers.{i}.moe.router.weight"] = sd[p + "gate.weight"]
+        for e in range(cfg.n_experts):
+            gate_up = sd[p + "experts.gate_up_proj"][e]
+            weights[f"layers.{i}.moe.experts.{e}.gate_proj.weight"] = gate_up[:f]
+            weights[f"layers.{i}.moe.experts.{e}.up_proj.weight"] = gate_up[f:]
+            weights[f"layers.{i}.moe.experts.{e}.down_proj.weight"] = sd[p + "experts.down_proj"][e]
+    _compare(hf, ours, weights)
 
 
 def _gpt2_weights(hf: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -203,11 +245,7 @@ def test_gpt2_logits_equal_transformers() -> None:
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied, as ours
     cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ, pos_embedding="learned",
                       norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", bias=True, tie_embeddings=True)
-    ours = build_model(cfg, seed=0).eval()
-    _load_(ours, _gpt2_weights(hf, cfg))
-    tokens = _tokens(cfg.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf(input_ids=tokens).logits, **TOL)
+    _compare(hf, build_model(cfg, seed=0).eval(), _gpt2_weights(hf, cfg))
 
 
 def bert_mlm_pair(seed: int = 4) -> tuple[nn.Module, ModelConfig]:
