@@ -83,6 +83,15 @@ def test_planner_counts_equal_the_model(cfg: ModelConfig) -> None:
     assert sorted(module_names(cfg)) == sorted(held + ["output_bias"])
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(activation="swiglu"), "mlm_head=true .* not the gated swiglu"),
+    (dict(mlm_head="yes"), "mlm_head='yes' must be true or false"),
+])
+def test_bad_mlm_head_is_refused(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(BERT_MLM, **fields).validate()
+
+
 def test_dist_trainer_params_prints_the_head(tmp_path) -> None:
     preset = (ROOT / "configs" / "models" / "bert-base.yaml").read_text()
     path = tmp_path / "bert-mlm.yaml"
