@@ -24,6 +24,7 @@ POS_EMBEDDINGS = ("learned", "sinusoidal", "rope")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
@@ -44,6 +45,15 @@ class ModelConfig:
     max_seq_len: int = 1024  # longest sequence; sizes learned position tables and RoPE caches
     pos_embedding: str = "learned"  # learned (GPT-2, BERT) | sinusoidal (fixed) | rope (Llama)
     rope_theta: float = 10000.0  # RoPE base frequency
+    # RoPE frequency scaling for contexts past the pretraining length (HF's rope_scaling / rope_parameters):
+    # none | linear (every inverse frequency / factor: position interpolation, Chen et al. 2023) | llama3 (Llama 3.1:
+    # wavelengths above original_max_seq_len / low_freq_factor are stretched by factor, those below
+    # original_max_seq_len / high_freq_factor kept, the band between interpolated smoothly)
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0  # linear and llama3: the factor the (long-wavelength) frequencies are divided by
+    rope_low_freq_factor: float = 1.0  # llama3: original_max_seq_len / this is the longest wavelength kept unscaled..
+    rope_high_freq_factor: float = 4.0  # ..and original_max_seq_len / this the shortest scaled; must exceed low
+    rope_original_max_seq_len: int = 8192  # llama3: the context length the model was pretrained on
     norm: str = "layernorm"  # layernorm (GPT-2, BERT) | rmsnorm (Llama)
     norm_eps: float = 1e-5  # epsilon of every norm (BERT uses 1e-12, Llama 1e-5/1e-6)
     norm_placement: str = "pre"  # pre (GPT-2, Llama: final norm) | post (BERT: embedding norm, none final)
@@ -54,6 +64,10 @@ class ModelConfig:
     causal: bool = True  # True: decoder, causal-LM objective; False: encoder, masked-LM objective
     n_token_types: int = 0  # BERT segment embeddings (2); 0 = none
     pooler: bool = False  # BERT pooler (dense + tanh on the first token); not used by the MLM loss
+    # BERT's masked-LM prediction head (BertForMaskedLM's cls.predictions): before the (tied) output projection,
+    # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
+    # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
+    mlm_head: bool = False
     init_std: float = 0.02  # std of normal init for every weight matrix and embedding
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
     # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
@@ -116,6 +130,12 @@ class ModelConfig:
             )
         if self.pos_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got d_model/n_heads = {self.head_dim}")
+        self._validate_rope_scaling()
+        if not isinstance(self.mlm_head, bool):
+            raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
+        if self.mlm_head and self.activation == "swiglu":
+            raise ValueError("model.mlm_head=true applies model.activation to one dense layer's output: it needs "
+                             "gelu, gelu_tanh or relu, not the gated swiglu")
         if self.pos_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.ffn_dim < 1:
@@ -128,6 +148,24 @@ class ModelConfig:
             raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
         self._validate_moe()
         self._validate_lora()
+
+    def _validate_rope_scaling(self) -> None:
+        _choice(self, "rope_scaling", ROPE_SCALINGS)
+        if self.rope_scaling == "none":
+            return
+        if self.pos_embedding != "rope":
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} needs model.pos_embedding=rope, "
+                             f"got {self.pos_embedding!r}")
+        if not _is_number(self.rope_scaling_factor) or self.rope_scaling_factor < 1.0:
+            raise ValueError(f"model.rope_scaling_factor={self.rope_scaling_factor!r} must be a number >= 1 "
+                             f"(with model.rope_scaling={self.rope_scaling!r})")
+        if self.rope_scaling != "llama3":
+            return
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if not _is_number(low) or not _is_number(high) or not 0 < low < high:
+            raise ValueError(f"model.rope_low_freq_factor={low!r} and model.rope_high_freq_factor={high!r} must be "
+                             "numbers with 0 < low < high (Llama 3.1: 1 and 4)")
+        _positive(self, "rope_original_max_seq_len")
 
     def _validate_moe(self) -> None:
         for name in ("n_experts", "n_shared_experts"):
@@ -462,6 +500,10 @@ def _positive(obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{section}.{name}={value!r} must be a positive integer")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:

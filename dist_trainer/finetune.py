@@ -29,10 +29,10 @@ from typing import Protocol
 from dist_trainer.model_names import (
     EMBEDDING_TABLES,
     FIRST_STAGE_MODULES,
-    LAST_STAGE_MODULES,
     LAYER_MODULES,
     LORA_LINEARS,
     MLP_LEAVES,
+    TAIL_NAMES,
 )
 
 PRESETS = ("embeddings", "bottom:N", "norms_only")
@@ -49,6 +49,7 @@ class ModelShape(Protocol):
     activation: str
     tie_embeddings: bool
     pooler: bool
+    mlm_head: bool
     lora_rank: int
     lora_targets: list[str]
     n_experts: int
@@ -82,11 +83,13 @@ def _present(cfg: ModelShape, name: str) -> bool:
         "pos_emb": cfg.pos_embedding == "learned", "type_emb": cfg.n_token_types > 0,
         "emb_norm": cfg.norm_placement == "post", "final_norm": cfg.norm_placement == "pre",
         "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "gate_proj": cfg.activation == "swiglu",
+        "mlm_transform.dense": cfg.mlm_head, "mlm_transform.norm": cfg.mlm_head, "output_bias": cfg.mlm_head,
     }.get(name, True)
 
 
 def module_names(cfg: ModelShape) -> list[str]:
-    """Every module that holds parameters of its own, by full name, in the model's module order."""
+    """Every module that holds parameters of its own, by full name, in the model's module order; the model's own
+    parameter ``output_bias`` (model.mlm_head) stands among the last stage's modules under its name."""
     names = [n for n in FIRST_STAGE_MODULES if _present(cfg, n)]
     leaves = [leaf for leaf in LAYER_MODULES if _present(cfg, leaf)]
     for i in range(cfg.n_layers):
@@ -95,7 +98,7 @@ def module_names(cfg: ModelShape) -> list[str]:
             names += moe_module_names(cfg, i)
         else:
             names += [layer_module_name(i, leaf) for leaf in leaves]
-    return names + [n for n in LAST_STAGE_MODULES if _present(cfg, n)]
+    return names + [n for n in TAIL_NAMES if _present(cfg, n)]
 
 
 def lora_target_leaves(cfg: ModelShape) -> tuple[str, ...]:
@@ -134,7 +137,7 @@ def _preset(cfg: ModelShape, pattern: str, names: list[str]) -> list[str] | None
     if pattern == "embeddings":
         return [n for n in EMBEDDING_TABLES if n in names]
     if pattern == "norms_only":  # everything but the norms trains nothing: only the norms learn
-        return [n for n in names if not n.endswith("_norm")]
+        return [n for n in names if not n.endswith(("_norm", ".norm"))]
     if pattern.startswith("bottom:"):
         count = pattern.partition(":")[2]
         if not count.isdigit() or not 1 <= int(count) <= cfg.n_layers:

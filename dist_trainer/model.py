@@ -9,7 +9,8 @@ Module names (the TP plan refers to them):
   tok_emb, pos_emb, type_emb, emb_norm,
   layers.{i}.attn_norm, layers.{i}.attn.{q,k,v,o}_proj,
   layers.{i}.mlp_norm, layers.{i}.mlp.{up,gate,down}_proj,
-  final_norm, head (absent when tied), pooler, loss
+  final_norm, mlm_transform.{dense,norm} and output_bias (a parameter of the model itself; model.mlm_head),
+  head (absent when tied), pooler, loss
 A mixture-of-experts layer (``model.n_experts`` > 0, ``model_moe.py``) holds ``layers.{i}.moe.{router,
 experts.{e}.*, shared_expert.*}`` in place of ``layers.{i}.mlp``.
 
@@ -73,11 +74,39 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (seq_len, head_dim/2) for rotary embeddings (Su et al. 2021)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The head_dim/2 inverse frequencies theta^(-2i/d) (Su et al. 2021), scaled as ``cfg.rope_scaling`` asks.
+
+    Computed in fp32 with Hugging Face's operations in its order (transformers' modeling_rope_utils: the default,
+    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters``), so the tables equal
+    transformers' bit for bit (tests/test_model_hf_maths.py); Meta's reference (``precompute_freqs_cis``) also
+    computes them in fp32. A float64 table differs from them by the fp32 rounding of the angle: cos and sin up
+    to 2.8e-4 apart over 4096 positions at head_dim 128, theta 5e5 (5e-7 over 16).
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling == "linear":  # position interpolation: positions / factor, applied to the frequencies instead
+        return inv_freq / cfg.rope_scaling_factor
+    if cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_seq_len
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths (> old_len / low) are divided by factor, short ones (< old_len / high) kept, and the
+        # band between is a linear blend in old_len / wavelen
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_cache(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (seq_len or max_seq_len, head_dim/2) for rotary embeddings, fp32 as transformers computes
+    them (``rope_inv_freq``): angle = float(position) * inv_freq, rounded to fp32, then its cos and sin."""
+    positions = torch.arange(cfg.max_seq_len if seq_len is None else seq_len).float()
+    angles = positions[:, None] * rope_inv_freq(cfg)
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,13 +203,29 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
-        if self.gate_proj is not None:
-            h = F.silu(self.gate_proj(x)) * up
-        elif self.activation == "relu":
-            h = F.relu(up)
-        else:
-            h = F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        h = F.silu(self.gate_proj(x)) * up if self.gate_proj is not None else activate(up, self.activation)
         return self.down_proj(h)
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """A non-gated activation: relu, exact gelu (BERT) or its tanh approximation (GPT-2's gelu_new)."""
+    if activation == "relu":
+        return F.relu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+class MLMTransform(nn.Module):
+    """BERT's prediction-head transform (BertPredictionHeadTransform): norm(activation(dense(x))), before the
+    output projection (Devlin et al. 2019; the masked-LM head of the released checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.activation = cfg.activation
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.norm = build_norm(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(activate(self.dense(x), self.activation))
 
 
 class Block(nn.Module):
@@ -222,7 +267,8 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
     """The initial values of one module's own parameters, drawn from the global RNG.
 
     Normal(0, init_std) for linear and embedding weights, with residual output projections
-    at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases; unit norms.
+    at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases (the model's own ``output_bias``
+    too: it draws nothing, so where it sits in the draw order changes no other weight); unit norms.
     A LoRA adapter draws from its own generator (``model_lora.init_adapter_``), never from the global one.
     Other modules are left alone.
     """
@@ -240,6 +286,8 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
         bias = getattr(module, "bias", None)
         if bias is not None:
             nn.init.zeros_(bias)
+    elif isinstance(output_bias := getattr(module, "output_bias", None), nn.Parameter):  # a model with mlm_head
+        nn.init.zeros_(output_bias)
 
 
 class Transformer(nn.Module):
@@ -249,6 +297,7 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     pos_table: torch.Tensor
+    output_bias: nn.Parameter | None  # registered in __init__ (None without model.mlm_head)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -262,7 +311,10 @@ class Transformer(nn.Module):
         self.emb_drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = None if post else build_norm(cfg)  # post-norm layers end normalised
+        self.mlm_transform = MLMTransform(cfg) if cfg.mlm_head else None
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # BERT's decoder bias (cls.predictions.bias): on the model, beside a head that may be the tied embedding
+        self.register_parameter("output_bias", nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.mlm_head else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
         self.loss = LMLoss()
         self.checkpointed: frozenset[int] = frozenset()
@@ -279,7 +331,7 @@ class Transformer(nn.Module):
     def _init_buffers(self) -> None:
         cfg = self.cfg
         if cfg.pos_embedding == "rope":
-            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+            cos, sin = rope_cache(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         elif cfg.pos_embedding == "sinusoidal":
@@ -346,10 +398,12 @@ class Transformer(nn.Module):
         return self.tok_emb.weight if self.head is None else self.head.weight
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, then the head)."""
+        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return F.linear(x, self.output_weight())
+        if self.mlm_transform is not None:
+            x = self.mlm_transform(x)
+        return F.linear(x, self.output_weight(), self.output_bias)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""

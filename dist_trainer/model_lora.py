@@ -101,6 +101,9 @@ def freeze_(model: nn.Module, module_names: Iterable[str]) -> None:
         if name in wanted:
             for p in module.parameters():
                 p.requires_grad_(False)
+    for name, p in model.named_parameters(recurse=False):  # a parameter of the model itself (output_bias)
+        if name in wanted:
+            p.requires_grad_(False)
 
 
 def merge_adapters(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

@@ -10,7 +10,14 @@ FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")  # before t
 EMBEDDING_TABLES = FIRST_STAGE_MODULES[:3]  # the lookup tables (freeze preset `embeddings`), not emb_norm
 LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj",
                  "down_proj")  # one transformer block's parameterised modules (leaf names)
-LAST_STAGE_MODULES = ("final_norm", "head", "pooler")  # after the layers (the last pipeline stage)
+# after the layers (the last pipeline stage): the Transformer's attributes, in module order; ``output_bias`` (BERT's
+# decoder bias, model.mlm_head) is a parameter the Transformer holds itself, the others are modules
+LAST_STAGE_MODULES = ("final_norm", "mlm_transform", "head", "output_bias", "pooler")
+LAST_STAGE_PARAMETERS = ("output_bias",)  # of LAST_STAGE_MODULES, the parameters (no module under that name)
+MLM_TRANSFORM_LEAVES = ("dense", "norm")  # mlm_transform's modules (BERT's BertPredictionHeadTransform)
+# the last stage's parameterised names (what a freeze pattern matches, the planner's tail counts), module order
+TAIL_NAMES = tuple(n for top in LAST_STAGE_MODULES
+                   for n in ([f"{top}.{leaf}" for leaf in MLM_TRANSFORM_LEAVES] if top == "mlm_transform" else [top]))
 # A mixture-of-experts layer (model_moe.py) has ``moe`` where a dense layer has ``mlp``: router, experts by global
 # index (each the MLP's up/gate/down), and the optional shared expert (an MLP every token passes through)
 MLP_LEAVES = ("up_proj", "gate_proj", "down_proj")  # an MLP's linears: a dense layer's, an expert's, the shared one's

@@ -7,7 +7,8 @@ functions alike: a lazy import is still a dependency), then:
 - ``parallel/``, ``planner/``, ``checkpoint/`` and the bottom modules never import ``train/`` or ``engines/``;
   ``planner/`` and ``layout_rules`` never import ``engines/``, ``train/`` or ``checkpoint/``;
 - the torch-free modules (config, layout rules, the planner) load without torch;
-- every regime ``layout_rules`` names has one engine, and the model builds modules under model_names' names.
+- every regime ``layout_rules`` names has one engine, and the model builds modules under model_names' names;
+- no module imports ``transformers`` (a test-only dependency).
 """
 
 from __future__ import annotations
@@ -125,17 +126,60 @@ def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
     from dist_trainer.config_load import model_config
     from dist_trainer.engines import ENGINES
     from dist_trainer.model import build_model
-    from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES
+    from dist_trainer.model_names import (
+        FIRST_STAGE_MODULES,
+        LAST_STAGE_MODULES,
+        LAST_STAGE_PARAMETERS,
+        LAYER_MODULES,
+        MLM_TRANSFORM_LEAVES,
+        TAIL_NAMES,
+    )
     from dist_trainer.planner.params import embedding_params, layer_params, tail_params
 
     assert set(ENGINES) == set(REGIMES)
-    cfg = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)
-    model = build_model(cfg, "meta")
-    top = {name for name, _ in model.named_children()}
-    assert set(FIRST_STAGE_MODULES + LAST_STAGE_MODULES) <= top | {"emb_norm", "final_norm"}
-    leaves = {name.split(".")[-1] for name, m in model.layers[0].named_modules() if list(m.parameters(False))}
-    assert leaves == set(LAYER_MODULES)
-    # the planner's per-module counts are keyed by the same names
-    assert tuple(embedding_params(cfg)) == FIRST_STAGE_MODULES
-    assert tuple(layer_params(cfg)) == LAYER_MODULES
-    assert tuple(tail_params(cfg)) == LAST_STAGE_MODULES
+    llama = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)
+    bert = model_config("bert-base", n_layers=1, mlm_head=True)
+    for cfg in (llama, bert):
+        model = build_model(cfg, "meta")
+        # attributes under these names (None where the config leaves them out), the others modules or parameters
+        names = FIRST_STAGE_MODULES + LAST_STAGE_MODULES
+        assert all(hasattr(model, n) for n in names)
+        own = {name for name, _ in model.named_parameters(recurse=False)}
+        assert {n for n in names if getattr(model, n) is not None} <= {n for n, _ in model.named_children()} | own
+        leaves = {name.split(".")[-1] for name, m in model.layers[0].named_modules() if list(m.parameters(False))}
+        assert leaves == set(LAYER_MODULES) - (set() if cfg.activation == "swiglu" else {"gate_proj"})
+        # the planner's per-module counts are keyed by the same names
+        assert tuple(embedding_params(cfg)) == FIRST_STAGE_MODULES
+        assert tuple(layer_params(cfg)) == LAYER_MODULES
+        assert tuple(tail_params(cfg)) == TAIL_NAMES
+    # the MLM head: the transform's modules and the model's own parameter, under the shared names
+    assert own == set(LAST_STAGE_PARAMETERS)
+    assert {name for name, _ in model.mlm_transform.named_children()} == set(MLM_TRANSFORM_LEAVES)
+    held = {name for name, m in model.named_modules() if name and list(m.parameters(False))} | own
+    assert {n for n in TAIL_NAMES if tail_params(bert)[n]} <= held
+
+
+def _imported_top_level(path: Path) -> set[str]:
+    """Top-level packages a source file imports: import statements anywhere, and importlib.import_module /
+    __import__ calls on a literal name."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and \
+                isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called in ("import_module", "__import__"):
+                names.add(node.args[0].value.split(".")[0])
+    return names
+
+
+def test_the_package_never_imports_transformers() -> None:
+    """transformers is a test-only dependency (the dev extra): the tests check the model's maths against it, and a
+    user's install of dist_trainer neither needs nor loads it."""
+    assert "transformers" in _imported_top_level(ROOT / "tests" / "test_model_hf_maths.py")  # the reader sees it
+    bad = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "transformers" in _imported_top_level(p))
+    assert bad == [], bad

@@ -23,14 +23,16 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
     head_dim = draw(st.sampled_from([2, 4, 6, 8]))
     n_heads = draw(st.integers(1, 6))
     n_kv = draw(st.sampled_from([d for d in range(1, n_heads + 1) if n_heads % d == 0]))
+    activation = draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "swiglu"]))
     return ModelConfig(
         vocab_size=draw(st.integers(1, 300)), d_model=head_dim * n_heads, n_layers=draw(st.integers(1, 4)),
         n_heads=n_heads, n_kv_heads=draw(st.sampled_from([None, n_kv])), d_ff=draw(st.one_of(st.none(),
                                                                                       st.integers(1, 64))),
         max_seq_len=draw(st.integers(1, 64)), pos_embedding=draw(st.sampled_from(["learned", "sinusoidal", "rope"])),
         norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), norm_placement=draw(st.sampled_from(["pre", "post"])),
-        activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "swiglu"])), bias=draw(st.booleans()),
+        activation=activation, bias=draw(st.booleans()),
         tie_embeddings=draw(st.booleans()), n_token_types=draw(st.integers(0, 3)), pooler=draw(st.booleans()),
+        mlm_head=activation != "swiglu" and draw(st.booleans()),  # the MLM transform takes a non-gated activation
     )
 
 

@@ -103,6 +103,15 @@ def gather_state(model: nn.Module, state: ParallelState) -> dict[str, torch.Tens
     return merge_tp_shards(shards, tp_shard_specs(model))
 
 
+def assert_gathers_to_plain(model: nn.Module, cfg: ModelConfig, state: ParallelState, label: str) -> None:
+    """Initialisation parity: the gathered shards equal the single-process weights, bit for bit."""
+    plain = dict(build_model(cfg, seed=SEED).named_parameters())
+    full = gather_state(model, state)
+    assert full.keys() == plain.keys()
+    for key, value in full.items():
+        assert torch.equal(value, plain[key].detach()), f"{label}: {key} differs after gathering"
+
+
 def _tp_worker(rank: int, world_size: int, runs: list[tuple[str, bool]]) -> dict:
     state = ParallelState.build(ParallelConfig(tp_size=world_size, micro_batch_size=1, global_batch_size=1))
     out: dict = {}
@@ -110,12 +119,7 @@ def _tp_worker(rank: int, world_size: int, runs: list[tuple[str, bool]]) -> dict
         cfg = CONFIGS[name]
         model = tp_model(cfg, state, sp)
         if not sp:
-            # Initialisation parity: gathered shards == the single-process weights.
-            plain = dict(build_model(cfg, seed=SEED).named_parameters())
-            full = gather_state(model, state)
-            assert full.keys() == plain.keys()
-            for key, value in full.items():
-                assert torch.equal(value, plain[key].detach()), f"{name}: {key} differs after gathering"
+            assert_gathers_to_plain(model, cfg, state, name)
             # Generation: forward without targets returns the full, unpadded logits.
             tokens = make_batches(cfg, 1)[0][0]
             with torch.no_grad():

@@ -84,7 +84,7 @@ def test_zero_stages_run_on_one_process(single: dict, tiny_data: Path, tmp_path:
         assert_same_curves(got, ref, what=f"zero{stage} on one process")
 
 
-def _stage3_weights(rank: int, world_size: int, data: Path, out: Path) -> dict[str, float]:
+def _stage3_weights(rank: int, world_size: int, data: Path, out: Path, model: dict | None = None) -> dict[str, float]:
     import deepspeed
 
     from dist_trainer.engines.zero import ZeroEngine
@@ -92,7 +92,7 @@ def _stage3_weights(rank: int, world_size: int, data: Path, out: Path) -> dict[s
     from dist_trainer.optim import param_groups
     from dist_trainer.parallel.state import ParallelState
 
-    cfg = tiny_config(data, out, parallel={"zero_stage": 3})
+    cfg = tiny_config(data, out, parallel={"zero_stage": 3}, model=model or {})
     engine = ZeroEngine(cfg, ParallelState.build(cfg.parallel, world_size, rank), torch.device("cpu"))
     params = list(engine.model.parameters())
     partition = sum(p.ds_tensor.numel() for p in params)

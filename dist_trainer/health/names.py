@@ -5,9 +5,9 @@ Torch-free: the monitor writes these keys and ``dist-trainer report`` reads them
 A parameter belongs to its layer's module kind, its layer, the kind over all layers and ``all``:
 ``layers.3.mlp.up_proj.weight`` -> ``layers.3.mlp``, ``layers.3``, ``mlp``, ``all``. Module kinds: ``attn``
 (q/k/v/o projections), ``mlp`` (up/gate/down), ``norm`` (the layer's two norms; at the top the embedding
-and final norms), ``embed`` (token, position and type embeddings), ``head`` (an untied output head),
-``pooler``. An attention projection's weight also forms its own group (``layers.3.attn.q``), whose norm
-is the "attention projection norm".
+and final norms), ``embed`` (token, position and type embeddings), ``head`` (an untied output head; BERT's
+MLM transform and output bias), ``pooler``. An attention projection's weight also forms its own group
+(``layers.3.attn.q``), whose norm is the "attention projection norm".
 
 A mixture-of-experts layer's ``moe`` block (router, experts, shared expert; docs/moe.md) is that layer's
 feed-forward block: kind ``mlp`` (its gradients feed the layer's MLP gradient histogram). The routed experts of
@@ -22,7 +22,7 @@ GROUP_SIGNALS = ("grad_norm", "param_norm", "update_ratio", "l1_change")  # per 
 LAYER_KINDS = ("attn", "mlp", "norm")
 PROJECTIONS = ("q", "k", "v", "o")
 TOP_KINDS = {"tok_emb": "embed", "pos_emb": "embed", "type_emb": "embed", "emb_norm": "norm", "final_norm": "norm",
-             "head": "head", "pooler": "pooler"}
+             "head": "head", "mlm_transform": "head", "output_bias": "head", "pooler": "pooler"}
 QUANTILES = (0.5, 0.9, 0.99)
 
 

@@ -86,17 +86,18 @@ class LayerCosts:
 def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = None) -> LayerCosts:
     """Per-token costs of this model's layers, embedding and head on one rank; ``plan``: a fine-tuning run's
     gradients (``planner/finetune.grad_plan``; None when everything trains)."""
-    amp_head = 0
+    amp_head = amp_dense = 0
     if spec.precision.startswith("amp"):
         t = spec.tp_size
         amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+        amp_dense = 2 * cfg.d_model * cfg.d_model if cfg.mlm_head else 0  # the MLM transform's dense, whole
     layer, loss_backward = _layer_cost(cfg, spec, ALL_TRAIN), loss_backward_bytes_per_token(cfg, spec)
     moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     if plan is None:
         return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
                           head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
-                          amp_head_weights=amp_head, moe_layer=moe_layer, moe_ids=moe_ids)
+                          amp_head_weights=amp_head + amp_dense, moe_layer=moe_layer, moe_ids=moe_ids)
     cache: dict[tuple[LayerGrads, bool], LayerCost] = {}
 
     def cost(i: int, g: LayerGrads) -> LayerCost:
@@ -105,12 +106,15 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
             cache[key] = _layer_cost(cfg, spec, g, i in moe_ids)
         return cache[key]
 
-    head = "head" in plan.tail
+    # a linear keeps autocast's copy of its weight when its input requires grad: the dense's is the head input's
+    # (the last layer's output), the head's is the transform's output when a transform module trains
+    head = "head" in plan.tail or bool(plan.tail & {"mlm_transform.dense", "mlm_transform.norm"})
     return LayerCosts(
         layer, loss_backward=loss_backward, embedding=per_token(embedding_saved_tensors(cfg, spec, plan.embedding)),
         head=per_token(head_saved_tensors(cfg, spec, plan.head_input(False), plan.tail)),
         head_staged=per_token(head_saved_tensors(cfg, spec, True, plan.tail)),
-        amp_head_weights=amp_head if head or plan.head_input(False) else 0,
+        amp_head_weights=(amp_head if head or plan.head_input(False) else 0)
+        + (amp_dense if plan.head_input(False) else 0),
         per_layer=tuple(cost(i, plan.layer(i, False)) for i in range(cfg.n_layers)),
         per_layer_staged=tuple(cost(i, plan.layer(i, True)) for i in range(cfg.n_layers)),
         moe_layer=moe_layer, moe_ids=moe_ids)

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
-from dist_trainer.model_names import FIRST_STAGE_MODULES
+from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import kv_sharded, lora_shapes, mlp_weights, padded_vocab
 
@@ -362,22 +362,44 @@ def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec,
 
 def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool = True,
                        trains: frozenset[str] | None = None) -> list[SavedTensor]:
-    """Last stage: final norm (pre-norm), the head's input, the fp32 log-softmax and the int64 targets.
+    """Last stage: final norm (pre-norm), BERT's MLM transform (``model.mlm_head``), the head's input, the fp32
+    log-softmax and the int64 targets.
 
-    ``input_grad``: the last layer's output requires grad; ``trains``: of final_norm and head, those that train
-    (None: both; a tied head trains with the token embedding)."""
-    trains = frozenset(("final_norm", "head")) if trains is None else trains
+    ``input_grad``: the last layer's output requires grad; ``trains``: of the last stage's modules
+    (``model_names.TAIL_NAMES``), those that train (None: all; a tied head trains with the token embedding)."""
+    trains = frozenset(TAIL_NAMES) if trains is None else trains
     pre = cfg.norm_placement == "pre"
     out = _norm(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
+    grad = input_grad or (pre and "final_norm" in trains)  # the head's (or the transform's) input requires grad
+    if cfg.mlm_head:
+        out += _mlm_transform(cfg, spec, grad, trains)
+        grad = grad or bool(trains & {"mlm_transform.dense", "mlm_transform.norm"})
     if "head" in trains:
         out.append(SavedTensor("head.input", cfg.d_model * spec.lin_in, spec.act))
-    if not (input_grad or "head" in trains or (pre and "final_norm" in trains)):
+    if not (grad or "head" in trains or "output_bias" in trains):
         return out  # the logits need no gradient: the loss keeps nothing
     vocab = padded_vocab(cfg.vocab_size, spec.tp_size) if spec.tp_size > 1 else cfg.vocab_size
     out += [SavedTensor("loss.log_softmax", vocab / spec.tp_size, 4), SavedTensor("loss.targets", 1, 8)]
     if spec.tp_size > 1:  # the vocab-parallel cross-entropy keeps two bool target-outside-shard masks
         out.append(SavedTensor("loss.vocab_masks", 2, 1))
     return out
+
+
+def _mlm_transform(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool, trains: frozenset[str]
+                   ) -> list[SavedTensor]:
+    """norm(activation(dense(x))) on the whole hidden state (a sequence shard under SP: it runs before the head's
+    all-gather): the dense keeps its input for its weight's gradient, the activation its input (relu: its output),
+    the norm its fp32 input and statistics. With fp32 activations relu's saved output is the norm's input itself."""
+    h = cfg.d_model * spec.rep
+    dense_trains = "mlm_transform.dense" in trains
+    through = input_grad or dense_trains  # the activation's input requires grad
+    out = [SavedTensor("mlm_transform.dense.input", h, spec.act)] if dense_trains else []
+    if through:
+        out.append(SavedTensor("mlm_transform.activation", h, spec.act))
+    norm = _norm(cfg, spec, "mlm_transform.norm", through, "mlm_transform.norm" in trains)
+    if cfg.activation == "relu" and spec.act == 4 and through:
+        norm = [x for x in norm if x.name != "mlm_transform.norm.input"]  # the same fp32 tensor as relu's output
+    return out + norm
 
 
 def loss_backward_bytes_per_token(cfg: ModelConfig, spec: ActivationSpec) -> float:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import layer_module_name, moe_module_names, training_plan
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES
+from dist_trainer.model_names import FIRST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES, TAIL_NAMES
 from dist_trainer.planner.params import embedding_params, layer_params, lora_layer_params, moe_block_params, tail_params
 
 
@@ -74,7 +74,7 @@ class GradPlan:
 
     embedding: frozenset[str]  # first-stage modules that train
     layers: tuple[LayerGrads, ...]  # layer i with its input as in one process (the chain from the embeddings)
-    tail: frozenset[str]  # final_norm / head that train (a tied head trains with tok_emb)
+    tail: frozenset[str]  # last-stage modules that train (model_names.TAIL_NAMES; a tied head trains with tok_emb)
 
     def layer(self, i: int, staged: bool) -> LayerGrads:
         """Layer i; ``staged``: on a pipeline stage after the first, whose received input always requires grad."""
@@ -87,15 +87,15 @@ class GradPlan:
 
 def _key(cfg: ModelConfig, freeze: Sequence[str]) -> tuple:
     return (cfg.n_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
-            cfg.tie_embeddings, cfg.pooler, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts, cfg.moe_every,
-            cfg.n_shared_experts, tuple(freeze))
+            cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts,
+            cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(key: tuple) -> dict[str, tuple[bool, bool]]:
-    n_layers, pos, types, placement, activation, tied, pooler, rank, targets, experts, every, shared, freeze = key
+    n_layers, pos, types, placement, activation, tied, pooler, mlm, rank, targets, experts, every, shared, freeze = key
     shape = ModelConfig(n_layers=n_layers, pos_embedding=pos, n_token_types=types, norm_placement=placement,
-                        activation=activation, tie_embeddings=tied, pooler=pooler, lora_rank=rank,
+                        activation=activation, tie_embeddings=tied, pooler=pooler, mlm_head=mlm, lora_rank=rank,
                         lora_targets=list(targets), n_experts=experts, moe_every=every,
                         n_shared_experts=shared)  # only the fields that decide which modules exist
     return training_plan(shape, list(freeze))
@@ -122,7 +122,7 @@ def grad_plan(cfg: ModelConfig, freeze: Sequence[str] = ()) -> GradPlan | None:
         adapters = frozenset(leaf for leaf, n in names.items() if plan.get(n, (False, False))[1])
         layers.append(LayerGrads(grad, base, adapters, cfg.lora_rank, cfg.lora_dropout > 0))
         grad = layers[-1].output
-    tail = {n for n in LAST_STAGE_MODULES if plan.get(n, (False, False))[0]}
+    tail = {n for n in TAIL_NAMES if plan.get(n, (False, False))[0]}
     if cfg.tie_embeddings and "tok_emb" in embedding:
         tail.add("head")  # the tied head is the token embedding
     return GradPlan(embedding, tuple(layers), frozenset(tail))

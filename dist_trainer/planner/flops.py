@@ -14,7 +14,7 @@ from __future__ import annotations
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.activations import recomputed_layers
 from dist_trainer.planner.moe import dense_mlp_flops_per_token, moe_flops_per_token, moe_layer_ids
-from dist_trainer.planner.params import layer_matmul_weights, matmul_params
+from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights, matmul_params
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
@@ -31,7 +31,7 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
     moe_model, moe_hw = moe_flops_per_token(cfg, seq_len) if moe else (0.0, 0.0)
     moe_model -= dense_mlp_flops_per_token(cfg) if moe else 0.0  # a MoE layer's extra over a dense one
     moe_hw -= dense_mlp_flops_per_token(cfg) if moe else 0.0
-    forward = cfg.n_layers * (mm + attn) + 2.0 * matmul_params_head(cfg) + len(moe) * moe_model
+    forward = cfg.n_layers * (mm + attn) + 2.0 * head_matmul_weights(cfg) + len(moe) * moe_model
     model = 3.0 * forward * tokens
     padding = 3.0 * len(moe) * (moe_hw - moe_model) * tokens  # the experts' empty slots, computed all the same
     if recompute in ("full", "every_k"):
@@ -44,10 +44,6 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
     else:
         extra = 0.0
     return model, model + padding + extra * tokens
-
-
-def matmul_params_head(cfg: ModelConfig) -> int:
-    return cfg.vocab_size * cfg.d_model
 
 
 def six_psi_flops(cfg: ModelConfig, tokens: int) -> float:

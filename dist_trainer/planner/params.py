@@ -7,15 +7,17 @@ Closed forms read off the module definitions in ``dist_trainer/model.py``:
 * RoPE and sinusoidal positions are buffers, not parameters;
 * pre-norm models end with a ``final_norm``; post-norm models (BERT) normalise the embedding sum
   (``emb_norm``) and have no final norm;
-* a tied head is the token embedding (counted once); an untied head is ``Linear(h, V, bias=False)``.
+* a tied head is the token embedding (counted once); an untied head is ``Linear(h, V, bias=False)``;
+* BERT's masked-LM head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm
+  ``mlm_transform.norm`` and the logits' ``output_bias`` (V).
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, section 3): q/k/v and MLP up/gate are
 column-parallel (weights and biases split), o/down are row-parallel (weights split, biases replicated),
-norms, position/type embeddings and the pooler are replicated, the token embedding and an untied head
-are vocab-parallel with the vocabulary padded up to a multiple of tp. Key/value projections are split
-when tp divides n_kv_heads and replicated otherwise (each rank keeps every kv head).
+norms, position/type embeddings, the pooler and the MLM transform are replicated, the token embedding, an untied
+head and the output bias are vocab-parallel with the vocabulary padded up to a multiple of tp. Key/value
+projections are split when tp divides n_kv_heads and replicated otherwise (each rank keeps every kv head).
 
-Pipeline parallelism: the embeddings sit on the first stage, final norm + head (+ pooler) on the last;
+Pipeline parallelism: the embeddings sit on the first stage, final norm + head (+ MLM head, pooler) on the last;
 with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding as its head (Megatron
 keeps a word-embedding copy on the last stage and all-reduces its gradient with the first).
 
@@ -140,13 +142,18 @@ def lora_replicated_params(cfg: ModelConfig, tp_size: int) -> int:
 
 
 def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
-    """Parameters of the last-stage modules: final norm, head (untied, or a tied copy when pp > 1), pooler."""
+    """Parameters of the last-stage modules (``model_names.TAIL_NAMES``): final norm, the MLM transform, head
+    (untied, or a tied copy when pp > 1), the MLM output bias (vocab-parallel like the head's rows), pooler."""
     head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
     has_head = not cfg.tie_embeddings or pp_size > 1
+    dense = cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model  # a Linear(h, h, bias=model.bias)
     return {
         "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,
+        "mlm_transform.dense": dense if cfg.mlm_head else 0,
+        "mlm_transform.norm": norm_params(cfg) if cfg.mlm_head else 0,
         "head": head_rows * cfg.d_model if has_head else 0,
-        "pooler": cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model if cfg.pooler else 0,
+        "output_bias": head_rows if cfg.mlm_head else 0,
+        "pooler": dense if cfg.pooler else 0,
     }
 
 
@@ -238,11 +245,18 @@ def layer_matmul_weights(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: every layer's linears and the output projection.
+    """Weights that take part in a matmul per token: every layer's linears, the MLM transform and the output
+    projection.
 
-    Embedding lookups, norms and biases do no matmul; the head (tied or not) does. Used by cost.py.
+    Embedding lookups, norms and biases do no matmul; the head (tied or not) does, and so does BERT's MLM transform
+    (the pooler takes no part in the MLM loss). Used by cost.py.
     """
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     # a MoE layer's token meets the router, top_k experts and the shared expert instead of one MLP
     moe = cfg.d_model * cfg.n_experts + mlp_weights(cfg) * (cfg.top_k + cfg.n_shared_experts - 1) if n_moe else 0
-    return cfg.n_layers * layer_matmul_weights(cfg) + n_moe * moe + cfg.vocab_size * cfg.d_model
+    return cfg.n_layers * layer_matmul_weights(cfg) + n_moe * moe + head_matmul_weights(cfg)
+
+
+def head_matmul_weights(cfg: ModelConfig) -> int:
+    """Matmul weights after the layers per token: the output projection, and the MLM transform's dense."""
+    return cfg.vocab_size * cfg.d_model + (cfg.d_model * cfg.d_model if cfg.mlm_head else 0)

@@ -1,8 +1,9 @@
 """Parameters one rank holds in a (tp, pp) layout: planner/params.py's module counts cut by the trainer's rules.
 
 Megatron's TP plan (Shoeybi et al. 2019, section 3) splits the layers' linears and the vocabulary; norms,
-row-parallel biases, position/type embeddings, the pooler and (when tp does not divide the kv heads) k/v are
-replicated on every TP rank. The pipeline split is ``layout_rules.layers_per_stage``, as the trainer builds it.
+row-parallel biases, position/type embeddings, the pooler, the MLM transform and (when tp does not divide the kv
+heads) k/v are replicated on every TP rank. The pipeline split is ``layout_rules.layers_per_stage``, as the
+trainer builds it.
 A MoE layer's ``moe`` block is replicated on the TP ranks and, under expert parallelism, holds n_experts / ep
 experts (``planner/moe.py``).
 """
@@ -25,6 +26,8 @@ from dist_trainer.planner.params import (
     norm_params,
     tail_params,
 )
+
+VOCAB_PARALLEL_TAIL = ("head", "output_bias")  # the tail's vocab-sharded rows; the rest is whole on every TP rank
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
         tail = tail_params(cfg, tp_size, pp_size=pp_size)
         modules.update({k: v for k, v in tail.items() if v})
         if tp_size > 1:
-            replicated += tail["final_norm"] + tail["pooler"]
+            replicated += sum(v for k, v in tail.items() if k not in VOCAB_PARALLEL_TAIL)
     total = sum(modules.values())
     largest = max([*one_layer.values(), *embedding_params(cfg, tp_size).values(),
                    *tail_params(cfg, tp_size, pp_size=pp_size).values(), largest_moe_module(cfg) if n_moe else 0])

@@ -1,11 +1,12 @@
 """Pipeline stages: split the one model into pp_size (x virtual) stages, build only this rank's.
 
 Layout (Megatron / torchtitan): the first stage owns the embeddings, the last the final
-norm and the head; the layer stack is cut into contiguous runs, balanced by layer count or
-by parameter count, or given explicitly (``stage_layers``). With ``virtual_stages`` v > 1
-there are pp_size * v stages; rank r owns stages r, r + pp_size, ... ("loop" placement,
-Narayanan et al. 2021, section 2.2, the interleaved schedule) or, for the zero-bubble V
-schedule, r and 2 * pp_size - 1 - r ("v" placement, Qi et al. 2024, ZB-V).
+norm and the head (with BERT's MLM transform and output bias); the layer stack is cut into
+contiguous runs, balanced by layer count or by parameter count, or given explicitly
+(``stage_layers``). With ``virtual_stages`` v > 1 there are pp_size * v stages; rank r owns
+stages r, r + pp_size, ... ("loop" placement, Narayanan et al. 2021, section 2.2, the
+interleaved schedule) or, for the zero-bubble V schedule, r and 2 * pp_size - 1 - r ("v"
+placement, Qi et al. 2024, ZB-V).
 
 Exact weights without the whole model: ``Transformer.reset_parameters`` draws every weight
 in module order from the global RNG. A rank builds the full model on the meta device (no
@@ -34,7 +35,7 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import layers_per_stage
 from dist_trainer.model import Transformer, init_weights_
 from dist_trainer.model_moe import attach_aux_losses
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
+from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAST_STAGE_PARAMETERS
 
 PLACEMENTS = ("loop", "v")
 
@@ -109,6 +110,8 @@ def _init_like_full_model(full: Transformer, kept: set[int]) -> None:
     """
     with torch.no_grad():
         for module in full.modules():
+            if module is full:  # its own parameter (output_bias) draws nothing; split_into_stages sets it
+                continue
             if not hasattr(module, "reset_parameters") or not list(module.parameters(recurse=False)):
                 continue
             target = module if id(module) in kept else copy.deepcopy(module).to_empty(device="cpu")
@@ -116,7 +119,7 @@ def _init_like_full_model(full: Transformer, kept: set[int]) -> None:
             assert callable(reset), type(target)
             reset()
         for module in full.modules():
-            if not list(module.parameters(recurse=False)):
+            if module is full or not list(module.parameters(recurse=False)):
                 continue
             target = module if id(module) in kept else copy.deepcopy(module).to_empty(device="cpu")
             init_weights_(target, full.cfg)  # a twin advances the generator exactly as the full draw
@@ -151,10 +154,11 @@ def split_into_stages(
         full = Transformer(model_cfg)
     # keep[s]: the top-level pieces of stage s (layers by global index)
     pieces: dict[int, dict[str, nn.Module | None]] = {}
+    tail = [name for name in LAST_STAGE_MODULES if name not in LAST_STAGE_PARAMETERS]
     for s in mine:
         first, last = s == 0, s == num_stages - 1
         pieces[s] = {name: getattr(full, name) if first else None for name in FIRST_STAGE_MODULES}
-        pieces[s].update({name: getattr(full, name) if last else None for name in LAST_STAGE_MODULES})
+        pieces[s].update({name: getattr(full, name) if last else None for name in tail})
         if last and full.head is None:  # a tied head: the last stage's own copy of the token embedding
             pieces[s]["tok_emb"] = full.tok_emb
         pieces[s]["layers"] = nn.ModuleList(full.layers[starts[s]:starts[s] + counts[s]])
@@ -173,6 +177,12 @@ def split_into_stages(
             # a tied head on the last stage is this rank's own tok_emb: the same module as
             # stage 0's when this rank owns both (pp_size 1), a second copy on another rank
             setattr(model, name, module)
+        for name in LAST_STAGE_PARAMETERS:  # the model's own parameters: the last stage's, drawn as in init_weights_
+            meta = getattr(model, name)
+            if meta is not None:
+                setattr(model, name, nn.Parameter(torch.empty(meta.shape)) if s == num_stages - 1 else None)
+        if s == num_stages - 1:
+            init_weights_(model, model_cfg)  # a Transformer's own parameters only (output_bias: zeros)
         model._init_buffers()  # rope / sinusoidal tables, recomputed on CPU
         stages.append(StageModule(model, s, num_stages, starts[s]).to(device))
     return stages

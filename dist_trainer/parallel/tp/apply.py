@@ -12,7 +12,9 @@ decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section
     layers.*.mlp           enter the TP region once for up and gate
     layers.*.mlp.up/gate   column-parallel
     layers.*.mlp.down_proj row-parallel
+    mlm_transform          BERT's MLM transform (dense, norm): replicated, run before the head enters the TP region
     head                   column-parallel, vocabulary split (untied models)
+    output_bias            BERT's decoder bias: split along the vocabulary like the head's rows (same padding)
     loss                   vocab-parallel cross-entropy
     layers.*.moe           a mixture-of-experts block is replicated on every TP rank (router and experts whole,
                            as DeepSpeed-MoE without expert slicing); under SP it gathers the sequence first
@@ -57,6 +59,7 @@ from dist_trainer.parallel.tp.layers import (
     VocabParallelEmbedding,
     VocabParallelLoss,
     mark_partial_grad,
+    sharded_param,
 )
 from dist_trainer.planner.params import kv_sharded
 
@@ -173,7 +176,8 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]
         ("loss", VocabLoss()),
     ]
     if sequence_parallel:
-        plan += [(name, SequenceSharded()) for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "final_norm")]
+        plan += [(name, SequenceSharded()) for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "final_norm",
+                                                        "mlm_transform")]
         plan.append(("layers.*.moe", SequenceGathered()))
         if not _embed_reduce_scatter(cfg, sequence_parallel):
             # Positions / token types are added to the full sequence, then the sum is split
@@ -215,6 +219,8 @@ def apply_tensor_parallel(model: Transformer, state: ParallelState, sequence_par
                     parent, _, child = name.rpartition(".")
                     setattr(model.get_submodule(parent), child, new)
                     module = new
+    if model.output_bias is not None:  # a parameter of the model itself, which no module pattern reaches
+        model.output_bias = sharded_param(model.output_bias, 0, group)
     set_attrs(model, tp_context=ctx, logits=types.MethodType(_tp_logits, model),
               forward=types.MethodType(_tp_forward, model))
     if sequence_parallel and model.pooler is not None:
@@ -233,12 +239,17 @@ def _tp_logits(self: Transformer, x: torch.Tensor) -> torch.Tensor:
     """(B, T or T/t, C) last hidden state -> (B, T, V_padded/t): this rank's vocabulary shard.
 
     The head input passes through ``f`` (or the SP all-gather) and meets the local
-    vocabulary rows of the head, or of the shared embedding when tied."""
+    vocabulary rows of the head, or of the shared embedding when tied, and of the output bias.
+    The MLM transform runs before ``f`` like the final norm: on the replicated input each rank
+    computes the same full transform, whose gradient ``f``'s backward sums whole (under SP: on
+    the sequence shard, its parameters' partial gradients summed by ``finalize_tp_grads``)."""
     ctx = tp_context(self)
     if self.final_norm is not None:
         x = self.final_norm(x)
+    if self.mlm_transform is not None:
+        x = self.mlm_transform(x)
     x = enter_tp_region(x, ctx.group, ctx.sequence_parallel)
-    return F.linear(x, self.output_weight())
+    return F.linear(x, self.output_weight(), self.output_bias)
 
 
 def _tp_forward(self: Transformer, tokens: torch.Tensor, targets: torch.Tensor | None = None,
