@@ -181,5 +181,6 @@ def test_the_package_never_imports_transformers() -> None:
     """transformers is a test-only dependency (the dev extra): the tests check the model's maths against it, and a
     user's install of dist_trainer neither needs nor loads it."""
     assert "transformers" in _imported_top_level(ROOT / "tests" / "test_model_hf_maths.py")  # the reader sees it
-    bad = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "transformers" in _imported_top_level(p))
+    bad = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+                 if {"transformers", "peft"} & _imported_top_level(p))
     assert bad == [], bad
