@@ -86,14 +86,15 @@ class PeakAnon:
 
 
 def _build(cfg: Any, state: Any) -> torch.nn.Module:
-    from dist_trainer.engines.base import load_start_weights, sharded_model, start_finetune
+    from dist_trainer.engines.base import load_start_weights, sharded_model, start_finetune, streams_start_weights
     from dist_trainer.engines.pipeline import PipelineRankModule
     from dist_trainer.parallel.pipeline.split import split_into_stages
 
     if state.pp_size == 1:
         return sharded_model(cfg, state)
     # as PipelineEngine.__init__: only this rank's stages are built (the seed's draw replayed), then loaded
-    stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, seed=cfg.train.seed, device="cpu")
+    stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, seed=cfg.train.seed, device="cpu",
+                               draw=not streams_start_weights(cfg))
     module = PipelineRankModule(stages)
     start_finetune(module, cfg)
     load_start_weights(module, cfg, state)
@@ -111,12 +112,13 @@ def _raw_read(folder: Path, model: torch.nn.Module, state: Any) -> float:
         view = src.files.slice_of(hf)
         dim = getattr(p, "tp_split_dim", None)
         if dim is None:
-            view[:]
+            t = view[:]
         else:
             n = p.shape[dim]
             index = tuple(slice(state.tp_rank * n, (state.tp_rank + 1) * n) if d == dim else slice(None)
                           for d in range(p.ndim))
-            view[index]
+            t = view[index]
+        torch.empty_like(t).copy_(t)  # the bytes read into memory (a slice may be a view of the mapped file)
     return time.perf_counter() - start
 
 

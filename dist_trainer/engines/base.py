@@ -77,9 +77,7 @@ def seeded_model(cfg: Config, device: str = "cpu") -> Transformer:
 def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
     """``seeded_model`` cut to this rank: its TP slices (Megatron TP: the full model is drawn from the seed, then
     each rank keeps its slices, so every layout starts from the single-process weights) and its experts."""
-    # Every weight comes from train.init_from (adapters aside, which draw their own): build on the meta device
-    # and give storage only to this rank's slices, so no rank ever holds the whole model (issue 21).
-    streamed = bool(cfg.train.init_from) and not cfg.model.lora_rank
+    streamed = streams_start_weights(cfg)
     model = seeded_model(cfg, device="meta" if streamed else "cpu")
     apply_tensor_parallel(model, state, cfg.parallel.sequence_parallel)
     apply_expert_parallel(model, state)  # no-op at ep_size 1
@@ -87,6 +85,13 @@ def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
         materialize_(model)
     load_start_weights(model, cfg, state)
     return model
+
+
+def streams_start_weights(cfg: Config) -> bool:
+    """Whether every weight comes from ``train.init_from`` (adapters, which draw their own, aside): then a rank
+    builds only its slices, uninitialised, and fills them from the source, so no rank ever holds the whole model
+    (issue 21); with adapters the seed's model is drawn first."""
+    return bool(cfg.train.init_from) and not cfg.model.lora_rank
 
 
 def start_finetune(model: nn.Module, cfg: Config) -> None:

@@ -27,6 +27,7 @@ from dist_trainer.engines.base import (
     clip_norm,
     load_start_weights,
     start_finetune,
+    streams_start_weights,
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.layout_rules import n_microbatches
@@ -72,7 +73,7 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         self.n_micro = n_microbatches(p, state.dp_size)
         self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
                                         balance=p.pp_balance, stage_layers=p.pp_stage_layers,
-                                        seed=cfg.train.seed, device="cpu")
+                                        seed=cfg.train.seed, device="cpu", draw=not streams_start_weights(cfg))
         start_finetune(PipelineRankModule(self.stages), cfg)  # by global names, before TP splits the modules
         for stage in self.stages:
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)

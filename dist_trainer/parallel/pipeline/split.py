@@ -136,10 +136,13 @@ def split_into_stages(
     placement: str = "loop",
     seed: int,
     device: str | torch.device = "cpu",
+    draw: bool = True,
 ) -> list[StageModule]:
     """Build this rank's stage modules (one per virtual stage), weights equal to the single model's.
 
-    The stages' global indices are ``stage_placement(pp_size, virtual_stages, placement)[pp_rank]``.
+    The stages' global indices are ``stage_placement(pp_size, virtual_stages, placement)[pp_rank]``. ``draw``
+    False leaves the weights uninitialised (no replay of the whole model's draws): for a caller that loads every
+    one of them (``train.init_from``).
     """
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size}) with pp_size >= 1")
@@ -167,7 +170,8 @@ def split_into_stages(
         m.to_empty(device="cpu")
     kept = {id(sub) for m in kept_roots.values() for sub in m.modules()}
     torch.manual_seed(seed)  # build_model(cfg, seed=seed) seeds the same way, then draws on CPU
-    _init_like_full_model(full, kept)
+    if draw:
+        _init_like_full_model(full, kept)
 
     stages = []
     for s in mine:
