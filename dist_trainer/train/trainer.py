@@ -109,7 +109,10 @@ class Trainer:
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
-        notes = self._resume() if cfg.train.resume else []
+        self.resumed_from: Path | None = None  # keep-last-K never prunes it
+        scan = ckpt.scan_checkpoints(self.ckpt_root)
+        scan.refuse_newer()  # before anything in out_dir changes: never resumed past, overwritten or moved aside
+        notes = self._resume(scan.warnings) if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
         notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
@@ -276,7 +279,8 @@ class Trainer:
         try:
             return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
                                         write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
-                                        keep=cfg.train.keep_checkpoints)
+                                        keep=cfg.train.keep_checkpoints,
+                                        protect=[self.resumed_from] if self.resumed_from else [])
         except (OSError, RuntimeError) as exc:  # a full disk: one message, not torch's "unexpected pos"
             full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
                                    ckpt.latest_checkpoint(self.ckpt_root))
@@ -284,14 +288,16 @@ class Trainer:
                 raise
             raise full from exc
 
-    def _resume(self) -> list[str]:
+    def _resume(self, scan_warnings: list[str]) -> list[str]:
         # the newest checkpoint whose files all read (weights-only, shared out over the ranks); a newer one that
-        # does not (truncated, foreign, a pickle payload) is skipped with a warning, as a bad meta.json is
+        # does not (truncated, foreign, a pickle payload) is skipped with a warning, as a bad meta.json is;
+        # links, other runs' folders and look-alike names were set aside by the scan, each with a warning
         path, warnings = newest_readable(self.ckpt_root, self.env.rank, self.env.world_size, self._gather)
         if path is None:
-            return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
+            return [*scan_warnings, f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        notes = [*warnings, *check_resumable(meta, self.cfg, self.train_data.meta)]
+        notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data.meta)]
+        self.resumed_from = path
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
         rng_path = path / ckpt.rng_file(self.env.rank)
