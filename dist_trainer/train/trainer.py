@@ -45,6 +45,7 @@ from dist_trainer.train.distributed import detect_launch_env, init_distributed, 
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
+from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -159,7 +160,8 @@ class Trainer:
     def train(self) -> TrainResult:
         """Train to train.max_steps; out_dir is released at the end, also when a step or a save fails."""
         try:
-            return self._train()
+            with PreemptionGuard(self.env.world_size, self.device) as self.preemption:
+                return self._train()
         finally:
             self.close()
 
@@ -206,8 +208,11 @@ class Trainer:
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
-            if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps:
+            saved = (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps
+            if saved:
                 result.checkpoint = str(self.save())
+            if self.step < cfg.train.max_steps and (signum := self._guarded(lambda _: self.preemption.agreed(), step)):
+                self._preempted(signum, result.checkpoint if saved else str(self.save()))
             # Throughput counts whole iterations (logging, eval and saves included): what a user sees.
             # The first step pays one-off warm-up costs and is left out unless it is the only one.
             if step > 0 or cfg.train.max_steps - step == 1:
@@ -216,6 +221,13 @@ class Trainer:
         result.tokens_per_s = timed_tokens / elapsed if elapsed else 0.0
         self.logger.close()
         return result
+
+    def _preempted(self, signum: int, checkpoint: str | None) -> None:
+        """Every rank, after the same step (``PreemptionGuard.agreed``), once the checkpoint is written."""
+        self.logger.close()
+        raise Preempted(f"{signal_name(signum)} received: stopped after step {self.step} of "
+                        f"{self.cfg.train.max_steps} with checkpoint {checkpoint} written, and released "
+                        f"{self.out_dir}; resume with --train.resume=true (exit status {EXIT_PREEMPTED})")
 
     def _guarded(self, fn: Any, step: int) -> Any:
         """Run one step; a collective that fails (a peer died) or times out (a peer stalled) becomes
