@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -35,10 +36,24 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
 
 def model_config(name_or_path: str, **overrides: Any) -> ModelConfig:
     """A validated ModelConfig from a preset name or YAML file, with field overrides."""
-    cfg = _build(ModelConfig, {**load_preset(name_or_path), **overrides}, "model")
+    given = {**load_preset(name_or_path), **overrides}
+    cfg = _build(ModelConfig, given, "model")
     cfg.preset = name_or_path
-    cfg.validate()
+    validate_naming_defaults(cfg, given, name_or_path)
     return cfg
+
+
+def validate_naming_defaults(cfg: ModelConfig, given: dict[str, Any], source: str) -> None:
+    """``cfg.validate()``, whose error also says which of the values it names were not in ``source`` but filled
+    from ModelConfig's defaults (issue 28: a YAML without n_heads was refused naming n_heads=12, never written)."""
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        defaulted = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(ModelConfig)
+                     if f.name not in given and f.name != "preset" and re.search(rf"\b{f.name}\b", str(exc))]
+        if not defaulted:
+            raise
+        raise ValueError(f"{exc} ({', '.join(defaulted)}: not given in {source}, the default)") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -59,7 +74,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(tree[section], dict):
             raise ValueError(f"config section {section!r} must be a mapping")
         tree[section][name] = value
-    return config_from_dict(tree).validate()
+    cfg = config_from_dict(tree)
+    model: dict[str, Any] = tree["model"] if isinstance(tree.get("model"), dict) else {}
+    if not model.get("preset"):  # a preset's fields are the preset's; here the model section is the user's
+        validate_naming_defaults(cfg.model, model, f"the model section of {path or 'the overrides'}")
+    return cfg.validate()
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:

@@ -126,7 +126,8 @@ def test_trainer_resumes_from_its_own_newest(six_steps: Path, tiny_data: Path, t
     (elsewhere / "meta.json").write_text(json.dumps({**meta, "step": 99}))
     (root / "step_00000099").symlink_to(elsewhere, target_is_directory=True)
     trainer = Trainer(tiny_config(tiny_data, run, train={"max_steps": 7, "save_every": 3, "eval_every": 0,
-                                                         "keep_checkpoints": 1, "resume": True}))
+                                                         "keep_checkpoints": 1, "resume": True,
+                                                         "allow_schedule_change": True}))
     assert trainer.step == 6 and trainer.resumed_from == root / "step_00000006"
     trainer.train()
     assert _names(root) == ["step_00000006", "step_00000007"]  # the resumed-from one is kept

@@ -210,7 +210,11 @@ def run_memory(args: argparse.Namespace) -> int:
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)
-    stages = predict_all_stages(cfg, layout, seq_len=args.seq_len or cfg.max_seq_len, options=opts, overheads=over)
+    if args.seq_len is not None and args.seq_len < 1:  # 0 planned for max_seq_len (`args.seq_len or ...`)
+        raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (leave it out for model.max_seq_len="
+                         f"{cfg.max_seq_len})")
+    seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
+    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=opts, overheads=over)
     budget = _host_budget(args)
     node = node_host_bytes(max(stages, key=lambda m: m.host), world_size=layout.world_size,
                            gpus_per_node=args.gpus_per_node)

@@ -43,8 +43,17 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
         cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
     cfg, fit_note = fit_micro_batch(cfg, world_size)
     dp_size = check_layout(cfg, world_size, device.type)
-    notes = [n for n in (None if auto is None else auto.describe(), fit_note) if n is not None]
+    notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
     return Launch(cfg, dp_size, auto, notes)
+
+
+def warmup_note(cfg: Config) -> str | None:
+    """A warning when the warmup outlasts the run: the LR never reaches optim.lr (issue 28: it went unsaid)."""
+    o, steps = cfg.optim, cfg.train.max_steps
+    if o.warmup_steps <= steps:
+        return None
+    return (f"warning: optim.warmup_steps={o.warmup_steps} > train.max_steps={steps}: the LR only reaches "
+            f"{o.lr * steps / o.warmup_steps:.3g} of optim.lr={o.lr:g} ({steps / o.warmup_steps:.0%}) by the last step")
 
 
 def eval_set_size(cfg: Config) -> int:

@@ -308,7 +308,8 @@ class Trainer:
         if path is None:
             return [*scan_warnings, f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data.meta)]
+        notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data.meta),
+                 *check_schedule(meta, self.cfg)]
         self.resumed_from = path
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
@@ -328,6 +329,38 @@ def _is_comm_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
+
+
+def check_schedule(meta: dict[str, Any], cfg: Config) -> list[str]:
+    """Refuse a resume whose LR schedule would have given the steps already run other rates than the checkpoint's
+    run used (issue 28: another train.max_steps silently reshaped the cosine mid-run); return notes.
+
+    The schedule of the resumed run is the new config's, so the question is whether the checkpoint is a state that
+    config reaches: its steps 0..step-1 must have had the same rates under both (a run stopped early at the end of
+    its warmup and resumed with a longer max_steps is the longer run, bit for bit). Allowed anyway with
+    train.allow_schedule_change=true (then noted)."""
+    step = int(meta["step"])
+    saved_optim = dataclasses.replace(cfg.optim, **{k: v for k, v in meta["config"]["optim"].items()
+                                                    if k in ("lr", "min_lr", "warmup_steps")})
+    saved_max = int(meta["config"]["train"]["max_steps"])
+    # every step when there are few, else 10,000 spread over them (the schedule is smooth), always the last
+    probes = sorted({*range(0, step, max(1, step // 10_000)), step - 1}) if step else []
+    differs = next((s for s in probes if lr_at(s, saved_optim, saved_max) != lr_at(s, cfg.optim, cfg.train.max_steps)),
+                   None)
+    if differs is None:
+        return []
+    names = {"lr": "optim.lr", "min_lr": "optim.min_lr", "warmup_steps": "optim.warmup_steps"}
+    changes = [f"{name} {getattr(saved_optim, k)} -> {getattr(cfg.optim, k)}" for k, name in names.items()
+               if getattr(saved_optim, k) != getattr(cfg.optim, k)]
+    if saved_max != cfg.train.max_steps:
+        changes.append(f"train.max_steps {saved_max} -> {cfg.train.max_steps}")
+    what = (f"the LR schedule changed (saved -> now): {'; '.join(changes)}: step {differs + 1} ran at lr "
+            f"{lr_at(differs, saved_optim, saved_max):.4g}, which this schedule gives as "
+            f"{lr_at(differs, cfg.optim, cfg.train.max_steps):.4g}")
+    if not cfg.train.allow_schedule_change:
+        raise ValueError(f"{what}. Resuming would continue the run on a reshaped schedule from step {step}; pass "
+                         "--train.allow_schedule_change=true to resume anyway, or keep the saved values")
+    return [f"train.allow_schedule_change=true: resuming although {what}"]
 
 
 def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
