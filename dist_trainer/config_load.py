@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
+from dist_trainer.files import read_text
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     if not path.is_file():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
         raise ValueError(f"model preset {name_or_path!r} not found; known presets: {', '.join(known)}")
-    data = parse_yaml(path.read_text(), str(path)) or {}
+    data = parse_yaml(read_text(path, "a model preset is YAML text"), str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"model preset {path} must hold a mapping, got {type(data).__name__}")
     return data
@@ -62,7 +63,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         if not Path(path).is_file():
             raise ValueError(f"config file {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
-        tree = parse_yaml(Path(path).read_text(), str(path)) or {}
+        tree = parse_yaml(read_text(Path(path), "a run config is YAML text"), str(path)) or {}
         if not isinstance(tree, dict):
             raise ValueError(f"config file {path} must hold a mapping of sections")
     for item in overrides or []:

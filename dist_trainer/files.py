@@ -98,22 +98,34 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def read_text(path: Path, what: str) -> str:
+    """The text of ``path``; a ValueError naming the file, the first byte that is not UTF-8 and ``what`` (the
+    file's role or the fix) for a binary file, where Python's error names no file (issue 28)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): "
+                         f"{what}") from None
+
+
 def read_json(path: Path, what: str) -> Any:
     """The JSON in ``path``; a ValueError naming the file, what is wrong with it and ``what`` (the file's role or
     the fix) when it is not JSON text (a truncated write, a binary or hostile file)."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, f"not valid JSON: {what}"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc.msg}): {what}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON (not UTF-8 text: {exc.reason}): {what}") from None
+
+
+METRICS_NOT_TEXT = "not a metrics.jsonl a run wrote; move it away"
 
 
 def read_step_records(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl: the JSON objects with an integer ``step``, in file order; a line cut short by
-    a kill (or anything else that is not such a record) is skipped."""
+    a kill (or anything else that is not such a record) is skipped. ValueError naming the file when it is binary."""
     records = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, METRICS_NOT_TEXT).splitlines():
         try:
             record = json.loads(line)
         except ValueError:

@@ -40,7 +40,7 @@ from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
-from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
+from dist_trainer.train.check import check_data_sizes, check_host_memory, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.moe_metrics import router_metrics
@@ -68,6 +68,7 @@ class Trainer:
         launch = resolve_launch(cfg, self.env.world_size, self.env.local_world_size, self.device)
         self.cfg = cfg = launch.cfg
         self.dp_size, self.auto_layout = launch.dp_size, launch.auto_layout
+        check_host_memory(cfg, self.env.local_world_size)  # the model must fit this node's RAM to be built at all
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
