@@ -16,7 +16,6 @@ scale and the slowest rank to the metrics. A collective that fails names the ran
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import newest_readable
-from dist_trainer.config import Config, ModelConfig
+from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
-from dist_trainer.data.dataset import TokenDataset, data_fingerprint
+from dist_trainer.data.dataset import TokenDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.health.monitor import HealthMonitor
@@ -46,6 +45,7 @@ from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
 from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
+from dist_trainer.train.resume_checks import check_lr_schedule, check_resumable, data_order
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -205,15 +205,16 @@ class Trainer:
                 for warning in self.plan_check.warnings(checked):
                     self.logger.write(warning)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                record["eval_loss"] = result.eval_losses[self.step] = self.evaluate()
+                record["eval_loss"] = result.eval_losses[self.step] = self._guarded(lambda _: self.evaluate(), step,
+                                                                                    "in the evaluation")
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
             saved = (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps
             if saved:
-                result.checkpoint = str(self.save())
+                result.checkpoint = str(self._guarded_save(step))
             if self.step < cfg.train.max_steps and (signum := self._guarded(lambda _: self.preemption.agreed(), step)):
-                self._preempted(signum, result.checkpoint if saved else str(self.save()))
+                self._preempted(signum, result.checkpoint if saved else str(self._guarded_save(step)))
             # Throughput counts whole iterations (logging, eval and saves included): what a user sees.
             # The first step pays one-off warm-up costs and is left out unless it is the only one.
             if step > 0 or cfg.train.max_steps - step == 1:
@@ -230,9 +231,17 @@ class Trainer:
                         f"{self.cfg.train.max_steps} with checkpoint {checkpoint} written, and released "
                         f"{self.out_dir}; resume with --train.resume=true (exit status {EXIT_PREEMPTED})")
 
-    def _guarded(self, fn: Any, step: int) -> Any:
-        """Run one step; a collective that fails (a peer died) or times out (a peer stalled) becomes
-        one clear error naming this rank, its coordinates and the step, instead of a bare backend trace."""
+    def _guarded_save(self, step: int) -> Path:
+        """``save()`` under the watchdog: a rank lost while every regime's save runs its barriers and collectives
+        (DeepSpeed's ZeRO-3 gathers) is named like one lost in a step, not a raw gloo trace (issue 28)."""
+        folder = ckpt.step_dir(self.ckpt_root, self.step).name
+        return self._guarded(lambda _: self.save(), step, f"while writing checkpoint {folder} (its partial "
+                                                          f"{folder}.tmp is ignored; the previous checkpoint is whole)")
+
+    def _guarded(self, fn: Any, step: int, during: str = "") -> Any:
+        """Run one step (or its eval or save: ``during`` says which); a collective that fails (a peer died) or
+        times out (a peer stalled) becomes one clear error naming this rank, its coordinates and the step, instead
+        of a bare backend trace."""
         start = time.monotonic()
         try:
             return fn(step)
@@ -248,7 +257,7 @@ class Trainer:
                                  self.state.describe_rank, self.cfg.health.hang_grace_s)
             raise RuntimeError(
                 f"rank {self.env.rank} ({self.state.describe()}) lost contact with its peers at step {step + 1} "
-                f"after {waited:.1f}s{inside}: a rank died, or stalled past "
+                f"{during + ' ' if during else ''}after {waited:.1f}s{inside}: a rank died, or stalled past "
                 f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s. {hang + ' ' if hang else ''}"
                 f"Resume from the last checkpoint in {self.ckpt_root} with --train.resume=true. Cause: {exc}"
             ) from exc
@@ -310,7 +319,7 @@ class Trainer:
             return [*scan_warnings, f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
         notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data.meta),
-                 *check_schedule(meta, self.cfg)]
+                 *check_lr_schedule(meta, self.cfg)]
         self.resumed_from = path
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
@@ -330,76 +339,3 @@ def _is_comm_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
-
-
-def check_schedule(meta: dict[str, Any], cfg: Config) -> list[str]:
-    """Refuse a resume whose LR schedule would have given the steps already run other rates than the checkpoint's
-    run used (issue 28: another train.max_steps silently reshaped the cosine mid-run); return notes.
-
-    The schedule of the resumed run is the new config's, so the question is whether the checkpoint is a state that
-    config reaches: its steps 0..step-1 must have had the same rates under both (a run stopped early at the end of
-    its warmup and resumed with a longer max_steps is the longer run, bit for bit). Allowed anyway with
-    train.allow_schedule_change=true (then noted)."""
-    step = int(meta["step"])
-    saved_optim = dataclasses.replace(cfg.optim, **{k: v for k, v in meta["config"]["optim"].items()
-                                                    if k in ("lr", "min_lr", "warmup_steps")})
-    saved_max = int(meta["config"]["train"]["max_steps"])
-    # every step when there are few, else 10,000 spread over them (the schedule is smooth), always the last
-    probes = sorted({*range(0, step, max(1, step // 10_000)), step - 1}) if step else []
-    differs = next((s for s in probes if lr_at(s, saved_optim, saved_max) != lr_at(s, cfg.optim, cfg.train.max_steps)),
-                   None)
-    if differs is None:
-        return []
-    names = {"lr": "optim.lr", "min_lr": "optim.min_lr", "warmup_steps": "optim.warmup_steps"}
-    changes = [f"{name} {getattr(saved_optim, k)} -> {getattr(cfg.optim, k)}" for k, name in names.items()
-               if getattr(saved_optim, k) != getattr(cfg.optim, k)]
-    if saved_max != cfg.train.max_steps:
-        changes.append(f"train.max_steps {saved_max} -> {cfg.train.max_steps}")
-    what = (f"the LR schedule changed (saved -> now): {'; '.join(changes)}: step {differs + 1} ran at lr "
-            f"{lr_at(differs, saved_optim, saved_max):.4g}, which this schedule gives as "
-            f"{lr_at(differs, cfg.optim, cfg.train.max_steps):.4g}")
-    if not cfg.train.allow_schedule_change:
-        raise ValueError(f"{what}. Resuming would continue the run on a reshaped schedule from step {step}; pass "
-                         "--train.allow_schedule_change=true to resume anyway, or keep the saved values")
-    return [f"train.allow_schedule_change=true: resuming although {what}"]
-
-
-def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
-    """What fixes the sample of every step (data/sampler.py: a pure function of the step): the data's shards,
-    data.seq_len, the global batch and the seed. Recorded in every checkpoint, compared on resume."""
-    return {"global_batch_size": cfg.parallel.global_batch_size, "seed": cfg.train.seed,
-            "seq_len": cfg.data.seq_len, "path": str(Path(cfg.data.path).resolve()),
-            "fingerprint": data_fingerprint(data_meta)}
-
-
-def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]) -> list[str]:
-    """Refuse a resume that would silently change the model or the data order; return notes.
-
-    A data change is allowed with train.allow_data_change=true (then noted). The data is compared by
-    content: the same shards moved to another data.path resume; other shards at the same path do not.
-    tp, pp and dp may all change: the engines merge the saved shards and cut out their own part.
-    """
-    # a field added since the checkpoint was written (LoRA's, issue 14) reads as its default
-    saved_model = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}
-    current = cfg.to_dict()["model"]
-    diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
-    if diff:
-        raise ValueError(f"checkpoint model config differs from this run's (saved, now): {diff}")
-    # Checkpoints written before data.seq_len and the data's fingerprint were recorded: their config says.
-    saved = {"seq_len": meta["config"]["data"]["seq_len"], "path": meta["config"]["data"]["path"], **meta["data"]}
-    now = data_order(cfg, data_meta)
-    names = {"seq_len": "data.seq_len", "global_batch_size": "parallel.global_batch_size", "seed": "train.seed"}
-    changes = [f"{name} {saved[k]} -> {now[k]}" for k, name in names.items() if saved[k] != now[k]]
-    if saved.get("fingerprint", now["fingerprint"]) != now["fingerprint"]:
-        changes.append(f"data.path {saved['path']} -> {now['path']} (other shards)" if saved["path"] != now["path"]
-                       else f"the shards in data.path={now['path']} (prepared again since the checkpoint)")
-    elif "fingerprint" not in saved and str(Path(saved["path"]).resolve()) != now["path"]:
-        changes.append(f"data.path {saved['path']} -> {now['path']}")
-    if not changes:
-        return []
-    what = f"the checkpoint's data settings changed (saved -> now): {'; '.join(changes)}"
-    if not cfg.train.allow_data_change:
-        raise ValueError(f"{what}. The resumed run would read other samples than the interrupted one; pass "
-                         "--train.allow_data_change=true to resume anyway")
-    return [f"train.allow_data_change=true: resuming although {what}; the sample order differs from the "
-            "interrupted run's"]
