@@ -92,3 +92,19 @@ def test_a_resume_that_reshapes_the_schedule_asks_for_an_override(tiny_data: Pat
     trainer = Trainer(tiny_config(tiny_data, tmp_path / "short", train={**train, "resume": True}))
     trainer.close()
     assert trainer.step == 3 and "schedule" not in capsys.readouterr().out
+
+
+def test_attention_refuses_a_text_it_would_cut_or_cannot_read(tiny_data: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """It analysed the first max_seq_len tokens while attention.json recorded the whole text."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_data, run, train={"max_steps": 1, "eval_every": 0})).train()
+    argv = ["attention", "--checkpoint", str(run), "--out", str(tmp_path / "maps"), "--text"]
+    error = one_line_error(capsys, [*argv, "def f(x):\n    return x\n" * 40])
+    assert error.startswith("--text encodes to ") and error.endswith(
+        " tokens, more than model.max_seq_len=64: the model attends over at most that many; give a shorter text")
+    assert int(error.split()[3]) > 64
+    assert one_line_error(capsys, [*argv, "ok \udcff"]) == \
+        "--text is not valid UTF-8 (an undecodable byte at character 3); give UTF-8 text"
+    assert not (tmp_path / "maps" / "attention.json").exists()
+    assert main([*argv, "def f(x):\n    return x\n"]) == 0 and (tmp_path / "maps" / "attention.json").is_file()
