@@ -12,6 +12,7 @@ that step together, release the run folder and leave with ``Preempted`` (exit st
 from __future__ import annotations
 
 import signal
+import threading
 from types import FrameType
 from typing import Any
 
@@ -39,6 +40,8 @@ class PreemptionGuard:
         self.received = self.received or signum
 
     def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only: a run in a thread is not preemptible
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
             signal.siginterrupt(sig, False)  # restart system calls (a socket read in a collective) after it
