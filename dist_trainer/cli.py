@@ -34,15 +34,22 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from dist_trainer.config_load import load_config
     from dist_trainer.train.distributed import shutdown_distributed
+    from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted
     from dist_trainer.train.summary import print_summary
     from dist_trainer.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    code = 0
     try:
         trainer = Trainer(cfg)
-        result = trainer.train()
-        if trainer.env.rank == 0:
-            print_summary(cfg, result)
+        try:
+            result = trainer.train()
+            if trainer.env.rank == 0:
+                print_summary(cfg, result)
+        except Preempted as stop:  # SIGTERM/SIGUSR1: every rank saved the same step (train/preempt.py)
+            if trainer.env.rank == 0:
+                sys.stderr.write(f"dist-trainer train: {stop}\n")
+            code = EXIT_PREEMPTED
     finally:
         shutdown_distributed()
     if trainer.has_process_group:
@@ -50,8 +57,8 @@ def run_train(args: argparse.Namespace) -> int:
         # ("terminate called without an active exception") after the work is done.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 def _register_check(sub: argparse._SubParsersAction) -> None:

@@ -381,6 +381,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # keep the last K checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
     allow_data_change: bool = False  # resume although the data's shards, seq_len, global batch or seed changed
+    # resume although the LR schedule (optim.lr, min_lr, warmup_steps, train.max_steps) gives the steps already
+    # run other rates than the checkpoint's run used: the rest of the run then follows a reshaped schedule
+    allow_schedule_change: bool = False
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = the planner's profile of the device
     progress: bool = True  # show a progress bar on rank 0
     # Fine-tuning: modules whose parameters do not train (no gradient, no optimizer state, kept in checkpoints).
@@ -408,6 +411,8 @@ class TrainConfig:
             raise ValueError(
                 f"train.eval_every={self.eval_every} and train.save_every={self.save_every} must be >= 0"
             )
+        if not self.out_dir.strip():  # '' wrote the run into the current folder
+            raise ValueError(f"train.out_dir={self.out_dir!r} is empty; give the run's folder (default runs/default)")
 
 
 HEALTH_POLICIES = ("warn", "skip", "stop")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
+from dist_trainer.files import read_text
 
 # ModelConfig fields a run may set beside a Hugging Face folder's: they change no weight's name, shape or meaning
 FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "lora_rank", "lora_alpha",
@@ -64,7 +66,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     if not path.is_file():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
         raise ValueError(f"model preset {name_or_path!r} not found; known presets: {', '.join(known)}")
-    data = parse_yaml(path.read_text(), str(path)) or {}
+    data = parse_yaml(read_text(path, "a model preset is YAML text"), str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"model preset {path} must hold a mapping, got {type(data).__name__}")
     return data
@@ -72,10 +74,24 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
 
 def model_config(name_or_path: str, **overrides: Any) -> ModelConfig:
     """A validated ModelConfig from a preset name or YAML file, with field overrides."""
-    cfg = _build(ModelConfig, {**load_preset(name_or_path), **overrides}, "model")
+    given = {**load_preset(name_or_path), **overrides}
+    cfg = _build(ModelConfig, given, "model")
     cfg.preset = name_or_path
-    cfg.validate()
+    validate_naming_defaults(cfg, given, name_or_path)
     return cfg
+
+
+def validate_naming_defaults(cfg: ModelConfig, given: dict[str, Any], source: str) -> None:
+    """``cfg.validate()``, whose error also says which of the values it names were not in ``source`` but filled
+    from ModelConfig's defaults (issue 28: a YAML without n_heads was refused naming n_heads=12, never written)."""
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        defaulted = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(ModelConfig)
+                     if f.name not in given and f.name != "preset" and re.search(rf"\b{f.name}\b", str(exc))]
+        if not defaulted:
+            raise
+        raise ValueError(f"{exc} ({', '.join(defaulted)}: not given in {source}, the default)") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -84,7 +100,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         if not Path(path).is_file():
             raise ValueError(f"config file {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
-        tree = parse_yaml(Path(path).read_text(), str(path)) or {}
+        tree = parse_yaml(read_text(Path(path), "a run config is YAML text"), str(path)) or {}
         if not isinstance(tree, dict):
             raise ValueError(f"config file {path} must hold a mapping of sections")
     for item in overrides or []:
@@ -96,7 +112,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(tree[section], dict):
             raise ValueError(f"config section {section!r} must be a mapping")
         tree[section][name] = value
-    return config_from_dict(tree).validate()
+    cfg = config_from_dict(tree)
+    model: dict[str, Any] = tree["model"] if isinstance(tree.get("model"), dict) else {}
+    if not model.get("preset"):  # a preset's fields are the preset's; here the model section is the user's
+        validate_naming_defaults(cfg.model, model, f"the model section of {path or 'the overrides'}")
+    return cfg.validate()
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:

@@ -29,6 +29,57 @@ def output_dir(path: str | Path, setting: str) -> Path:
     return path
 
 
+def refuse_nonempty(folder: str | Path, force: bool, setting: str = "--out") -> None:
+    """ValueError when ``folder`` already holds something and ``force`` is not given: a command writing its files
+    there would replace the user's (``plan --out`` over a hand-edited run.yaml and launch.sh, issue 28). Call it
+    before any work is done; a missing or empty folder passes."""
+    folder = Path(folder)
+    if force or not folder.is_dir():
+        return
+    held = sorted(p.name for p in folder.iterdir())
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ValueError(f"{setting}={folder} is not empty (it holds {shown}): pass --force to write over what is "
+                         "there, or give a new or empty folder")
+
+
+def umask_mode(executable: bool = False) -> int:
+    """The mode the umask gives a new file (0644 under umask 022): what ``open()`` does, for the writers that do
+    not (safetensors writes 0600 whatever the umask, issue 28)."""
+    mask = None
+    try:  # Linux >= 4.7 reports it without changing it
+        with open("/proc/self/status") as f:
+            mask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")), None)
+    except OSError:
+        pass
+    if mask is None:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return (0o777 if executable else 0o666) & ~mask
+
+
+def write_safetensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` made atomic (a reader sees the old file or the whole new one) and with the
+    umask's mode: on a shared cluster the other users the umask admits can read an export."""
+    from safetensors.torch import save_file  # imports torch: only here
+
+    part = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
+    try:
+        save_file(tensors, str(part), metadata=metadata)
+        part.chmod(umask_mode())
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
+def make_executable(path: Path) -> None:
+    """Add the execute bits where the file's mode (the umask's choice) already lets one read it: 0644 -> 0755,
+    0600 -> 0700; a chmod to 0755 gave everyone access the umask had withheld."""
+    mode = path.stat().st_mode
+    path.chmod(mode | ((mode & 0o444) >> 2))
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so that a reader sees the old file or the new one, never a part.
 
@@ -47,22 +98,34 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def read_text(path: Path, what: str) -> str:
+    """The text of ``path``; a ValueError naming the file, the first byte that is not UTF-8 and ``what`` (the
+    file's role or the fix) for a binary file, where Python's error names no file (issue 28)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): "
+                         f"{what}") from None
+
+
 def read_json(path: Path, what: str) -> Any:
     """The JSON in ``path``; a ValueError naming the file, what is wrong with it and ``what`` (the file's role or
     the fix) when it is not JSON text (a truncated write, a binary or hostile file)."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, f"not valid JSON: {what}"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc.msg}): {what}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON (not UTF-8 text: {exc.reason}): {what}") from None
+
+
+METRICS_NOT_TEXT = "not a metrics.jsonl a run wrote; move it away"
 
 
 def read_step_records(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl: the JSON objects with an integer ``step``, in file order; a line cut short by
-    a kill (or anything else that is not such a record) is skipped."""
+    a kill (or anything else that is not such a record) is skipped. ValueError naming the file when it is binary."""
     records = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, METRICS_NOT_TEXT).splitlines():
         try:
             record = json.loads(line)
         except ValueError:

@@ -21,7 +21,8 @@ Environment (all optional on one node):
   RDZV_ID         job id shared by all nodes of one run (c10d), default dist-trainer
   MAX_RESTARTS    torchrun --max-restarts, default 0 (restarts resume from the last checkpoint
                   only when the run sets --train.resume=true)
-  TORCHRUN        the torchrun command, default torchrun
+  TORCHRUN        the torchrun command, default dist-trainer-torchrun (torchrun itself, which also
+                  forwards SIGUSR1 and ends a preemption with one line and status 75)
 
 One node:     NPROC_PER_NODE=4 launch/torchrun.sh --config configs/runs/demo.yaml
 Two nodes:    on each node  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=node0 NPROC_PER_NODE=8 \
@@ -61,7 +62,7 @@ if [ "$max_restarts" -gt 0 ]; then
                                     "or no address on one node): restarts over MASTER_ADDR reuse a stale store"
 fi
 
-cmd=("${TORCHRUN:-torchrun}" --nproc-per-node "$nproc" --max-restarts "$max_restarts")
+cmd=("${TORCHRUN:-dist-trainer-torchrun}" --nproc-per-node "$nproc" --max-restarts "$max_restarts")
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
     [[ "$RDZV_ENDPOINT" =~ ^[^:]+:[0-9]+$ ]] || die "RDZV_ENDPOINT=$RDZV_ENDPOINT must be host:port"

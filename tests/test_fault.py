@@ -62,3 +62,33 @@ def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_p
     seq, axis = inside.group(2), inside.group(3)
     assert f"rank 1 ({peer}) has not entered {collective} #{seq} on axis {axis} (step 3) (stalled or dead; " \
            f"its last progress record (step 1, " in message, message
+
+
+def _dies_while_saving(rank: int, world: int, data: Path, out: Path, parallel: dict) -> None:
+    trainer = Trainer(tiny_config(data, out, parallel={"timeout_s": TIMEOUT_S, **parallel},
+                                  train={"max_steps": 4, "save_every": 2, "eval_every": 0}))
+    real_save = trainer.engine.save_shards
+
+    def dying_save(folder: Path) -> dict:
+        if rank == 1 and trainer.step == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(folder)
+
+    trainer.engine.save_shards = dying_save  # type: ignore[method-assign]
+    trainer.train()
+
+
+@pytest.mark.parametrize("parallel", [{"zero_stage": 3}, {}], ids=["zero3", "ddp"])
+def test_a_rank_lost_during_a_save_is_named(tiny_data: Path, tmp_path: Path, parallel: dict) -> None:
+    """Issue 28: a dead rank during a ZeRO-3 save gave a raw gloo traceback (pair.cc ... Connection reset by peer);
+    every regime's save now goes through the same watchdog as a step, and the previous checkpoint stays whole."""
+    from dist_trainer.checkpoint import publish as ckpt
+
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(_dies_while_saving, 2, (tiny_data, tmp_path, parallel), timeout=20, join_grace=TIMEOUT_S)
+    message = str(err.value)
+    assert ("rank 0: RuntimeError: rank 0 (rank 0/2: dp 0/2, pp 0/1, tp 0/1) lost contact with its peers at step 4 "
+            "while writing checkpoint step_00000004 (its partial step_00000004.tmp is ignored; the previous "
+            "checkpoint is whole) after ") in message, message
+    assert "Resume from the last checkpoint in" in message
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_00000002"

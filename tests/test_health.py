@@ -251,7 +251,7 @@ def test_skipping_non_finite_steps_never_saves_non_finite_state(tiny_data: Path,
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("health/skip_reason") for r in records] == [None, None, "nonfinite", "nonfinite"]
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["latest", "step_00000002"]
+    assert checkpoints == ["latest", "run_id", "step_00000002"]
     meta = json.loads((tmp_path / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["finite"] is True
 

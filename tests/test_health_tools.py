@@ -110,10 +110,12 @@ def test_head_labels_from_known_patterns() -> None:
 def test_keep_last_k_never_prunes_the_newest_finite_checkpoint(tmp_path: Path) -> None:
     """Checkpoints written before the guard may hold NaN (they lack "finite": true): pruning keeps the newest one
     the trainer checked, even when it falls outside the last K."""
+    (tmp_path / "run_id").write_text("r1\n")  # pruning deletes only this run's checkpoints (issue 28)
     for step, finite in ((1, True), (2, True), (3, None), (4, None)):
         folder = tmp_path / f"step_{step:08d}"
         folder.mkdir()
-        meta = {"step": step, "files": []} | ({"finite": True} if finite else {})
+        meta = {"step": step, "files": [], "run_id": "r1"} | ({"finite": True} if finite else {})
         (folder / "meta.json").write_text(json.dumps(meta))
-    _prune(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003", "step_00000004"]
+    _prune(tmp_path, keep=2, protect=())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_00000002", "step_00000003",
+                                                                         "step_00000004"]

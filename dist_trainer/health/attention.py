@@ -157,13 +157,20 @@ def diagnose(checkpoint: str | Path, text: str, out: Path, data_path: str | Path
     from dist_trainer.files import output_dir
     from dist_trainer.train.generate import load_model_from_checkpoint
 
+    try:  # argv's undecodable bytes arrive as surrogates, which the tokenizer rejects with a TypeError
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"--text is not valid UTF-8 (an undecodable byte at character {exc.start}); give UTF-8 "
+                         "text") from None
     out = output_dir(out, "--out")
     model, cfg = load_model_from_checkpoint(checkpoint)
     tokenizer = load_tokenizer(Path(data_path or cfg.data.path))
-    encoding = tokenizer.encode(text)
-    ids = encoding.ids[: cfg.model.max_seq_len]
+    ids = tokenizer.encode(text).ids
     if not ids:
         raise ValueError("--text encodes to no tokens; give a non-empty text")
+    if len(ids) > cfg.model.max_seq_len:  # the maps would cover the first tokens while attention.json named all
+        raise ValueError(f"--text encodes to {len(ids)} tokens, more than model.max_seq_len={cfg.model.max_seq_len}: "
+                         "the model attends over at most that many; give a shorter text")
     maps = attention_maps(model, torch.tensor([ids]))
     pieces = [tokenizer.decode([i]) for i in ids]
     layers = [head_stats(p, cfg.model.causal) for p in maps]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,7 @@ import yaml
 
 from dist_trainer.config import CONFIG_ROOT, ModelConfig
 from dist_trainer.config_load import model_config
-from dist_trainer.files import output_dir
+from dist_trainer.files import make_executable, output_dir, refuse_nonempty
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.parallel.zero.config import OWNED_KEYS
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
@@ -77,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction,
     q.add_argument("--hardware", default="A100-80GB", help=f"one of {', '.join(hardware_profiles())}")
     q.add_argument("--top", type=int, default=5)
     q.add_argument("--out", default=None, help="write run.yaml, ds_config.json (ZeRO) and launch.sh here")
+    q.add_argument("--force", action="store_true", help="write into --out although it is not empty")
     q.add_argument("--max-model", action="store_true", help="largest scaled family model per ZeRO stage")
     q.add_argument("--verify", type=int, default=0, metavar="K",
                    help="trial-run the top K layouts here through the launch scripts --out writes, re-rank them by "
@@ -207,7 +210,11 @@ def run_memory(args: argparse.Namespace) -> int:
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)
-    stages = predict_all_stages(cfg, layout, seq_len=args.seq_len or cfg.max_seq_len, options=opts, overheads=over)
+    if args.seq_len is not None and args.seq_len < 1:  # 0 planned for max_seq_len (`args.seq_len or ...`)
+        raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (leave it out for model.max_seq_len="
+                         f"{cfg.max_seq_len})")
+    seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
+    stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=opts, overheads=over)
     budget = _host_budget(args)
     node = node_host_bytes(max(stages, key=lambda m: m.host), world_size=layout.world_size,
                            gpus_per_node=args.gpus_per_node)
@@ -234,6 +241,9 @@ def _memory_line(m: RankMemory) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.out:  # before the search: nothing of the user's is replaced, and no work is wasted on a refusal
+        output_dir(args.out, "--out")
+        refuse_nonempty(args.out, args.force)
     cfg = _load_model(args)
     opts, over = _options(args)
     hw = get_hardware(args.hardware)
@@ -276,12 +286,17 @@ def run_plan(args: argparse.Namespace) -> int:
                 print(f"   {axis:<8}{a.bytes / 1e9:>10.3f} GB  {a.time:.3f} s, exposed {a.exposed:.3f} s: {a.rule}")
         for note in res.notes:
             print(note)
-    if args.verify and top:  # trial runs on the machines at hand; the measured fastest becomes the plan
-        top = _verify(args, cfg, res.layouts[:args.verify], opts)
-    if args.out and top:
-        write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts, gpus_per_node=args.gpus_per_node)
-        if args.check_written is not None:  # the trainer's own pre-launch check on what was written
-            args.check_written(Path(args.out) / "run.yaml", top[0].layout.world_size, args.gpus_per_node, opts.device)
+    # with --json, stdout holds the one JSON document: what follows is for people, on stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        if args.verify and top:  # trial runs on the machines at hand; the measured fastest becomes the plan
+            top = _verify(args, cfg, res.layouts[:args.verify], opts)
+        if args.out and top:
+            written = write_plan(Path(args.out), cfg, top[0], seq_len=args.seq_len, opts=opts,
+                                 gpus_per_node=args.gpus_per_node)
+            print(f"wrote {', '.join(str(p) for p in written)}")
+            if args.check_written is not None:  # the trainer's own pre-launch check on what was written
+                args.check_written(Path(args.out) / "run.yaml", top[0].layout.world_size, args.gpus_per_node,
+                                   opts.device)
     return 0 if top else 1
 
 
@@ -302,8 +317,9 @@ def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[Planned
 
 
 def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
-               gpus_per_node: int) -> None:
-    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``."""
+               gpus_per_node: int) -> list[Path]:
+    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``;
+    returns the files written."""
     output_dir(out, "--out")
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
@@ -319,4 +335,6 @@ def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int
                          launch_dir=str(LAUNCH_DIR))
     # extra arguments are the trainer's overrides: `bash plan/launch.sh --train.max_steps=100`
     (out / "launch.sh").write_text(f"#!/usr/bin/env bash\n# {describe(best.layout)}\nset -euo pipefail\n{cmd} \"$@\"\n")
-    (out / "launch.sh").chmod(0o755)
+    make_executable(out / "launch.sh")
+    return [out / name for name in ("run.yaml", "ds_config.json", "launch.sh")
+            if name != "ds_config.json" or ds is not None]

@@ -197,6 +197,13 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
     return None
 
 
+# The largest problem the planner takes: ten times the largest clusters and batches in use, so that the search
+# (every divisor of the GPU count and of the per-DP batch) ends in seconds for any input.
+MAX_GPUS = 1 << 20
+MAX_GPUS_PER_NODE = 1024
+MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
+
+
 def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
                  global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
                  options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
@@ -224,6 +231,10 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                     ("global_batch", global_batch), ("gpu_memory_bytes", gpu_memory_bytes)):
         if v < 1:
             raise ValueError(f"{name}={v} must be >= 1")
+    for name, v, most in (("n_gpus", n_gpus, MAX_GPUS), ("gpus_per_node", gpus_per_node, MAX_GPUS_PER_NODE),
+                          ("global_batch", global_batch, MAX_GLOBAL_BATCH)):
+        if v > most:  # the search's work grows with the divisors of these: bounded for any input (issue 28)
+            raise ValueError(f"{name}={v:,} is beyond the planner's maximum of {most:,}")
     if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
         raise ValueError(f"n_gpus={n_gpus} is not a multiple of gpus_per_node={gpus_per_node}")
     if seq_len > model.max_seq_len:

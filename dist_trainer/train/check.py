@@ -45,8 +45,41 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
     dp_size = check_layout(cfg, world_size, device.type)
     if (Path(cfg.data.path) / "meta.json").is_file():
         check_hf_tokenizer(cfg, Path(cfg.data.path))
-    notes = [n for n in (None if auto is None else auto.describe(), fit_note) if n is not None]
+    notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
     return Launch(cfg, dp_size, auto, notes)
+
+
+def warmup_note(cfg: Config) -> str | None:
+    """A warning when the warmup outlasts the run: the LR never reaches optim.lr (issue 28: it went unsaid)."""
+    o, steps = cfg.optim, cfg.train.max_steps
+    if o.warmup_steps <= steps:
+        return None
+    return (f"warning: optim.warmup_steps={o.warmup_steps} > train.max_steps={steps}: the LR only reaches "
+            f"{o.lr * steps / o.warmup_steps:.3g} of optim.lr={o.lr:g} ({steps / o.warmup_steps:.0%}) by the last step")
+
+
+def check_host_memory(cfg: Config, local_world_size: int, available: int | None = None) -> None:
+    """Refuse, before anything is allocated, a model this node cannot even build: every rank draws the whole
+    fp32 model on the CPU from the seed before TP, PP or ZeRO cut it (engines/base.py ``seeded_model``), so a node
+    needs local ranks x parameters x 4 bytes of free host memory at start (issue 28: an allocator traceback).
+    ZeRO-3 at tp=1 builds inside ``zero.Init`` (partitioned as built) and is not bounded by this.
+    ``available``: the node's available host bytes (default: psutil's)."""
+    from dist_trainer.planner.params import param_breakdown
+
+    n_params = param_breakdown(cfg.model).total
+    if cfg.parallel.zero_stage == 3 and cfg.parallel.tp_size == 1:
+        return  # built inside deepspeed.zero.Init: partitioned module by module, no rank holds the whole model
+    need = local_world_size * n_params * 4
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    if need > available:
+        gib = 1 << 30
+        raise ValueError(f"building the model needs about {need / gib:,.1f} GiB of host memory on this node "
+                         f"({n_params:,} parameters x 4 bytes (fp32), drawn whole by each of its {local_world_size} "
+                         f"rank(s) before the layout cuts it), and {available / gib:,.1f} GiB is available: "
+                         "choose a smaller model or fewer ranks per node")
 
 
 def eval_set_size(cfg: Config) -> int:

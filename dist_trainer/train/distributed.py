@@ -10,12 +10,18 @@ follows the device (nccl on CUDA, gloo on CPU) unless the config names one.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# A rank started by hand (RANK/WORLD_SIZE without a launcher) waits this long for the others; a launcher starts
+# them together. DIST_TRAINER_CONNECT_TIMEOUT_S overrides it.
+CONNECT_TIMEOUT_S = 30.0
 
 # (rank, world size, local rank, local world size) variable names, by launcher, in lookup order.
 _LAUNCHER_VARS = (
@@ -108,11 +114,49 @@ def init_distributed(env: LaunchEnv, device: torch.device, backend: str | None, 
     if env.launcher in ("slurm", "mpi"):  # init_method env:// reads these
         os.environ.setdefault("RANK", str(env.rank))
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    store = _bare_env_store(env, timeout_s) if env.launcher == "env" else None
     dist.init_process_group(
-        pick_backend(device, backend), rank=env.rank, world_size=env.world_size,
+        pick_backend(device, backend), rank=env.rank, world_size=env.world_size, store=store,
         timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
     )
     return True
+
+
+def _bare_env_store(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store when RANK/WORLD_SIZE are set but no launcher is known (a shell that exported them, a
+    hand-started rank): every rank must reach it within CONNECT_TIMEOUT_S, else one message naming the address and
+    what to run. It used to wait the whole parallel.timeout_s in silence, then raise a DistNetworkError (issue 28)."""
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    connect_s = min(timeout_s, float(os.environ.get("DIST_TRAINER_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S)))
+    try:
+        if env.rank != 0:  # reach the port first: c10d's own failed connect logs a C++ stack trace on stderr
+            _wait_for_port(addr, int(port), connect_s)
+        store = dist.TCPStore(addr, int(port), env.world_size, is_master=env.rank == 0,
+                              timeout=timedelta(seconds=connect_s), wait_for_workers=True)
+    except (OSError, RuntimeError, ValueError, dist.DistError) as exc:
+        waited = (f"waited {connect_s:g}s for the other {env.world_size - 1} rank(s) to connect to it"
+                  if env.rank == 0 else f"could not reach rank 0's store there within {connect_s:g}s")
+        raise ValueError(
+            f"rank {env.rank} of WORLD_SIZE={env.world_size}: no rendezvous at MASTER_ADDR={addr} "
+            f"MASTER_PORT={port} ({waited}): RANK and WORLD_SIZE are set but no launcher started the other "
+            f"ranks. Start every rank with torchrun (torchrun --nproc-per-node={env.world_size} -m dist_trainer.cli "
+            f"train ..., or launch/torchrun.sh), or unset RANK and WORLD_SIZE to train in one process "
+            f"({type(exc).__name__})") from exc
+    store.set_timeout(timedelta(seconds=timeout_s))  # later waits (gloo's connections) get the run's timeout
+    return store
+
+
+def _wait_for_port(addr: str, port: int, seconds: float) -> None:
+    """Return once ``addr:port`` accepts a connection; TimeoutError after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{addr}:{port} refused or did not answer") from None
+            time.sleep(0.1)
 
 
 def shutdown_distributed() -> None:

@@ -12,7 +12,7 @@ import psutil
 import torch
 
 from dist_trainer.config import Config
-from dist_trainer.files import atomic_write_text
+from dist_trainer.files import METRICS_NOT_TEXT, atomic_write_text, read_text
 from dist_trainer.planner.flops import step_flops
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware, hardware_profiles
 
@@ -65,7 +65,7 @@ def drop_records_after(path: Path, step: int) -> int:
         return 0
     kept: list[str] = []
     dropped: list[str] = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, METRICS_NOT_TEXT).splitlines():  # binary: refused naming it, before any move
         try:
             record_step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):

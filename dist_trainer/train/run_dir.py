@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import psutil
 import torch.distributed as dist
@@ -43,14 +43,14 @@ MARKER_FILE = ".shared_check"
 class RunLock:
     """Rank 0's exclusive hold on a run folder (module docstring); ``release`` at the end of the run."""
 
-    def __init__(self, file: TextIO) -> None:
-        self._file: TextIO | None = file
+    def __init__(self, file: BinaryIO) -> None:
+        self._file: BinaryIO | None = file
 
     @classmethod
     def acquire(cls, out_dir: Path) -> RunLock:
         """Lock ``out_dir`` for this process; ValueError naming the owner when another run holds it."""
         path = out_dir / LOCK_FILE
-        f = open(path, "a+")  # noqa: SIM115 - held for the run's life, closed by release()
+        f = open(path, "a+b")  # noqa: SIM115 - held for the run's life, closed by release(); bytes: any content reads
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             held_elsewhere: bool | None = False
@@ -67,8 +67,8 @@ class RunLock:
             raise
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        f.write((json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
         return cls(f)
@@ -85,19 +85,25 @@ class RunLock:
             self._file = None
 
 
-def _parse_owner(text: str) -> dict[str, Any] | None:
-    if not text.strip():
+def _parse_owner(data: bytes) -> dict[str, Any] | None:
+    """The owner record a run writes; None for an empty file; ``{"garbled": preview}`` for anything else (binary,
+    not JSON, not a record), which no run wrote (issue 28: it was named as "pid ? on another host")."""
+    if not data.strip():
         return None  # released, or never taken
     try:
-        owner = json.loads(text)
+        owner = json.loads(data.decode("utf-8"))  # UnicodeDecodeError is a ValueError
     except ValueError:
         owner = None
-    return owner if isinstance(owner, dict) else {"host": "?", "pid": "?", "started": "?", "raw": text[:200]}
+    if isinstance(owner, dict) and isinstance(owner.get("pid"), int) and isinstance(owner.get("host"), str):
+        return owner
+    return {"garbled": repr(data[:40]) + (f" ... ({len(data)} bytes)" if len(data) > 40 else "")}
 
 
 def _describe(owner: dict[str, Any] | None) -> str:
     if owner is None:
         return "a run that has not yet written its name"
+    if "garbled" in owner:
+        return f"a process whose record there is unreadable ({owner['garbled']})"
     return f"pid {owner.get('pid')} on host {owner.get('host')} (started {owner.get('started')})"
 
 
@@ -107,6 +113,14 @@ def _check_owner(path: Path, owner: dict[str, Any] | None, held_elsewhere: bool 
         raise ValueError(f"train.out_dir={path.parent} is in use by another run: {_describe(owner)} holds "
                          f"{path}. Wait for it to finish, or give this run another train.out_dir")
     if owner is None:
+        return
+    if "garbled" in owner:  # no run wrote this: the lock decides, when there is one
+        if held_elsewhere is None:
+            raise ValueError(f"{path} holds no run's record ({owner['garbled']}), and this file system has no locks "
+                             f"to tell whether a run uses {path.parent}: if none does, delete {path}; else give this "
+                             "run another train.out_dir")
+        print(f"warning: {path} held no run's record ({owner['garbled']}) and its lock is free: taking it over",
+              file=sys.stderr, flush=True)
         return
     pid = owner.get("pid")
     if owner.get("host") != socket.gethostname():

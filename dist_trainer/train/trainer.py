@@ -16,7 +16,6 @@ scale and the slowest rank to the metrics. A collective that fails names the ran
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import newest_readable
-from dist_trainer.config import Config, ModelConfig
+from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
-from dist_trainer.data.dataset import TokenDataset, data_fingerprint
+from dist_trainer.data.dataset import TokenDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.health.monitor import HealthMonitor
@@ -40,11 +39,13 @@ from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
-from dist_trainer.train.check import check_data_sizes, eval_set_size, resolve_launch
+from dist_trainer.train.check import check_data_sizes, check_host_memory, eval_set_size, resolve_launch
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
+from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
+from dist_trainer.train.resume_checks import check_lr_schedule, check_resumable, data_order
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -67,6 +68,7 @@ class Trainer:
         launch = resolve_launch(cfg, self.env.world_size, self.env.local_world_size, self.device)
         self.cfg = cfg = launch.cfg
         self.dp_size, self.auto_layout = launch.dp_size, launch.auto_layout
+        check_host_memory(cfg, self.env.local_world_size)  # the model must fit this node's RAM to be built at all
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
@@ -109,7 +111,10 @@ class Trainer:
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
-        notes = self._resume() if cfg.train.resume else []
+        self.resumed_from: Path | None = None  # keep-last-K never prunes it
+        scan = ckpt.scan_checkpoints(self.ckpt_root)
+        scan.refuse_newer()  # before anything in out_dir changes: never resumed past, overwritten or moved aside
+        notes = self._resume(scan.warnings) if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
         notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
@@ -156,7 +161,8 @@ class Trainer:
     def train(self) -> TrainResult:
         """Train to train.max_steps; out_dir is released at the end, also when a step or a save fails."""
         try:
-            return self._train()
+            with PreemptionGuard(self.env.world_size, self.device) as self.preemption:
+                return self._train()
         finally:
             self.close()
 
@@ -199,12 +205,16 @@ class Trainer:
                 for warning in self.plan_check.warnings(checked):
                     self.logger.write(warning)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                record["eval_loss"] = result.eval_losses[self.step] = self.evaluate()
+                record["eval_loss"] = result.eval_losses[self.step] = self._guarded(lambda _: self.evaluate(), step,
+                                                                                    "in the evaluation")
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
-            if (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps:
-                result.checkpoint = str(self.save())
+            saved = (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps
+            if saved:
+                result.checkpoint = str(self._guarded_save(step))
+            if self.step < cfg.train.max_steps and (signum := self._guarded(lambda _: self.preemption.agreed(), step)):
+                self._preempted(signum, result.checkpoint if saved else str(self._guarded_save(step)))
             # Throughput counts whole iterations (logging, eval and saves included): what a user sees.
             # The first step pays one-off warm-up costs and is left out unless it is the only one.
             if step > 0 or cfg.train.max_steps - step == 1:
@@ -214,9 +224,24 @@ class Trainer:
         self.logger.close()
         return result
 
-    def _guarded(self, fn: Any, step: int) -> Any:
-        """Run one step; a collective that fails (a peer died) or times out (a peer stalled) becomes
-        one clear error naming this rank, its coordinates and the step, instead of a bare backend trace."""
+    def _preempted(self, signum: int, checkpoint: str | None) -> None:
+        """Every rank, after the same step (``PreemptionGuard.agreed``), once the checkpoint is written."""
+        self.logger.close()
+        raise Preempted(f"{signal_name(signum)} received: stopped after step {self.step} of "
+                        f"{self.cfg.train.max_steps} with checkpoint {checkpoint} written, and released "
+                        f"{self.out_dir}; resume with --train.resume=true (exit status {EXIT_PREEMPTED})")
+
+    def _guarded_save(self, step: int) -> Path:
+        """``save()`` under the watchdog: a rank lost while every regime's save runs its barriers and collectives
+        (DeepSpeed's ZeRO-3 gathers) is named like one lost in a step, not a raw gloo trace (issue 28)."""
+        folder = ckpt.step_dir(self.ckpt_root, self.step).name
+        return self._guarded(lambda _: self.save(), step, f"while writing checkpoint {folder} (its partial "
+                                                          f"{folder}.tmp is ignored; the previous checkpoint is whole)")
+
+    def _guarded(self, fn: Any, step: int, during: str = "") -> Any:
+        """Run one step (or its eval or save: ``during`` says which); a collective that fails (a peer died) or
+        times out (a peer stalled) becomes one clear error naming this rank, its coordinates and the step, instead
+        of a bare backend trace."""
         start = time.monotonic()
         try:
             return fn(step)
@@ -232,7 +257,7 @@ class Trainer:
                                  self.state.describe_rank, self.cfg.health.hang_grace_s)
             raise RuntimeError(
                 f"rank {self.env.rank} ({self.state.describe()}) lost contact with its peers at step {step + 1} "
-                f"after {waited:.1f}s{inside}: a rank died, or stalled past "
+                f"{during + ' ' if during else ''}after {waited:.1f}s{inside}: a rank died, or stalled past "
                 f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s. {hang + ' ' if hang else ''}"
                 f"Resume from the last checkpoint in {self.ckpt_root} with --train.resume=true. Cause: {exc}"
             ) from exc
@@ -276,7 +301,8 @@ class Trainer:
         try:
             return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
                                         write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
-                                        keep=cfg.train.keep_checkpoints)
+                                        keep=cfg.train.keep_checkpoints,
+                                        protect=[self.resumed_from] if self.resumed_from else [])
         except (OSError, RuntimeError) as exc:  # a full disk: one message, not torch's "unexpected pos"
             full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
                                    ckpt.latest_checkpoint(self.ckpt_root))
@@ -284,14 +310,17 @@ class Trainer:
                 raise
             raise full from exc
 
-    def _resume(self) -> list[str]:
+    def _resume(self, scan_warnings: list[str]) -> list[str]:
         # the newest checkpoint whose files all read (weights-only, shared out over the ranks); a newer one that
-        # does not (truncated, foreign, a pickle payload) is skipped with a warning, as a bad meta.json is
+        # does not (truncated, foreign, a pickle payload) is skipped with a warning, as a bad meta.json is;
+        # links, other runs' folders and look-alike names were set aside by the scan, each with a warning
         path, warnings = newest_readable(self.ckpt_root, self.env.rank, self.env.world_size, self._gather)
         if path is None:
-            return [f"no checkpoint in {self.ckpt_root}; starting from step 0"]
+            return [*scan_warnings, f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        notes = [*warnings, *check_resumable(meta, self.cfg, self.train_data.meta)]
+        notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data.meta),
+                 *check_lr_schedule(meta, self.cfg)]
+        self.resumed_from = path
         self.engine.load_shards(path, meta)
         self.step = int(meta["step"])
         rng_path = path / ckpt.rng_file(self.env.rank)
@@ -310,44 +339,3 @@ def _is_comm_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))
-
-
-def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
-    """What fixes the sample of every step (data/sampler.py: a pure function of the step): the data's shards,
-    data.seq_len, the global batch and the seed. Recorded in every checkpoint, compared on resume."""
-    return {"global_batch_size": cfg.parallel.global_batch_size, "seed": cfg.train.seed,
-            "seq_len": cfg.data.seq_len, "path": str(Path(cfg.data.path).resolve()),
-            "fingerprint": data_fingerprint(data_meta)}
-
-
-def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]) -> list[str]:
-    """Refuse a resume that would silently change the model or the data order; return notes.
-
-    A data change is allowed with train.allow_data_change=true (then noted). The data is compared by
-    content: the same shards moved to another data.path resume; other shards at the same path do not.
-    tp, pp and dp may all change: the engines merge the saved shards and cut out their own part.
-    """
-    # a field added since the checkpoint was written (LoRA's, issue 14) reads as its default
-    saved_model = {**dataclasses.asdict(ModelConfig()), **meta["config"]["model"]}
-    current = cfg.to_dict()["model"]
-    diff = {k: (saved_model.get(k), v) for k, v in current.items() if k != "preset" and saved_model.get(k) != v}
-    if diff:
-        raise ValueError(f"checkpoint model config differs from this run's (saved, now): {diff}")
-    # Checkpoints written before data.seq_len and the data's fingerprint were recorded: their config says.
-    saved = {"seq_len": meta["config"]["data"]["seq_len"], "path": meta["config"]["data"]["path"], **meta["data"]}
-    now = data_order(cfg, data_meta)
-    names = {"seq_len": "data.seq_len", "global_batch_size": "parallel.global_batch_size", "seed": "train.seed"}
-    changes = [f"{name} {saved[k]} -> {now[k]}" for k, name in names.items() if saved[k] != now[k]]
-    if saved.get("fingerprint", now["fingerprint"]) != now["fingerprint"]:
-        changes.append(f"data.path {saved['path']} -> {now['path']} (other shards)" if saved["path"] != now["path"]
-                       else f"the shards in data.path={now['path']} (prepared again since the checkpoint)")
-    elif "fingerprint" not in saved and str(Path(saved["path"]).resolve()) != now["path"]:
-        changes.append(f"data.path {saved['path']} -> {now['path']}")
-    if not changes:
-        return []
-    what = f"the checkpoint's data settings changed (saved -> now): {'; '.join(changes)}"
-    if not cfg.train.allow_data_change:
-        raise ValueError(f"{what}. The resumed run would read other samples than the interrupted one; pass "
-                         "--train.allow_data_change=true to resume anyway")
-    return [f"train.allow_data_change=true: resuming although {what}; the sample order differs from the "
-            "interrupted run's"]

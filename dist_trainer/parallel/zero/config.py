@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_trainer.config import CONFIG_ROOT, Config
+from dist_trainer.files import read_text
 from dist_trainer.layout_rules import check_composition, check_precision
 
 DS_CONFIG_DIR = CONFIG_ROOT / "ds"
@@ -55,7 +56,7 @@ def read_ds_json(path: str | Path) -> dict[str, Any]:
         known = sorted(x.name for x in DS_CONFIG_DIR.glob("*.json"))
         raise ValueError(f"parallel.ds_config={str(path)!r} is not a file; shipped configs: {', '.join(known)}")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text(p, "a DeepSpeed config is JSON text"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"DeepSpeed config {p} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
