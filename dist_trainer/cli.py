@@ -165,6 +165,7 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
                         "adapter_model.safetensors); without it they are folded into the weights")
     p.add_argument("--merge-lora", action="store_true",
                    help="native: fold a LoRA run's adapters into their weights (W0 + alpha/r B A)")
+    p.add_argument("--force", action="store_true", help="write into a folder that already holds files")
     p.set_defaults(func=run_export)
 
 
@@ -172,7 +173,7 @@ def run_export(args: argparse.Namespace) -> int:
     from dist_trainer.train.export import export_checkpoint
 
     for path in export_checkpoint(args.checkpoint, args.out, args.format, args.dtype, args.max_shard_size,
-                                  merge_lora=args.merge_lora, adapter=args.adapter):
+                                  merge_lora=args.merge_lora, adapter=args.adapter, force=args.force):
         print(path)
     return 0
 

@@ -410,3 +410,26 @@ def test_a_lora_run_exports_merged_and_as_a_peft_adapter(layout_runs: Any, hf_fo
     with torch.no_grad():
         for got in (merged.eval()(tokens).logits, with_adapter(tokens).logits):
             assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+def test_export_never_overwrites_and_honours_the_umask(hf_folders: dict[str, Path], tmp_path: Path) -> None:
+    """A folder that holds the user's files is refused unless --force, naming it, before any work (issue 28);
+    every written file has the umask's mode (0644 under 022), readable by the other users of a cluster."""
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    for fmt in ("hf", "native"):
+        with pytest.raises(ValueError, match="is not empty .*config.json.*--force") as info:
+            export_checkpoint(hf_folders["gpt2"], out, fmt=fmt)
+        assert str(out) in str(info.value)
+    assert (out / "config.json").read_text() == "mine" and len(list(out.iterdir())) == 1
+    old = os.umask(0o022)
+    try:
+        files = export_checkpoint(hf_folders["gpt2"], out, force=True)
+        native = export_checkpoint(hf_folders["gpt2"], tmp_path / "native", fmt="native")
+    finally:
+        os.umask(old)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    assert {oct(f.stat().st_mode & 0o777) for f in [*files, *native]} == {"0o644"}

@@ -10,11 +10,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
-from dist_trainer.files import output_dir
+from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
 from dist_trainer.model_lora import merge_adapters
 from dist_trainer.train.generate import load_model_from_checkpoint
 
@@ -35,8 +33,8 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool
             raise ValueError(f"--merge-lora: the checkpoint {checkpoint} has no LoRA adapters (model.lora_rank=0)")
         tensors = {k: v.contiguous() for k, v in merge_adapters(tensors, model_cfg.lora_scaling).items()}
         model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
-    save_file(tensors, str(out / EXPORT_WEIGHTS), metadata={"format": "pt", "producer": "dist_trainer"})
-    (out / EXPORT_CONFIG).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2, sort_keys=True))
+    write_safetensors(tensors, out / EXPORT_WEIGHTS, metadata={"format": "pt", "producer": "dist_trainer"})
+    atomic_write_text(out / EXPORT_CONFIG, json.dumps(dataclasses.asdict(model_cfg), indent=2, sort_keys=True))
     return out / EXPORT_WEIGHTS
 
 
@@ -44,15 +42,18 @@ FORMATS = ("hf", "native")
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "fp32",
-                      max_shard_size: str = "5GB", merge_lora: bool = False, adapter: bool = False) -> list[Path]:
+                      max_shard_size: str = "5GB", merge_lora: bool = False, adapter: bool = False,
+                      force: bool = False) -> list[Path]:
     """``dist-trainer export``: the files written. ``hf``: a Hugging Face folder (a LoRA run's adapters folded in,
-    or with ``adapter`` a PEFT adapter folder alone); ``native``: ``export_safetensors``."""
+    or with ``adapter`` a PEFT adapter folder alone); ``native``: ``export_safetensors``. A non-empty ``out`` is
+    refused unless ``force`` (nothing of the user's is replaced silently), before any work."""
     from dist_trainer.checkpoint.checkpoint_source import CheckpointSource
     from dist_trainer.checkpoint.hf_export import export_hf, export_peft_adapter
     from dist_trainer.checkpoint.source import open_source
 
     if fmt not in FORMATS:
         raise ValueError(f"--format={fmt!r} is not one of {', '.join(FORMATS)}")
+    refuse_nonempty(out, force)
     if fmt == "native":
         if adapter or dtype != "fp32":
             raise ValueError("--adapter and --dtype are options of --format hf")
