@@ -13,7 +13,6 @@ Minutes and root (buildah): marked `image`, so `make test` leaves it out; CI run
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -58,11 +57,20 @@ def _run(image: Image, *args: str, options: tuple[str, ...] = ()) -> subprocess.
     return _script("run", *options, image.tag, *args)
 
 
-@functools.cache
+_BUILT: dict[Image, str] = {}  # image -> "" once built, else why its build failed
+
+
 def _build(img: Image) -> Image:
-    """Built once per session from this checkout's files (buildah's layer cache makes an unchanged rebuild quick)."""
-    proc = _script(img.target, timeout=BUILD_TIMEOUT_S, env={**os.environ, "IMAGE_TAG": img.tag})
-    assert f"image {img.tag}: " in proc.stdout, proc.stdout[-2000:]  # the size line
+    """Built once per session from this checkout's files (buildah's layer cache makes an unchanged rebuild quick);
+    a failed build fails every test of that image without building it again."""
+    if img not in _BUILT:
+        try:
+            proc = _script(img.target, timeout=BUILD_TIMEOUT_S, env={**os.environ, "IMAGE_TAG": img.tag})
+            _BUILT[img] = "" if f"image {img.tag}: " in proc.stdout else f"no size line:\n{proc.stdout[-2000:]}"
+        except (AssertionError, subprocess.TimeoutExpired) as e:
+            _BUILT[img] = str(e)
+    if _BUILT[img]:
+        pytest.fail(f"building {img.tag} failed: {_BUILT[img]}")
     return img
 
 
