@@ -45,6 +45,7 @@ test: venv
 # The CPU image (docker/Dockerfile.cpu) without a Docker daemon or registry: buildah on a local Debian base, cached
 # in .image/; prints its size. `scripts/build_image.sh cuda` builds docker/Dockerfile without its CUDA parts.
 image:
+	@mkdir -p $(TMPDIR)
 	scripts/build_image.sh cpu
 
 test-image: venv

@@ -20,6 +20,9 @@
 # find-links, CA bundle): local folders are mounted read-only under /tmp/build-pip for the RUN steps only, so the
 # image holds none of them (their empty mount points stay). Needs root (buildah, debootstrap, apt-get).
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(local_base) stops the script too
+# buildah keeps its temporary files in TMPDIR (the Makefile's .tmp/, absent in a clean clone)
+[ -z "${TMPDIR:-}" ] || mkdir -p "$TMPDIR"
 here="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 store="${IMAGE_STORE:-$here/.image}"
 mkdir -p "$store"
