@@ -116,7 +116,7 @@ def _run_small_plan(ws: Path, env: dict[str, str]) -> None:
     if not (ws / "data" / "default" / "meta.json").is_file():  # run alone (-k), before the README's prepare
         _shell("dist-trainer prepare --out data/default --vocab-size 4096 --max-bytes 2M", ws, env)
     _shell(f"dist-trainer plan --model tiny --gpus 2 --gpus-per-node 2 --gpu-memory-gb 4 --hardware cpu "
-           f"--seq-len 128 --global-batch 16 --out {out}", ws, env)
+           f"--seq-len 128 --global-batch 16 --out {out} --force", ws, env)
     proc = _shell(f"bash {out}/launch.sh {TRAIN_SCALE} --train.out_dir=runs/plan-small", ws, env)
     for text in SUMMARY:
         assert text in proc.stdout, f"plan-small/launch.sh: {text!r} not printed\n{proc.stdout[-2000:]}"
