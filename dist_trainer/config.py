@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dist_trainer.finetune import is_moe_layer, lora_target_leaves, training_plan
+from dist_trainer.finetune import lora_target_leaves, training_plan
+from dist_trainer.model_shape import is_moe_layer
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"

@@ -134,7 +134,7 @@ def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
         MLM_TRANSFORM_LEAVES,
         TAIL_NAMES,
     )
-    from dist_trainer.planner.params import embedding_params, layer_params, tail_params
+    from dist_trainer.model_shape import embedding_params, layer_params, tail_params
 
     assert set(ENGINES) == set(REGIMES)
     llama = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)

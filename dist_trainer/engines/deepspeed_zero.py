@@ -55,7 +55,8 @@ from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
-from dist_trainer.engines.base import StepHooks, write_named_shards
+from dist_trainer.engines.base import write_named_shards
+from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param

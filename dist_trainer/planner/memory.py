@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.finetune import trainable_expert_params
 from dist_trainer.layout_rules import (
     check_ep,
     check_offload,
@@ -35,7 +36,7 @@ from dist_trainer.layout_rules import (
 )
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
-from dist_trainer.planner.finetune import grad_plan, trainable_expert_params, trainable_params
+from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
 
 OPTIMIZERS = ("adam", "adamw", "sgd")

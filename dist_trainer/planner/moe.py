@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner.params import expert_params, mlp_weights, moe_block_params
+from dist_trainer.model_shape import moe_block_params
+from dist_trainer.planner.params import expert_params, mlp_weights
 
 
 def moe_layer_ids(cfg: ModelConfig, layer_ids: Sequence[int] | None = None) -> list[int]:
