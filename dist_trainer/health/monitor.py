@@ -48,6 +48,15 @@ class UnhealthyStep(ValueError):
 
 
 class HealthMonitor(StepHooks):
+    """This rank's watch over the run: installed as the engine's step hooks, it guards and measures each step.
+
+    It refuses a non-finite or spiking update before it is applied (every rank decides from the same reduced loss
+    and gradient norm, so all skip or stop together), refuses to save non-finite state, and every
+    ``health.every`` steps adds the per-layer signals, the gradient noise scale and the slowest rank to the
+    metrics. It reads only the pieces of each parameter this rank owns (``engine.owned_pieces``), so its numbers
+    are the full model's in every layout (module docstring: the call order).
+    """
+
     def __init__(self, cfg: Config, engine: ObservedEngine, state: ParallelState, device: torch.device,
                  ckpt_root: Path) -> None:
         self.cfg, self.h, self.engine, self.state, self.device = cfg, cfg.health, engine, state, device
