@@ -23,7 +23,7 @@ DEMO_OUT ?= runs/demo
 PREPARE_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint clean image test-image
 
 venv:
 	@mkdir -p $(TMPDIR) $(TORCH_EXTENSIONS_DIR)
@@ -35,10 +35,21 @@ demo: venv
 		--data.path=$(DEMO_DATA) --train.out_dir=$(DEMO_OUT) $(DEMO_ARGS)
 	$(BIN)/dist-trainer generate --checkpoint $(DEMO_OUT) --prompt "def main(" --max-new-tokens 80
 
+# -m "not image": tests/test_image.py builds and runs the Docker images (minutes, root); CI runs it after the suite
+# (.ci/run: make test-image). A later -m in PYTEST_ARGS overrides it.
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not image" $(PYTEST_ARGS)
+
+# The CPU image (docker/Dockerfile.cpu) without a Docker daemon or registry: buildah on a local Debian base, cached
+# in .image/; prints its size. `scripts/build_image.sh cuda` builds docker/Dockerfile without its CUDA parts.
+image:
+	@mkdir -p $(TMPDIR)
+	scripts/build_image.sh cpu
+
+test-image: venv
+	$(BIN)/python -m pytest -q -m image tests/test_image.py
 
 lint: venv
 	$(BIN)/ruff check .

@@ -44,7 +44,7 @@ def test_run_configs_in_repo_are_valid() -> None:
     (["parallel.sequence_parallel=true"], "sequence_parallel=true needs parallel.tp_size > 1"),
     (["parallel.zero_stage=4"], "zero_stage=4 must be 0, 1, 2 or 3"),
     (["parallel.pp_schedule=magic"], "pp_schedule='magic' is not one of"),
-    (["optim.lr=-1"], "optim.lr=-1.0 must be > 0"),
+    (["optim.lr=-1"], "optim.lr=-1.0 must be >= 0"),
     (["train.precision=fp8"], "train.precision='fp8' is not one of fp32, bf16, fp16"),
     (["data.seq_len=2048"], "data.seq_len=2048 exceeds model.max_seq_len=1024"),
     (["model.n_layer=2"], "unknown model fields ['n_layer']"),

@@ -433,3 +433,22 @@ def test_export_never_overwrites_and_honours_the_umask(hf_folders: dict[str, Pat
         os.umask(old)
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
     assert {oct(f.stat().st_mode & 0o777) for f in [*files, *native]} == {"0o644"}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_generate_greedy_json_equals_transformers_generate(family: str, hf_folders: dict[str, Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --checkpoint DIR --prompt-ids ... --greedy --json`: the ids transformers' greedy generate gives
+    (both stop at the folder's EOS, if it comes), and each step's log-prob is that of the chosen token."""
+    from dist_trainer.cli import main
+
+    prompt = [5, 17, 42, 3]
+    assert main(["generate", "--checkpoint", str(hf_folders[family]), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "10", "--greedy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    theirs = _reference(family, hf_folders[family])
+    ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          output_scores=True, return_dict_in_generate=True)
+    assert out["prompt_ids"] == prompt and out["ids"] == ref.sequences[0, len(prompt):].tolist()
+    want = [torch.log_softmax(s[0].float(), -1)[i].item() for s, i in zip(ref.scores, out["ids"])]
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) <= 1e-5

@@ -28,7 +28,9 @@ class CheckpointSource:
     def __init__(self, path: str | Path, check: bool = True, merge_adapters: bool = True) -> None:
         try:
             self.step = resolve_checkpoint(path)
-        except ValueError:
+        except ValueError as exc:
+            if not str(exc).startswith("no complete checkpoint"):
+                raise  # a checkpoint is there but is refused (a newer format, ...): its own message
             raise ValueError(f"{path}: neither a checkpoint (run folder, checkpoints/ or step folder), an export "
                              "(model.safetensors) nor a Hugging Face folder (config.json) is there") from None
         self.where = str(self.step)
