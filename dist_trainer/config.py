@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dist_trainer.finetune import is_moe_layer, lora_target_leaves, training_plan
+from dist_trainer.finetune import lora_target_leaves, training_plan
+from dist_trainer.model_shape import is_moe_layer
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -29,6 +30,9 @@ CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
+# 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -278,7 +282,7 @@ class ParallelConfig:
                   "checkpoint_every", "pp_virtual_stages")
         if self.dp_size is not None and self.dp_size < 1:
             raise ValueError(f"parallel.dp_size={self.dp_size} must be >= 1 or unset")
-        if self.zero_stage not in (0, 1, 2, 3):
+        if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         _choice(self, "activation_checkpointing", CHECKPOINTING)
         _choice(self, "pp_schedule", PP_SCHEDULES)
@@ -297,7 +301,7 @@ class ParallelConfig:
                              f"{self.auto_max_tp_size}: set one of them")
         allowed = self.auto_zero_stages
         if allowed is not None and (not isinstance(allowed, list) or not allowed or
-                                    any(z not in (0, 1, 2, 3) or isinstance(z, bool) for z in allowed)):
+                                    any(z not in ZERO_STAGES or isinstance(z, bool) for z in allowed)):
             raise ValueError(f"parallel.auto_zero_stages={allowed!r} must be a non-empty list of stages among "
                              "0, 1, 2, 3")
         if self.sequence_parallel and self.tp_size == 1:

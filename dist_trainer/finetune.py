@@ -13,10 +13,10 @@ Fine-tuning trains part of a model. Two ways are configured, both in terms of th
   down}_proj`` (global expert index) and ``layers.{i}.moe.shared_expert.*`` (``model_moe.py``): freezing
   ``*.moe.router``, ``layers.*.moe.experts`` or ``layers.0-3.moe.experts.0-1`` works like any other name.
 
-The trainer (``model_lora.freeze_``), the config check and the planner (``planner/finetune.py``) all
-resolve names here, so what trains and what the planner charges for cannot drift apart. A pattern that
-is malformed or matches no module is a ValueError naming it, raised by ``Config.validate`` before any
-process group exists.
+The trainer (``model_lora.freeze_``), the config check, the expert-parallel check (``layout_rules.check_ep``)
+and the planner (``planner/finetune.py``) all resolve names here, so what trains and what the planner charges
+for cannot drift apart. A pattern that is malformed or matches no module is a ValueError naming it, raised by
+``Config.validate`` before any process group exists.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Sequence
-from typing import Protocol
 
 from dist_trainer.model_names import (
     EMBEDDING_TABLES,
@@ -34,33 +33,10 @@ from dist_trainer.model_names import (
     MLP_LEAVES,
     TAIL_NAMES,
 )
+from dist_trainer.model_shape import ModelShape, is_moe_layer, moe_block_params
 
 PRESETS = ("embeddings", "bottom:N", "norms_only")
 _RANGE = re.compile(r"(\d+)-(\d+)")
-
-
-class ModelShape(Protocol):
-    """The fields of ``config.ModelConfig`` that decide which modules exist (config.py imports this module)."""
-
-    n_layers: int
-    pos_embedding: str
-    n_token_types: int
-    norm_placement: str
-    activation: str
-    tie_embeddings: bool
-    pooler: bool
-    mlm_head: bool
-    lora_rank: int
-    lora_targets: list[str]
-    n_experts: int
-    moe_every: int
-    n_shared_experts: int
-
-
-def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
-    """Whether layer ``layer`` (0-based) is a mixture-of-experts layer, for any ModelShape (the rule's one home;
-    ``ModelConfig.is_moe_layer`` asks here)."""
-    return cfg.n_experts > 0 and layer % cfg.moe_every == 0
 
 
 def moe_module_names(cfg: ModelShape, layer: int) -> list[str]:
@@ -205,3 +181,38 @@ def training_plan(cfg: ModelShape, patterns: Sequence[str]) -> dict[str, tuple[b
     frozen = frozen_modules(cfg, patterns)
     adapted = set(lora_module_names(cfg))
     return {n: (n not in frozen and not cfg.lora_rank, n in adapted and n not in frozen) for n in module_names(cfg)}
+
+
+_PLANS: dict[tuple, dict[str, tuple[bool, bool]]] = {}  # module_training's cache, by the fields that decide it
+
+
+def module_training(cfg: ModelShape, freeze: Sequence[str] = ()) -> dict[str, tuple[bool, bool]]:
+    """``training_plan`` (module -> (base trains, adapter trains)), cached for the planner search's many calls by
+    the fields that decide which modules exist (the ``ModelShape`` fields ``module_names`` reads)."""
+    key = (cfg.n_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
+           cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts,
+           cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
+    if key not in _PLANS:
+        if len(_PLANS) >= 64:
+            del _PLANS[next(iter(_PLANS))]  # the oldest: a bounded cache, as the search sees few models
+        _PLANS[key] = training_plan(cfg, list(freeze))
+    return _PLANS[key]
+
+
+def trainable_expert_params(cfg: ModelShape, freeze: Sequence[str] = (), *, layer_ids: Sequence[int] | None = None,
+                            ep_size: int = 1, ep_rank: int | None = None) -> int:
+    """Trainable routed-expert parameters of the MoE layers among ``layer_ids`` that ep rank ``ep_rank`` holds
+    (experts [r E/ep, (r+1) E/ep), ``parallel/ep/apply.local_experts``); ``None``: the ep rank with the most, the
+    planner's worst rank (a pattern such as ``layers.*.moe.experts.0-1`` freezes some ep ranks' experts only)."""
+    if not cfg.n_experts:
+        return 0
+    plan = module_training(cfg, freeze)
+    ids = [i for i in (range(cfg.n_layers) if layer_ids is None else layer_ids) if is_moe_layer(cfg, i)]
+    leaves = {k.rpartition(".")[2]: v for k, v in moe_block_params(cfg).items() if k.startswith("experts.") and v}
+    per = cfg.n_experts // ep_size
+
+    def held(r: int) -> int:
+        return sum(v * plan[f"layers.{i}.moe.experts.{e}.{leaf}"][0] for i in ids
+                   for e in range(r * per, (r + 1) * per) for leaf, v in leaves.items())
+
+    return held(ep_rank) if ep_rank is not None else max(held(r) for r in range(ep_size))

@@ -24,8 +24,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig
-from dist_trainer.planner.finetune import trainable_expert_params
-from dist_trainer.planner.params import embedding_params, layer_param_counts, padded_vocab, tail_params
+from dist_trainer.finetune import trainable_expert_params
+from dist_trainer.model_shape import embedding_params, layer_param_counts, padded_vocab, tail_params
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
@@ -103,7 +103,7 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
     ``stage_layers``: given explicitly (uneven splits). ``layers``: as even as possible, the
     remainder going to the middle stages first (the first and last also hold the embeddings and
     the head). ``params``: minimise the largest stage's parameter count, embeddings and head
-    included (exact DP over the cut points; counts from planner/params.py, which equal the
+    included (exact DP over the cut points; counts from model_shape.py, which equal the
     model's). The trainer builds these stages and the planner prices them.
     """
     n = model.n_layers

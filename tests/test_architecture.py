@@ -6,6 +6,9 @@ functions alike: a lazy import is still a dependency), then:
 - the module graph has no cycle;
 - ``parallel/``, ``planner/``, ``checkpoint/`` and the bottom modules never import ``train/`` or ``engines/``;
   ``planner/`` and ``layout_rules`` never import ``engines/``, ``train/`` or ``checkpoint/``;
+- the mechanisms (``parallel/``, ``model*``, ``layout_rules``) and ``health/`` never import ``planner/``,
+  ``train/`` or ``engines/``: the model's shape arithmetic they share with the planner is ``model_shape``'s;
+- the ZeRO stages are written once (``config.ZERO_STAGES``);
 - the torch-free modules (config, layout rules, the planner) load without torch;
 - every regime ``layout_rules`` names has one engine, and the model builds modules under model_names' names;
 - no module imports ``transformers`` (a test-only dependency).
@@ -114,8 +117,41 @@ def test_mechanisms_never_import_the_layers_above() -> None:
     assert bad == [], bad
 
 
+def _mechanisms(graph: dict[str, set[str]]) -> list[str]:
+    """parallel/, the model modules (model.py, model_*.py), layout_rules and health/."""
+    return [m for m in graph if _in(m, "dist_trainer.parallel", "dist_trainer.layout_rules", "dist_trainer.health")
+            or (m.count(".") == 1 and m.split(".")[1].startswith("model"))]
+
+
+def test_mechanisms_and_health_never_import_the_planner_or_the_loop() -> None:
+    graph = import_graph()
+    mechanisms = _mechanisms(graph)
+    assert {"dist_trainer.model", "dist_trainer.model_shape", "dist_trainer.parallel.tp.layers",
+            "dist_trainer.health.attention", "dist_trainer.layout_rules"} <= set(mechanisms)  # the scan sees them
+    bad = sorted((m, t) for m in mechanisms for t in graph[m]
+                 if _in(t, "dist_trainer.planner", "dist_trainer.train", "dist_trainer.engines"))
+    assert bad == [], bad
+
+
+def _zero_stage_literals() -> list[str]:
+    """Where a tuple or list of exactly the constants 0, 1, 2, 3 is written in the package's code (not its text)."""
+    return [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(PACKAGE.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Tuple | ast.List) and len(node.elts) == 4
+            and all(isinstance(e, ast.Constant) and e.value == i for i, e in enumerate(node.elts))]
+
+
+def test_the_zero_stages_are_written_once() -> None:
+    from dist_trainer.config import ZERO_STAGES
+
+    found = _zero_stage_literals()
+    assert len(found) == 1 and found[0].startswith("dist_trainer/config.py:"), found
+    assert ZERO_STAGES == (0, 1, 2, 3)
+
+
 def test_rules_and_planner_load_without_torch() -> None:
-    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.planner.search, dist_trainer.planner.emit; "
+    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.model_shape, dist_trainer.planner.search, "
+            "dist_trainer.planner.emit; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -134,7 +170,7 @@ def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
         MLM_TRANSFORM_LEAVES,
         TAIL_NAMES,
     )
-    from dist_trainer.planner.params import embedding_params, layer_params, tail_params
+    from dist_trainer.model_shape import embedding_params, layer_params, tail_params
 
     assert set(ENGINES) == set(REGIMES)
     llama = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)

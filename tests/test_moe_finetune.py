@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import frozen_modules, module_names
+from dist_trainer.finetune import frozen_modules, module_names, trainable_expert_params
 from dist_trainer.health.names import is_routed_expert
 from dist_trainer.model import build_model
 from dist_trainer.model_lora import count_trainable, freeze_, is_adapter
 from dist_trainer.parallel.ep.apply import local_experts
-from dist_trainer.planner.finetune import module_rows, trainable_expert_params, trainable_params
+from dist_trainer.planner.finetune import module_rows, trainable_params
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import curves, tiny_config

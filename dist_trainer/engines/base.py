@@ -10,11 +10,11 @@ Every regime implements the same five calls, so the loop never branches on the r
     save_shards(folder)                             this rank's part of a checkpoint
     load_shards(folder, meta)                       and back, resharding where it can
 
-Inside ``optimizer_step`` every engine calls its ``step_hooks`` at the same two points: ``grads_ready()`` once
-the gradients are final (reduced, TP partial sums and tied copies summed; before clipping), and
-``allow_update(grad_norm)`` before the update, which it skips when the answer is no. The trainer's health
-monitor (``train/health``) is the hooks: it reads the gradients and refuses a non-finite or spiking step
-(issues 13 and 16). ``owned_pieces()`` says which elements of each full parameter this rank owns
+Inside ``optimizer_step`` every engine calls its ``step_hooks`` (``health/hooks.StepHooks``) at the same two
+points: ``grads_ready()`` once the gradients are final (reduced, TP partial sums and tied copies summed; before
+clipping), and ``allow_update(grad_norm)`` before the update, which it skips when the answer is no. The trainer's
+health monitor (``health/monitor.py``) is the hooks: it reads the gradients and refuses a non-finite or spiking
+step (issues 13 and 16). ``owned_pieces()`` says which elements of each full parameter this rank owns
 (``parallel/ownership.py``), so such statistics are the full model's in every layout.
 
 One module per regime implements them (``ddp.py``: DDP with Megatron TP inside each replica;
@@ -46,6 +46,7 @@ from dist_trainer.checkpoint.load import load_owned_, materialize_
 from dist_trainer.checkpoint.source import open_source
 from dist_trainer.config import Config
 from dist_trainer.finetune import frozen_modules
+from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
 from dist_trainer.optim import set_lr
@@ -129,21 +130,6 @@ def drop_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler |
     if scaler is not None:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-
-
-class StepHooks:
-    """What the loop observes, or vetoes, between the final gradients and the update (see the module docstring).
-
-    These defaults do nothing, so an engine used on its own (tests, the memory experiment) steps as before.
-    """
-
-    def grads_ready(self) -> None:
-        """The gradients are final (reduced and summed where the regime sums them), not yet clipped."""
-
-    def allow_update(self, grad_norm: torch.Tensor | None) -> bool:
-        """Whether to apply this step's update; ``grad_norm``: the global norm before clipping, or None when
-        the engine learns it only inside the update (DeepSpeed)."""
-        return True
 
 
 class Engine(abc.ABC):

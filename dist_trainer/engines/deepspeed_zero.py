@@ -1,44 +1,14 @@
 """DeepSpeed's ZeRO optimizer over this rank's module: shared by the ZeRO engine and the pipeline engine's ZeRO-1.
 
-``DeepSpeedZero`` wraps ``deepspeed.initialize`` around a module that is already this rank's part of the model
-(a TP shard, this rank's pipeline stages, or the plain model) and tagged by ``prepare_for_deepspeed``:
-
-- the optimizer is our AdamW over ``optim.param_groups`` (torch's, ``foreach=False``, for exact parity with the
-  other regimes; DeepSpeedCPUAdam in AdamW mode when the optimizer is offloaded), its LR set every step;
-- DeepSpeed's data-parallel group is our dp axis and its model-parallel group the tp x pp block
-  (``DeepSpeedMpu``), so ZeRO partitions each rank's shard over its dp replicas only, and its gradient norm
-  (clipped to ``optim.grad_clip``) covers every shard and stage once;
-- ``step`` is DeepSpeed's boundary step (reduce(-scatter), norm, clip, Adam on the partition, all-gather); for
-  gradients that a pipeline schedule produced outside DeepSpeed, ``step(lr, reduce=True)`` first reduces them
-  as DeepSpeed's own pipeline engine does (``_exec_reduce_grads`` -> ``reduce_gradients(pipeline_parallel=True)``,
-  deepspeed/runtime/pipe/engine.py:287, runtime/zero/stage_1_and_2.py:958);
-- checkpoints are DeepSpeed's own files (``save``), read back by ``checkpoint/deepspeed_files.py`` with
-  ``torch.load(weights_only=True)`` (``load``): never through DeepSpeed's loaders, which unpickle freely;
-- with expert parallelism (``parallel.ep_size`` > 1, ZeRO-1/2: ``layout_rules.check_ep``) DeepSpeed's MoE
-  conventions, here and nowhere else (DeepSpeed 0.19.8). DeepSpeed reduces and partitions expert parameters apart
-  from the dense ones only in an engine that knows it has MoE layers, which it learns from
-  ``isinstance(module, deepspeed.moe.layer.MoE)`` (runtime/engine.py ``_configure_distributed_model``); what its
-  own MoE layer would set up is set up for our groups:
-
-  1. ``_register_expert_groups``: our ep and edp process groups under DeepSpeed's name ``ep_size_{ep}`` in
-     ``deepspeed.utils.groups`` (what ``MoE.set_deepspeed_parallelism`` creates through
-     ``_create_expert_and_data_parallel``), a one-rank edp (ep_size = dp_size) as a group of that rank alone;
-     the engine then broadcasts each expert within its edp group only (``_broadcast_model``, by the experts'
-     ``allreduce = False`` and ``group_name`` that ``parallel/ep/apply.py`` sets);
-  2. ``_mark_moe_model``: a parameter-free subclass of DeepSpeed's MoE under ``model.ds_moe_marker``, so the engine
-     sets ``has_moe_layers`` (ZeRO's MoE settings, stage_1_and_2.py ``_configure_moe_settings``: stage 2 needs
-     contiguous_gradients, both need reduce_scatter, checked before launch by ``parallel/zero/config.py``);
-  3. ``_moe_param_groups``: DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` on our AdamW
-     groups (named ``decay`` and ``no_decay``), so each expert parameter sits in a group marked ``moe: True`` that
-     ZeRO partitions over edp (``real_dp_process_group``).
-
-  When no expert trains (LoRA, or ``train.freeze`` of every expert) 2 and 3 are skipped: DeepSpeed asserts that a
-  model with MoE layers has a MoE optimizer group, and frozen experts need none (``check_ep`` refuses a freeze
-  that leaves some ep ranks, but not all, without trainable experts: ZeRO's per-group norm reductions over dp
-  would not pair up). Checkpoints are then written by parameter name, experts by global index
-  (``_state_by_name``: DeepSpeed's ``safe_get_full_*``, collective over each parameter's partition group, into
-  ``engines/base.write_named_shards``), as the other regimes write them, because DeepSpeed's own MoE checkpoint
-  names experts by local index per ep rank.
+``DeepSpeedZero`` wraps ``deepspeed.initialize`` around this rank's part of the model (a TP shard, its pipeline
+stages, or the plain model), tagged by ``prepare_for_deepspeed``. The optimizer is our AdamW (torch's, for exact
+parity with the other regimes; DeepSpeedCPUAdam when offloaded). DeepSpeed's data-parallel group is our dp axis
+and its model-parallel group the tp x pp block (``DeepSpeedMpu``), so ZeRO partitions each rank's shard over its
+dp replicas only and its clipped gradient norm covers every shard and stage once. ``step`` is DeepSpeed's
+boundary step; ``step(lr, reduce=True)`` first reduces gradients a pipeline schedule produced outside DeepSpeed.
+Checkpoints are DeepSpeed's own files, read back with ``torch.load(weights_only=True)``
+(``checkpoint/deepspeed_files.py``), never through DeepSpeed's loaders, which unpickle freely. With expert
+parallelism DeepSpeed's MoE conventions are set up for our groups, here and nowhere else (the section at the end).
 """
 
 from __future__ import annotations
@@ -55,7 +25,8 @@ from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
-from dist_trainer.engines.base import StepHooks, write_named_shards
+from dist_trainer.engines.base import write_named_shards
+from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
@@ -93,7 +64,7 @@ class DeepSpeedZero:
         self.cfg, self.state, self.stage = cfg, state, cfg.parallel.zero_stage
         self.offload = cfg.parallel.zero_offload
         groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3 (ds_shape)
-        if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers (module docstring)
+        if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers (the section at the end)
             _register_expert_groups(state)  # collective
             if any(is_expert_param(p) and p.requires_grad for p in model.parameters()):
                 _mark_moe_model(model, cfg.model.n_experts, state.ep_size)
@@ -107,7 +78,9 @@ class DeepSpeedZero:
         """DeepSpeed's boundary step at ``lr``; the global gradient norm before clipping (0 for a skipped step).
 
         ``reduce``: the gradients were accumulated in ``.grad`` outside ``engine.backward`` (a pipeline schedule):
-        hand them to ZeRO-1's reduction first, averaging over dp and keeping this rank's partition.
+        hand them to ZeRO-1's reduction first, averaging over dp and keeping this rank's partition, as DeepSpeed's
+        own pipeline engine does (``_exec_reduce_grads`` -> ``reduce_gradients(pipeline_parallel=True)``,
+        deepspeed/runtime/pipe/engine.py:287, runtime/zero/stage_1_and_2.py:958).
         ``hooks`` see the reduced gradients before the step; DeepSpeed measures the norm inside ``step()``, so
         they judge it without one, and a step they refuse goes down DeepSpeed's own overflow path
         (``fragments.skip_next_step``), its counters consistent.
@@ -268,7 +241,28 @@ class DeepSpeedZero:
                 p.data.copy_(full)
 
 
-# ---------------------------------------------------------------- DeepSpeed's MoE conventions (module docstring)
+# ---------------------------------------------------------------- DeepSpeed's MoE conventions
+#
+# With expert parallelism (parallel.ep_size > 1, ZeRO-1/2: layout_rules.check_ep), DeepSpeed 0.19.8 reduces and
+# partitions expert parameters apart from the dense ones only in an engine that knows it has MoE layers, which it
+# learns from isinstance(module, deepspeed.moe.layer.MoE) (runtime/engine.py _configure_distributed_model). What its
+# own MoE layer would set up is set up for our groups, by the three functions below, in DeepSpeedZero.__init__:
+#
+#   1. _register_expert_groups: our ep and edp groups under DeepSpeed's name ep_size_{ep} in deepspeed.utils.groups
+#      (what MoE.set_deepspeed_parallelism creates through _create_expert_and_data_parallel); the engine then
+#      broadcasts each expert within its edp group only (_broadcast_model, by the experts' allreduce = False and
+#      group_name that parallel/ep/apply.py sets);
+#   2. _mark_moe_model: a parameter-free subclass of DeepSpeed's MoE under model.ds_moe_marker, so the engine sets
+#      has_moe_layers (ZeRO's MoE settings, stage_1_and_2.py _configure_moe_settings: stage 2 needs
+#      contiguous_gradients, both need reduce_scatter, checked before launch by parallel/zero/config.py);
+#   3. _moe_param_groups: each expert parameter in an optimizer group marked moe: True, which ZeRO partitions over
+#      edp (real_dp_process_group).
+#
+# When no expert trains (LoRA, or train.freeze of every expert) 2 and 3 are skipped: DeepSpeed asserts that a model
+# with MoE layers has a MoE optimizer group, and frozen experts need none (check_ep refuses a freeze that leaves
+# some ep ranks, but not all, without trainable experts: ZeRO's per-group norm reductions over dp would not pair up).
+# Checkpoints are then written by parameter name, experts by global index (DeepSpeedZero._state_by_name), because
+# DeepSpeed's own MoE checkpoint names experts by local index per ep rank.
 
 
 def _register_expert_groups(state: ParallelState) -> None:
@@ -293,7 +287,7 @@ def _register_expert_groups(state: ParallelState) -> None:
 
 
 def _mark_moe_model(model: nn.Module, n_experts: int, ep_size: int) -> None:
-    """Attach the marker that tells DeepSpeed the model has MoE layers (module docstring, point 2)."""
+    """Attach the marker that tells DeepSpeed the model has MoE layers (point 2 above)."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     class ExpertParallelMarker(DeepSpeedMoE):
@@ -315,7 +309,8 @@ def _mark_moe_model(model: nn.Module, n_experts: int, ep_size: int) -> None:
 
 
 def _moe_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Our (decay, no-decay) AdamW groups with the expert parameters moved into DeepSpeed's MoE groups."""
+    """Our (decay, no-decay) AdamW groups, named ``decay`` and ``no_decay``, with the expert parameters moved into
+    DeepSpeed's MoE groups (``split_params_into_different_moe_groups_for_optimizer``)."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     named = [{**g, "name": name} for g, name in zip(groups, ("decay", "no_decay"), strict=True)]

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dist_trainer.config import ZERO_STAGES
 from dist_trainer.experiments.calibrate_load import ZERO_LAYERS, fit_sync, fit_zero, measure_zero, zero_config
 from dist_trainer.planner.cost import ring_time
 from dist_trainer.planner.hardware import GiB, HardwareProfile, get_hardware
@@ -150,7 +151,7 @@ def fit_ring(collectives: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 
 def calibrate(nprocs: int, *, d_model: int, tokens: tuple[int, ...], tp_sizes: tuple[int, ...], precision: str,
-              device: str, name: str, base: str, zero_stages: tuple[int, ...] = (1, 2, 3)) -> HardwareProfile:
+              device: str, name: str, base: str, zero_stages: tuple[int, ...] = ZERO_STAGES[1:]) -> HardwareProfile:
     """Run the measurements on ``nprocs`` ranks and fit a profile (``base`` supplies what is not measured);
     ``zero_stages`` are the ZeRO stages whose DeepSpeed step is measured (``calibrate_load.measure_zero``)."""
     from dist_trainer.testing import run_distributed
@@ -236,7 +237,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-sizes", default="1,2,4", help="TP degrees whose GEMM widths to measure")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--zero-stages", default="1,2,3",
+    p.add_argument("--zero-stages", default=",".join(map(str, ZERO_STAGES[1:])),
                    help="ZeRO stages whose DeepSpeed step to measure against DDP (comma-separated; 'none': skip)")
     p.set_defaults(func=_main)
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dist_trainer.config import Config
+from dist_trainer.config import ZERO_STAGES, Config
 from dist_trainer.config_load import config_from_dict
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def run_experiment(model: str | dict[str, Any], stages: list[int], nprocs: int, 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("memory-experiment", help="measure per-rank memory of ZeRO stages against predictions")
     p.add_argument("--model", default="tiny", help="model preset (configs/models/) or YAML path")
-    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (0 = DDP)")
+    p.add_argument("--stages", default=",".join(map(str, ZERO_STAGES)), help="comma-separated ZeRO stages (0 = DDP)")
     p.add_argument("--nprocs", type=int, default=2, help="gloo processes (data-parallel degree)")
     p.add_argument("--offload", action="store_true", help="offload optimizer (stage 3: and params) to CPU")
     p.add_argument("--seq-len", type=int, default=32)
@@ -174,7 +174,7 @@ def _main(args: argparse.Namespace) -> int:
         stages = [int(s) for s in args.stages.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--stages={args.stages!r} must be comma-separated integers among 0,1,2,3") from None
-    bad = [s for s in stages if s not in (0, 1, 2, 3)]
+    bad = [s for s in stages if s not in ZERO_STAGES]
     if bad or not stages:
         raise ValueError(f"--stages={args.stages!r}: stages must be among 0,1,2,3")
     if args.nprocs < 1:

@@ -153,9 +153,9 @@ def table(layers: list[list[dict[str, Any]]]) -> str:
 
 def diagnose(checkpoint: str | Path, text: str, out: Path, data_path: str | Path | None = None) -> str:
     """Maps, JSON and table of a checkpoint (any layout) on ``text``; returns the table."""
+    from dist_trainer.checkpoint.plain import load_plain_model
     from dist_trainer.data.dataset import load_tokenizer
     from dist_trainer.files import output_dir
-    from dist_trainer.train.generate import load_model_from_checkpoint
 
     try:  # argv's undecodable bytes arrive as surrogates, which the tokenizer rejects with a TypeError
         text.encode("utf-8")
@@ -163,7 +163,7 @@ def diagnose(checkpoint: str | Path, text: str, out: Path, data_path: str | Path
         raise ValueError(f"--text is not valid UTF-8 (an undecodable byte at character {exc.start}); give UTF-8 "
                          "text") from None
     out = output_dir(out, "--out")
-    model, cfg = load_model_from_checkpoint(checkpoint)
+    model, cfg = load_plain_model(checkpoint)
     tokenizer = load_tokenizer(Path(data_path or cfg.data.path))
     ids = tokenizer.encode(text).ids
     if not ids:

@@ -1,6 +1,6 @@
 """The trainer's health monitor: the engines' step hooks, the non-finite guard, spikes, signals, stragglers.
 
-One object per rank, installed as ``engine.step_hooks`` (engines/base.py). Per step, in the loop's order:
+One object per rank, installed as ``engine.step_hooks`` (the interface: health/hooks.py). Per step, in the loop's order:
 
     begin_step(step)             the step number; gradient probes on (installed at the first step)
     loss_ready(local, mean)      this rank's loss and the data-parallel mean
@@ -28,7 +28,7 @@ import torch
 
 from dist_trainer.checkpoint import publish
 from dist_trainer.config import Config
-from dist_trainer.engines.base import Engine, StepHooks
+from dist_trainer.health.hooks import ObservedEngine, StepHooks
 from dist_trainer.health.names import PREFIX, describe_parameter, is_routed_expert, layer_of, signal_key
 from dist_trainer.health.noise import NoiseScale
 from dist_trainer.health.signals import LayerSignals, reduce_over_grid
@@ -48,7 +48,16 @@ class UnhealthyStep(ValueError):
 
 
 class HealthMonitor(StepHooks):
-    def __init__(self, cfg: Config, engine: Engine, state: ParallelState, device: torch.device,
+    """This rank's watch over the run: installed as the engine's step hooks, it guards and measures each step.
+
+    It refuses a non-finite or spiking update before it is applied (every rank decides from the same reduced loss
+    and gradient norm, so all skip or stop together), refuses to save non-finite state, and every
+    ``health.every`` steps adds the per-layer signals, the gradient noise scale and the slowest rank to the
+    metrics. It reads only the pieces of each parameter this rank owns (``engine.owned_pieces``), so its numbers
+    are the full model's in every layout (module docstring: the call order).
+    """
+
+    def __init__(self, cfg: Config, engine: ObservedEngine, state: ParallelState, device: torch.device,
                  ckpt_root: Path) -> None:
         self.cfg, self.h, self.engine, self.state, self.device = cfg, cfg.health, engine, state, device
         self.ckpt_root = ckpt_root

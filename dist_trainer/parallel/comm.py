@@ -11,7 +11,7 @@ Every method returns at once, counting nothing, on a one-rank axis.
 The counter is also this rank's progress record (issue 13), kept in memory only: each axis numbers the
 collectives this rank entered on it (``seq``, never reset), ``current`` names the one it is inside now, and
 ``comm_s`` sums the seconds spent inside collectives since the last reset (a straggler waits less than its
-peers; ``train/health`` subtracts it from the step time). Nothing is written per collective: the record is
+peers; ``health/monitor.py`` subtracts it from the step time). Nothing is written per collective: the record is
 published on the health cadence and when a collective fails (``parallel/watchdog.py``), which is what lets
 the survivors of a hang say which rank has not entered which collective.
 """

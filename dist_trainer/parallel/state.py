@@ -28,6 +28,14 @@ AXES = ("dp", "pp", "tp", "ep", "edp")
 
 @dataclass
 class ParallelState:
+    """This rank's place in the grid: one counted ``AxisGroup`` per axis (its process group, size and rank) and the
+    ``CommCounter`` they share.
+
+    Built once per run by ``build`` from the layout and passed explicitly to every mechanism that communicates, so
+    no module holds a global group (Megatron's ``parallel_state`` keeps them in globals); an axis of one rank
+    holds no group and its collectives return at once.
+    """
+
     dp: AxisGroup
     pp: AxisGroup
     tp: AxisGroup

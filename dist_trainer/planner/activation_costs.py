@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.model_shape import padded_vocab
 from dist_trainer.planner.activations import (
     RECOMPUTE,
     ActivationSpec,
@@ -28,7 +29,6 @@ from dist_trainer.planner.activations import (
     recomputed_layers,
 )
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
-from dist_trainer.planner.params import padded_vocab
 
 
 @dataclass(frozen=True)

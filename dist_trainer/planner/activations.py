@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
 from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
+from dist_trainer.model_shape import kv_sharded, padded_vocab
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
-from dist_trainer.planner.params import kv_sharded, lora_shapes, mlp_weights, padded_vocab
+from dist_trainer.planner.params import lora_shapes, mlp_weights
 
 PRECISIONS = ("fp32", "bf16", "fp16", "amp_bf16", "amp_fp16")
 ATTENTION_KERNELS = ("flash", "math")

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.config import CONFIG_ROOT, ModelConfig
+from dist_trainer.config import CONFIG_ROOT, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.files import make_executable, output_dir, refuse_nonempty
 from dist_trainer.finetune import frozen_modules
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction,
     m.add_argument("--pp", type=int, default=1)
     m.add_argument("--dp", type=int, default=1)
     m.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models; divides dp)")
-    m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=(0, 1, 2, 3),
+    m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=ZERO_STAGES,
                    help="ZeRO stage (parallel.zero_stage)")
     m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
     m.add_argument("--micro-batch", type=int, default=1)
@@ -94,7 +94,8 @@ def register(subparsers: argparse._SubParsersAction,
     pp = q.add_mutually_exclusive_group()
     pp.add_argument("--pp", type=int, default=None, help="only this many pipeline stages")
     pp.add_argument("--no-pp", action="store_true", help="no pipeline (--pp 1)")
-    q.add_argument("--zero", default="0,1,2,3", help="allowed ZeRO stages, comma-separated (0 = DDP)")
+    q.add_argument("--zero", default=",".join(map(str, ZERO_STAGES)),
+                   help="allowed ZeRO stages, comma-separated (0 = DDP)")
     q.add_argument("--no-offload", action="store_true", help="no ZeRO CPU offload")
     q.set_defaults(func=run_plan, check_written=check_written)
 
@@ -123,7 +124,7 @@ def _search_limits(args: argparse.Namespace) -> dict[str, Any]:
         stages = tuple(sorted({int(z) for z in args.zero.split(",") if z.strip()}))
     except ValueError:
         raise ValueError(f"--zero={args.zero!r} must be comma-separated ZeRO stages among 0,1,2,3") from None
-    if not stages or any(z not in (0, 1, 2, 3) for z in stages):
+    if not stages or any(z not in ZERO_STAGES for z in stages):
         raise ValueError(f"--zero={args.zero!r} must be comma-separated ZeRO stages among 0,1,2,3")
     return {"tp_size": args.tp, "max_tp_size": args.max_tp, "pp_size": 1 if args.no_pp else args.pp,
             "zero_stages": stages, "allow_offload": not args.no_offload}

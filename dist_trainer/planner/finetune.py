@@ -27,14 +27,14 @@ block is frozen.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import layer_module_name, moe_module_names, training_plan
+from dist_trainer.finetune import layer_module_name, module_training, moe_module_names, trainable_expert_params
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES, TAIL_NAMES
-from dist_trainer.planner.params import embedding_params, layer_params, lora_layer_params, moe_block_params, tail_params
+from dist_trainer.model_shape import embedding_params, layer_params, moe_block_params, tail_params
+from dist_trainer.planner.params import lora_layer_params
 
 
 @dataclass(frozen=True)
@@ -85,27 +85,6 @@ class GradPlan:
         return staged or self.layers[-1].output
 
 
-def _key(cfg: ModelConfig, freeze: Sequence[str]) -> tuple:
-    return (cfg.n_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
-            cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts,
-            cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
-
-
-@functools.lru_cache(maxsize=64)
-def _plan(key: tuple) -> dict[str, tuple[bool, bool]]:
-    n_layers, pos, types, placement, activation, tied, pooler, mlm, rank, targets, experts, every, shared, freeze = key
-    shape = ModelConfig(n_layers=n_layers, pos_embedding=pos, n_token_types=types, norm_placement=placement,
-                        activation=activation, tie_embeddings=tied, pooler=pooler, mlm_head=mlm, lora_rank=rank,
-                        lora_targets=list(targets), n_experts=experts, moe_every=every,
-                        n_shared_experts=shared)  # only the fields that decide which modules exist
-    return training_plan(shape, list(freeze))
-
-
-def module_training(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, tuple[bool, bool]]:
-    """``finetune.training_plan`` (module -> (base trains, adapter trains)), cached for the search's many calls."""
-    return _plan(_key(cfg, freeze))
-
-
 def grad_plan(cfg: ModelConfig, freeze: Sequence[str] = ()) -> GradPlan | None:
     """Each layer's ``LayerGrads`` in one process, chained from the embeddings; None when everything trains."""
     if not cfg.lora_rank and not freeze:
@@ -151,25 +130,6 @@ def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: i
             owner = "tok_emb" if n == "head" and cfg.tie_embeddings else n  # a tied head trains with the embedding
             total += v * plan.get(owner, (False, False))[0]
     return total
-
-
-def trainable_expert_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, layer_ids: Sequence[int] | None = None,
-                            ep_size: int = 1, ep_rank: int | None = None) -> int:
-    """Trainable routed-expert parameters of the MoE layers among ``layer_ids`` that ep rank ``ep_rank`` holds
-    (experts [r E/ep, (r+1) E/ep), ``parallel/ep/apply.local_experts``); ``None``: the ep rank with the most, the
-    planner's worst rank (a pattern such as ``layers.*.moe.experts.0-1`` freezes some ep ranks' experts only)."""
-    if not cfg.n_experts:
-        return 0
-    plan = module_training(cfg, freeze)
-    ids = [i for i in (range(cfg.n_layers) if layer_ids is None else layer_ids) if cfg.is_moe_layer(i)]
-    leaves = {k.rpartition(".")[2]: v for k, v in moe_block_params(cfg).items() if k.startswith("experts.") and v}
-    per = cfg.n_experts // ep_size
-
-    def held(r: int) -> int:
-        return sum(v * plan[f"layers.{i}.moe.experts.{e}.{leaf}"][0] for i in ids
-                   for e in range(r * per, (r + 1) * per) for leaf, v in leaves.items())
-
-    return held(ep_rank) if ep_rank is not None else max(held(r) for r in range(ep_size))
 
 
 def module_rows(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, int]:

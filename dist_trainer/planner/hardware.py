@@ -7,7 +7,7 @@ the node's InfiniBand share per GPU between nodes (V100: 100 Gb/s, A100: 200 Gb/
 per GPU). ``efficiency`` is the fraction of peak a well-tuned transformer step reaches on matmuls (Megatron
 reports 40-55% MFU on A100/H100); it is a stated assumption, overridable, not a measurement, as are the ring
 latencies (NVLink ~10 us, InfiniBand ~20 us per hop, NCCL's published small-message figures). ``dist-trainer
-calibrate`` replaces all of them with measurements of the machine at hand (``planner/calibrate.py``), written as
+calibrate`` replaces all of them with measurements of the machine at hand (``experiments/calibrate.py``), written as
 a JSON profile that ``--hardware FILE.json`` (plan), ``parallel.hardware`` (layout=auto, MFU) read.
 
 ``host_memory_per_gpu`` is the host RAM of the vendor's reference node divided by its GPUs, the planner's

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import ZERO_STAGES, ModelConfig
+from dist_trainer.finetune import trainable_expert_params
 from dist_trainer.layout_rules import (
     check_ep,
     check_offload,
@@ -35,7 +36,7 @@ from dist_trainer.layout_rules import (
 )
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
-from dist_trainer.planner.finetune import grad_plan, trainable_expert_params, trainable_params
+from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -78,7 +79,7 @@ class Layout:
                 raise ValueError(f"layout.{name}={getattr(self, name)} must be >= 1")
         check_tp(cfg, self.tp_size)
         self.stage_counts(cfg)
-        if self.zero_stage not in (0, 1, 2, 3):
+        if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         check_offload(self.zero_stage, self.zero_offload)
         check_ep(cfg, self.ep_size, self.dp_size, self.zero_stage)  # its freeze rule: check_layout (runnable)

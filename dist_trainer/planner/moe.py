@@ -1,6 +1,6 @@
 """The planner's mixture-of-experts terms: what a rank holds under expert parallelism, the dispatch buffers,
 the FLOPs a MoE layer costs and the all-to-all volume. Torch-free; read off ``model_moe.py`` and
-``parallel/ep/`` (the counts per module are ``params.moe_block_params``).
+``parallel/ep/`` (the counts per module are ``model_shape.moe_block_params``).
 
 * Holdings: the MoE block (router, experts, shared expert) is replicated on every TP rank; expert parallelism
   leaves a rank n_experts / ep_size experts, whose model states DDP does not all-reduce and ZeRO-1/2 partition
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner.params import expert_params, mlp_weights, moe_block_params
+from dist_trainer.model_shape import moe_block_params
+from dist_trainer.planner.params import expert_params, mlp_weights
 
 
 def moe_layer_ids(cfg: ModelConfig, layer_ids: Sequence[int] | None = None) -> list[int]:

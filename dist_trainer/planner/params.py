@@ -1,21 +1,8 @@
 """Exact parameter counts of dist_trainer.model.Transformer, per module kind, per rank.
 
-Closed forms read off the module definitions in ``dist_trainer/model.py``:
-
-* ``nn.Linear(i, o, bias)`` holds ``i*o (+ o)``; ``nn.Embedding(n, h)`` holds ``n*h``;
-* ``LayerNorm`` holds ``h`` weights ``(+ h)`` biases when ``model.bias``; ``RMSNorm`` holds ``h`` (no bias);
-* RoPE and sinusoidal positions are buffers, not parameters;
-* pre-norm models end with a ``final_norm``; post-norm models (BERT) normalise the embedding sum
-  (``emb_norm``) and have no final norm;
-* a tied head is the token embedding (counted once); an untied head is ``Linear(h, V, bias=False)``;
-* BERT's masked-LM head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm
-  ``mlm_transform.norm`` and the logits' ``output_bias`` (V).
-
-Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, section 3): q/k/v and MLP up/gate are
-column-parallel (weights and biases split), o/down are row-parallel (weights split, biases replicated),
-norms, position/type embeddings, the pooler and the MLM transform are replicated, the token embedding, an untied
-head and the output bias are vocab-parallel with the vocabulary padded up to a multiple of tp. Key/value
-projections are split when tp divides n_kv_heads and replicated otherwise (each rank keeps every kv head).
+The closed form of each module on one TP rank (Megatron-LM's sharding, the vocabulary padded to a multiple of
+tp) is ``model_shape.py``'s, which the TP layers and the pipeline split read too; here they are summed per module
+kind, with the LoRA adapters, and the matmul weights the cost model prices.
 
 Pipeline parallelism: the embeddings sit on the first stage, final norm + head (+ MLM head, pooler) on the last;
 with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding as its head (Megatron
@@ -38,80 +25,20 @@ from dataclasses import dataclass, field
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
 from dist_trainer.model_names import LAYER_MODULES, MLP_LEAVES
-
-
-def padded_vocab(vocab_size: int, tp_size: int) -> int:
-    """Vocabulary rows after padding up to a multiple of tp (so every rank holds the same slice)."""
-    return -(-vocab_size // tp_size) * tp_size
-
-
-def norm_params(cfg: ModelConfig) -> int:
-    if cfg.norm == "rmsnorm":
-        return cfg.d_model  # RMSNorm: weight only
-    return cfg.d_model * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
-
-
-def kv_sharded(cfg: ModelConfig, tp_size: int) -> bool:
-    """True when tp divides the kv heads (split); False: every rank keeps all kv heads (replicated)."""
-    return cfg.kv_heads % tp_size == 0
-
-
-def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """Parameters of the first-stage embedding modules on one TP rank."""
-    h = cfg.d_model
-    return {
-        "tok_emb": padded_vocab(cfg.vocab_size, tp_size) // tp_size * h if tp_size > 1 else cfg.vocab_size * h,
-        "pos_emb": cfg.max_seq_len * h if cfg.pos_embedding == "learned" else 0,
-        "type_emb": cfg.n_token_types * h,
-        "emb_norm": norm_params(cfg) if cfg.norm_placement == "post" else 0,
-    }
-
-
-def mlp_params(cfg: ModelConfig, width: int, tp_size: int = 1) -> dict[str, int]:
-    """An MLP of ``width`` inner features on one TP rank: up and gate column-parallel, down row-parallel (its bias
-    replicated, added after the all-reduce)."""
-    h, bias, f = cfg.d_model, int(cfg.bias), width // tp_size
-    return {"up_proj": h * f + bias * f, "gate_proj": (h * f + bias * f) if cfg.activation == "swiglu" else 0,
-            "down_proj": f * h + bias * h}
-
-
-def layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``)."""
-    h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
-    return {
-        "attn_norm": norm_params(cfg),
-        "q_proj": h * (h // t) + bias * (h // t),  # column-parallel: output rows split
-        "k_proj": h * kv_local + bias * kv_local,
-        "v_proj": h * kv_local + bias * kv_local,
-        "o_proj": (h // t) * h + bias * h,  # row-parallel: bias replicated, added after the all-reduce
-        "mlp_norm": norm_params(cfg),
-        **mlp_params(cfg, cfg.ffn_dim, t),
-    }
-
-
-def moe_block_params(cfg: ModelConfig) -> dict[str, int]:
-    """A MoE layer's ``moe`` module: ``router``, ONE expert's projections (``experts.*.up_proj``, ...; the layer
-    holds n_experts of them) and the shared expert. Never split by TP (the block is replicated on TP ranks)."""
-    shared = cfg.n_shared_experts * cfg.ffn_dim
-    return {"router": cfg.d_model * cfg.n_experts,
-            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.ffn_dim).items()},
-            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()}}
-
-
-def layer_param_counts(cfg: ModelConfig) -> list[int]:
-    """Parameters of each layer of the whole model: a dense layer, or attention and norms plus the MoE block with
-    all its experts."""
-    dense = layer_params(cfg)
-    moe = sum(v for k, v in dense.items() if k not in MLP_LEAVES) + sum(
-        v * (cfg.n_experts if k.startswith("experts.") else 1) for k, v in moe_block_params(cfg).items())
-    return [moe if cfg.is_moe_layer(i) else sum(dense.values()) for i in range(cfg.n_layers)]
+from dist_trainer.model_shape import (
+    embedding_params,
+    kv_sharded,
+    layer_params,
+    moe_block_params,
+    tail_params,
+)
 
 
 def expert_params(cfg: ModelConfig) -> int:
     """Parameters of one routed expert."""
     return sum(v for k, v in moe_block_params(cfg).items() if k.startswith("experts."))
+
+
 def lora_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, int, bool, bool]]:
     """Per layer linear leaf: (A's input columns, B's output rows, A whole, B whole) on one TP rank."""
     h, t, f = cfg.d_model, tp_size, cfg.ffn_dim
@@ -139,22 +66,6 @@ def lora_replicated_params(cfg: ModelConfig, tp_size: int) -> int:
     shapes = lora_shapes(cfg, tp_size)
     return sum(cfg.lora_rank * (shapes[leaf][0] * shapes[leaf][2] + shapes[leaf][1] * shapes[leaf][3])
                for leaf in lora_target_leaves(cfg))
-
-
-def tail_params(cfg: ModelConfig, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
-    """Parameters of the last-stage modules (``model_names.TAIL_NAMES``): final norm, the MLM transform, head
-    (untied, or a tied copy when pp > 1), the MLM output bias (vocab-parallel like the head's rows), pooler."""
-    head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
-    has_head = not cfg.tie_embeddings or pp_size > 1
-    dense = cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model  # a Linear(h, h, bias=model.bias)
-    return {
-        "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,
-        "mlm_transform.dense": dense if cfg.mlm_head else 0,
-        "mlm_transform.norm": norm_params(cfg) if cfg.mlm_head else 0,
-        "head": head_rows * cfg.d_model if has_head else 0,
-        "output_bias": head_rows if cfg.mlm_head else 0,
-        "pooler": dense if cfg.pooler else 0,
-    }
 
 
 @dataclass(frozen=True)

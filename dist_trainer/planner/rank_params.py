@@ -16,16 +16,9 @@ from dataclasses import dataclass
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp, layers_per_stage, rank_layer_ids
 from dist_trainer.model_names import MLP_LEAVES
+from dist_trainer.model_shape import embedding_params, kv_sharded, layer_params, norm_params, tail_params
 from dist_trainer.planner.moe import largest_moe_module, moe_holdings, moe_layer_ids
-from dist_trainer.planner.params import (
-    embedding_params,
-    kv_sharded,
-    layer_params,
-    lora_layer_params,
-    lora_replicated_params,
-    norm_params,
-    tail_params,
-)
+from dist_trainer.planner.params import lora_layer_params, lora_replicated_params
 
 VOCAB_PARALLEL_TAIL = ("head", "output_bias")  # the tail's vocab-sharded rows; the rest is whole on every TP rank
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import ZERO_STAGES, ModelConfig
 from dist_trainer.planner.hardware import HardwareProfile
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, DEFAULT_OVERHEADS, Overheads, TrainingOptions
 from dist_trainer.planner.params import count_params
@@ -47,7 +47,7 @@ def scale_model(base: ModelConfig, k: int, *, seq_len: int, tp_size: int | None 
 def max_model(base: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
               global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
               options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
-              offload: bool = False, k_max: int = 4096, zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+              offload: bool = False, k_max: int = 4096, zero_stages: tuple[int, ...] = ZERO_STAGES,
               tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
               host_memory_bytes: int | None = None) -> list[MaxModel]:
     """For each of ``zero_stages``: the largest scaled ``base`` with a layout that fits, by bisection on the scale.

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp, divisors
 from dist_trainer.planner import activations as act
@@ -207,7 +207,7 @@ MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
 def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
                  global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
                  options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
-                 zero_stages: tuple[int, ...] = (0, 1, 2, 3), allow_offload: bool = True,
+                 zero_stages: tuple[int, ...] = ZERO_STAGES, allow_offload: bool = True,
                  checkpointing: tuple[str, ...] = ("none", "selective", "every_k", "full"),
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
                  tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,

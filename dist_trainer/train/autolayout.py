@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dist_trainer.config import Config
+from dist_trainer.config import ZERO_STAGES, Config
 from dist_trainer.planner.emit import parallel_config_dict
 from dist_trainer.planner.memory import GiB, Layout, Overheads
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
@@ -65,7 +65,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
                           global_batch=p.global_batch_size, hardware=hardware, options=options,
                           overheads=overheads, allow_offload=False, tp_size=p.auto_tp_size,
                           max_tp_size=p.auto_max_tp_size, pp_size=p.auto_pp_size,
-                          zero_stages=tuple(p.auto_zero_stages or (0, 1, 2, 3)))
+                          zero_stages=tuple(p.auto_zero_stages or ZERO_STAGES))
     refused: list[str] = []
     for planned in result.layouts:
         candidate = _config_for(cfg, planned.layout)

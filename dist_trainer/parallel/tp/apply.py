@@ -43,6 +43,7 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer, set_attrs
 from dist_trainer.model_moe import add_aux_losses
+from dist_trainer.model_shape import kv_sharded
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.comms import (
@@ -61,7 +62,6 @@ from dist_trainer.parallel.tp.layers import (
     mark_partial_grad,
     sharded_param,
 )
-from dist_trainer.planner.params import kv_sharded
 
 
 @dataclass

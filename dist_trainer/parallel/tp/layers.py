@@ -34,6 +34,7 @@ from torch import nn
 
 from dist_trainer.model import IGNORE_INDEX, set_attrs
 from dist_trainer.model_lora import LoRALinear, lora_delta
+from dist_trainer.model_shape import padded_vocab
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.tp.comms import (
     enter_tp_region,
@@ -43,7 +44,6 @@ from dist_trainer.parallel.tp.comms import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
-from dist_trainer.planner.params import padded_vocab
 
 
 def shard_of(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dist_trainer.config import CONFIG_ROOT, Config
+from dist_trainer.config import CONFIG_ROOT, ZERO_STAGES, Config
 from dist_trainer.files import read_text
 from dist_trainer.layout_rules import check_composition, check_precision
 
@@ -158,7 +158,7 @@ def check_expert_parallel(zero: dict[str, Any], path: Path) -> None:
 
 def _read(cfg: Config) -> tuple[dict[str, Any], Path]:
     p = cfg.parallel
-    if p.zero_stage not in (1, 2, 3):
+    if p.zero_stage not in ZERO_STAGES[1:]:  # the DeepSpeed stages
         raise ValueError(f"parallel.zero_stage={p.zero_stage}: the ZeRO regime needs 1, 2 or 3")
     path = Path(p.ds_config) if p.ds_config else default_ds_config_path(p.zero_stage, p.zero_offload)
     return read_ds_json(path), path

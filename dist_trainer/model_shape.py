@@ -1,0 +1,145 @@
+"""The model's shape arithmetic, asked by the planner and the mechanisms alike (torch-free).
+
+Closed forms read off the module definitions in ``model.py`` and ``model_moe.py``, per module, on one TP rank:
+``nn.Linear(i, o, bias)`` holds ``i*o (+ o)``, ``nn.Embedding(n, h)`` ``n*h``, a LayerNorm ``h (+ h)``, an RMSNorm
+``h``; RoPE and sinusoidal positions are buffers. Megatron-LM's TP (Shoeybi et al. 2019, section 3): q/k/v and MLP
+up/gate column-parallel, o/down row-parallel (biases replicated), the token embedding, an untied head and the MLM
+output bias vocab-parallel over a vocabulary padded up to a multiple of tp; k/v are split when tp divides the kv
+heads, replicated otherwise. A MoE layer holds a router, n_experts MLPs and an optional shared expert in place of
+the MLP, never split by TP. The TP layers (``parallel/tp``), the pipeline split (``layout_rules``) and the planner's
+counts (``planner/params.py``) read these, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from dist_trainer.model_names import MLP_LEAVES
+
+
+class ModelShape(Protocol):
+    """The fields of ``config.ModelConfig`` that decide which modules exist and their sizes (config.py imports
+    this module, so they are named here structurally)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    max_seq_len: int
+    pos_embedding: str
+    n_token_types: int
+    norm: str
+    norm_placement: str
+    activation: str
+    bias: bool
+    tie_embeddings: bool
+    pooler: bool
+    mlm_head: bool
+    lora_rank: int
+    lora_targets: list[str]
+    n_experts: int
+    moe_every: int
+    n_shared_experts: int
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def ffn_dim(self) -> int: ...
+
+
+def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
+    """Whether layer ``layer`` (0-based) is a mixture-of-experts layer (the rule's one home;
+    ``ModelConfig.is_moe_layer`` asks here)."""
+    return cfg.n_experts > 0 and layer % cfg.moe_every == 0
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rows after padding up to a multiple of tp (so every rank holds the same slice)."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def kv_sharded(cfg: ModelShape, tp_size: int) -> bool:
+    """True when tp divides the kv heads (split); False: every rank keeps all kv heads (replicated)."""
+    return cfg.kv_heads % tp_size == 0
+
+
+def norm_params(cfg: ModelShape) -> int:
+    if cfg.norm == "rmsnorm":
+        return cfg.d_model  # RMSNorm: weight only
+    return cfg.d_model * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
+
+
+def embedding_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
+    """Parameters of the first-stage embedding modules on one TP rank (a post-norm model, BERT, normalises the
+    embedding sum in ``emb_norm``)."""
+    h = cfg.d_model
+    return {
+        "tok_emb": padded_vocab(cfg.vocab_size, tp_size) // tp_size * h if tp_size > 1 else cfg.vocab_size * h,
+        "pos_emb": cfg.max_seq_len * h if cfg.pos_embedding == "learned" else 0,
+        "type_emb": cfg.n_token_types * h,
+        "emb_norm": norm_params(cfg) if cfg.norm_placement == "post" else 0,
+    }
+
+
+def mlp_params(cfg: ModelShape, width: int, tp_size: int = 1) -> dict[str, int]:
+    """An MLP of ``width`` inner features on one TP rank: up and gate column-parallel, down row-parallel (its bias
+    replicated, added after the all-reduce)."""
+    h, bias, f = cfg.d_model, int(cfg.bias), width // tp_size
+    return {"up_proj": h * f + bias * f, "gate_proj": (h * f + bias * f) if cfg.activation == "swiglu" else 0,
+            "down_proj": f * h + bias * h}
+
+
+def layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
+    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``)."""
+    h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
+    return {
+        "attn_norm": norm_params(cfg),
+        "q_proj": h * (h // t) + bias * (h // t),  # column-parallel: output rows split
+        "k_proj": h * kv_local + bias * kv_local,
+        "v_proj": h * kv_local + bias * kv_local,
+        "o_proj": (h // t) * h + bias * h,  # row-parallel: bias replicated, added after the all-reduce
+        "mlp_norm": norm_params(cfg),
+        **mlp_params(cfg, cfg.ffn_dim, t),
+    }
+
+
+def moe_block_params(cfg: ModelShape) -> dict[str, int]:
+    """A MoE layer's ``moe`` module: ``router``, ONE expert's projections (``experts.*.up_proj``, ...; the layer
+    holds n_experts of them) and the shared expert. Never split by TP (the block is replicated on TP ranks)."""
+    shared = cfg.n_shared_experts * cfg.ffn_dim
+    return {"router": cfg.d_model * cfg.n_experts,
+            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.ffn_dim).items()},
+            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()}}
+
+
+def layer_param_counts(cfg: ModelShape) -> list[int]:
+    """Parameters of each layer of the whole model: a dense layer, or attention and norms plus the MoE block with
+    all its experts."""
+    dense = layer_params(cfg)
+    moe = sum(v for k, v in dense.items() if k not in MLP_LEAVES) + sum(
+        v * (cfg.n_experts if k.startswith("experts.") else 1) for k, v in moe_block_params(cfg).items())
+    return [moe if is_moe_layer(cfg, i) else sum(dense.values()) for i in range(cfg.n_layers)]
+
+
+def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
+    """Parameters of the last-stage modules (``model_names.TAIL_NAMES``): final norm, the MLM transform, head
+    (untied, or a tied copy when pp > 1), the MLM output bias (vocab-parallel like the head's rows), pooler.
+
+    Only a pre-norm model ends with a final norm; an untied head is ``Linear(h, V, bias=False)``; BERT's masked-LM
+    head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm and ``output_bias``."""
+    head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
+    has_head = not cfg.tie_embeddings or pp_size > 1
+    dense = cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model  # a Linear(h, h, bias=model.bias)
+    return {
+        "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,
+        "mlm_transform.dense": dense if cfg.mlm_head else 0,
+        "mlm_transform.norm": norm_params(cfg) if cfg.mlm_head else 0,
+        "head": head_rows * cfg.d_model if has_head else 0,
+        "output_bias": head_rows if cfg.mlm_head else 0,
+        "pooler": dense if cfg.pooler else 0,
+    }
