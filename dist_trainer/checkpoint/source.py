@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
-from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_index
+from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_header, safetensors_index
 from dist_trainer.checkpoint.hf_names import read_plan
 
 
@@ -177,14 +177,7 @@ class SafetensorsSource:
     def __init__(self, file: str | Path) -> None:
         self.file = Path(file)
         self.where = str(self.file)
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(self.file), framework="pt") as f:
-                names = list(f.keys())
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise ValueError(f"{self.file}: cannot be read as safetensors ({exc})") from None
-        self.files = SafetensorsFiles({n: self.file for n in names}, self.where)
+        self.files = SafetensorsFiles({n: self.file for n in safetensors_header(self.file)}, self.where)
 
     def names(self) -> set[str]:
         return set(self.files.files)
