@@ -130,6 +130,8 @@ def test_cpu_image_trains_into_mounted_workspace_and_exports(cpu_image: Image, t
     import torch
     from safetensors.torch import load_file
 
+    from dist_trainer.checkpoint.source import HFSource, open_source
+
     work = tmp_path / "workspace"
     work.mkdir()
     uid, _, gid = _config(cpu_image, "User").partition(":")
@@ -153,10 +155,19 @@ def test_cpu_image_trains_into_mounted_workspace_and_exports(cpu_image: Image, t
     assert meta["step"] == steps and meta["layout"]["world"] == 2 and meta["layout"]["dp"] == 2, meta
     assert step_dir.stat().st_uid == int(uid), "the checkpoint is not the image user's"
 
-    _run(cpu_image, "export", "--checkpoint", "/workspace/run", "--out", "/workspace/export", options=mount)
-    exported = load_file(str(work / "export" / "model.safetensors"))
+    # export's default (a Hugging Face folder, HF names) and --format native (our names), each read back against
+    # the checkpoint's own tensors (dp=2, no TP or stages: one full model file)
     saved = torch.load(step_dir / "model_tp00_pp00.pt", map_location="cpu", weights_only=True)
-    assert exported.keys() == saved.keys(), sorted(set(exported) ^ set(saved))
+    _run(cpu_image, "export", "--checkpoint", "/workspace/run", "--out", "/workspace/hf", options=mount)
+    hf = open_source(work / "hf")
+    assert isinstance(hf, HFSource), f"export wrote no Hugging Face folder: {sorted(os.listdir(work / 'hf'))}"
+    assert hf.names() == saved.keys(), sorted(hf.names() ^ saved.keys())
     for name, tensor in saved.items():
-        assert torch.equal(exported[name], tensor), f"export changed {name}"
-    assert json.loads((work / "export" / "config.json").read_text())["preset"] == "tiny"
+        assert torch.equal(hf.read(name), tensor), f"export changed {name}"
+    _run(cpu_image, "export", "--format", "native", "--checkpoint", "/workspace/run", "--out", "/workspace/native",
+         options=mount)
+    native = load_file(str(work / "native" / "model.safetensors"))
+    assert native.keys() == saved.keys(), sorted(set(native) ^ set(saved))
+    for name, tensor in saved.items():
+        assert torch.equal(native[name], tensor), f"export --format native changed {name}"
+    assert json.loads((work / "native" / "config.json").read_text())["preset"] == "tiny"
