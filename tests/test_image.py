@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +119,17 @@ def test_holds_the_sources_only(image: Image) -> None:
     assert tmp == [] or all(p.startswith("/tmp/build-pip/") and p.count("/") == 3 for p in tmp), tmp
     # no pip configuration of the host (index, find-links, CA bundle) baked in; PIP_NO_CACHE_DIR is the image's ENV
     assert [c for c in pip_config if not c.startswith(":env:.no-cache-dir=")] == [], pip_config
+    # nor in the image's history, which records every build argument's value (an index URL may carry a token):
+    # the sources came in a mounted pip.conf, and the history names only its path
+    history = _script("buildah", "inspect", "--type", "image", "--format",
+                      "{{range .Docker.History}}{{println .CreatedBy}}{{end}}", image.tag).stdout
+    assert "PIP_CONFIG_FILE=/tmp/build-pip/conf/pip.conf" in history, history[-3000:]
+    recorded = {k: v for k, v in re.findall(r"\bPIP_(INDEX_URL|EXTRA_INDEX_URL|FIND_LINKS|CERT)=(\S*)", history) if v}
+    assert recorded == {}, f"pip sources recorded in the image's history: {recorded}"
+    host = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    for source in re.findall(r"\.(?:index-url|extra-index-url|find-links|cert)='(.*)'", host):
+        for item in source.split():
+            assert item not in history, f"the host's pip source {item} is in the image's history"
 
 
 @pytest.fixture(scope="module")
