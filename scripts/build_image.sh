@@ -187,8 +187,9 @@ else
 fi
 pip_sources "$torch_index"
 echo "building $tag from $dockerfile on $base"
+# --force-rm: a failed build (a broken COPY) leaves no working container, nor its mount, in the store
 cd "$here"
-"${B[@]}" bud --isolation chroot --format docker --layers "${pull[@]}" -f "$dockerfile" --build-arg "BASE=$base" \
+"${B[@]}" bud --isolation chroot --format docker --layers --force-rm "${pull[@]}" -f "$dockerfile" --build-arg "BASE=$base" \
     "${extra[@]}" "${build_args[@]}" "${mounts[@]}" -t "$tag" .
 size="$("${B[@]}" images --format '{{.Size}}' "$tag" | head -n1)"
 echo "image $tag: $size ($((SECONDS - start)) s)"
