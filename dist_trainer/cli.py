@@ -248,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = extra
     elif extra:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    from dist_trainer.files import error_message, refuse_empty_paths
+
     try:
+        refuse_empty_paths(args)
         return args.func(args)
     except (ValueError, OSError) as exc:  # bad input, an unusable path, a full disk: one line (issue 16)
-        from dist_trainer.files import error_message
 
         if args.debug:
             traceback.print_exc()

@@ -13,6 +13,22 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+# argparse destinations that name a file or folder, and the option the user typed
+PATH_OPTIONS = {"config": "--config", "checkpoint": "--checkpoint", "out": "--out", "data": "--data", "run": "RUN",
+                "inputs": "--input", "tokenizer": "--tokenizer", "verify_data": "--verify-data"}
+
+
+def refuse_empty_paths(args: Any) -> None:
+    """ValueError for a path option given as an empty or blank string: ``Path("")`` is ``.``, so ``--out ''`` wrote
+    into the current folder and ``--checkpoint ''`` searched it (issue 28's ``train.out_dir=''``, for every path
+    option of every command)."""
+    for dest, option in PATH_OPTIONS.items():
+        value = getattr(args, dest, None)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and not item.strip():
+                raise ValueError(f"{option}={item!r} is empty; give a path (an empty one would mean the current "
+                                 "folder)")
+
 
 def output_dir(path: str | Path, setting: str) -> Path:
     """Create the folder ``path`` (and its parents) to write into; ValueError naming ``setting`` (the option

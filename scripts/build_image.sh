@@ -17,8 +17,11 @@
 #                kept out of the build context; a clean clone builds everything from scratch)
 #   IMAGE_TAG    the image's name (defaults above)
 # pip in the build uses the host's sources (PIP_* variables, else `pip config list`: index, extra indexes,
-# find-links, CA bundle): local folders are mounted read-only under /tmp/build-pip for the RUN steps only, so the
-# image holds none of them (their empty mount points stay). Needs root (buildah, debootstrap, apt-get).
+# find-links, CA bundle), written to a pip.conf (IMAGE_STORE/pip/, mode 0600) that is mounted read-only with the
+# local folders it names under /tmp/build-pip for the RUN steps only: the image holds none of them (their empty
+# mount points stay), and its history records only PIP_CONFIG_FILE's path, never an index URL or its token.
+# TORCH_INDEX_URL is a build argument (recorded in the history): give it a public index only.
+# Needs root (buildah, debootstrap, apt-get).
 set -euo pipefail
 shopt -s inherit_errexit  # a failure inside $(local_base) stops the script too
 # buildah keeps its temporary files in TMPDIR (the Makefile's .tmp/, absent in a clean clone)
@@ -103,8 +106,13 @@ localize() {  # $1: a path or URL the host's pip reads; $2: index|links|cert -> 
     case "$loc" in file://*) localized="file://$target$rest" ;; *) localized="$target$rest" ;; esac
 }
 
+PIP_CONF_DIR=/tmp/build-pip/conf
 pip_sources() {  # $1: the torch index without a mirror ("" = the Dockerfile's)
-    local value item out kind mirror=0
+    # The sources go into a pip.conf mounted for the RUN steps, not into build arguments: a build argument's value
+    # is recorded in the image's history (`docker history`), and an index URL may carry a token (user:token@host).
+    local value item out kind mirror=0 conf="$store/pip"
+    rm -rf "$conf" && mkdir -m 700 "$conf"
+    (umask 077; printf '[global]\n' >"$conf/pip.conf")
     for setting in index-url extra-index-url find-links cert; do
         value="$(pip_setting "$setting")"
         [ -n "$value" ] || continue
@@ -115,8 +123,10 @@ pip_sources() {  # $1: the torch index without a mirror ("" = the Dockerfile's)
             out="${out:+$out }$localized"
             case "$item" in file://*|/*) [ "$kind" = cert ] || mirror=1 ;; esac
         done
-        build_args+=(--build-arg "PIP_$(tr 'a-z-' 'A-Z_' <<<"$setting")=$out")
+        printf '%s = %s\n' "$setting" "$out" >>"$conf/pip.conf"
     done
+    mounts+=(--volume "$conf:$PIP_CONF_DIR:ro")
+    build_args+=(--build-arg "PIP_CONFIG_FILE=$PIP_CONF_DIR/pip.conf")
     # torch: TORCH_INDEX_URL when given; with a local mirror, from the same sources as `make venv` on this host
     # (the mirror holds the CPU wheel); else $1 or the Dockerfile's default index.
     if [ -n "${TORCH_INDEX_URL+set}" ]; then
@@ -177,8 +187,9 @@ else
 fi
 pip_sources "$torch_index"
 echo "building $tag from $dockerfile on $base"
+# --force-rm: a failed build (a broken COPY) leaves no working container, nor its mount, in the store
 cd "$here"
-"${B[@]}" bud --isolation chroot --format docker --layers "${pull[@]}" -f "$dockerfile" --build-arg "BASE=$base" \
+"${B[@]}" bud --isolation chroot --format docker --layers --force-rm "${pull[@]}" -f "$dockerfile" --build-arg "BASE=$base" \
     "${extra[@]}" "${build_args[@]}" "${mounts[@]}" -t "$tag" .
 size="$("${B[@]}" images --format '{{.Size}}' "$tag" | head -n1)"
 echo "image $tag: $size ($((SECONDS - start)) s)"

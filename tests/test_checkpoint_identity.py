@@ -148,5 +148,11 @@ def test_newer_format_is_refused_and_left_alone(six_steps: Path, tiny_data: Path
         assert f"{newest} has format 2, written by a newer dist_trainer; this version reads format 1" in str(err.value)
     after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
     assert after == before  # metrics.jsonl not moved aside, nothing overwritten
-    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "export")]) == 2
-    assert "has format 2, written by a newer dist_trainer; this version reads format 1" in capsys.readouterr().err
+    for argv in (["export", "--checkpoint", str(run), "--out", str(tmp_path / "export")],
+                 ["generate", "--checkpoint", str(run), "--prompt-ids", "1,2", "--max-new-tokens", "2"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (f"dist-trainer {argv[0]}: error: checkpoint {newest} has format 2, written by a newer "
+                       "dist_trainer; this version reads format 1. Nothing was changed: run the newer version, or "
+                       "give this run another train.out_dir\n"), err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"} == before

@@ -156,7 +156,7 @@ def test_cli_register_and_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["prepare", "--input", str(src), "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB),
             "--val-fraction", "0.25", "--max-bytes", "1k", "--workers", "1"]
     args = parser.parse_args(argv)
-    assert args.max_bytes == 1000 and args.inputs == [src]
+    assert args.max_bytes == 1000 and args.inputs == [str(src)]
     assert args.func(args) == 0
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     # The cap counts bytes read; a character cut by it is dropped (at most 3 bytes of UTF-8).

@@ -78,17 +78,28 @@ def _dies_while_saving(rank: int, world: int, data: Path, out: Path, parallel: d
     trainer.train()
 
 
-@pytest.mark.parametrize("parallel", [{"zero_stage": 3}, {}], ids=["zero3", "ddp"])
-def test_a_rank_lost_during_a_save_is_named(tiny_data: Path, tmp_path: Path, parallel: dict) -> None:
+@pytest.mark.parametrize("parallel,coordinates", [
+    ({"zero_stage": 3}, "dp 0/2, pp 0/1, tp 0/1"),
+    ({"zero_stage": 1}, "dp 0/2, pp 0/1, tp 0/1"),  # DeepSpeed's stage 1/2 save, not stage 3's gathers
+    ({}, "dp 0/2, pp 0/1, tp 0/1"),
+    ({"pp_size": 2, "micro_batch_size": 2}, "dp 0/1, pp 0/2, tp 0/1"),
+], ids=["zero3", "zero1", "ddp", "pipeline"])
+def test_a_rank_lost_during_a_save_is_named(tiny_data: Path, tmp_path: Path, parallel: dict,
+                                            coordinates: str) -> None:
     """Issue 28: a dead rank during a ZeRO-3 save gave a raw gloo traceback (pair.cc ... Connection reset by peer);
-    every regime's save now goes through the same watchdog as a step, and the previous checkpoint stays whole."""
+    every regime's save (each engine: ddp, pipeline, DeepSpeed ZeRO 1 and 3) now goes through the same watchdog as
+    a step, and the previous checkpoint stays whole."""
     from dist_trainer.checkpoint import publish as ckpt
 
+    # the timeout bounds the whole run, DeepSpeed's start included (over 20 s on a loaded 2-core machine); how long
+    # rank 0 waited once its peer died is read from the message below
     with pytest.raises(DistributedTestError) as err:
-        run_distributed(_dies_while_saving, 2, (tiny_data, tmp_path, parallel), timeout=20, join_grace=TIMEOUT_S)
+        run_distributed(_dies_while_saving, 2, (tiny_data, tmp_path, parallel), timeout=120, join_grace=TIMEOUT_S)
     message = str(err.value)
-    assert ("rank 0: RuntimeError: rank 0 (rank 0/2: dp 0/2, pp 0/1, tp 0/1) lost contact with its peers at step 4 "
+    assert (f"rank 0: RuntimeError: rank 0 (rank 0/2: {coordinates}) lost contact with its peers at step 4 "
             "while writing checkpoint step_00000004 (its partial step_00000004.tmp is ignored; the previous "
             "checkpoint is whole) after ") in message, message
     assert "Resume from the last checkpoint in" in message
+    waited = float(re.search(r"while writing checkpoint step_00000004 .*? after ([0-9.]+)s:", message).group(1))
+    assert waited < TIMEOUT_S, waited  # a death is noticed at once, not after parallel.timeout_s
     assert ckpt.latest_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_00000002"

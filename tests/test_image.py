@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +119,17 @@ def test_holds_the_sources_only(image: Image) -> None:
     assert tmp == [] or all(p.startswith("/tmp/build-pip/") and p.count("/") == 3 for p in tmp), tmp
     # no pip configuration of the host (index, find-links, CA bundle) baked in; PIP_NO_CACHE_DIR is the image's ENV
     assert [c for c in pip_config if not c.startswith(":env:.no-cache-dir=")] == [], pip_config
+    # nor in the image's history, which records every build argument's value (an index URL may carry a token):
+    # the sources came in a mounted pip.conf, and the history names only its path
+    history = _script("buildah", "inspect", "--type", "image", "--format",
+                      "{{range .Docker.History}}{{println .CreatedBy}}{{end}}", image.tag).stdout
+    assert "PIP_CONFIG_FILE=/tmp/build-pip/conf/pip.conf" in history, history[-3000:]
+    recorded = {k: v for k, v in re.findall(r"\bPIP_(INDEX_URL|EXTRA_INDEX_URL|FIND_LINKS|CERT)=(\S*)", history) if v}
+    assert recorded == {}, f"pip sources recorded in the image's history: {recorded}"
+    host = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    for source in re.findall(r"\.(?:index-url|extra-index-url|find-links|cert)='(.*)'", host):
+        for item in source.split():
+            assert item not in history, f"the host's pip source {item} is in the image's history"
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +142,8 @@ def test_cpu_image_trains_into_mounted_workspace_and_exports(cpu_image: Image, t
     `prepare` wrote; the checkpoint lands in the mounted folder, owned by the image's user, and `export` reads it."""
     import torch
     from safetensors.torch import load_file
+
+    from dist_trainer.checkpoint.source import HFSource, open_source
 
     work = tmp_path / "workspace"
     work.mkdir()
@@ -153,10 +168,19 @@ def test_cpu_image_trains_into_mounted_workspace_and_exports(cpu_image: Image, t
     assert meta["step"] == steps and meta["layout"]["world"] == 2 and meta["layout"]["dp"] == 2, meta
     assert step_dir.stat().st_uid == int(uid), "the checkpoint is not the image user's"
 
-    _run(cpu_image, "export", "--checkpoint", "/workspace/run", "--out", "/workspace/export", options=mount)
-    exported = load_file(str(work / "export" / "model.safetensors"))
+    # export's default (a Hugging Face folder, HF names) and --format native (our names), each read back against
+    # the checkpoint's own tensors (dp=2, no TP or stages: one full model file)
     saved = torch.load(step_dir / "model_tp00_pp00.pt", map_location="cpu", weights_only=True)
-    assert exported.keys() == saved.keys(), sorted(set(exported) ^ set(saved))
+    _run(cpu_image, "export", "--checkpoint", "/workspace/run", "--out", "/workspace/hf", options=mount)
+    hf = open_source(work / "hf")
+    assert isinstance(hf, HFSource), f"export wrote no Hugging Face folder: {sorted(os.listdir(work / 'hf'))}"
+    assert hf.names() == saved.keys(), sorted(hf.names() ^ saved.keys())
     for name, tensor in saved.items():
-        assert torch.equal(exported[name], tensor), f"export changed {name}"
-    assert json.loads((work / "export" / "config.json").read_text())["preset"] == "tiny"
+        assert torch.equal(hf.read(name), tensor), f"export changed {name}"
+    _run(cpu_image, "export", "--format", "native", "--checkpoint", "/workspace/run", "--out", "/workspace/native",
+         options=mount)
+    native = load_file(str(work / "native" / "model.safetensors"))
+    assert native.keys() == saved.keys(), sorted(set(native) ^ set(saved))
+    for name, tensor in saved.items():
+        assert torch.equal(native[name], tensor), f"export --format native changed {name}"
+    assert json.loads((work / "native" / "config.json").read_text())["preset"] == "tiny"

@@ -49,6 +49,32 @@ def test_empty_out_dir_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
         "train.out_dir may not be null"
 
 
+def test_empty_path_options_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``Path("")`` is ``.``: ``prepare --out ''`` tried to replace the current folder (EBUSY), ``generate
+    --checkpoint ''`` searched it, ``report ''`` said metrics.jsonl was missing; ``calibrate --name ''`` fell back to
+    the default name. Each is now refused, naming the option, and nothing is written where the user stands."""
+    monkeypatch.chdir(tmp_path)
+    for argv, option in ((["prepare", "--out", "", "--vocab-size", "300"], "--out"),
+                         (["prepare", "--out", "data", "--input", "a.txt", " ", "--vocab-size", "300"], "--input"),
+                         (["prepare", "--out", "data", "--tokenizer", ""], "--tokenizer"),
+                         (["generate", "--checkpoint", "", "--prompt", "x"], "--checkpoint"),
+                         (["generate", "--checkpoint", "run", "--prompt", "x", "--data", ""], "--data"),
+                         (["export", "--checkpoint", "run", "--out", " "], "--out"),
+                         (["attention", "--checkpoint", "run", "--text", "x", "--out", ""], "--out"),
+                         (["report", ""], "RUN"),
+                         (["check", "--config", "", "--world-size", "1"], "--config"),
+                         (["plan", "--model", "gpt2", "--gpus", "2", "--gpus-per-node", "2", "--seq-len", "128",
+                           "--global-batch", "8", "--out", ""], "--out"),
+                         (["memory-experiment", "--out", ""], "--out")):
+        value = next(a for a in argv if not a.strip())
+        assert one_line_error(capsys, argv) == \
+            f"{option}={value!r} is empty; give a path (an empty one would mean the current folder)"
+    assert one_line_error(capsys, ["calibrate", "--out", "hw.json", "--name", ""]).startswith(
+        "--name='' is empty; leave it out for calibrated-")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_warmup_longer_than_the_run_is_said_at_start(tiny_data: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny_config(tiny_data, tmp_path, optim={"warmup_steps": 8}, train={"max_steps": 2, "eval_every": 0})

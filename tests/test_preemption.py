@@ -110,13 +110,16 @@ def _config(tiny_data: Path, out: Path, tmp_path: Path) -> Path:
     return config
 
 
-def test_sigusr1_to_one_process_saves_and_resumes(tiny_data: Path, tmp_path: Path, reference: dict) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_to_one_process_saves_and_resumes(tiny_data: Path, tmp_path: Path, reference: dict,
+                                                   sig: signal.Signals) -> None:
+    """SLURM's --signal (USR1) and its SIGTERM before the kill, to a run without a launcher."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "dist_trainer.cli", "train", "--config", str(_config(tiny_data, out, tmp_path))]
-    code, output, _ = _signal_after_step(cmd, out, signal.SIGUSR1, tmp_path)
+    code, output, _ = _signal_after_step(cmd, out, sig, tmp_path)
     assert code == EXIT_PREEMPTED, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    _resume(tiny_data, out, _check_stopped(out, output, signal.SIGUSR1), reference)
+    _resume(tiny_data, out, _check_stopped(out, output, sig), reference)
 
 
 @pytest.mark.slow

@@ -349,14 +349,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Python's standard library source (no download needed). --vocab-size N trains a byte-level "
                     "BPE; --tokenizer DIR uses a model's own tokenizer instead.",
     )
-    p.add_argument("--input", dest="inputs", nargs="+", action="extend", type=Path, metavar="PATH",
+    p.add_argument("--input", dest="inputs", nargs="+", action="extend", metavar="PATH",
                    help="text files, folders (searched recursively) or JSONL files with a \"text\" field; "
                         "default: the Python stdlib's .py files")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help=f"train a BPE of this vocabulary size (>= {MIN_VOCAB_SIZE}: 256 bytes + "
                         f"{len(SPECIAL_TOKENS)} specials)")
-    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenize with a Hugging Face tokenizer instead: a model folder holding tokenizer.json "
                         "(and tokenizer_config.json: its BOS/EOS), or a tokenizer.json")
     p.add_argument("--model-vocab", type=int, default=None, metavar="N",
@@ -375,7 +375,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare(args.inputs, args.out, args.vocab_size, val_fraction=args.val_fraction, max_bytes=args.max_bytes,
-            workers=args.workers, seed=args.seed, force=args.force, tokenizer=args.tokenizer,
-            model_vocab=args.model_vocab)
+    # paths kept as typed until the CLI has refused empty ones (Path("") is ".": files.refuse_empty_paths)
+    inputs = [Path(p) for p in args.inputs] if args.inputs else None
+    tokenizer = Path(args.tokenizer) if args.tokenizer is not None else None
+    prepare(inputs, Path(args.out), args.vocab_size, val_fraction=args.val_fraction, max_bytes=args.max_bytes,
+            workers=args.workers, seed=args.seed, force=args.force, tokenizer=tokenizer, model_vocab=args.model_vocab)
     return 0

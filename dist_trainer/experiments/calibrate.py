@@ -264,13 +264,15 @@ def _stages(text: str) -> tuple[int, ...]:
 def _main(args: argparse.Namespace) -> int:
     from dist_trainer.files import output_dir
 
+    if args.name is not None and not args.name.strip():  # `or` replaced it with the default without a word
+        raise ValueError(f"--name={args.name!r} is empty; leave it out for calibrated-{platform.node()}")
     out = Path(args.out)
     if out.suffix != ".json":
         raise ValueError(f"--out={out} must name a .json file (plan --hardware reads FILE.json)")
     output_dir(out.parent if str(out.parent) else Path("."), "--out")
     profile = calibrate(args.nprocs, d_model=args.d_model, tokens=_ints(args.tokens, "--tokens"),
                         tp_sizes=_ints(args.tp_sizes, "--tp-sizes"), precision=args.precision, device=args.device,
-                        name=args.name or f"calibrated-{platform.node()}", base=args.base,
+                        name=f"calibrated-{platform.node()}" if args.name is None else args.name, base=args.base,
                         zero_stages=_stages(args.zero_stages))
     out.write_text(profile.to_json() + "\n")
     peak = profile.peak_flops(args.precision)
