@@ -278,20 +278,8 @@ class ParallelConfig:
         return dp
 
     def validate(self) -> None:
-        _positive(self, "tp_size", "pp_size", "ep_size", "micro_batch_size", "global_batch_size",
-                  "checkpoint_every", "pp_virtual_stages")
-        if self.dp_size is not None and self.dp_size < 1:
-            raise ValueError(f"parallel.dp_size={self.dp_size} must be >= 1 or unset")
-        if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        _choice(self, "activation_checkpointing", CHECKPOINTING)
-        _choice(self, "pp_schedule", PP_SCHEDULES)
-        _choice(self, "pp_balance", PP_BALANCES)
-        stages = self.pp_size * self.pp_virtual_stages
-        if self.pp_stage_layers is not None and (len(self.pp_stage_layers) != stages or
-                                                 any(not isinstance(n, int) or n < 1 for n in self.pp_stage_layers)):
-            raise ValueError(f"parallel.pp_stage_layers={self.pp_stage_layers} must list {stages} positive layer "
-                             f"counts (pp_size*pp_virtual_stages = {self.pp_size}*{self.pp_virtual_stages})")
+        """The fields that are not the layout's own (those are ``layout_rules.check_fields``, asked when the config
+        is loaded and again when its Layout is built)."""
         _choice(self, "layout", ("manual", "auto"))
         for name in ("auto_tp_size", "auto_max_tp_size", "auto_pp_size"):
             if getattr(self, name) is not None:
@@ -304,13 +292,6 @@ class ParallelConfig:
                                     any(z not in ZERO_STAGES or isinstance(z, bool) for z in allowed)):
             raise ValueError(f"parallel.auto_zero_stages={allowed!r} must be a non-empty list of stages among "
                              "0, 1, 2, 3")
-        if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"parallel.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"parallel.micro_batch_size={self.micro_batch_size}"
-            )
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 
@@ -483,12 +464,6 @@ class Config:
         if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
-        tp = self.parallel.tp_size
-        if self.parallel.sequence_parallel and self.data.seq_len % tp:
-            raise ValueError(
-                f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={self.data.seq_len} "
-                f"must be divisible by parallel.tp_size={tp}"
-            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

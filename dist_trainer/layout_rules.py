@@ -1,29 +1,36 @@
-"""Which layouts run: the one owner of every layout rule, torch-free.
+"""Which layouts run: the one owner of every layout rule, and the ``Layout`` they judge; torch-free.
 
 The planner's search asks it which layouts to rank, the trainer's pre-launch check asks it
 whether a config runs, before any process group exists; both get the same answer, so the
 planner ranks exactly the layouts the trainer accepts (``tests/test_layout_rules.py``
 enumerates layouts and checks the two agree). Pure arithmetic on the config: no torch.
 
+    Layout              the degrees and choices of one layout on a world (frozen; its fields checked as it is built)
+    layout_of           a run config's parallel section on a world size -> its Layout (the one conversion)
+    check_layout_for    every rule a Layout must pass for a model: the planner's and the trainer's question
+    check_layout        the same for a run config on a world size: the pre-launch check (returns the Layout)
     regime_of           the engine a layout runs under (engines/__init__.py maps it to a class)
-    check_tp            TP against the model: heads, MLP width, vocabulary shards (padded)
-    layers_per_stage    the pipeline split: even by layers, by parameters, or given per stage
-    check_schedule      a pipelining schedule against its micro-batches and virtual stages
-    check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
-    check_ep            expert parallelism: a MoE model, ep dividing the experts and dp, which ZeRO stages take it
-    check_precision     device limits: fp16 loss scaling needs CUDA
-    check_layout        all of the above for a run config on a world size: the pre-launch check
+    check_tp, layers_per_stage, check_schedule, check_composition, check_ep, check_precision: one rule each
     check_nodes         a world of several nodes fills whole ones; TP groups inside a node
-    rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
-    expert_groups       the expert-parallel and expert-data-parallel groups inside the dp axis
+    MESH_AXES, expert_groups  the rank grid's axes in order (parallel/mesh.py builds it) and ep/edp inside dp
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig
+from dist_trainer.config import (
+    CHECKPOINTING,
+    PP_BALANCES,
+    PP_SCHEDULES,
+    ZERO_STAGES,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+)
 from dist_trainer.finetune import trainable_expert_params
 from dist_trainer.model_shape import embedding_params, layer_param_counts, padded_vocab, tail_params
 
@@ -31,7 +38,121 @@ REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine pe
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
 
 
-def regime_of(parallel: ParallelConfig) -> str:
+# ---------------------------------------------------------------- the layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout on a world of known size: the degrees, whose product is the world, and every choice that
+    shapes a rank's work. The trainer builds it from its config (``layout_of``), the planner's search one per
+    candidate; the pre-launch check, the engines, the mesh and the planner's memory, cost and search all read this
+    object. Frozen, and its fields are checked as it is built (``check_fields``); what depends on the model is
+    ``check_layout_for``.
+
+    ``micro_batch_size`` x ``n_microbatches`` x ``dp_size`` is the global batch: ``n_microbatches`` is each data-
+    parallel rank's micro-batches per step (the pipeline's micro-batches, or gradient accumulation elsewhere).
+    """
+
+    tp_size: int = 1  # tensor-parallel degree (Megatron column/row split); innermost, so a TP group stays in a node
+    pp_size: int = 1  # pipeline stages (x pp_virtual_stages model chunks)
+    dp_size: int = 1  # data-parallel replicas
+    ep_size: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks (ep divides dp)
+    zero_stage: int = 0  # 0 = no ZeRO; 1/2/3 = DeepSpeed ZeRO over the dp ranks
+    zero_offload: bool = False  # ZeRO-Offload: optimizer states (stage 3: and parameters) in host memory
+    micro_batch_size: int = 1  # sequences per forward/backward on one rank
+    n_microbatches: int = 1  # micro-batches per dp rank per step
+    activation_checkpointing: str = "none"  # none | selective | every_k | full (config.CHECKPOINTING)
+    checkpoint_every: int = 1  # every_k: layers whose index % k == 0
+    sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
+    pp_schedule: str = "1f1b"  # config.PP_SCHEDULES
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved schedules)
+    pp_balance: str = "layers"  # how layers_per_stage splits the layers (by count or by parameters)
+    pp_stage_layers: tuple[int, ...] | None = None  # explicit (uneven) layers per stage
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pp_stage_layers, list):  # YAML and configs hold a list
+            object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
+        check_fields(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.n_microbatches * self.dp_size
+
+    @property
+    def regime(self) -> str:
+        return regime_of(self)
+
+    def stage_counts(self, model: ModelConfig) -> list[int]:
+        """Layers per stage (pp_size x pp_virtual_stages stages), as the trainer splits them."""
+        return layers_per_stage(model, self.pp_size * self.pp_virtual_stages, self.pp_balance,
+                                None if self.pp_stage_layers is None else list(self.pp_stage_layers))
+
+    def rank_layer_ids(self, model: ModelConfig, pp_rank: int) -> list[int]:
+        """Global indices of the layers pipeline rank ``pp_rank`` holds (its stages r, r + pp, ...: the loop
+        placement of the interleaved schedule)."""
+        return rank_layer_ids(self.stage_counts(model), pp_rank, self.pp_size)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_fields(p: Layout | ParallelConfig) -> None:
+    """The rules of a layout's own fields, whatever the model and the world: degrees and counts are positive
+    integers, every choice is one the code has, SP needs TP, an explicit stage split lists
+    pp_size x virtual stages positive counts. A ``Layout`` is checked as it is built; a run config's parallel
+    section when it is loaded (``config_load``), so a typo fails before anything else."""
+    names = ["tp_size", "pp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages"]
+    names += ["dp_size", "n_microbatches"] if isinstance(p, Layout) else ["global_batch_size"]
+    for name in names:
+        if not _positive_int(getattr(p, name)):
+            raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
+    for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
+        value = getattr(p, name)
+        if not isinstance(p, Layout) and value is not None and not _positive_int(value):
+            raise ValueError(f"parallel.{name}={value!r} must be a positive integer or unset")
+    if p.zero_stage not in ZERO_STAGES or isinstance(p.zero_stage, bool):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage!r} must be {', '.join(map(str, ZERO_STAGES[:-1]))} or "
+                         f"{ZERO_STAGES[-1]}")
+    for name, choices in (("activation_checkpointing", CHECKPOINTING), ("pp_schedule", PP_SCHEDULES),
+                          ("pp_balance", PP_BALANCES)):
+        if getattr(p, name) not in choices:
+            raise ValueError(f"parallel.{name}={getattr(p, name)!r} is not one of {', '.join(choices)}")
+    if isinstance(p, ParallelConfig) and p.global_batch_size % p.micro_batch_size:
+        raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
+                         f"parallel.micro_batch_size={p.micro_batch_size}")
+    if p.sequence_parallel and p.tp_size == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
+    stages = p.pp_size * p.pp_virtual_stages
+    layers = p.pp_stage_layers
+    if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):
+        raise ValueError(f"parallel.pp_stage_layers={list(layers)} must list {stages} positive layer counts "
+                         f"(pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages})")
+
+
+def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
+    """The Layout a run config's parallel section takes on ``world_size`` ranks (ValueError naming the values when
+    the degrees or the batch do not fit the world). Each dp rank runs ``global / dp`` sequences per step: in
+    micro-batches of ``micro_batch_size`` (gradient accumulation), or, for a pipeline given ``n_microbatches``,
+    cut into that many."""
+    dp = parallel.resolve(world_size)
+    per_rank = parallel.global_batch_size // dp
+    micro = parallel.micro_batch_size
+    n_micro = per_rank // micro
+    if parallel.pp_size > 1 and parallel.n_microbatches:  # the schedule cuts each dp rank's batch its own way
+        n_micro = parallel.n_microbatches
+        check_schedule(parallel.pp_size, parallel.pp_schedule, n_micro, per_rank, parallel.pp_virtual_stages)
+        micro = per_rank // n_micro
+    names = {f.name for f in dataclasses.fields(Layout)} - {"dp_size", "n_microbatches", "micro_batch_size"}
+    return Layout(**{n: getattr(parallel, n) for n in names}, dp_size=dp, n_microbatches=n_micro,
+                  micro_batch_size=micro)
+
+
+def regime_of(parallel: Layout | ParallelConfig) -> str:
     """The regime that runs this layout: pipeline stages (with ZeRO-1 over their dp replicas when zero_stage is 1),
     DeepSpeed ZeRO, or DDP (each with TP inside)."""
     if parallel.pp_size > 1:
@@ -41,7 +162,7 @@ def regime_of(parallel: ParallelConfig) -> str:
     return "ddp"
 
 
-def needs_process_group(parallel: ParallelConfig) -> bool:
+def needs_process_group(parallel: Layout | ParallelConfig) -> bool:
     """Whether the layout needs torch.distributed even on one process (DeepSpeed's engine does)."""
     return parallel.zero_stage > 0
 
@@ -163,17 +284,6 @@ def rank_layer_ids(counts: list[int], pp_rank: int, pp_size: int) -> list[int]:
     return [i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s])]
 
 
-def stage_counts(model: ModelConfig, parallel: ParallelConfig) -> list[int]:
-    """Layers per stage (pp_size x pp_virtual_stages of them) for this layout, as the trainer splits them."""
-    return layers_per_stage(model, parallel.pp_size * parallel.pp_virtual_stages, parallel.pp_balance,
-                            parallel.pp_stage_layers)
-
-
-def n_microbatches(parallel: ParallelConfig, dp_size: int) -> int:
-    """Pipeline micro-batches per step: configured, or the gradient-accumulation steps."""
-    return parallel.n_microbatches or parallel.grad_accum_steps(dp_size)
-
-
 def check_schedule(pp_size: int, schedule_name: str, n_microbatches: int, batch_size: int,
                    virtual_stages: int = 1) -> None:
     """Raise ValueError unless ``batch_size`` sequences (per dp rank) run under this pipelining schedule."""
@@ -206,15 +316,6 @@ def check_schedule(pp_size: int, schedule_name: str, n_microbatches: int, batch_
         )
 
 
-def check_pipeline(model: ModelConfig, parallel: ParallelConfig, dp_size: int, precision: str) -> None:
-    """Everything a pipeline layout needs: a stage split, a schedule that runs the batch, a precision it takes."""
-    stage_counts(model, parallel)
-    if precision == "fp16":
-        raise ValueError("train.precision=fp16 (loss scaling) is not supported with pipeline stages; use bf16")
-    check_schedule(parallel.pp_size, parallel.pp_schedule, n_microbatches(parallel, dp_size),
-                   parallel.global_batch_size // dp_size, parallel.pp_virtual_stages)
-
-
 # ---------------------------------------------------------------- composition and devices
 
 
@@ -239,7 +340,7 @@ ZERO_WITH_PIPELINE_REFUSED = {
 }
 
 
-def check_composition(parallel: ParallelConfig) -> None:
+def check_composition(parallel: Layout | ParallelConfig) -> None:
     """Which regimes compose, and why not where they do not.
 
     ZeRO-1/2/3 compose with tensor parallelism (DeepSpeed partitions each rank's TP shard over the dp group only;
@@ -313,19 +414,42 @@ def check_precision(precision: str, device_type: str) -> None:
 # ---------------------------------------------------------------- the whole check
 
 
-def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
+def check_shape(model: ModelConfig, layout: Layout, freeze: Sequence[str] = ()) -> None:
+    """Raise ValueError naming the values unless ``layout`` can cut ``model``: TP divides it, the stages split its
+    layers, ep divides its experts (and takes the freeze), the schedule runs the micro-batches. What the planner's
+    memory and cost models need to hold; ``check_layout_for`` adds what the regimes need."""
+    check_tp(model, layout.tp_size)
+    layout.stage_counts(model)
+    check_ep(model, layout.ep_size, layout.dp_size, layout.zero_stage, freeze)
+    if layout.pp_size > 1:
+        check_schedule(layout.pp_size, layout.pp_schedule, layout.n_microbatches,
+                       layout.micro_batch_size * layout.n_microbatches, layout.pp_virtual_stages)
+
+
+def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None = None, freeze: Sequence[str] = (),
+                     precision: str = "fp32", device_type: str = "cpu") -> None:
+    """Raise ValueError naming the values unless ``layout`` runs ``model`` (sequences of ``seq_len`` tokens, the
+    ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``): the question the planner's search puts
+    for every candidate and the trainer for its run (``check_layout``), answered by the same rules."""
+    if seq_len is not None and layout.sequence_parallel and seq_len % layout.tp_size:
+        raise ValueError(f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={seq_len} "
+                         f"must be divisible by parallel.tp_size={layout.tp_size}")
+    check_composition(layout)
+    check_precision(precision, device_type)
+    if layout.pp_size > 1 and precision == "fp16":
+        raise ValueError("train.precision=fp16 (loss scaling) is not supported with pipeline stages; use bf16")
+    check_shape(model, layout, freeze)
+
+
+def check_layout(cfg: Config, world_size: int, device_type: str) -> Layout:
     """Raise ValueError naming the values if ``cfg``'s layout cannot run on ``world_size`` ranks of
-    ``device_type`` ("cpu" or "cuda"); return the data-parallel degree. No process group, no data, no torch."""
+    ``device_type`` ("cpu" or "cuda"); else the Layout it runs. No process group, no data, no torch."""
     cfg.validate()
-    p = cfg.parallel
-    dp = p.resolve(world_size)
-    check_tp(cfg.model, p.tp_size)
-    check_composition(p)
-    check_ep(cfg.model, p.ep_size, dp, p.zero_stage, cfg.train.freeze)
-    check_precision(cfg.train.precision, device_type)
-    if p.pp_size > 1:
-        check_pipeline(cfg.model, p, dp, cfg.train.precision)
-    return dp
+    check_fields(cfg.parallel)
+    layout = layout_of(cfg.parallel, world_size)
+    check_layout_for(cfg.model, layout, seq_len=cfg.data.seq_len, freeze=cfg.train.freeze,
+                     precision=cfg.train.precision, device_type=device_type)
+    return layout
 
 
 def fit_micro_batch(cfg: Config, world_size: int) -> tuple[Config, str | None]:
@@ -369,13 +493,14 @@ def check_nodes(world_size: int, gpus_per_node: int, tp_size: int) -> str | None
     return None
 
 
-def rank_grid(world_size: int, dp_size: int, pp_size: int, tp_size: int) -> list[list[list[int]]]:
-    """``grid[d][p][t]`` = the global rank at those coordinates: ``arange(world).view(dp, pp, tp)``, tp fastest,
-    so the ranks of a TP group are consecutive and stay inside a node."""
-    if dp_size * pp_size * tp_size != world_size:
-        raise ValueError(f"dp*pp*tp = {dp_size}*{pp_size}*{tp_size} does not equal the world size {world_size}")
-    return [[[(d * pp_size + p) * tp_size + t for t in range(tp_size)] for p in range(pp_size)]
-            for d in range(dp_size)]
+# The rank grid's axes, outermost first (parallel/mesh.py builds ``arange(world).view(*sizes)``): tp innermost, so
+# a TP group is consecutive ranks and stays inside a node; then pp, then dp (Megatron's and torchtitan's order).
+MESH_AXES = ("dp", "pp", "tp")
+
+
+def mesh_shape(layout: Layout) -> dict[str, int]:
+    """Axis -> size, in ``MESH_AXES`` order: the layout's ``<axis>_size`` for each."""
+    return {axis: getattr(layout, f"{axis}_size") for axis in MESH_AXES}
 
 
 def expert_groups(dp_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -317,6 +317,12 @@ class Transformer(nn.Module):
         self.register_parameter("output_bias", nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.mlm_head else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
         self.loss = LMLoss()
+        # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
+        # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
+        # all-gather), generation gathers the vocabulary shards of the logits, the pooler gathers SP's shards.
+        self.head_input: nn.Module = nn.Identity()
+        self.full_logits: nn.Module = nn.Identity()
+        self.pool_input: nn.Module = nn.Identity()
         self.checkpointed: frozenset[int] = frozenset()
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
@@ -350,18 +356,20 @@ class Transformer(nn.Module):
         if self.cfg.pos_embedding in ("rope", "sinusoidal"):
             self._init_buffers()  # recompute after to_empty() left them uninitialised
 
-    def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
-        """none | selective (every layer's attention core) | every_k (layers whose index % every == 0) | full."""
-        n = len(self.layers)
+    def set_activation_checkpointing(self, mode: str, every: int = 1, first_layer: int = 0) -> None:
+        """none | selective (every layer's attention core) | every_k (layers whose global index % every == 0) |
+        full. ``first_layer``: the global index of ``layers[0]`` (a pipeline stage's), which ``run_layers`` is given
+        too, so every_k recomputes the same layers as the single model whatever the stage boundaries."""
+        ids = range(first_layer, first_layer + len(self.layers))
         for module in self.modules():
             if isinstance(module, Attention):
                 module.recompute_core = mode == "selective"
         if mode in ("none", "selective"):
             self.checkpointed = frozenset()
         elif mode == "full":
-            self.checkpointed = frozenset(range(n))
+            self.checkpointed = frozenset(ids)
         elif mode == "every_k":
-            self.checkpointed = frozenset(i for i in range(n) if i % every == 0)
+            self.checkpointed = frozenset(i for i in ids if i % every == 0)
         else:
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
 
@@ -398,18 +406,19 @@ class Transformer(nn.Module):
         return self.tok_emb.weight if self.head is None else self.head.weight
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head)."""
+        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head; under TP
+        this rank's vocabulary shard, which ``loss`` consumes)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.mlm_transform is not None:
             x = self.mlm_transform(x)
-        return F.linear(x, self.output_weight(), self.output_bias)
+        return F.linear(self.head_input(x), self.output_weight(), self.output_bias)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""
         if self.pooler is None:
             raise RuntimeError("this model has no pooler (model.pooler=false)")
-        return torch.tanh(self.pooler(hidden[:, 0]))
+        return torch.tanh(self.pooler(self.pool_input(hidden)[:, 0]))
 
     def forward(
         self,
@@ -420,7 +429,7 @@ class Transformer(nn.Module):
         """Logits (B, T, V) when targets is None, else the scalar mean loss (in training, plus the MoE layers'
         router losses)."""
         logits = self.logits(self.run_layers(self.embed(tokens, token_types)))
-        return logits if targets is None else add_aux_losses(self, self.loss(logits, targets))
+        return self.full_logits(logits) if targets is None else add_aux_losses(self, self.loss(logits, targets))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -14,17 +14,16 @@ from dataclasses import dataclass, field, replace
 
 from dist_trainer.config import ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp, divisors
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, Layout, check_ep, check_layout_for, check_tp, divisors
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
-from dist_trainer.planner.emit import run_config_dict
+from dist_trainer.planner.emit import TRAIN_PRECISION, run_config_dict
 from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
 from dist_trainer.planner.memory import (
     DEFAULT_OPTIONS,
     DEFAULT_OVERHEADS,
-    Layout,
     Overheads,
     RankMemory,
     TrainingOptions,
@@ -160,7 +159,7 @@ class _Planner:
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
 
-def _refusal(check: Callable[..., None], *args: object) -> str | None:
+def _refusal(check: Callable[..., object], *args: object) -> str | None:
     """The ValueError message of a rule check, or None when it passes."""
     try:
         check(*args)
@@ -186,15 +185,12 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
              options: TrainingOptions = DEFAULT_OPTIONS) -> str | None:
     """None when the trainer runs ``layout``, else the reason it refuses it.
 
-    The question is put to the trainer's own rules: ``layout_rules.check_layout`` on the config that
-    ``plan --out`` writes for this layout (the same check the trainer runs before launching it).
+    The question is put to the trainer's own rules, on the Layout itself: ``layout_rules.check_layout_for``, which
+    the trainer's pre-launch check asks of the Layout its config resolves to (``tests/test_layout_rules.py`` holds
+    the two to agreement).
     """
-    cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
-    try:
-        check_layout(cfg, layout.world_size, options.device)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return _refusal(lambda: check_layout_for(model, layout, seq_len=seq_len, freeze=options.freeze,
+                                             precision=TRAIN_PRECISION[options.precision], device_type=options.device))
 
 
 # The largest problem the planner takes: ten times the largest clusters and batches in use, so that the search
@@ -242,6 +238,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     for name, limit in (("tp_size", tp_size), ("max_tp_size", max_tp_size), ("pp_size", pp_size)):
         if limit is not None and limit < 1:
             raise ValueError(f"{name}={limit} must be >= 1")
+    # what no layout changes (the freeze patterns, the sequence length against the model), asked once as the
+    # trainer's config check asks it
+    config_from_dict(run_config_dict(model, Layout(), seq_len=seq_len, options=options)).validate()
     hw = get_hardware(hardware)
     ranks_per_node = min(gpus_per_node, n_gpus)
     host_memory = hw.host_memory_per_node(gpus_per_node) if host_memory_bytes is None else host_memory_bytes

@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from dist_trainer.config import Config
 from dist_trainer.files import atomic_write_text
+from dist_trainer.layout_rules import Layout
 from dist_trainer.planner.cost import ep_counted_bytes, estimate_step_time
-from dist_trainer.planner.emit import layout_from_parallel
 from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, predict_rank_memory
 from dist_trainer.train.metrics import device_hardware
 
@@ -123,11 +123,11 @@ def peak_resident_bytes() -> int:
 class PlanCheck:
     """The prediction for this rank next to its measurements (module docstring); one per Trainer."""
 
-    def __init__(self, cfg: Config, dp_size: int, pp_rank: int, rank: int, world_size: int, gpus_per_node: int,
+    def __init__(self, cfg: Config, layout: Layout, pp_rank: int, rank: int, gpus_per_node: int,
                  device: torch.device, out_dir: Path, baseline_bytes: int, ep_rank: int = 0) -> None:
-        self.cfg, self.pp_rank, self.rank, self.world, self.ep_rank = cfg, pp_rank, rank, world_size, ep_rank
+        self.cfg, self.pp_rank, self.rank, self.world, self.ep_rank = cfg, pp_rank, rank, layout.world_size, ep_rank
         self.device, self.path = device, out_dir / "plan_check.json"
-        self.layout = layout_from_parallel(cfg.parallel, dp_size, cfg.parallel.grad_accum_steps(dp_size))
+        self.layout = layout
         self.options = planner_options(cfg, device)
         self.hardware = device_hardware(device, cfg.parallel.hardware)
         self.gpus_per_node = max(1, gpus_per_node)

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule  # the schedules' common base
 
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule, rank_grid
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule
 from dist_trainer.model import set_attrs
 from dist_trainer.model_moe import paused_router_stats
 from dist_trainer.parallel.comm import AxisGroup
@@ -50,24 +50,21 @@ SCHEDULES = {
 def _embedding_group(state: ParallelState) -> AxisGroup | None:
     """The (first stage, last stage) pair of this rank's pp line, for the tied-embedding grads.
 
-    ``dist.new_group`` is collective over the world: every rank creates every pair, in the
-    same grid order as ``ParallelState.build``. pp_size 2 reuses the pp group itself.
+    ``dist.new_group`` is collective over the world: every rank creates every pair, in the mesh's order of the pp
+    lines. pp_size 2 reuses the pp group itself.
     """
-    pp, tp = state.pp_size, state.tp_size
+    pp = state.pp_size
     if pp == 1:
         return None
     if pp == 2:
         return state.pp
-    dp = state.world_size // (pp * tp)
-    grid = rank_grid(state.world_size, dp, pp, tp)
     mine = (state.pp.ranks[0], state.pp.ranks[-1])
     group = None
-    for d in range(dp):
-        for t in range(tp):
-            pair = [grid[d][0][t], grid[d][pp - 1][t]]
-            g = dist.new_group(pair)
-            if tuple(pair) == mine:
-                group = g
+    for line in state.mesh.lines("pp"):
+        pair = [line[0], line[-1]]
+        g = dist.new_group(pair)
+        if tuple(pair) == mine:
+            group = g
     if state.pp_rank not in (0, pp - 1):
         return None
     return AxisGroup("pp", 2, 0 if state.pp_rank == 0 else 1, group, mine, state.counter)
