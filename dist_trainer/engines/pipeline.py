@@ -81,25 +81,24 @@ class PipelineEngine(Engine):
             "+dp" if state.dp_size > 1 else "") + (f"+zero{layout.zero_stage}" if layout.zero_stage else "")
 
     def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
-        tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
-        targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
+        """The schedule over the sampler's micro-batches (``n_micro`` per pass: a step is one pass, the eval set
+        several); the sum of their losses on every rank."""
         stage_ids = [s.stage_index for s in self.stages]
         aux_before = aux_loss_sum(self.model)
+        losses: list[torch.Tensor] = []
         try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
             with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
-                if train:
-                    loss = self.pipe.step(tokens, targets)
-                else:
-                    losses: list[torch.Tensor] = []
-                    args = (tokens,) if self.pipe.has_first_stage else ()
-                    self.pipe.schedule.eval(*args, target=targets, losses=losses)
-                    loss = torch.stack([x.detach() for x in losses]).mean() if losses else None
+                for i in range(0, len(batches), self.n_micro):
+                    group = batches[i:i + self.n_micro]
+                    losses += self.pipe.run([b["tokens"] for b in group] if self.pipe.has_first_stage else None,
+                                            [b["targets"] for b in group] if self.pipe.has_last_stage else None,
+                                            train=train)
         except RuntimeError as exc:  # a dead or stalled neighbour: say which stage waited on whom
             raise RuntimeError(
                 f"pipeline stage(s) {stage_ids} on rank {self.state.rank} (pp rank {self.state.pp_rank}) failed "
                 f"while exchanging activations with a neighbouring stage (timeout "
                 f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s): {exc}") from exc
-        out = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
+        out = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         # the loss lives on the last stage: one broadcast so every rank reports the same figure
         self.state.pp.broadcast(out, src_axis_rank=self.last_stage_rank)
         if train and self.cfg.model.n_experts:  # each stage's router losses, mean over micro-batches, summed

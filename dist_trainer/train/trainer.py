@@ -104,13 +104,15 @@ class Trainer:
 
     def _build(self, cfg: Config, launch_notes: list[str], log: bool) -> None:
         """Everything after the claim on out_dir: a failure here releases it again."""
+        # The one cut of each step's batch into micro-batches (the layout's: a pipeline's micro-batches are what its
+        # schedule runs, no engine cuts again)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
-                                          cfg.parallel.micro_batch_size, self.state.dp_rank, self.layout.dp_size,
+                                          self.layout.micro_batch_size, self.state.dp_rank, self.layout.dp_size,
                                           cfg.train.seed)
         # The eval set: eval_batches global batches of the validation split, read as one large "global batch"
         # that each DP rank cuts into its micro-batches, so every layout evaluates the same samples. Without
         # evaluation there is none (its size is checked before launch only when evaluation is on).
-        self.val_sampler = GlobalBatchSampler(len(self.val_data), eval_set_size(cfg), cfg.parallel.micro_batch_size,
+        self.val_sampler = GlobalBatchSampler(len(self.val_data), eval_set_size(cfg), self.layout.micro_batch_size,
                                               self.state.dp_rank, self.layout.dp_size,
                                               cfg.train.seed) if cfg.train.eval_every else None
         self.engine = build_engine(cfg, self.state, self.device)
