@@ -95,5 +95,5 @@ def dense_mlp_flops_per_token(cfg: ModelConfig) -> float:
 
 
 def ep_link_is_intra(*, ep_size: int, tp_size: int, pp_size: int, gpus_per_node: int) -> bool:
-    """An ep group is ep consecutive dp ranks: ep x pp x tp consecutive global ranks (layout_rules.rank_grid)."""
+    """An ep group is ep consecutive dp ranks: ep x pp x tp consecutive global ranks (parallel/mesh.py)."""
     return ep_size * pp_size * tp_size <= gpus_per_node
