@@ -96,6 +96,11 @@ class Layout:
         placement of the interleaved schedule)."""
         return rank_layer_ids(self.stage_counts(model), pp_rank, self.pp_size)
 
+    def layers_by_rank(self, model: ModelConfig) -> list[list[int]]:
+        """``rank_layer_ids`` of every pipeline rank, the split computed once."""
+        counts = self.stage_counts(model)
+        return [rank_layer_ids(counts, r, self.pp_size) for r in range(self.pp_size)]
+
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -61,6 +61,21 @@ def test_one_trillion_parameters_on_3072_gpus_plans_a_megatron_layout() -> None:
     assert best.layout.world_size == 3072 and best.memory.device_total <= 80 * GiB
 
 
+@pytest.mark.parametrize("name, n_gpus, batch", [("tiny", 8, 32), ("tiny-moe", 8, 16), ("gpt2", 16, 64)])
+def test_the_search_ranks_as_the_trainers_whole_config_check(name: str, n_gpus: int, batch: int) -> None:
+    """The search asks the rules of each Layout (fast); asking the trainer's whole check of the run config each
+    layout would write (the slow path before issue 26) ranks exactly the same layouts, times and bytes."""
+    from dist_trainer.planner.search import config_check
+
+    model = model_config(name)
+    kw = dict(n_gpus=n_gpus, gpus_per_node=8, gpu_memory_bytes=16 * GiB, seq_len=128, global_batch=batch)
+    fast = plan_layouts(model, **kw)
+    slow = plan_layouts(model, **kw, check=config_check(model, seq_len=128))
+    assert len(fast.layouts) > 10
+    assert [(p.layout, p.time.total, p.memory.device_total) for p in fast.layouts] == \
+        [(p.layout, p.time.total, p.memory.device_total) for p in slow.layouts]
+
+
 def test_emitted_config_loads_and_resolves() -> None:
     cfg = model_config("gpt2")
     res = plan_layouts(cfg, n_gpus=16, gpus_per_node=8, gpu_memory_bytes=16 * GiB, seq_len=1024, global_batch=64,

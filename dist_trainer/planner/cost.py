@@ -165,19 +165,22 @@ def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
                        n_params_rank: int | None = None, n_trainable_rank: int | None = None,
-                       n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None) -> StepTime:
+                       n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None,
+                       layers_by_rank: list[list[int]] | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
     docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
     trainable parameters only (default: those ``options.freeze`` and LoRA leave trainable on pipeline rank 0);
     ZeRO-3 gathers every parameter. Under
     expert parallelism ``n_expert_rank`` of the rank's parameters (``n_expert_trainable_rank`` trainable) are its
-    experts, reduced over edp, not dp (the ep and edp axes)."""
+    experts, reduced over edp, not dp (the ep and edp axes). ``layers_by_rank``: ``layout.layers_by_rank(cfg)``,
+    when the caller has it (the search prices thousands of layouts over a few stage splits)."""
     n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
                         layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
                                recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every)
     tokens = layout.micro_batch_size * seq_len
-    most_layers = max(len(layout.rank_layer_ids(cfg, r)) for r in range(p))
+    layers = layout.layers_by_rank(cfg) if layers_by_rank is None else layers_by_rank
+    most_layers = max(len(ids) for ids in layers)
     imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
     rp = rank_params(cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
                      balance=layout.pp_balance, ep_size=layout.ep_size) if n_params_rank is None else None
@@ -211,8 +214,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     inter = (hardware.inter_node_bw, hardware.inter_node_latency)
     axes: dict[str, AxisTime] = {}
     if t > 1:  # a TP group stays inside a node
-        recomputed = max(len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every,
-                                                   layout.rank_layer_ids(cfg, r))) for r in range(p))
+        recomputed = max(len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, ids))
+                         for ids in layers)
         sp = layout.sequence_parallel
         # per micro-batch: 4 per layer, 2 per recomputed layer, the embedding's and the LM head's (one stage holds
         # each when p > 1: the last one's head is counted), in units of one all-reduce or SP's gather + scatter
@@ -239,7 +242,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         axes.update(_expert_axes(cfg, layout, options, expert, expert_trainable, backward_one, compute, link,
                                  seq_len=seq_len,
                                  ep_link=intra if ep_link_is_intra(ep_size=layout.ep_size, tp_size=t, pp_size=p,
-                                                                   gpus_per_node=gpus_per_node) else inter))
+                                                                   gpus_per_node=gpus_per_node) else inter,
+                                 layers=layers))
     if layout.zero_offload:
         # the optimizer's part: dense over dp, this rank's experts over edp (DeepSpeed's MoE groups)
         shard = (trainable - expert_trainable) / d + expert_trainable * layout.ep_size / d
@@ -302,13 +306,13 @@ def ep_counted_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
 
 def _expert_axes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, expert: int, expert_trainable: int,
                  backward_one: float, compute: float, link: tuple[float, float], *, seq_len: int,
-                 ep_link: tuple[float, float]) -> dict[str, AxisTime]:
+                 ep_link: tuple[float, float], layers: list[list[int]]) -> dict[str, AxisTime]:
     """The ep (token all-to-alls) and edp (expert gradients) axes of expert parallelism (module docstring): this
     rank's ``expert`` parameters, of which ``expert_trainable`` train (frozen experts have no gradient)."""
     ep, edp = layout.ep_size, layout.dp_size // layout.ep_size
     if ep == 1 or not cfg.n_experts:
         return {}
-    ids = max((layout.rank_layer_ids(cfg, r) for r in range(layout.pp_size)), key=lambda x: len(moe_layer_ids(cfg, x)))
+    ids = max(layers, key=lambda x: len(moe_layer_ids(cfg, x)))
     counted = ep_counted_bytes(cfg, layout, options, seq_len=seq_len, layer_ids=ids)
     n_moe, recomputed, in_b, out_b = _ep_exchange(cfg, layout, options, ids)
     elems = dispatch_elements(cfg, micro_batch=layout.micro_batch_size, seq_len=seq_len)

@@ -26,6 +26,8 @@ from dist_trainer.planner.params import expert_params, mlp_weights
 
 def moe_layer_ids(cfg: ModelConfig, layer_ids: Sequence[int] | None = None) -> list[int]:
     """The MoE layers among ``layer_ids`` (default: the whole model)."""
+    if not cfg.n_experts:
+        return []
     ids = range(cfg.n_layers) if layer_ids is None else layer_ids
     return [i for i in ids if cfg.is_moe_layer(i)]
 

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field, replace
 
 from dist_trainer.config import ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, Layout, check_ep, check_layout_for, check_tp, divisors
+from dist_trainer.layout_rules import (
+    MULTI_STAGE_SCHEDULES,
+    Layout,
+    check_ep,
+    check_layout,
+    check_layout_for,
+    check_tp,
+    divisors,
+)
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
@@ -110,7 +118,7 @@ class _Planner:
         """Per pipeline rank, the global layers it holds (the trainer's split, layout_rules.layers_per_stage)."""
         key = (layout.pp_size, layout.pp_virtual_stages)
         if key not in self._layers:
-            self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
+            self._layers[key] = layout.layers_by_rank(self.cfg)
         return self._layers[key]
 
     def costs(self, tp: int, sp: bool, ep: int = 1) -> LayerCosts:
@@ -154,7 +162,8 @@ class _Planner:
                                n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
                                                                                       self.options, 0),
                                n_expert_rank=rp.expert,
-                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0))
+                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
+                               layers_by_rank=self.layer_ids(layout))
         host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
@@ -193,6 +202,17 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
                                              precision=TRAIN_PRECISION[options.precision], device_type=options.device))
 
 
+def config_check(model: ModelConfig, *, seq_len: int,
+                 options: TrainingOptions = DEFAULT_OPTIONS) -> Callable[[Layout], str | None]:
+    """The slow way to ask the same question as ``runnable``: build and validate the run config ``plan --out``
+    would write for a layout and put it to the trainer's whole check (``layout_rules.check_layout``), as the search
+    did before issue 26. ``plan_layouts(check=...)`` takes it to show both rank alike."""
+    def check(layout: Layout) -> str | None:
+        cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
+        return _refusal(lambda: check_layout(cfg, layout.world_size, options.device))
+    return check
+
+
 # The largest problem the planner takes: ten times the largest clusters and batches in use, so that the search
 # (every divisor of the GPU count and of the per-DP batch) ends in seconds for any input.
 MAX_GPUS = 1 << 20
@@ -207,7 +227,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  checkpointing: tuple[str, ...] = ("none", "selective", "every_k", "full"),
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
                  tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
-                 host_memory_bytes: int | None = None) -> PlanResult:
+                 host_memory_bytes: int | None = None,
+                 check: Callable[[Layout], str | None] | None = None) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
     Enumerated: tp dividing gpus_per_node (a TP group stays in a node), pp up to n_layers, dp = n_gpus/(tp*pp)
@@ -218,7 +239,13 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     or ``max_tp_size``, ``pp_size`` (1: no pipeline), ``zero_stages``, ``allow_offload``. Fitting: the worst
     rank's device bytes within ``gpu_memory_bytes``, and a node's host bytes (``ranks per node`` x the rank's
     offloaded states) within
-    ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node.
+    ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node. ``check``: the refusal
+    of a candidate (default ``runnable``, the trainer's rules on the Layout; ``benchmarks/planner_speed.py`` passes
+    the trainer's whole config check to show both rank alike).
+
+    Fast by construction (issue 26): the rules are asked of the Layout once per shape (recomputation aside), the
+    stage split once per (pp, virtual stages), parameter counts once per (tp, pp, rank, ep) and activation costs
+    once per (tp, sp, ep); a candidate then costs a few multiplications.
     """
     start = time.perf_counter()
     model.validate()
@@ -250,12 +277,11 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     host_short: list[PlannedLayout] = []  # model states fit the GPU, offloaded states not the host memory
     skipped = _Skipped()
     considered = 0
-    refused: dict[Layout, str | None] = {}  # runnable() per layout, recomputation aside (it decides nothing here)
+    refused: dict[Layout, str | None] = {}  # runnable() per layout without recomputation (it decides nothing here)
 
-    def why_not(lay: Layout) -> str | None:
-        key = replace(lay, activation_checkpointing="none", checkpoint_every=1)
+    def why_not(key: Layout) -> str | None:
         if key not in refused:
-            refused[key] = runnable(model, lay, seq_len=seq_len, options=options)
+            refused[key] = runnable(model, key, seq_len=seq_len, options=options) if check is None else check(key)
             if refused[key] is not None:
                 skipped.add("refused by the trainer's pre-launch check (layout_rules)", str(refused[key]))
         return refused[key]
@@ -319,13 +345,14 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                         m = per_dp // mb
                         for sched, v in _schedules(pp, pp_schedules):
                             for sp in ((False, True) if tp > 1 else (False,)):
+                                shape = replace(base, micro_batch_size=mb, n_microbatches=m, sequence_parallel=sp,
+                                                pp_schedule=sched, pp_virtual_stages=v)
+                                if why_not(shape) is not None:
+                                    continue  # the trainer refuses it (whatever the recomputation): never ranked
                                 for ck in checkpointing:
-                                    lay = replace(base, micro_batch_size=mb, n_microbatches=m,
-                                                  activation_checkpointing=ck, checkpoint_every=2 if ck == "every_k"
-                                                  else 1, sequence_parallel=sp, pp_schedule=sched,
-                                                  pp_virtual_stages=v)
-                                    if why_not(lay) is not None:
-                                        continue  # the trainer refuses it: never ranked
+                                    every = 2 if ck == "every_k" else 1
+                                    lay = shape if ck == "none" else replace(shape, activation_checkpointing=ck,
+                                                                             checkpoint_every=every)
                                     considered += 1
                                     planned = pl.price(lay)
                                     if planned.fits:
