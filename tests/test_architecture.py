@@ -237,7 +237,7 @@ def test_one_layout_class_held_by_the_rules() -> None:
     from dist_trainer.planner.memory import Layout as PlannerLayout
 
     found = _class_definitions("Layout")
-    assert len(found) == 1 and found[0].startswith("dist_trainer/layout_rules.py:"), found
+    assert len(found) == 1 and found[0].startswith("dist_trainer/layout_rules/layout.py:"), found
     assert PlannerLayout is Layout and ParallelState.single().layout == Layout()
     with pytest.raises(ValueError, match="sequence_parallel=true needs parallel.tp_size > 1"):
         Layout(sequence_parallel=True)

@@ -20,6 +20,19 @@ EXPERT_AXES = ("ep", "edp")  # inside dp (layout_rules.expert_groups)
 AXES = (*MESH_AXES, *EXPERT_AXES)
 
 
+class _Axis:
+    """``state.<axis>``: that axis's AxisGroup in ``state.axes`` (a new axis is one line in ParallelState)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: ParallelState, owner: type | None = None) -> AxisGroup:
+        return state.axes[self.name]
+
+    def __set__(self, state: ParallelState, group: AxisGroup) -> None:
+        state.axes[self.name] = group
+
+
 @dataclass
 class ParallelState:
     """This rank's axes, each an ``AxisGroup`` (process group, size, rank) sharing one ``CommCounter``, and the mesh
@@ -33,25 +46,11 @@ class ParallelState:
     world_size: int
     counter: CommCounter = field(default_factory=CommCounter)
 
-    @property
-    def dp(self) -> AxisGroup:
-        return self.axes["dp"]
-
-    @property
-    def pp(self) -> AxisGroup:
-        return self.axes["pp"]
-
-    @property
-    def tp(self) -> AxisGroup:
-        return self.axes["tp"]
-
-    @property
-    def ep(self) -> AxisGroup:
-        return self.axes["ep"]
-
-    @property
-    def edp(self) -> AxisGroup:
-        return self.axes["edp"]
+    dp = _Axis()
+    pp = _Axis()
+    tp = _Axis()
+    ep = _Axis()
+    edp = _Axis()
 
     @property
     def tp_size(self) -> int:

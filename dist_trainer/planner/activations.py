@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
+from dist_trainer.layout_rules import check_sequence_parallel
 from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
 from dist_trainer.model_shape import kv_sharded, padded_vocab
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
@@ -97,8 +98,7 @@ class ActivationSpec:
             raise ValueError(f"attention_kernel={self.attention_kernel!r} is not one of flash, math")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r} must be cuda or cpu")
-        if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("sequence_parallel needs tp_size > 1")
+        check_sequence_parallel(self.tp_size, self.sequence_parallel)  # the layout's rule, asked of its shard
         if self.seq_len < 1 or self.tp_size < 1:
             raise ValueError(f"seq_len={self.seq_len} and tp_size={self.tp_size} must be >= 1")
 
