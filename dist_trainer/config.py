@@ -30,6 +30,7 @@ CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
+CP_MODES = ("ring", "all_to_all")  # context parallelism's attention over the cp group (parallel/cp/)
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
@@ -217,7 +218,12 @@ class ParallelConfig:
     # expert-parallel degree: each MoE layer's experts are split over groups of ep_size data-parallel ranks,
     # tokens reach them by all-to-all (parallel/ep/); must divide dp_size and model.n_experts
     ep_size: int = 1
-    dp_size: int | None = None  # data-parallel degree; None = world_size / (tp_size * pp_size)
+    # context parallelism: every sequence split over cp ranks (issue 23; parallel/cp/), attention over the group
+    cp_size: int = 1
+    # ring (K/V blocks passed around the ring, Liu et al. 2023; causal models split zigzag) | all_to_all
+    # (DeepSpeed-Ulysses, Jacobs et al. 2023: heads split over cp around the attention core)
+    cp_mode: str = "ring"
+    dp_size: int | None = None  # data-parallel degree; None = world_size / (tp_size * pp_size * cp_size)
     zero_stage: int = 0  # 0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage
     zero_offload: bool = False  # DeepSpeed: offload optimizer (stage 3: and parameters) to CPU
     ds_config: str | None = None  # path of a configs/ds/*.json; None = configs/ds/zero{stage}.json
@@ -250,16 +256,18 @@ class ParallelConfig:
 
     def dp_degree(self, world_size: int) -> int:
         """The DP degree of this layout on ``world_size`` ranks; ValueError when the degrees do not fit."""
-        model_parallel = self.tp_size * self.pp_size
+        model_parallel = self.tp_size * self.pp_size * self.cp_size
+        cp = "*cp_size" if self.cp_size > 1 else ""
+        cp_value = f"*{self.cp_size}" if self.cp_size > 1 else ""
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp_size*pp_size = "
-                f"{self.tp_size}*{self.pp_size} = {model_parallel}"
+                f"world size {world_size} is not divisible by tp_size*pp_size{cp} = "
+                f"{self.tp_size}*{self.pp_size}{cp_value} = {model_parallel}"
             )
         dp = world_size // model_parallel
         if self.dp_size is not None and self.dp_size != dp:
             raise ValueError(
-                f"tp_size*pp_size*dp_size = {self.tp_size}*{self.pp_size}*{self.dp_size} = "
+                f"tp_size*pp_size{cp}*dp_size = {self.tp_size}*{self.pp_size}{cp_value}*{self.dp_size} = "
                 f"{model_parallel * self.dp_size} does not equal the world size {world_size}; "
                 f"with this tp and pp, dp_size must be {dp} (or left unset)"
             )

@@ -135,6 +135,36 @@ def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: in
     return nn.Linear(in_features, out_features, bias=cfg.bias)
 
 
+class Sequence(nn.Module):
+    """Which part of each sequence this rank holds: all of it, in order, in one process. The declared seam of
+    context parallelism, which swaps in its split (``parallel/cp``): ``shard`` keeps this rank's tokens of a whole
+    (B, T, ...) tensor, ``positions`` gives the global positions of its ``t`` tokens (learned and sinusoidal
+    positions and RoPE follow them)."""
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(t, device=device)
+
+
+class SDPAttention(nn.Module):
+    """The attention core after RoPE: the GQA repeat and SDPA over (B, H, T, D) heads. Context parallelism swaps
+    in ring or all-to-all attention here (``parallel/cp``)."""
+
+    def __init__(self, causal: bool, dropout: float) -> None:
+        super().__init__()
+        self.causal, self.dropout = causal, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads through SDPA.
 
@@ -154,6 +184,9 @@ class Attention(nn.Module):
         self.o_proj = build_linear(cfg, "o_proj", cfg.d_model, cfg.d_model)
         set_attrs(self.o_proj, residual_out=True)  # scaled init (GPT-2 paper, section 2.3)
         self.recompute_core = False  # set by Transformer.set_activation_checkpointing("selective")
+        # the seams context parallelism fills: the positions of this rank's tokens, the attention over all of them
+        self.sequence = Sequence()
+        self.attend: nn.Module = SDPAttention(cfg.causal, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -177,15 +210,10 @@ class Attention(nn.Module):
         """
         B, _, T, _ = q.shape
         if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
+            pos = self.sequence.positions(T, q.device)
+            cos, sin = rope[0][pos], rope[1][pos]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
-            group = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.attend(q, k, v)
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
 
 
@@ -316,10 +344,11 @@ class Transformer(nn.Module):
         # BERT's decoder bias (cls.predictions.bias): on the model, beside a head that may be the tied embedding
         self.register_parameter("output_bias", nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.mlm_head else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
-        self.loss = LMLoss()
+        self.loss: nn.Module = LMLoss()
         # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
         # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
         # all-gather), generation gathers the vocabulary shards of the logits, the pooler gathers SP's shards.
+        self.sequence = Sequence()  # context parallelism's split of the tokens (embed)
         self.head_input: nn.Module = nn.Identity()
         self.full_logits: nn.Module = nn.Identity()
         self.pool_input: nn.Module = nn.Identity()
@@ -374,17 +403,19 @@ class Transformer(nn.Module):
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, C) input of the first layer."""
-        T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise RuntimeError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        """(B, T) token ids -> (B, T, C) input of the first layer (under context parallelism: of this rank's
+        tokens, ``sequence.shard``, at their global positions)."""
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise RuntimeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        tokens = self.sequence.shard(tokens)
+        pos = self.sequence.positions(tokens.shape[1], tokens.device)
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[:T]
+            x = x + self.pos_emb(pos)
         elif self.cfg.pos_embedding == "sinusoidal":
-            x = x + self.pos_table[:T].to(x.dtype)
+            x = x + self.pos_table[pos].to(x.dtype)
         if self.type_emb is not None:
-            types = torch.zeros_like(tokens) if token_types is None else token_types
+            types = torch.zeros_like(tokens) if token_types is None else self.sequence.shard(token_types)
             x = x + self.type_emb(types)
         if self.emb_norm is not None:
             x = self.emb_norm(x)

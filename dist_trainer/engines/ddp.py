@@ -47,14 +47,15 @@ class DataParallelEngine(Engine):
                                   clip=lambda max_norm: clip_grad_norm_(self.model, max_norm, state))
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.state.dp_size == 1:
+        dp = self.state.dp_cp  # the replicas: dp, and the cp ranks that hold the same parameters
+        if dp.size == 1:
             return model
         # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads)
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
-        ddp = DDP(model, process_group=self.state.dp.group,
+        ddp = DDP(model, process_group=dp.group,
                   device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=model.pooler is not None)  # the pooler takes no part in the MLM loss
-        ddp.register_comm_hook(self.state.dp, _counting_allreduce_hook)
+        ddp.register_comm_hook(dp, _counting_allreduce_hook)
         return ddp
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

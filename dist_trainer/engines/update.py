@@ -98,9 +98,10 @@ class DenseUpdate:
         self.tp_modules = list(tp_modules) or [model]
 
     def after_backward(self) -> None:
-        if self.reduce_over_dp and self.state.dp_size > 1:  # the mean over dp, as DDP's, in one flat all-reduce
+        replicas = self.state.dp_cp  # dp, and the cp ranks holding the same parameters
+        if self.reduce_over_dp and replicas.size > 1:  # the mean over them, as DDP's, in one flat all-reduce
             grads, _ = split_expert_grads(list(self.model.parameters()))  # experts: over edp, in step()
-            self.state.dp.all_reduce_flat_(grads, divide_by=self.state.dp_size)
+            replicas.all_reduce_flat_(grads, divide_by=replicas.size)
 
     def step(self, lr: float, hooks: StepHooks, finalize: Callable[[], None] = nothing) -> torch.Tensor:
         for module in self.tp_modules:
@@ -128,7 +129,7 @@ class DenseUpdate:
     def save(self, folder: Path) -> dict[str, Any]:
         """One writer per (tp, pp, ep) coordinate (the first rank of each edp group) saves weights and optimizer
         state by name; dp replicas hold the same state."""
-        if self.state.edp.rank == 0:
+        if self.state.edp.rank == 0 and self.state.cp.rank == 0:  # cp ranks hold the same parameters too
             optim_state = optimizer_state_by_name(self.model, self.optimizer)
             if self.scaler is not None:
                 optim_state["scaler"] = self.scaler.state_dict()

@@ -7,6 +7,7 @@ before any process group exists; both get the same answer (``tests/test_layout_r
                     Layout), MESH_AXES (the mesh's axes in order), regime_of
     tp.py           check_tp, check_sequence_parallel, divisors
     pipeline.py     layers_per_stage (the stage split), check_schedule
+    cp.py           check_cp (context parallelism: the split, the heads under all_to_all), zigzag
     composition.py  which regimes compose (check_composition, check_offload), check_ep, expert_groups, check_precision
     check.py        check_layout_for (every rule for a Layout and a model), check_layout (the pre-launch check of a
                     run config), fit_micro_batch, check_nodes
@@ -30,6 +31,7 @@ from dist_trainer.layout_rules.composition import (
     check_precision,
     expert_groups,
 )
+from dist_trainer.layout_rules.cp import check_cp, zigzag
 from dist_trainer.layout_rules.layout import (
     MESH_AXES,
     REGIMES,
@@ -45,8 +47,8 @@ from dist_trainer.layout_rules.tp import check_sequence_parallel, check_tp, divi
 
 __all__ = [
     "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "ZERO_WITH_PIPELINE_REFUSED", "Layout", "check_composition",
-    "check_ep", "check_fields", "check_layout", "check_layout_for", "check_nodes", "check_offload",
+    "check_cp", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_nodes", "check_offload",
     "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp", "divisors",
     "expert_groups", "fit_micro_batch", "layers_per_stage", "layout_of", "mesh_shape", "needs_process_group",
-    "rank_layer_ids", "regime_of",
+    "rank_layer_ids", "regime_of", "zigzag",
 ]

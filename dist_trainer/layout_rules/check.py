@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from dist_trainer.config import Config, ModelConfig
 from dist_trainer.layout_rules.composition import check_composition, check_ep, check_precision
+from dist_trainer.layout_rules.cp import check_cp
 from dist_trainer.layout_rules.layout import Layout, check_fields, layout_of
 from dist_trainer.layout_rules.pipeline import check_schedule
 from dist_trainer.layout_rules.tp import check_tp
@@ -30,6 +31,8 @@ def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None 
     """Raise ValueError naming the values unless ``layout`` runs ``model`` (sequences of ``seq_len`` tokens, the
     ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``): the question the planner's search puts
     for every candidate and the trainer for its run (``check_layout``), answered by the same rules."""
+    check_cp(model, layout.cp_size, layout.cp_mode, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
+             seq_len=seq_len, zero_stage=layout.zero_stage, ep_size=layout.ep_size)
     if seq_len is not None and layout.sequence_parallel and seq_len % layout.tp_size:
         raise ValueError(f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={seq_len} "
                          f"must be divisible by parallel.tp_size={layout.tp_size}")

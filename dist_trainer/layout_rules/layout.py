@@ -7,7 +7,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dist_trainer.config import CHECKPOINTING, PP_BALANCES, PP_SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig
+from dist_trainer.config import (
+    CHECKPOINTING,
+    CP_MODES,
+    PP_BALANCES,
+    PP_SCHEDULES,
+    ZERO_STAGES,
+    ModelConfig,
+    ParallelConfig,
+)
 from dist_trainer.layout_rules.pipeline import check_schedule, layers_per_stage, rank_layer_ids
 from dist_trainer.layout_rules.tp import check_sequence_parallel
 
@@ -29,6 +37,8 @@ class Layout:
     tp_size: int = 1  # tensor-parallel degree (Megatron column/row split); innermost, so a TP group stays in a node
     pp_size: int = 1  # pipeline stages (x pp_virtual_stages model chunks)
     dp_size: int = 1  # data-parallel replicas
+    cp_size: int = 1  # context parallelism: each sequence split over cp ranks (parallel/cp/)
+    cp_mode: str = "ring"  # ring | all_to_all (layout_rules.cp.CP_MODES)
     ep_size: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks (ep divides dp)
     zero_stage: int = 0  # 0 = no ZeRO; 1/2/3 = DeepSpeed ZeRO over the dp ranks
     zero_offload: bool = False  # ZeRO-Offload: optimizer states (stage 3: and parameters) in host memory
@@ -49,7 +59,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.pp_size * self.cp_size * self.dp_size
 
     @property
     def global_batch_size(self) -> int:
@@ -84,7 +94,7 @@ def check_fields(p: Layout | ParallelConfig) -> None:
     integers, every choice is one the code has, SP needs TP, an explicit stage split lists
     pp_size x virtual stages positive counts. A ``Layout`` is checked as it is built; a run config's parallel
     section when it is loaded (``config_load``), so a typo fails before anything else."""
-    names = ["tp_size", "pp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages"]
+    names = ["tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages"]
     names += ["dp_size", "n_microbatches"] if isinstance(p, Layout) else ["global_batch_size"]
     for name in names:
         if not _positive_int(getattr(p, name)):
@@ -97,7 +107,7 @@ def check_fields(p: Layout | ParallelConfig) -> None:
         raise ValueError(f"parallel.zero_stage={p.zero_stage!r} must be {', '.join(map(str, ZERO_STAGES[:-1]))} or "
                          f"{ZERO_STAGES[-1]}")
     for name, choices in (("activation_checkpointing", CHECKPOINTING), ("pp_schedule", PP_SCHEDULES),
-                          ("pp_balance", PP_BALANCES)):
+                          ("pp_balance", PP_BALANCES), ("cp_mode", CP_MODES)):
         if getattr(p, name) not in choices:
             raise ValueError(f"parallel.{name}={getattr(p, name)!r} is not one of {', '.join(choices)}")
     if isinstance(p, ParallelConfig) and p.global_batch_size % p.micro_batch_size:
@@ -145,8 +155,8 @@ def needs_process_group(parallel: Layout | ParallelConfig) -> bool:
 
 
 # The rank grid's axes, outermost first (parallel/mesh.py builds ``arange(world).view(*sizes)``): tp innermost, so
-# a TP group is consecutive ranks and stays inside a node; then pp, then dp (Megatron's and torchtitan's order).
-MESH_AXES = ("dp", "pp", "tp")
+# a TP group is consecutive ranks and stays inside a node; then cp (its ring next), pp, dp (Megatron's order).
+MESH_AXES = ("dp", "pp", "cp", "tp")
 
 
 def mesh_shape(layout: Layout) -> dict[str, int]:

@@ -4,8 +4,9 @@ The axes and their order are ``layout_rules.MESH_AXES`` (outermost first, tp inn
 consecutive ranks inside a node); each axis's size is the Layout's ``<axis>_size``. A rank's coordinates are read
 off the grid, and its groups are the grid's lines through it, made by ``torch.distributed.device_mesh`` (one
 ``init_device_mesh`` call, every group with the run's collective timeout). Expert parallelism lives inside dp:
-the dp axis unflattened into (edp, ep), ep fastest (``layout_rules.expert_groups``). A new axis is a new name in
-``MESH_AXES`` and its rule in ``layout_rules``: nothing here changes.
+the dp axis unflattened into (edp, ep), ep fastest (``layout_rules.expert_groups``); and the ranks that hold the
+same parameters are dp x cp flattened (``dp_cp``). A new axis is a new name in ``MESH_AXES`` and its rule in
+``layout_rules``.
 """
 
 from __future__ import annotations
@@ -54,10 +55,15 @@ class Mesh:
         index = tuple(slice(None) if name == axis else at[name] for name in self.names)
         return tuple(int(r) for r in self.grid[index].flatten())
 
-    def lines(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group of ``axis``: the grid's lines along it, in grid order."""
-        k = self.names.index(axis)
-        return [tuple(int(r) for r in row) for row in self.grid.movedim(k, -1).reshape(-1, self.grid.shape[k])]
+    def lines(self, *axes: str) -> list[tuple[int, ...]]:
+        """Every group spanning ``axes`` (the others fixed), each in mesh order, the groups in grid order."""
+        dims = [self.names.index(a) for a in axes]
+        rest = [d for d in range(len(self.names)) if d not in dims]
+        size = 1
+        for d in dims:
+            size *= self.grid.shape[d]
+        rows = self.grid.permute(*rest, *sorted(dims)).reshape(-1, size)
+        return [tuple(int(r) for r in row) for row in rows]
 
 
 def build_mesh(layout: Layout, world_size: int, rank: int, timeout_s: float) -> Mesh:
@@ -69,8 +75,8 @@ def build_mesh(layout: Layout, world_size: int, rank: int, timeout_s: float) -> 
     grid = torch.arange(world_size).view(*shape.values())
     mesh = Mesh(tuple(shape), grid, rank)
     if world_size == 1:
-        mesh.groups = dict.fromkeys((*shape, "ep", "edp"))
-        mesh.extra_lines.update(ep=(rank,), edp=(rank,))
+        mesh.groups = dict.fromkeys((*shape, "ep", "edp", "dp_cp"))
+        mesh.extra_lines.update(ep=(rank,), edp=(rank,), dp_cp=(rank,))
         return mesh
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     options = _options(device_type, timedelta(seconds=timeout_s))
@@ -80,6 +86,7 @@ def build_mesh(layout: Layout, world_size: int, rank: int, timeout_s: float) -> 
     mesh.device_mesh = device_mesh
     mesh.groups = {a: device_mesh.get_group(a) if n > 1 else None for a, n in shape.items()}
     _expert_axes(mesh, layout.ep_size, backend, options)
+    _data_axis(mesh, backend, options)
     return mesh
 
 
@@ -109,3 +116,18 @@ def _expert_axes(mesh: Mesh, ep_size: int, backend: str, options: Backend.Option
     for axis, lines in zip(("ep", "edp"), expert_groups(dp_size, ep_size)):  # dp indices; the rule's order
         mesh.extra_lines[axis] = tuple(dp_line[i] for i in next(line for line in lines if d in line))
     mesh.groups.update(ep=sub.get_group("ep"), edp=sub.get_group("edp") if dp_size > ep_size else None)
+
+
+def _data_axis(mesh: Mesh, backend: str, options: Backend.Options) -> None:
+    """dp_cp: the ranks holding the same parameters (dp x cp, flattened), over which gradients are averaged and
+    ZeRO partitions; dp itself when cp is 1."""
+    shape = mesh.shape
+    if shape.get("cp", 1) == 1:
+        mesh.groups["dp_cp"], mesh.extra_lines["dp_cp"] = mesh.groups["dp"], mesh.line("dp")
+        return
+    assert mesh.device_mesh is not None
+    at = mesh.coordinates()
+    index = tuple(slice(None) if name in ("dp", "cp") else at[name] for name in mesh.names)
+    mesh.extra_lines["dp_cp"] = tuple(int(r) for r in mesh.grid[index].flatten())
+    flat = mesh.device_mesh["dp", "cp"]._flatten("dp_cp", backend_override=(backend, options))  # torchtitan's way
+    mesh.groups["dp_cp"] = flat.get_group()

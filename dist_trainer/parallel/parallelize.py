@@ -5,8 +5,9 @@ here; what each parallelism does to it happens in this order, in one place:
 
     1. tensor parallelism (+ SP)   ``parallel/tp``: Megatron's column/row/vocab-parallel modules swapped in
     2. expert parallelism           ``parallel/ep``: this rank's experts kept, the token exchange swapped in
-    3. activation recomputation     the layout's mode on the model's own switch (global layer indices)
-    4. placement                    onto the device; a model built on the meta device (every weight to come from
+    3. context parallelism          ``parallel/cp``: this rank's part of each sequence, ring or all-to-all attention
+    4. activation recomputation     the layout's mode on the model's own switch (global layer indices)
+    5. placement                    onto the device; a model built on the meta device (every weight to come from
                                     ``train.init_from``) gets storage for this rank's slices only
 
 The engines then load start weights, wrap (DDP, the pipeline schedule, DeepSpeed) and build the update.
@@ -19,6 +20,7 @@ from torch import nn
 
 from dist_trainer.layout_rules import Layout
 from dist_trainer.model import Transformer
+from dist_trainer.parallel.cp.apply import apply_context_parallel
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
@@ -30,6 +32,7 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     index ``first_layer``) in the order above; return it, on ``device``."""
     apply_tensor_parallel(model, state, layout.sequence_parallel)
     apply_expert_parallel(model, state)
+    apply_context_parallel(model, state, layout.cp_mode)
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
     if any(p.is_meta for p in model.parameters()):
         materialize_(model, device)

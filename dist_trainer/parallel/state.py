@@ -17,7 +17,7 @@ from dist_trainer.parallel.comm import AxisGroup, CommCounter
 from dist_trainer.parallel.mesh import Mesh, build_mesh
 
 EXPERT_AXES = ("ep", "edp")  # inside dp (layout_rules.expert_groups)
-AXES = (*MESH_AXES, *EXPERT_AXES)
+AXES = (*MESH_AXES, *EXPERT_AXES, "dp_cp")  # dp_cp: the ranks holding the same parameters (dp x cp, flattened)
 
 
 class _Axis:
@@ -48,7 +48,9 @@ class ParallelState:
 
     dp = _Axis()
     pp = _Axis()
+    cp = _Axis()
     tp = _Axis()
+    dp_cp = _Axis()
     ep = _Axis()
     edp = _Axis()
 
@@ -86,9 +88,14 @@ class ParallelState:
     def describe_rank(self, rank: int) -> str:
         """A rank's coordinates, read off the mesh (ep, when there is one: its dp index modulo ep)."""
         at = self.mesh.coordinates(rank)
-        where = ", ".join(f"{a} {at[a]}/{n}" for a, n in self.mesh.shape.items())
+        where = ", ".join(f"{a} {at[a]}/{n}" for a, n in self.mesh.shape.items() if n > 1 or a in ("dp", "pp", "tp"))
         ep = self.ep.size
         return where + (f", ep {at['dp'] % ep}/{ep}" if ep > 1 else "")
+
+    def grid_axes(self) -> list[AxisGroup]:
+        """The mesh's axes, innermost (tp) first: reducing or gathering over each in turn covers the world once,
+        and gathers come out in rank order."""
+        return [self.axes[a] for a in reversed(MESH_AXES)]
 
     def group_ranks(self) -> dict[str, tuple[int, ...]]:
         """Axis -> the global ranks of this rank's group on that axis (the expert-parallel ep and edp too)."""
@@ -114,8 +121,11 @@ class ParallelState:
             raise RuntimeError("ParallelState.build needs an initialised default process group for world_size > 1")
         mesh = build_mesh(layout, world_size, rank, ParallelConfig.timeout_s if timeout_s is None else timeout_s)
         counter = CommCounter()
-        axes = {}
+        axes: dict[str, AxisGroup] = {}
         for axis in AXES:
+            if axis == "dp_cp" and layout.cp_size == 1:  # the same ranks as dp: one axis, counted as dp
+                axes[axis] = axes["dp"]
+                continue
             ranks = mesh.line(axis)
             axes[axis] = AxisGroup(axis, len(ranks), ranks.index(rank), mesh.groups[axis] if len(ranks) > 1 else None,
                                    ranks, counter)

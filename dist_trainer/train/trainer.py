@@ -153,7 +153,7 @@ class Trainer:
                                            self.state.counter.bytes[("all_to_all", "ep")])
         local_loss = loss_sum / len(batches)
         # the mean loss before the update: the health guard judges the step by it (and by the grad norm)
-        mean_loss = float(self.state.dp.all_reduce(local_loss.clone()) / self.layout.dp_size)
+        mean_loss = float(self.state.dp_cp.all_reduce(local_loss.clone()) / self.state.dp_cp.size)
         self.health.loss_ready(local_loss, mean_loss)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.engine.optimizer_step(lr)
@@ -169,7 +169,7 @@ class Trainer:
             raise RuntimeError("evaluate() needs train.eval_every > 0 (no eval set was built)")
         batches = [self._batch(self.val_data, indices, 0) for indices in self.val_sampler.micro_batches(0)]
         total = self.engine.eval_loss(batches)
-        return float(self.state.dp.all_reduce(total / len(batches)) / self.layout.dp_size)
+        return float(self.state.dp_cp.all_reduce(total / len(batches)) / self.state.dp_cp.size)
 
     # ------------------------------------------------------------------ loop
 
@@ -307,7 +307,7 @@ class Trainer:
         meta = {
             "config": cfg.to_dict(),
             "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.layout.dp_size,
-                       "ep": self.state.ep_size, "world": self.env.world_size},
+                       "ep": self.state.ep_size, "cp": self.layout.cp_size, "world": self.env.world_size},
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,
