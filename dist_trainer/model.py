@@ -138,14 +138,14 @@ def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: in
 class Sequence(nn.Module):
     """Which part of each sequence this rank holds: all of it, in order, in one process. The declared seam of
     context parallelism, which swaps in its split (``parallel/cp``): ``shard`` keeps this rank's tokens of a whole
-    (B, T, ...) tensor, ``positions`` gives the global positions of its ``t`` tokens (learned and sinusoidal
-    positions and RoPE follow them)."""
+    (B, T, ...) tensor, ``rows`` the rows of a per-position table (learned or sinusoidal positions, RoPE's cos and
+    sin) for its ``t`` tokens."""
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(t, device=device)
+    def rows(self, table: torch.Tensor, t: int) -> torch.Tensor:
+        return table[:t]
 
 
 class SDPAttention(nn.Module):
@@ -210,8 +210,7 @@ class Attention(nn.Module):
         """
         B, _, T, _ = q.shape
         if rope is not None:
-            pos = self.sequence.positions(T, q.device)
-            cos, sin = rope[0][pos], rope[1][pos]
+            cos, sin = self.sequence.rows(rope[0], T), self.sequence.rows(rope[1], T)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attend(q, k, v)
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
@@ -408,12 +407,12 @@ class Transformer(nn.Module):
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise RuntimeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         tokens = self.sequence.shard(tokens)
-        pos = self.sequence.positions(tokens.shape[1], tokens.device)
+        T = tokens.shape[1]
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(pos)
+            x = x + self.sequence.rows(self.pos_emb.weight, T)
         elif self.cfg.pos_embedding == "sinusoidal":
-            x = x + self.pos_table[pos].to(x.dtype)
+            x = x + self.sequence.rows(self.pos_table, T).to(x.dtype)
         if self.type_emb is not None:
             types = torch.zeros_like(tokens) if token_types is None else self.sequence.shard(token_types)
             x = x + self.type_emb(types)

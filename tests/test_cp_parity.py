@@ -60,7 +60,9 @@ def _run(data: Path, out: Path, model: dict[str, Any], parallel: dict[str, Any],
     result = curves(trainer.train())
     cp_bytes = trainer.state.counter.axis_bytes("cp")
     norms = _grad_norms(out) if trainer.env.rank == 0 else {}
-    return {**result, "engine": trainer.engine.name, "cp_bytes": cp_bytes, "grad_norms": norms}
+    checked = json.loads((out / "plan_check.json").read_text())["ranks"] if trainer.env.rank == 0 else []
+    traffic = [r["figures"]["cp_traffic"] for r in checked if "cp_traffic" in r["figures"]]
+    return {**result, "engine": trainer.engine.name, "cp_bytes": cp_bytes, "grad_norms": norms, "traffic": traffic}
 
 
 def _cases(rank: int, world_size: int, data: Path, root: Path, names: list[str],
@@ -78,6 +80,9 @@ def _check(name: str, results: list[dict[str, Any]], data: Path, tmp_path: Path)
     ref = _run(data, tmp_path / f"{name}_ref", model, single)
     assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
     assert all(r[name]["cp_bytes"] > 0 for r in results), name  # the sequence was split: the cp axis talked
+    # every rank's plan check: the bytes it handed the cp axis in a step are the planner's (planner/cp.py)
+    traffic = results[0][name]["traffic"]
+    assert len(traffic) == len(results) and all(f["ratio"] == 1.0 for f in traffic), (name, traffic)
     assert_same_curves(results[0][name], ref, what=name)
     got, want = results[0][name]["grad_norms"], ref["grad_norms"]
     assert sorted(got) == sorted(want) == [3, 6], (name, sorted(got))

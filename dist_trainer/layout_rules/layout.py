@@ -62,6 +62,11 @@ class Layout:
         return self.tp_size * self.pp_size * self.cp_size * self.dp_size
 
     @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters: dp x cp (gradients are averaged and ZeRO partitions over them)."""
+        return self.dp_size * self.cp_size
+
+    @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.n_microbatches * self.dp_size
 

@@ -197,7 +197,7 @@ def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, o
     """
     if options.fp32_grad_copy is not None or layout.zero_stage == 0 or layout.zero_offload:
         return {}
-    shard = n_params // layout.dp_size
+    shard = n_params // layout.replicas
     if layout.zero_stage == 3:
         return {"zero3_fp32_subgroup_grad": 4 * min(shard, overheads.zero_sub_group_elements)}
     if options.grad_bytes == 4 and options.param_bytes == 2:
@@ -208,16 +208,25 @@ def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, o
 def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
                            pp_rank: int) -> dict[str, int]:
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
-    spec = act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
-                              precision=options.precision, attention_kernel=options.attention_kernel,
-                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
-                              ep_size=layout.ep_size)
-    costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
+    costs = layer_costs(cfg, activation_spec(layout, seq_len, options), grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
-                             tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
+                             tokens=rank_tokens(layout, seq_len), first=pp_rank == 0,
                              last=pp_rank == layout.pp_size - 1,
                              in_flight=_in_flight(layout, pp_rank))
+
+
+def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> act.ActivationSpec:
+    """What decides one rank's saved tensors under ``layout``: its TP shard, SP, its cp split, precision, kernel."""
+    return act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
+                              precision=options.precision, attention_kernel=options.attention_kernel,
+                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
+                              ep_size=layout.ep_size, cp_size=layout.cp_size, cp_mode=layout.cp_mode)
+
+
+def rank_tokens(layout: Layout, seq_len: int) -> int:
+    """Tokens of one micro-batch on one rank: its sequences, or its 1/cp of each under context parallelism."""
+    return layout.micro_batch_size * seq_len // layout.cp_size
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:
@@ -234,7 +243,7 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
     trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
     expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
-    p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
+    p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.replicas, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert)
     if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
         states = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
@@ -247,16 +256,16 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
         # accumulating over micro-batches, offloaded ZeRO-1/2 keep each partition parameter's gradient in host
         # memory in the parameters' dtype (stage_1_and_2.py:1822-1853): Psi/N, plus the parameters that straddle
         # a partition boundary (kept whole); frozen parameters have no gradient
-        detail["host.offload_grad_accumulation"] = per_dp * options.grad_bytes // layout.dp_size
+        detail["host.offload_grad_accumulation"] = per_dp * options.grad_bytes // layout.replicas
         host += detail["host.offload_grad_accumulation"]
     step = zero_step_buffers(per_dp, layout, options, overheads)
     detail.update({f"step_buffers.{k}": v for k, v in step.items()})
     over: dict[str, int] = {}
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
-    if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
+    if layout.replicas > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
         over["ddp_grad_buckets"] = (trainable - expert) * options.grad_bytes  # DDP buckets what it reduces, not experts
-    if layout.dp_size > 1 and layout.zero_stage > 0 and trainable:
+    if layout.replicas > 1 and layout.zero_stage > 0 and trainable:
         # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains
         over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
     if layout.zero_stage == 3:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dist_trainer.config import ZERO_STAGES, ModelConfig
+from dist_trainer.config import CP_MODES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
 from dist_trainer.layout_rules import (
     MULTI_STAGE_SCHEDULES,
@@ -35,10 +35,12 @@ from dist_trainer.planner.memory import (
     Overheads,
     RankMemory,
     TrainingOptions,
+    activation_spec,
     layout_rank_params,
     node_host_bytes,
     rank_expert_trainable,
     rank_memory,
+    rank_tokens,
     rank_trainable,
 )
 from dist_trainer.planner.rank_params import RankParams
@@ -105,7 +107,7 @@ class _Planner:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool, int], LayerCosts] = {}
+        self._costs: dict[tuple[int, bool, int, int, str], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -121,14 +123,12 @@ class _Planner:
             self._layers[key] = layout.layers_by_rank(self.cfg)
         return self._layers[key]
 
-    def costs(self, tp: int, sp: bool, ep: int = 1) -> LayerCosts:
-        if (tp, sp, ep) not in self._costs:
-            o = self.options
-            spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
-                                      attention_kernel=o.attention_kernel, device=o.device,
-                                      sp_saves_gathered_input=o.sp_saves_gathered_input, ep_size=ep)
-            self._costs[(tp, sp, ep)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
-        return self._costs[(tp, sp, ep)]
+    def costs(self, layout: Layout) -> LayerCosts:
+        key = (layout.tp_size, layout.sequence_parallel, layout.ep_size, layout.cp_size, layout.cp_mode)
+        if key not in self._costs:
+            self._costs[key] = layer_costs(self.cfg, activation_spec(layout, self.seq_len, self.options),
+                                           grad_plan(self.cfg, self.options.freeze))
+        return self._costs[key]
 
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
@@ -142,10 +142,10 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
+            acts = stage_activations(self.costs(layout),
                                      mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                                      layer_ids=layers[r],
-                                     tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                     tokens=rank_tokens(layout, self.seq_len), first=r == 0,
                                      last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
@@ -180,6 +180,21 @@ def _refusal(check: Callable[..., object], *args: object) -> str | None:
 def _ep_sizes(model: ModelConfig, dp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for a MoE model every divisor of dp that divides the experts."""
     return [e for e in divisors(dp) if e == 1 or model.n_experts % e == 0] if model.n_experts else [1]
+
+
+# Context parallelism is searched only while each rank keeps this many tokens of a sequence: below it the ring's
+# transfers are no longer hidden behind the attention blocks (Megatron-core recommends cp from 8K tokens up)
+MIN_CP_TOKENS = 4096
+
+
+def _cp_choices(ranks: int, pp: int, seq_len: int, max_cp: int | None) -> list[tuple[int, str]]:
+    """(cp, mode) candidates for ``ranks`` (= n_gpus / tp) ranks and pp stages: cp 1, and each divisor of the ranks
+    left that keeps MIN_CP_TOKENS per rank (or up to ``max_cp`` when given), in both modes."""
+    if ranks % pp:
+        return [(1, "ring")]
+    sizes = [c for c in divisors(ranks // pp) if c > 1 and (c <= max_cp if max_cp is not None
+                                                           else seq_len // c >= MIN_CP_TOKENS)]
+    return [(1, "ring"), *((c, m) for c in sizes for m in CP_MODES)]
 
 
 def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -227,7 +242,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  checkpointing: tuple[str, ...] = ("none", "selective", "every_k", "full"),
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
                  tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
-                 host_memory_bytes: int | None = None,
+                 host_memory_bytes: int | None = None, max_cp_size: int | None = None,
                  check: Callable[[Layout], str | None] | None = None) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
@@ -297,17 +312,19 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         if tp_refused:
             skipped.add("tensor parallelism (layout_rules.check_tp)", tp_refused)
             continue
-        for pp in ([pp_size] if pp_size else divisors(n_gpus // tp)):
+        pps = [pp_size] if pp_size else divisors(n_gpus // tp)
+        shapes = [(p, c, mode) for p in pps for c, mode in _cp_choices(n_gpus // tp, p, seq_len, max_cp_size)]
+        for pp, cp, cp_mode in shapes:
             if pp > model.n_layers:
                 skipped.add(f"every pipeline stage holds a layer: pp <= n_layers={model.n_layers}", f"pp={pp}")
                 continue
-            if n_gpus % (tp * pp):
-                skipped.add(f"tp*pp must divide n_gpus={n_gpus}", f"{tp}*{pp}")
+            if n_gpus % (tp * pp * cp):
+                skipped.add(f"tp*pp*cp must divide n_gpus={n_gpus}", f"{tp}*{pp}*{cp}")
                 continue
-            dp = n_gpus // (tp * pp)
+            dp = n_gpus // (tp * pp * cp)
             if global_batch % dp:
-                skipped.add(f"dp = n_gpus/(tp*pp) must divide global_batch={global_batch}",
-                            f"dp={dp} (tp={tp} pp={pp})")
+                skipped.add(f"dp = n_gpus/(tp*pp*cp) must divide global_batch={global_batch}",
+                            f"dp={dp} (tp={tp} pp={pp} cp={cp})")
                 continue
             per_dp = global_batch // dp
             # fewer micro-batches than stages: only GPipe runs it (layout_rules.check_schedule), 1F1B cannot fill
@@ -324,7 +341,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                     continue
                 for offload in ((False, True) if zero > 0 and allow_offload else (False,)):
                     base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload,
-                                  ep_size=ep)
+                                  ep_size=ep, cp_size=cp, cp_mode=cp_mode)
                     # Model states alone (micro-batch independent): prune when they overflow.
                     states = pl.memory_of(replace(base, micro_batch_size=1, n_microbatches=per_dp,
                                                   activation_checkpointing="full",
@@ -398,4 +415,6 @@ def describe(layout: Layout) -> str:
         s += f" {layout.pp_schedule}" + (f"(v={layout.pp_virtual_stages})" if layout.pp_virtual_stages > 1 else "")
     if layout.ep_size > 1:
         s += f" ep={layout.ep_size}"
+    if layout.cp_size > 1:
+        s += f" cp={layout.cp_size}({layout.cp_mode})"
     return s

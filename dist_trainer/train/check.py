@@ -147,7 +147,8 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
                      "when the run opens it)")
     p = cfg.parallel
     head = (f"ok: {world_size} ranks ({per_node} per node, {device_type}) run tp={p.tp_size} pp={p.pp_size} "
-            f"dp={launch.layout.dp_size}{f' ep={p.ep_size}' if p.ep_size > 1 else ''} "
+            f"dp={launch.layout.dp_size}{f' ep={p.ep_size}' if p.ep_size > 1 else ''}"
+            f"{f' cp={p.cp_size} ({p.cp_mode})' if p.cp_size > 1 else ''} "
             f"zero={p.zero_stage}{'+offload' if p.zero_offload else ''} "
             f"({regime_of(p)} regime), micro-batch {p.micro_batch_size}, global batch {p.global_batch_size}")
     return [head, *notes]

@@ -150,7 +150,8 @@ class Trainer:
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
             self.plan_check.after_backward(step, self.engine.owned_state_bytes(),
-                                           self.state.counter.bytes[("all_to_all", "ep")])
+                                           self.state.counter.bytes[("all_to_all", "ep")],
+                                           self.state.counter.axis_bytes("cp"))
         local_loss = loss_sum / len(batches)
         # the mean loss before the update: the health guard judges the step by it (and by the grad norm)
         mean_loss = float(self.state.dp_cp.all_reduce(local_loss.clone()) / self.state.dp_cp.size)

@@ -43,8 +43,10 @@ class ContextParallelSequence(Sequence):
             raise RuntimeError(f"a sequence of {t} tokens does not split into {n} chunks over cp={self.group.size}")
         return x.index_select(1, local_index(t, self.group.rank, self.group.size, self.zigzag, x.device))
 
-    def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        return local_index(t * self.group.size, self.group.rank, self.group.size, self.zigzag, device)
+    def rows(self, table: torch.Tensor, t: int) -> torch.Tensor:
+        """The table's rows at the global positions of this rank's ``t`` tokens."""
+        return table.index_select(0, local_index(t * self.group.size, self.group.rank, self.group.size, self.zigzag,
+                                                 table.device))
 
     def order(self, t_full: int, device: torch.device) -> torch.Tensor:
         """For the rank-major concatenation of every rank's tokens (an all-gather), the global position of each."""
