@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from dist_trainer.config_load import config_from_dict  # noqa: E402
-from dist_trainer.planner.emit import layout_from_parallel  # noqa: E402
+from dist_trainer.layout_rules import layout_of  # noqa: E402
 from dist_trainer.planner.memory import GiB, Overheads, predict_rank_memory  # noqa: E402
 from dist_trainer.train.metrics import device_hardware, model_flops_per_step  # noqa: E402
 from dist_trainer.train.plan_check import planner_options  # noqa: E402
@@ -110,7 +110,7 @@ def memory_row(model: dict, device: torch.device, **kw: Any) -> dict[str, Any]:
         engine.forward_backward(batches)
         engine.optimizer_step(1e-4)
     measured = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
-    layout = layout_from_parallel(cfg.parallel, 1, 1)
+    layout = layout_of(cfg.parallel, 1)
     mem = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=planner_options(cfg, device),
                               overheads=Overheads(cuda_context=0, fragmentation=0.0))
     del engine

@@ -27,8 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dist_trainer.config_load import config_from_dict  # noqa: E402
+from dist_trainer.layout_rules import layout_of  # noqa: E402
 from dist_trainer.planner.cost import estimate_step_time  # noqa: E402
-from dist_trainer.planner.emit import layout_from_parallel  # noqa: E402
 from dist_trainer.planner.hardware import HardwareProfile  # noqa: E402
 from dist_trainer.planner.memory import GiB, TrainingOptions  # noqa: E402
 from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts  # noqa: E402
@@ -81,8 +81,7 @@ def _measure(rank: int, world: int, tree: dict) -> float:
 
 def _predict(tree: dict, profile: HardwareProfile) -> float:
     cfg = config_from_dict(tree).validate()
-    dp = cfg.parallel.resolve(WORLD)
-    layout = layout_from_parallel(cfg.parallel, dp, cfg.parallel.grad_accum_steps(dp))
+    layout = layout_of(cfg.parallel, WORLD)
     return estimate_step_time(cfg.model, layout, seq_len=SEQ, hardware=profile, gpus_per_node=WORLD,
                               options=OPTIONS).total
 

@@ -30,6 +30,7 @@ CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
+CP_MODES = ("ring", "all_to_all")  # context parallelism's attention over the cp group (parallel/cp/)
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
@@ -217,7 +218,12 @@ class ParallelConfig:
     # expert-parallel degree: each MoE layer's experts are split over groups of ep_size data-parallel ranks,
     # tokens reach them by all-to-all (parallel/ep/); must divide dp_size and model.n_experts
     ep_size: int = 1
-    dp_size: int | None = None  # data-parallel degree; None = world_size / (tp_size * pp_size)
+    # context parallelism: every sequence split over cp ranks (issue 23; parallel/cp/), attention over the group
+    cp_size: int = 1
+    # ring (K/V blocks passed around the ring, Liu et al. 2023; causal models split zigzag) | all_to_all
+    # (DeepSpeed-Ulysses, Jacobs et al. 2023: heads split over cp around the attention core)
+    cp_mode: str = "ring"
+    dp_size: int | None = None  # data-parallel degree; None = world_size / (tp_size * pp_size * cp_size)
     zero_stage: int = 0  # 0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage
     zero_offload: bool = False  # DeepSpeed: offload optimizer (stage 3: and parameters) to CPU
     ds_config: str | None = None  # path of a configs/ds/*.json; None = configs/ds/zero{stage}.json
@@ -250,16 +256,18 @@ class ParallelConfig:
 
     def dp_degree(self, world_size: int) -> int:
         """The DP degree of this layout on ``world_size`` ranks; ValueError when the degrees do not fit."""
-        model_parallel = self.tp_size * self.pp_size
+        model_parallel = self.tp_size * self.pp_size * self.cp_size
+        cp = "*cp_size" if self.cp_size > 1 else ""
+        cp_value = f"*{self.cp_size}" if self.cp_size > 1 else ""
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp_size*pp_size = "
-                f"{self.tp_size}*{self.pp_size} = {model_parallel}"
+                f"world size {world_size} is not divisible by tp_size*pp_size{cp} = "
+                f"{self.tp_size}*{self.pp_size}{cp_value} = {model_parallel}"
             )
         dp = world_size // model_parallel
         if self.dp_size is not None and self.dp_size != dp:
             raise ValueError(
-                f"tp_size*pp_size*dp_size = {self.tp_size}*{self.pp_size}*{self.dp_size} = "
+                f"tp_size*pp_size{cp}*dp_size = {self.tp_size}*{self.pp_size}{cp_value}*{self.dp_size} = "
                 f"{model_parallel * self.dp_size} does not equal the world size {world_size}; "
                 f"with this tp and pp, dp_size must be {dp} (or left unset)"
             )
@@ -278,20 +286,8 @@ class ParallelConfig:
         return dp
 
     def validate(self) -> None:
-        _positive(self, "tp_size", "pp_size", "ep_size", "micro_batch_size", "global_batch_size",
-                  "checkpoint_every", "pp_virtual_stages")
-        if self.dp_size is not None and self.dp_size < 1:
-            raise ValueError(f"parallel.dp_size={self.dp_size} must be >= 1 or unset")
-        if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        _choice(self, "activation_checkpointing", CHECKPOINTING)
-        _choice(self, "pp_schedule", PP_SCHEDULES)
-        _choice(self, "pp_balance", PP_BALANCES)
-        stages = self.pp_size * self.pp_virtual_stages
-        if self.pp_stage_layers is not None and (len(self.pp_stage_layers) != stages or
-                                                 any(not isinstance(n, int) or n < 1 for n in self.pp_stage_layers)):
-            raise ValueError(f"parallel.pp_stage_layers={self.pp_stage_layers} must list {stages} positive layer "
-                             f"counts (pp_size*pp_virtual_stages = {self.pp_size}*{self.pp_virtual_stages})")
+        """The fields that are not the layout's own (those are ``layout_rules.check_fields``, asked when the config
+        is loaded and again when its Layout is built)."""
         _choice(self, "layout", ("manual", "auto"))
         for name in ("auto_tp_size", "auto_max_tp_size", "auto_pp_size"):
             if getattr(self, name) is not None:
@@ -304,13 +300,6 @@ class ParallelConfig:
                                     any(z not in ZERO_STAGES or isinstance(z, bool) for z in allowed)):
             raise ValueError(f"parallel.auto_zero_stages={allowed!r} must be a non-empty list of stages among "
                              "0, 1, 2, 3")
-        if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"parallel.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"parallel.micro_batch_size={self.micro_batch_size}"
-            )
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 
@@ -483,12 +472,6 @@ class Config:
         if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
-        tp = self.parallel.tp_size
-        if self.parallel.sequence_parallel and self.data.seq_len % tp:
-            raise ValueError(
-                f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={self.data.seq_len} "
-                f"must be divisible by parallel.tp_size={tp}"
-            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

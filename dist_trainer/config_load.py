@@ -20,6 +20,7 @@ import yaml
 from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
 from dist_trainer.files import read_text
+from dist_trainer.layout_rules import check_fields
 
 # ModelConfig fields a run may set beside a Hugging Face folder's: they change no weight's name, shape or meaning
 FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "lora_rank", "lora_alpha",
@@ -116,7 +117,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     model: dict[str, Any] = tree["model"] if isinstance(tree.get("model"), dict) else {}
     if not model.get("preset"):  # a preset's fields are the preset's; here the model section is the user's
         validate_naming_defaults(cfg.model, model, f"the model section of {path or 'the overrides'}")
-    return cfg.validate()
+    cfg.validate()
+    check_fields(cfg.parallel)  # the layout's own fields: a typo fails here, before any world size is known
+    return cfg
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:

@@ -135,6 +135,36 @@ def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: in
     return nn.Linear(in_features, out_features, bias=cfg.bias)
 
 
+class Sequence(nn.Module):
+    """Which part of each sequence this rank holds: all of it, in order, in one process. The declared seam of
+    context parallelism, which swaps in its split (``parallel/cp``): ``shard`` keeps this rank's tokens of a whole
+    (B, T, ...) tensor, ``rows`` the rows of a per-position table (learned or sinusoidal positions, RoPE's cos and
+    sin) for its ``t`` tokens."""
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def rows(self, table: torch.Tensor, t: int) -> torch.Tensor:
+        return table[:t]
+
+
+class SDPAttention(nn.Module):
+    """The attention core after RoPE: the GQA repeat and SDPA over (B, H, T, D) heads. Context parallelism swaps
+    in ring or all-to-all attention here (``parallel/cp``)."""
+
+    def __init__(self, causal: bool, dropout: float) -> None:
+        super().__init__()
+        self.causal, self.dropout = causal, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads through SDPA.
 
@@ -154,6 +184,9 @@ class Attention(nn.Module):
         self.o_proj = build_linear(cfg, "o_proj", cfg.d_model, cfg.d_model)
         set_attrs(self.o_proj, residual_out=True)  # scaled init (GPT-2 paper, section 2.3)
         self.recompute_core = False  # set by Transformer.set_activation_checkpointing("selective")
+        # the seams context parallelism fills: the positions of this rank's tokens, the attention over all of them
+        self.sequence = Sequence()
+        self.attend: nn.Module = SDPAttention(cfg.causal, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -177,15 +210,9 @@ class Attention(nn.Module):
         """
         B, _, T, _ = q.shape
         if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
+            cos, sin = self.sequence.rows(rope[0], T), self.sequence.rows(rope[1], T)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
-            group = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.attend(q, k, v)
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
 
 
@@ -316,7 +343,14 @@ class Transformer(nn.Module):
         # BERT's decoder bias (cls.predictions.bias): on the model, beside a head that may be the tied embedding
         self.register_parameter("output_bias", nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.mlm_head else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
-        self.loss = LMLoss()
+        self.loss: nn.Module = LMLoss()
+        # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
+        # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
+        # all-gather), generation gathers the vocabulary shards of the logits, the pooler gathers SP's shards.
+        self.sequence = Sequence()  # context parallelism's split of the tokens (embed)
+        self.head_input: nn.Module = nn.Identity()
+        self.full_logits: nn.Module = nn.Identity()
+        self.pool_input: nn.Module = nn.Identity()
         self.checkpointed: frozenset[int] = frozenset()
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
@@ -350,33 +384,37 @@ class Transformer(nn.Module):
         if self.cfg.pos_embedding in ("rope", "sinusoidal"):
             self._init_buffers()  # recompute after to_empty() left them uninitialised
 
-    def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
-        """none | selective (every layer's attention core) | every_k (layers whose index % every == 0) | full."""
-        n = len(self.layers)
+    def set_activation_checkpointing(self, mode: str, every: int = 1, first_layer: int = 0) -> None:
+        """none | selective (every layer's attention core) | every_k (layers whose global index % every == 0) |
+        full. ``first_layer``: the global index of ``layers[0]`` (a pipeline stage's), which ``run_layers`` is given
+        too, so every_k recomputes the same layers as the single model whatever the stage boundaries."""
+        ids = range(first_layer, first_layer + len(self.layers))
         for module in self.modules():
             if isinstance(module, Attention):
                 module.recompute_core = mode == "selective"
         if mode in ("none", "selective"):
             self.checkpointed = frozenset()
         elif mode == "full":
-            self.checkpointed = frozenset(range(n))
+            self.checkpointed = frozenset(ids)
         elif mode == "every_k":
-            self.checkpointed = frozenset(i for i in range(n) if i % every == 0)
+            self.checkpointed = frozenset(i for i in ids if i % every == 0)
         else:
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, C) input of the first layer."""
+        """(B, T) token ids -> (B, T, C) input of the first layer (under context parallelism: of this rank's
+        tokens, ``sequence.shard``, at their global positions)."""
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise RuntimeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        tokens = self.sequence.shard(tokens)
         T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise RuntimeError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[:T]
+            x = x + self.sequence.rows(self.pos_emb.weight, T)
         elif self.cfg.pos_embedding == "sinusoidal":
-            x = x + self.pos_table[:T].to(x.dtype)
+            x = x + self.sequence.rows(self.pos_table, T).to(x.dtype)
         if self.type_emb is not None:
-            types = torch.zeros_like(tokens) if token_types is None else token_types
+            types = torch.zeros_like(tokens) if token_types is None else self.sequence.shard(token_types)
             x = x + self.type_emb(types)
         if self.emb_norm is not None:
             x = self.emb_norm(x)
@@ -398,18 +436,19 @@ class Transformer(nn.Module):
         return self.tok_emb.weight if self.head is None else self.head.weight
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head)."""
+        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head; under TP
+        this rank's vocabulary shard, which ``loss`` consumes)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.mlm_transform is not None:
             x = self.mlm_transform(x)
-        return F.linear(x, self.output_weight(), self.output_bias)
+        return F.linear(self.head_input(x), self.output_weight(), self.output_bias)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""
         if self.pooler is None:
             raise RuntimeError("this model has no pooler (model.pooler=false)")
-        return torch.tanh(self.pooler(hidden[:, 0]))
+        return torch.tanh(self.pooler(self.pool_input(hidden)[:, 0]))
 
     def forward(
         self,
@@ -420,7 +459,7 @@ class Transformer(nn.Module):
         """Logits (B, T, V) when targets is None, else the scalar mean loss (in training, plus the MoE layers'
         router losses)."""
         logits = self.logits(self.run_layers(self.embed(tokens, token_types)))
-        return logits if targets is None else add_aux_losses(self, self.loss(logits, targets))
+        return self.full_logits(logits) if targets is None else add_aux_losses(self, self.loss(logits, targets))
 
 
 def count_parameters(model: nn.Module) -> int:

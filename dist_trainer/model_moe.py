@@ -109,6 +109,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class ExpertExchange(nn.Module):
+    """Where the experts' rows travel: nowhere in one process, every expert being here. The declared seam of expert
+    parallelism, which swaps in its all-to-all (``parallel/ep/apply.py``): ``send`` takes the (E, N, d) dispatch
+    buffer to the rows of this rank's experts, ``receive`` takes their outputs back to (E, N, d)."""
+
+    def send(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf
+
+    def receive(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
 class MoE(nn.Module):
     """Top-k routed experts with capacity (module docstring); the same module in every regime.
 
@@ -125,13 +137,17 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)  # Mixtral, Switch: no bias
         self.experts = nn.ModuleDict({str(e): make_mlp(cfg.ffn_dim) for e in range(cfg.n_experts)})
         self.shared_expert = make_mlp(cfg.n_shared_experts * cfg.ffn_dim) if cfg.n_shared_experts else None
+        self.exchange = ExpertExchange()  # expert parallelism's seam
         self.aux_loss: torch.Tensor | None = None  # the last training forward's weighted aux + z loss
         self.router_stats: torch.Tensor | None = None
         self.record_stats = True  # off while a pipeline schedule infers shapes (paused_router_stats)
 
     def run_experts(self, buf: torch.Tensor) -> torch.Tensor:
-        """(E_here, N, d) -> (E_here, N, d): expert i of this module's experts (ModuleDict order) on ``buf[i]``."""
-        return torch.stack([expert(buf[i]) for i, expert in enumerate(self.experts.values())])
+        """(E, N, d) dispatch buffer -> (E, N, d) outputs: the rows of this module's experts (all of them in one
+        process) reach them through ``exchange``, expert i (ModuleDict order) runs on row block i, and back."""
+        rows = self.exchange.send(buf)
+        out = torch.stack([expert(rows[i]) for i, expert in enumerate(self.experts.values())])
+        return self.exchange.receive(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32 (Switch, section 2.4)

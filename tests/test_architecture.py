@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dist_trainer.layout_rules import REGIMES
 from tests.helpers import ROOT
 
@@ -219,4 +221,32 @@ def test_the_package_never_imports_transformers() -> None:
     assert "transformers" in _imported_top_level(ROOT / "tests" / "test_model_hf_maths.py")  # the reader sees it
     bad = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
                  if {"transformers", "peft"} & _imported_top_level(p))
+    assert bad == [], bad
+
+
+def _class_definitions(name: str) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(PACKAGE.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef) and node.name == name]
+
+
+def test_one_layout_class_held_by_the_rules() -> None:
+    """One description of a layout (issue 22): the planner, the pre-launch check, the mesh and the engines read the
+    Layout of layout_rules, which checks its own fields as it is built."""
+    from dist_trainer.layout_rules import Layout
+    from dist_trainer.parallel.state import ParallelState
+    from dist_trainer.planner.memory import Layout as PlannerLayout
+
+    found = _class_definitions("Layout")
+    assert len(found) == 1 and found[0].startswith("dist_trainer/layout_rules/layout.py:"), found
+    assert PlannerLayout is Layout and ParallelState.single().layout == Layout()
+    with pytest.raises(ValueError, match="sequence_parallel=true needs parallel.tp_size > 1"):
+        Layout(sequence_parallel=True)
+
+
+def test_no_method_is_replaced_on_a_live_object() -> None:
+    """The parallel regimes swap submodules or fill the seams the model declares (model.head_input, full_logits,
+    pool_input; MoE.exchange), so a reader of model.py sees what runs: types.MethodType nowhere in the package."""
+    bad = sorted(f"{path.relative_to(ROOT)}:{node.lineno}" for path in PACKAGE.rglob("*.py")
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Attribute) and node.attr == "MethodType")
     assert bad == [], bad

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -77,7 +77,7 @@ def test_a_payload_in_any_file_is_refused_unexecuted_and_named(layout: str, chec
                    r"posix.system .*\); refused unread, nothing in it was executed")
         unreadable = "(cannot be read|is not valid JSON|is not UTF-8 text)"
         with pytest.raises(ValueError, match=f"{copy / name} " + (refused if name.endswith(".pt") else unreadable)):
-            load_model_from_checkpoint(copy)  # what `export` and `generate` do
+            load_plain_model(copy)  # what `export` and `generate` do
         assert not marker.exists(), (layout, name)
 
 

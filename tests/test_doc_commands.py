@@ -214,6 +214,8 @@ RUN: list[tuple[str, Run]] = [
     (r"benchmarks/collective_wait\.py", Run(append="--repeats 3", expect=("x back to back",))),
     (r"benchmarks/gpu_check\.py", Run(append="--device cpu --smoke --out runs/gpu_check.json")),
     (r"benchmarks/megatron_table1\.py", Run()),
+    (r"benchmarks/planner_speed\.py", Run(append="--repeat 1")),
+    (r"benchmarks/cp_comm\.py", Run(append="--seq 512 --cp 2")),
 ]
 
 

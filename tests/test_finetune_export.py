@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config import ModelConfig
 from dist_trainer.model import Transformer
 from dist_trainer.model_lora import is_adapter
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.export import export_safetensors
-from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, subprocess_env, tiny_config
 
@@ -42,7 +42,7 @@ def _plain_model(folder: Path) -> Transformer:
 
 
 def test_merged_export_gives_the_adapted_models_logits(runs: dict[str, Path], tmp_path: Path) -> None:
-    adapted, cfg = load_model_from_checkpoint(runs["lora"])
+    adapted, cfg = load_plain_model(runs["lora"])
     assert any(torch.count_nonzero(p) for n, p in adapted.named_parameters() if n.endswith("lora_B"))  # trained
     out = tmp_path / "merged"
     proc = subprocess.run([sys.executable, "-m", "dist_trainer.cli", "export", "--checkpoint", str(runs["lora"]),
@@ -74,8 +74,8 @@ def test_a_lora_run_starts_from_a_plain_checkpoint_or_an_export(runs: dict[str, 
     started = _start(tiny_data, tmp_path / "from-base", runs["base"])
     assert started["eval"][0] == pytest.approx(final["base"], rel=1e-6)
     assert started["eval"][5] < started["eval"][0]  # the adapters learn
-    model, _ = load_model_from_checkpoint(tmp_path / "from-base")
-    source, _ = load_model_from_checkpoint(runs["base"])
+    model, _ = load_plain_model(tmp_path / "from-base")
+    source, _ = load_plain_model(runs["base"])
     assert torch.equal(model.layers[0].attn.q_proj.weight, source.layers[0].attn.q_proj.weight)  # frozen base
 
     # a LoRA run's checkpoint (adapters merged into its base on read) and its merged export start the same

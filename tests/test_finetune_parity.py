@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import read_full_state
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.model import build_model
 from dist_trainer.model_lora import freeze_, is_adapter
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
 
@@ -94,7 +94,7 @@ def test_frozen_weights_are_the_seeds_draw_and_have_no_optimizer_state(runs: tup
     root = runs[0]
     step = ckpt.latest_checkpoint(root / name / "checkpoints")
     assert step is not None and step.name == "step_00000010"
-    model, cfg = load_model_from_checkpoint(step)  # any layout merged by name; ZeRO consolidated to fp32
+    model, cfg = load_plain_model(step)  # any layout merged by name; ZeRO consolidated to fp32
     start = build_model(cfg.model, seed=cfg.train.seed)
     freeze_(start, frozen_modules(cfg.model, cfg.train.freeze))
     before, after = start.state_dict(), model.state_dict()

@@ -14,8 +14,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.cli import main
-from dist_trainer.train.generate import generate, generate_text, load_model_from_checkpoint, prompt_tokenizer
+from dist_trainer.train.generate import generate, generate_text, prompt_tokenizer
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, subprocess_env, tiny_config
 
@@ -31,7 +32,7 @@ def run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def hand_loop(run: Path, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """Greedy decoding written out: the argmax of the last position's logits, and its log-softmax in fp32."""
-    model, _ = load_model_from_checkpoint(run)
+    model, _ = load_plain_model(run)
     ids, new, logprobs = list(prompt), [], []
     with torch.no_grad():
         for _ in range(steps):
@@ -121,7 +122,7 @@ def test_text_is_streamed_as_it_is_generated(run: Path, tiny_data: Path) -> None
 
 
 def test_the_length_is_bounded_by_the_context(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    context = load_model_from_checkpoint(run)[1].model.max_seq_len
+    context = load_plain_model(run)[1].model.max_seq_len
     got, err = run_json(capsys, ["--checkpoint", str(run), "--prompt-ids", "1,2,3", "--max-new-tokens",
                                  str(10**12), "--greedy"])
     assert len(got["ids"]) == context - 3
@@ -165,6 +166,6 @@ def test_data_prepared_before_tokenizer_config_was_written(run: Path, tiny_data:
     (old / "meta.json").write_text(json.dumps(meta))
     new = generate(run, prompt="def ", max_new_tokens=6, temperature=0.0, data_path=tiny_data)
     assert generate(run, prompt="def ", max_new_tokens=6, temperature=0.0, data_path=old).as_json() == new.as_json()
-    cfg = load_model_from_checkpoint(run)[1]
+    cfg = load_plain_model(run)[1]
     eos = meta["special_tokens"]["<|endoftext|>"]
     assert prompt_tokenizer(run, cfg, old).stop_ids == prompt_tokenizer(run, cfg, tiny_data).stop_ids == [eos]

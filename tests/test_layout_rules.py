@@ -16,7 +16,7 @@ import pytest
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import config_from_dict, model_config
-from dist_trainer.layout_rules import layers_per_stage, rank_grid
+from dist_trainer.layout_rules import MESH_AXES, layers_per_stage, mesh_shape
 from dist_trainer.planner.emit import run_config_dict
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions
 from dist_trainer.planner.search import plan_layouts, runnable
@@ -101,11 +101,20 @@ def test_every_ranked_layout_passes_the_trainer_check(name: str, gpus: int, per_
         assert any(p.layout.zero_stage == 1 and p.layout.pp_size > 1 for p in res.layouts)
 
 
-def test_rank_grid_is_tp_fastest() -> None:
-    grid = rank_grid(8, 2, 2, 2)
-    assert grid[0][0] == [0, 1] and grid[0][1] == [2, 3] and grid[1][0] == [4, 5]
-    with pytest.raises(ValueError, match="does not equal the world size 7"):
-        rank_grid(7, 2, 2, 2)
+def test_the_mesh_is_tp_fastest() -> None:
+    """``arange(world).view(dp, pp, tp)``: a TP group is consecutive ranks (inside a node), then pp, then dp."""
+    import torch
+
+    from dist_trainer.parallel.mesh import Mesh, build_mesh
+
+    layout = Layout(dp_size=2, pp_size=2, tp_size=2)
+    assert MESH_AXES[-1] == "tp" and mesh_shape(layout) == {"dp": 2, "pp": 2, "tp": 2}
+    mesh = Mesh(MESH_AXES, torch.arange(8).view(2, 2, 2), rank=5)
+    assert mesh.lines("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert mesh.lines("pp") == [(0, 2), (1, 3), (4, 6), (5, 7)] and mesh.line("dp") == (1, 5)
+    assert mesh.coordinates() == {"dp": 1, "pp": 0, "tp": 1}
+    with pytest.raises(ValueError, match="does not hold the world of 7 ranks"):
+        build_mesh(layout, 7, 0, timeout_s=1.0)
 
 
 def test_runnable_names_the_reason() -> None:

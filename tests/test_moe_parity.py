@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer, TrainResult
 from tests.helpers import TINY_SEQ, assert_same_curves, curves, relative_diff, tiny_config
 
@@ -147,9 +147,9 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_ep4_with_tp_stages_and_under_zer
         assert relative_diff(got, want) <= 1e-5, (name, got, want)
     # each loads as one plain model, every expert under its global index; ZeRO's by-name files hold the same
     # weights as the uninterrupted DDP run's at step 5
-    model, _ = load_model_from_checkpoint(step3)
+    model, _ = load_plain_model(step3)
     assert sorted(model.layers[1].moe.experts) == ["0", "1", "2", "3"]
-    ref5, _ = load_model_from_checkpoint(run / "checkpoints" / "step_00000005")
-    zero5, _ = load_model_from_checkpoint(tmp_path / "zero2_ep2" / "checkpoints" / "step_00000005")
+    ref5, _ = load_plain_model(run / "checkpoints" / "step_00000005")
+    zero5, _ = load_plain_model(tmp_path / "zero2_ep2" / "checkpoints" / "step_00000005")
     for (name, a), b in zip(ref5.named_parameters(), zero5.parameters()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name

@@ -15,10 +15,10 @@ from dist_trainer.planner.cli import register
 from dist_trainer.planner.cost import estimate_step_time
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
 from dist_trainer.planner.hardware import get_hardware
-from dist_trainer.planner.memory import GiB, predict_rank_memory
+from dist_trainer.planner.memory import GiB, TrainingOptions, predict_rank_memory
 from dist_trainer.planner.params import count_params
 from dist_trainer.planner.scale import max_model, scale_model
-from dist_trainer.planner.search import plan_layouts
+from dist_trainer.planner.search import describe, plan_layouts
 
 
 def test_every_returned_layout_is_valid_and_fits() -> None:
@@ -59,6 +59,21 @@ def test_one_trillion_parameters_on_3072_gpus_plans_a_megatron_layout() -> None:
     assert res.layouts and res.n_considered > len(res.layouts)
     best = res.layouts[0]
     assert best.layout.world_size == 3072 and best.memory.device_total <= 80 * GiB
+
+
+@pytest.mark.parametrize("name, n_gpus, batch", [("tiny", 8, 32), ("tiny-moe", 8, 16), ("gpt2", 16, 64)])
+def test_the_search_ranks_as_the_trainers_whole_config_check(name: str, n_gpus: int, batch: int) -> None:
+    """The search asks the rules of each Layout (fast); asking the trainer's whole check of the run config each
+    layout would write (the slow path before issue 26) ranks exactly the same layouts, times and bytes."""
+    from dist_trainer.planner.search import config_check
+
+    model = model_config(name)
+    kw = dict(n_gpus=n_gpus, gpus_per_node=8, gpu_memory_bytes=16 * GiB, seq_len=128, global_batch=batch)
+    fast = plan_layouts(model, **kw)
+    slow = plan_layouts(model, **kw, check=config_check(model, seq_len=128))
+    assert len(fast.layouts) > 10
+    assert [(p.layout, p.time.total, p.memory.device_total) for p in fast.layouts] == \
+        [(p.layout, p.time.total, p.memory.device_total) for p in slow.layouts]
 
 
 def test_emitted_config_loads_and_resolves() -> None:
@@ -273,3 +288,26 @@ def test_gpipe_may_run_fewer_micro_batches_than_stages() -> None:
                                  for p in gpipe.layouts)
     ofb = plan_layouts(tiny, **shape)  # type: ignore[arg-type]
     assert ofb.layouts == [] and any("all schedules but gpipe" in note for note in ofb.notes)
+
+
+def test_a_128k_sequence_plans_context_parallelism_that_passes_the_check(tmp_path: Path) -> None:
+    """Llama-3-8B at 131,072 tokens on 64 GPUs (issue 23): without splitting the sequence only full recomputation
+    fits, so the best layout splits it (cp > 1), and the run config plan --out writes passes the pre-launch check."""
+    from dist_trainer.train.check import check_run
+
+    model = model_config("llama3-8b")
+    assert count_params(model) == 8_030_261_248  # the published count
+    res = plan_layouts(model, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=131072,
+                       global_batch=64, hardware="H100-80GB", top_k=3)
+    best = res.best
+    assert best is not None and best.layout.cp_size > 1, [describe(p.layout) for p in res.layouts]
+    assert "cp" in best.time.axes and best.time.axes["cp"].bytes > 0
+    without = plan_layouts(model, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=131072,
+                           global_batch=64, hardware="H100-80GB", max_cp_size=1).best
+    # without cp only full recomputation of TP x SP shards fits: slower than splitting the sequence
+    assert without is not None and without.layout.activation_checkpointing == "full"
+    assert best.time.total < without.time.total, (describe(best.layout), describe(without.layout))
+    cfg = config_from_dict(run_config_dict(model, best.layout, seq_len=131072,
+                                           options=TrainingOptions())).validate()
+    report = check_run(cfg, 64, gpus_per_node=8, device_type="cuda", data_required=False)
+    assert report[0].startswith("ok: 64 ranks") and f"cp={best.layout.cp_size}" in report[0], report

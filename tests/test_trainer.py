@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.generate import generate_text, load_model_from_checkpoint
+from dist_trainer.train.generate import generate_text
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, tiny_config
 
@@ -212,7 +213,7 @@ def test_encoder_mlm_trains(tiny_data: Path, tmp_path: Path) -> None:
 
 def test_generate_from_checkpoint(tiny_data: Path, tmp_path: Path) -> None:
     Trainer(tiny_config(tiny_data, tmp_path, train={"max_steps": 2})).train()
-    model, cfg = load_model_from_checkpoint(tmp_path)
+    model, cfg = load_plain_model(tmp_path)
     saved = ckpt.load_file(ckpt.latest_checkpoint(tmp_path / "checkpoints") / "model_tp00_pp00.pt")
     assert torch.equal(model.tok_emb.weight, saved["tok_emb.weight"])
     text = generate_text(tmp_path, "def ", max_new_tokens=10, seed=1)

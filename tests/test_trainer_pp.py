@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
 
@@ -72,7 +72,7 @@ def test_pipeline_checkpoint_reloads_at_other_pp_and_tp(tiny_data: Path, tmp_pat
     at_tp2 = run_distributed(_resume, 2, (tiny_data, tmp_path / "tp2", {"tp_size": 2}))[0]
     for got in (at_pp1, at_tp2):
         assert relative_diff([got[3], got[4]], [reference[3], reference[4]]) <= 1e-5
-    model, _ = load_model_from_checkpoint(step3)  # stages merged into one model
+    model, _ = load_plain_model(step3)  # stages merged into one model
     assert len(model.layers) == 4
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.generate import load_model_from_checkpoint
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
 
@@ -66,7 +66,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1_and_tp4(tiny_data: Path, tmp_pat
     assert relative_diff([at_tp1[3], at_tp1[4]], [reference[3], reference[4]]) <= 1e-5
     assert relative_diff([at_tp4[3], at_tp4[4]], [reference[3], reference[4]]) <= 1e-5
     # the tp=2 checkpoint also loads as one plain model (generation / export)
-    model, _ = load_model_from_checkpoint(tmp_path / "tp1" / "checkpoints" / "step_00000003")
+    model, _ = load_plain_model(tmp_path / "tp1" / "checkpoints" / "step_00000003")
     assert model.head.weight.shape == (512, 32)
 
 

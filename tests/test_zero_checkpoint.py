@@ -116,14 +116,14 @@ def _tp_resume(rank: int, world_size: int, data: Path, out: Path) -> dict[int, f
 def test_zero3_checkpoint_resumes_directly_under_tp_and_exports(tiny_data: Path, tmp_path: Path) -> None:
     """A ZeRO-3 run's own checkpoint (DeepSpeed's partitions) continues under tp=2 with the uninterrupted
     run's losses, and loads as one plain model (generation, safetensors export) without a manual export."""
-    from dist_trainer.train.generate import load_model_from_checkpoint
+    from dist_trainer.checkpoint.plain import load_plain_model
 
     full = Trainer(tiny_config(tiny_data, tmp_path / "full", train={"max_steps": 5}), log=False).train().losses
     run_distributed(_zero3_save, 2, (tiny_data, tmp_path / "run"), env=DS_ENV)
     resumed = run_distributed(_tp_resume, 2, (tiny_data, tmp_path / "run"), env=DS_ENV)[0]
     for step in (3, 4):
         assert abs(resumed[step] - full[step]) <= 1e-5 * abs(full[step]), (step, resumed, full)
-    model, _ = load_model_from_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003")
+    model, _ = load_plain_model(tmp_path / "run" / "checkpoints" / "step_00000003")
     reference = Trainer(tiny_config(tiny_data, tmp_path / "ref", train={"max_steps": 3}), log=False)
     reference.train()
     # Compared through the loss, not weight by weight: k_proj's bias has an exactly-zero true gradient

@@ -120,8 +120,9 @@ def test_zero_checkpoints_of_every_stage_export_generate_and_resume_elsewhere(ti
                                                                               tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    from dist_trainer.checkpoint.plain import load_plain_model
     from dist_trainer.train.export import export_safetensors
-    from dist_trainer.train.generate import generate_text, load_model_from_checkpoint
+    from dist_trainer.train.generate import generate_text
 
     single = _train(tiny_data, tmp_path / "single_full", {}, 5)
     reference = Trainer(tiny_config(tiny_data, tmp_path / "ref", train={"max_steps": 3}), log=False)
@@ -134,7 +135,7 @@ def test_zero_checkpoints_of_every_stage_export_generate_and_resume_elsewhere(ti
         run = tmp_path / name
         exported = export_safetensors(run, tmp_path / f"{name}_export")
         tensors = load_file(str(exported))
-        model, _ = load_model_from_checkpoint(run)
+        model, _ = load_plain_model(run)
         assert set(tensors) == set(model.state_dict()) and tensors["tok_emb.weight"].shape == (512, 32)
         with torch.no_grad():  # the exported weights are the run's: the same loss as one process after 3 steps
             got = model(batch["tokens"], batch["targets"]).item()

@@ -145,7 +145,8 @@ def read_coordinate(path: Path, meta: dict[str, Any], tp_rank: int, pp_rank: int
     from dist_trainer.checkpoint.deepspeed_files import consolidate, mp_rank  # DeepSpeed only for ZeRO checkpoints
 
     layout = meta["layout"]
-    weights, optim = consolidate(zero_ds_dir(path, meta), mp_rank(tp_rank, pp_rank, layout["tp"]), layout["dp"],
+    partitions = layout["dp"] * layout.get("cp", 1)  # DeepSpeed partitions over dp x cp (parallel/zero/deepspeed)
+    weights, optim = consolidate(zero_ds_dir(path, meta), mp_rank(tp_rank, pp_rank, layout["tp"]), partitions,
                                  int(meta["zero_stage"]))
     return weights, {**optim, "param_groups": None}
 

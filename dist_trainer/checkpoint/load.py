@@ -82,22 +82,3 @@ def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_siz
             p.copy_(_tp_slice(source, name, p, tp_rank, tp_size).to(p.dtype))
 
 
-def materialize_(model: nn.Module, device: str | torch.device = "cpu") -> None:
-    """Give every meta parameter of ``model`` (built on the meta device and already cut to this rank) real,
-    uninitialised storage, keeping each Parameter's attributes (the TP tags) and sharing; the position tables are
-    computed again. What a rank does instead of drawing the whole model when every weight comes from a source."""
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in made:
-                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-                new.__dict__.update(p.__dict__)
-                made[id(p)] = new
-            module._parameters[name] = made[id(p)]
-    init_buffers = getattr(model, "_init_buffers", None)
-    if init_buffers is not None:
-        init_buffers()
-    meta = [n for n, b in model.named_buffers() if b.is_meta]
-    assert not meta, f"buffers left on the meta device: {meta[:5]}"

@@ -33,30 +33,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_trainer.checkpoint import publish
-from dist_trainer.checkpoint.checkpoint_source import load_shards
-from dist_trainer.checkpoint.convert import (
-    load_optimizer_state_by_name,
-    optimizer_state_by_name,
-    select_names,
-    shard_name,
-    write_specs,
-)
-from dist_trainer.checkpoint.load import load_owned_, materialize_
+from dist_trainer.checkpoint.load import load_owned_
 from dist_trainer.checkpoint.source import open_source
 from dist_trainer.config import Config
+from dist_trainer.engines.update import Update
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
-from dist_trainer.optim import set_lr
-from dist_trainer.parallel.ep.apply import apply_expert_parallel
-from dist_trainer.parallel.ep.grad import expert_param_names
-from dist_trainer.parallel.ownership import Piece, dense_pieces
+from dist_trainer.parallel.ownership import Piece
+from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.apply import apply_tensor_parallel
-from dist_trainer.parallel.tp.reshard import tp_shard_specs
-from dist_trainer.parallel.zero.memory import optimizer_moments, unique_bytes
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -67,23 +54,19 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
 
 
 def seeded_model(cfg: Config, device: str = "cpu") -> Transformer:
-    """The single-process model drawn from ``train.seed``, activation checkpointing set, ``train.freeze``
-    applied: every regime's start (``train.init_from``'s weights come in once the model is cut to this rank)."""
+    """The single-process model drawn from ``train.seed``, ``train.freeze`` applied: every regime's start
+    (``train.init_from``'s weights come in once the model is cut to this rank)."""
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    model.set_activation_checkpointing(cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every)
     start_finetune(model, cfg)
     return model
 
 
-def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
-    """``seeded_model`` cut to this rank: its TP slices (Megatron TP: the full model is drawn from the seed, then
-    each rank keeps its slices, so every layout starts from the single-process weights) and its experts."""
+def sharded_model(cfg: Config, state: ParallelState, device: torch.device | str = "cpu") -> Transformer:
+    """``seeded_model`` cut to this rank by ``parallelize`` (Megatron TP: the full model is drawn from the seed, then
+    each rank keeps its slices, so every layout starts from the single-process weights; its experts; recompute;
+    ``device``), then ``train.init_from``'s slices loaded."""
     streamed = streams_start_weights(cfg)
-    model = seeded_model(cfg, device="meta" if streamed else "cpu")
-    apply_tensor_parallel(model, state, cfg.parallel.sequence_parallel)
-    apply_expert_parallel(model, state)  # no-op at ep_size 1
-    if streamed:
-        materialize_(model)
+    model = parallelize(seeded_model(cfg, device="meta" if streamed else "cpu"), state.layout, state, device)
     load_start_weights(model, cfg, state)
     return model
 
@@ -114,24 +97,6 @@ def clip_norm(cfg: Config) -> float:
     return cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
 
 
-def apply_update(optimizer: torch.optim.Optimizer, lr: float, scaler: torch.amp.GradScaler | None = None) -> None:
-    """Step at ``lr`` (through the loss scaler when there is one), then drop the gradients."""
-    set_lr(optimizer, lr)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def drop_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
-    """Do not step: drop the gradients (the loss scaler, which was unscaled, still updates its scale)."""
-    if scaler is not None:
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-
-
 class Engine(abc.ABC):
     """The interface every regime implements (see the module docstring).
 
@@ -142,6 +107,7 @@ class Engine(abc.ABC):
     name: str = "engine"
     model: nn.Module  # this rank's module (its parameters are what this rank holds)
     state: ParallelState
+    update: Update  # how its gradients become an update (engines/update.py)
     step_hooks: StepHooks = StepHooks()  # the trainer installs its health monitor here
 
     @abc.abstractmethod
@@ -156,90 +122,21 @@ class Engine(abc.ABC):
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The summed no-grad loss of ``batches``, the same on every rank of a model replica."""
 
-    @abc.abstractmethod
     def save_shards(self, folder: Path) -> dict[str, Any]:
         """Write this rank's files into ``folder``; return what meta.json should record."""
+        return self.update.save(folder)
 
-    @abc.abstractmethod
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
         """Load this rank's part of the checkpoint in ``folder`` (saved under any layout it can reshard)."""
+        self.update.load(folder, meta)
 
     def owned_pieces(self, grads: bool = True) -> list[Piece]:
         """The elements of each full parameter this rank owns (values and, with ``grads``, gradients, as flat
-        views); the pieces of all ranks partition the model once. A regime that partitions otherwise (ZeRO)
-        overrides it."""
-        return dense_pieces(self.model, self.state)
+        views); the pieces of all ranks partition the model once."""
+        return self.update.pieces(grads)
 
     def owned_state_bytes(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: the bytes of model states this rank holds now, each storage once
         (gradients as they exist at the call: between backward and the optimizer step they are all there).
-        What the planner's model-state terms predict; a regime with other holdings overrides it."""
-        params = list(self.model.parameters())
-        optimizer = getattr(self, "optimizer", None)
-        return {"params": unique_bytes(params), "grads": unique_bytes(p.grad for p in params),
-                "optimizer": 0 if optimizer is None else unique_bytes(optimizer_moments(optimizer))}
-
-
-def write_named_shards(folder: Path, state: ParallelState, model: nn.Module, model_state: dict[str, torch.Tensor],
-                       optim_state: dict[str, Any]) -> None:
-    """Write one writer's by-name model and optimizer state (and, on tp rank 0, the split specs) as
-    ``checkpoint/convert.py`` reads them; under expert parallelism ep rank e > 0 keeps its experts alone."""
-    specs = tp_shard_specs(model)
-    tp, pp, ep = state.tp_rank, state.pp_rank, state.ep.rank
-    if ep > 0:  # the dense parameters are ep rank 0's to write
-        experts = set(expert_param_names(model))
-        model_state, optim_state = select_names(model_state, optim_state, experts)
-        specs = {n: s for n, s in specs.items() if n in experts}
-    # through publish.atomic_save, where every checkpoint file is written (one place to fail or test)
-    publish.atomic_save(model_state, folder / shard_name("model", tp, pp, ep))
-    publish.atomic_save(optim_state, folder / shard_name("optim", tp, pp, ep))
-    if tp == 0:
-        write_specs(folder, pp, specs, ep)
-
-
-class DenseUpdateMixin:
-    """The hooked update of engines that step a torch optimizer themselves (DDP, pipeline)."""
-
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    step_hooks: StepHooks
-
-    def update_unless_vetoed(self, grad_norm: torch.Tensor, lr: float) -> None:
-        """``apply_update`` at ``lr``, unless the step hooks refuse this step (then only drop the gradients)."""
-        if self.step_hooks.allow_update(grad_norm):
-            apply_update(self.optimizer, lr, self.scaler)
-        else:
-            drop_update(self.optimizer, self.scaler)
-
-
-class NamedShardsMixin:
-    """Checkpoint I/O for engines whose ``model`` names its parameters as the plain model does.
-
-    One writer per (tp, pp) coordinate (dp rank 0) saves weights and optimizer state by
-    name, and tp rank 0 of each stage the split specs that let another layout reshard them.
-    Under expert parallelism the first rank of each edp group writes: ep rank 0 everything it
-    holds, ep rank e > 0 its experts alone (by global name) into ``*_epEE`` files.
-    """
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    state: ParallelState
-
-    def save_shards(self, folder: Path) -> dict[str, Any]:
-        if self.state.edp.rank == 0:  # DP replicas hold the same state: one writer per (tp, pp, ep)
-            optim_state = optimizer_state_by_name(self.model, self.optimizer)
-            if self.scaler is not None:
-                optim_state["scaler"] = self.scaler.state_dict()
-            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            write_named_shards(folder, self.state, self.model, model_state, optim_state)
-        return {}
-
-    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
-        model_state, optim_state = load_shards(
-            folder, meta, tp_rank=self.state.tp_rank, tp_size=self.state.tp_size, pp_rank=self.state.pp_rank,
-            pp_size=self.state.pp_size, specs_now=tp_shard_specs(self.model), ep_size=self.state.ep_size)
-        self.model.load_state_dict(model_state)
-        load_optimizer_state_by_name(self.model, self.optimizer, optim_state)
-        if self.scaler is not None and "scaler" in optim_state:
-            self.scaler.load_state_dict(optim_state["scaler"])
+        What the planner's model-state terms predict."""
+        return self.update.owned_state_bytes()

@@ -13,19 +13,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_trainer.config import Config
-from dist_trainer.engines.base import (
-    DenseUpdateMixin,
-    Engine,
-    NamedShardsMixin,
-    autocast_for,
-    clip_norm,
-    sharded_model,
-)
+from dist_trainer.engines.base import Engine, autocast_for, clip_norm, sharded_model
+from dist_trainer.engines.update import DenseUpdate
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
-from dist_trainer.parallel.ep.grad import expert_param_names, reduce_expert_grads
+from dist_trainer.parallel.ep.grad import expert_param_names
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads
+from dist_trainer.parallel.tp.grad import clip_grad_norm_
 
 
 def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejects string annotations here
@@ -37,7 +31,7 @@ def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejec
                           lambda: default_hooks.allreduce_hook(group, bucket))
 
 
-class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
+class DataParallelEngine(Engine):
     """DDP over the dp axis; Megatron TP (and SP) inside each replica when tp_size > 1."""
 
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
@@ -45,23 +39,23 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         self.state = state
         self.device = device
         self.name = "tp+ddp" if state.tp_size > 1 else "ddp"
-        self.model = self._build_model()
+        self.model = sharded_model(cfg, state, device)
         self.wrapped = self._wrap(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
-
-    def _build_model(self) -> nn.Module:
-        return sharded_model(self.cfg, self.state).to(self.device)
+        self.update = DenseUpdate(self.model, self.optimizer, state, scaler=self.scaler, max_norm=clip_norm(cfg),
+                                  clip=lambda max_norm: clip_grad_norm_(self.model, max_norm, state))
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.state.dp_size == 1:
+        dp = self.state.dp_cp  # the replicas: dp, and the cp ranks that hold the same parameters
+        if dp.size == 1:
             return model
         # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads)
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
-        ddp = DDP(model, process_group=self.state.dp.group,
+        ddp = DDP(model, process_group=dp.group,
                   device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=model.pooler is not None)  # the pooler takes no part in the MLM loss
-        ddp.register_comm_hook(self.state.dp, _counting_allreduce_hook)
+        ddp.register_comm_hook(dp, _counting_allreduce_hook)
         return ddp
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -80,15 +74,9 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         return loss_sum
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
-        finalize_tp_grads(self.model, self.state)  # partial grads of TP-replicated params (SP norms, ...)
-        reduce_expert_grads(self.model, self.state)  # expert-parallel experts over edp
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        self.step_hooks.grads_ready()
-        # Global norm over every rank's shards (TP-replicated params once), clipped if asked.
-        grad_norm = clip_grad_norm_(self.model, clip_norm(self.cfg), self.state)
-        self.update_unless_vetoed(grad_norm, lr)
-        return grad_norm
+        # TP partial sums, experts over edp, the hooks, the global norm over every rank's shards (TP-replicated
+        # parameters once), clipped if asked, and the step
+        return self.update.step(lr, self.step_hooks)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

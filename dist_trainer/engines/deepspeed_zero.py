@@ -13,7 +13,7 @@ parallelism DeepSpeed's MoE conventions are set up for our groups, here and nowh
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
-from dist_trainer.engines.base import write_named_shards
+from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
@@ -58,10 +58,11 @@ class DeepSpeedZero:
     """DeepSpeed's engine and ZeRO optimizer over ``model`` (this rank's part of the model, already tagged)."""
 
     def __init__(self, cfg: Config, state: ParallelState, model: nn.Module, ds_config: dict[str, Any],
-                 mpu: DeepSpeedMpu) -> None:
+                 mpu: DeepSpeedMpu, *, grads_from_schedule: bool = False) -> None:
         import deepspeed
 
-        self.cfg, self.state, self.stage = cfg, state, cfg.parallel.zero_stage
+        self.cfg, self.state, self.stage = cfg, state, state.layout.zero_stage
+        self.grads_from_schedule = grads_from_schedule
         self.offload = cfg.parallel.zero_offload
         groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3 (ds_shape)
         if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers (the section at the end)
@@ -74,10 +75,16 @@ class DeepSpeedZero:
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module
 
-    def step(self, lr: float, hooks: StepHooks, *, reduce: bool = False) -> torch.Tensor:
-        """DeepSpeed's boundary step at ``lr``; the global gradient norm before clipping (0 for a skipped step).
+    def after_backward(self) -> None:
+        """Nothing: DeepSpeed reduces in its own step."""
 
-        ``reduce``: the gradients were accumulated in ``.grad`` outside ``engine.backward`` (a pipeline schedule):
+    def step(self, lr: float, hooks: StepHooks, finalize: Callable[[], None] = nothing) -> torch.Tensor:
+        """``finalize`` (the regime's own gradient step: the pipeline's tied embedding, on the whole ``.grad``
+        before ZeRO's dp reduction), then DeepSpeed's boundary step at ``lr``; the global gradient norm before
+        clipping (0 for a skipped step).
+
+        ``grads_from_schedule``: the gradients were accumulated in ``.grad`` outside ``engine.backward`` (a
+        pipeline schedule):
         hand them to ZeRO-1's reduction first, averaging over dp and keeping this rank's partition, as DeepSpeed's
         own pipeline engine does (``_exec_reduce_grads`` -> ``reduce_gradients(pipeline_parallel=True)``,
         deepspeed/runtime/pipe/engine.py:287, runtime/zero/stage_1_and_2.py:958).
@@ -85,7 +92,8 @@ class DeepSpeedZero:
         they judge it without one, and a step they refuse goes down DeepSpeed's own overflow path
         (``fragments.skip_next_step``), its counters consistent.
         """
-        if reduce:
+        finalize()
+        if self.grads_from_schedule:
             with self.state.dp.exchange("deepspeed reduce"):
                 self.optimizer.reduce_gradients(pipeline_parallel=True)
         set_lr(self.optimizer, lr)  # ZeRO's wrapper shares the client optimizer's param_groups
@@ -124,7 +132,7 @@ class DeepSpeedZero:
             # with weights_only=False, so they are not shipped: `dist-trainer export` reads these files safely
             for script in RECOVERY_SCRIPTS:
                 (folder / script).unlink(missing_ok=True)
-        if self.state.dp_rank == 0 and self.state.tp_rank == 0:
+        if self.state.dp_cp.rank == 0 and self.state.tp_rank == 0:
             write_specs(folder, self.state.pp_rank, tp_shard_specs(self.module))
         return {"zero_stage": self.stage, "zero_offload": self.offload, "deepspeed_tag": DS_TAG}
 
@@ -139,11 +147,12 @@ class DeepSpeedZero:
         into this rank's partitions (``_load_by_name``).
         """
         layout, s = meta["layout"], self.state
-        if ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"]) == (s.tp_size, s.pp_size, s.dp_size)
+        if ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1)) ==
+                (s.tp_size, s.pp_size, s.dp_size, s.cp.size)
                 and meta.get("zero_stage") == self.stage and bool(meta.get("zero_offload")) == self.offload):
             ds_dir = folder / meta["deepspeed_tag"]
             model_states = load_deepspeed_file(model_file(ds_dir, self.engine.mpu.get_model_parallel_rank(),
-                                                          self.stage, s.dp_rank))
+                                                          self.stage, s.dp_cp.rank))
             if self._same_partitioning(model_states["param_shapes"]):
                 self._load_native(ds_dir, model_states)
                 return
@@ -189,11 +198,11 @@ class DeepSpeedZero:
         (deepspeed/runtime/engine.py _load_checkpoint, _get_all_zero_checkpoint_state_dicts): the module's weights
         (ZeRO-1/2), then this rank's optimizer partition, the other ranks' entries left None as DeepSpeed leaves
         them; the files read by ``load_deepspeed_file`` (weights_only) instead of DeepSpeed's unpickler."""
-        mp, dp = self.engine.mpu.get_model_parallel_rank(), self.state.dp_rank
+        mp, dp = self.engine.mpu.get_model_parallel_rank(), self.state.dp_cp.rank  # DeepSpeed's data-parallel rank
         if self.stage < 3:  # ZeRO-3's saved module holds empty partitions: its weights come from the fp32 ones
             self.module.load_state_dict(model_states["module"], strict=True)
         own = load_deepspeed_file(optim_file(ds_dir, dp, mp))["optimizer_state_dict"]
-        partitions: list[dict[str, Any] | None] = [None] * self.state.dp_size
+        partitions: list[dict[str, Any] | None] = [None] * self.state.dp_cp.size
         partitions[dp] = own
         self.optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
         for key in ("global_steps", "global_samples", "skipped_steps"):

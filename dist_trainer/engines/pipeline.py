@@ -12,17 +12,12 @@ parameter names (so they reload at any tp x pp x ep).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 from torch import nn
 
 from dist_trainer.config import Config
 from dist_trainer.engines.base import (
-    DenseUpdateMixin,
     Engine,
-    NamedShardsMixin,
     autocast_for,
     clip_norm,
     load_start_weights,
@@ -30,18 +25,14 @@ from dist_trainer.engines.base import (
     streams_start_weights,
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
-from dist_trainer.layout_rules import n_microbatches
+from dist_trainer.engines.update import DenseUpdate, Update
 from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 from dist_trainer.optim import build_optimizer
-from dist_trainer.parallel.ep.apply import apply_expert_parallel
-from dist_trainer.parallel.ep.grad import reduce_expert_grads, split_expert_grads
-from dist_trainer.parallel.ownership import Piece
-from dist_trainer.parallel.pipeline.schedule import build_schedule
+from dist_trainer.parallel.parallelize import parallelize
+from dist_trainer.parallel.pipeline.schedule import PipelineSchedule, build_schedule
 from dist_trainer.parallel.pipeline.split import StageModule, split_into_stages, stage_placement
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.tp.apply import apply_tensor_parallel
-from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.zero.config import validate_zero_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, prepare_for_deepspeed, quiet_deepspeed
 
@@ -65,54 +56,49 @@ class PipelineRankModule(nn.Module):
                 self.layers[str(i)] = layer
 
 
-class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
+class PipelineEngine(Engine):
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
-        p = cfg.parallel
+        layout = state.layout
         self.cfg, self.state, self.device = cfg, state, device
-        self.scaler = None
-        self.n_micro = n_microbatches(p, state.dp_size)
-        self.stages = split_into_stages(cfg.model, state.pp_size, state.pp_rank, virtual_stages=p.pp_virtual_stages,
-                                        balance=p.pp_balance, stage_layers=p.pp_stage_layers,
-                                        seed=cfg.train.seed, device="cpu", draw=not streams_start_weights(cfg))
+        self.n_micro = layout.n_microbatches
+        self.stages = split_into_stages(cfg.model, layout.pp_size, state.pp_rank,
+                                        virtual_stages=layout.pp_virtual_stages, balance=layout.pp_balance,
+                                        stage_layers=None if layout.pp_stage_layers is None else
+                                        list(layout.pp_stage_layers), seed=cfg.train.seed, device="cpu",
+                                        draw=not streams_start_weights(cfg))
         start_finetune(PipelineRankModule(self.stages), cfg)  # by global names, before TP splits the modules
         for stage in self.stages:
-            apply_tensor_parallel(stage.model, state, p.sequence_parallel)
-            apply_expert_parallel(stage.model, state)
-            stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)
+            parallelize(stage.model, layout, state, device, first_layer=stage.first_layer)
         load_start_weights(PipelineRankModule(self.stages), cfg, state)  # each rank its stages' TP slices
-        for stage in self.stages:
-            stage.to(device)
-        self.pipe = build_schedule(self.stages, state, self.n_micro, p.pp_schedule, self.stages[-1].model.loss)
-        placement = stage_placement(state.pp_size, p.pp_virtual_stages)
-        last = state.pp_size * p.pp_virtual_stages - 1
+        self.pipe = build_schedule(self.stages, state, self.n_micro, layout.pp_schedule, self.stages[-1].model.loss)
+        placement = stage_placement(layout.pp_size, layout.pp_virtual_stages)
+        last = layout.pp_size * layout.pp_virtual_stages - 1
         self.last_stage_rank = next(r for r, owned in enumerate(placement) if last in owned)
         self.model = PipelineRankModule(self.stages)
-        self.zero = _zero_optimizer(cfg, state, device, self.model) if p.zero_stage else None
-        self.optimizer = build_optimizer(self.model, cfg.optim) if self.zero is None else self.zero.optimizer
-        self.name = f"pp[{p.pp_schedule}]" + ("+tp" if state.tp_size > 1 else "") + ("+dp" if state.dp_size > 1 else "")
-        if self.zero is not None:
-            self.name += f"+zero{p.zero_stage}"
+        self.update = _build_update(cfg, state, device, self.model, self.pipe)
+        self.optimizer = self.update.optimizer
+        self.name = f"pp[{layout.pp_schedule}]" + ("+tp" if state.tp_size > 1 else "") + (
+            "+dp" if state.dp_size > 1 else "") + (f"+zero{layout.zero_stage}" if layout.zero_stage else "")
 
     def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
-        tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
-        targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
+        """The schedule over the sampler's micro-batches (``n_micro`` per pass: a step is one pass, the eval set
+        several); the sum of their losses on every rank."""
         stage_ids = [s.stage_index for s in self.stages]
         aux_before = aux_loss_sum(self.model)
+        losses: list[torch.Tensor] = []
         try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
             with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
-                if train:
-                    loss = self.pipe.step(tokens, targets)
-                else:
-                    losses: list[torch.Tensor] = []
-                    args = (tokens,) if self.pipe.has_first_stage else ()
-                    self.pipe.schedule.eval(*args, target=targets, losses=losses)
-                    loss = torch.stack([x.detach() for x in losses]).mean() if losses else None
+                for i in range(0, len(batches), self.n_micro):
+                    group = batches[i:i + self.n_micro]
+                    losses += self.pipe.run([b["tokens"] for b in group] if self.pipe.has_first_stage else None,
+                                            [b["targets"] for b in group] if self.pipe.has_last_stage else None,
+                                            train=train)
         except RuntimeError as exc:  # a dead or stalled neighbour: say which stage waited on whom
             raise RuntimeError(
                 f"pipeline stage(s) {stage_ids} on rank {self.state.rank} (pp rank {self.state.pp_rank}) failed "
                 f"while exchanging activations with a neighbouring stage (timeout "
                 f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s): {exc}") from exc
-        out = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
+        out = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
         # the loss lives on the last stage: one broadcast so every rank reports the same figure
         self.state.pp.broadcast(out, src_axis_rank=self.last_stage_rank)
         if train and self.cfg.model.n_experts:  # each stage's router losses, mean over micro-batches, summed
@@ -122,24 +108,13 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         loss_sum = self._run(batches, train=True)
-        # the gradient mean over dp, as DDP would, in one flat all-reduce (ZeRO reduces in its own step)
-        if self.state.dp_size > 1 and self.zero is None:
-            grads, _ = split_expert_grads(list(self.model.parameters()))  # experts: over edp, below
-            self.state.dp.all_reduce_flat_(grads, divide_by=self.state.dp_size)
-            reduce_expert_grads(self.model, self.state)
+        self.update.after_backward()  # the mean over dp, as DDP's (ZeRO reduces in its own step)
         return loss_sum
 
     def optimizer_step(self, lr: float) -> torch.Tensor:
-        if self.zero is not None:  # partial TP grads were summed inside backward (prepare_for_deepspeed)
-            self.pipe.finalize_grads()  # tied embedding: on the whole .grad, before ZeRO's dp reduction
-            return self.zero.step(lr, self.step_hooks, reduce=True)
-        for stage in self.stages:
-            finalize_tp_grads(stage.model, self.state)
-        self.pipe.finalize_grads()  # tied embedding: first-stage and last-stage copies get the summed gradient
-        self.step_hooks.grads_ready()
-        grad_norm = self.pipe.clip_grad_norm_(clip_norm(self.cfg), self.state)
-        self.update_unless_vetoed(grad_norm, lr)
-        return grad_norm
+        # the tied embedding: first-stage and last-stage copies get the summed gradient (on the whole .grad, before
+        # ZeRO's dp reduction)
+        return self.update.step(lr, self.step_hooks, finalize=self.pipe.finalize_grads)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -151,33 +126,23 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
             for stage in self.stages:
                 stage.train()
 
-    def owned_state_bytes(self) -> dict[str, int]:
-        return super().owned_state_bytes() if self.zero is None else self.zero.owned_state_bytes()
 
-    def owned_pieces(self, grads: bool = True) -> list[Piece]:
-        return super().owned_pieces(grads) if self.zero is None else self.zero.pieces(grads)
-
-    def save_shards(self, folder: Path) -> dict[str, Any]:
-        return super().save_shards(folder) if self.zero is None else self.zero.save(folder)
-
-    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
-        if self.zero is None:
-            super().load_shards(folder, meta)
-        else:
-            self.zero.load(folder, meta)
-
-
-def _zero_optimizer(cfg: Config, state: ParallelState, device: torch.device, model: nn.Module) -> DeepSpeedZero:
-    """DeepSpeed's ZeRO-1 over this rank's stages (tagged after build_schedule marked the tied copy).
+def _build_update(cfg: Config, state: ParallelState, device: torch.device, model: nn.Module,
+                  pipe: PipelineSchedule) -> Update:
+    """Our AdamW over this rank's stages, or DeepSpeed's ZeRO-1 (tagged after build_schedule marked the tied copy).
 
     DeepSpeed sees one micro-batch of the whole per-rank batch and no accumulation: the schedule accumulates the
     micro-batches in ``.grad`` itself (scaled by 1/n_micro), so each step is one DeepSpeed boundary. Its bf16/fp16
     sections are off: the stages keep fp32 parameters under autocast, as without ZeRO.
     """
+    if state.layout.zero_stage == 0:
+        return DenseUpdate(model, build_optimizer(model, cfg.optim), state, max_norm=clip_norm(cfg),
+                           clip=lambda max_norm: pipe.clip_grad_norm_(max_norm, state),
+                           tp_modules=[s.model for s in pipe.stages], reduce_over_dp=True)
     quiet_deepspeed()
     ds_config = {**validate_zero_config(cfg, state.dp_size, device.type),
                  "train_micro_batch_size_per_gpu": cfg.parallel.global_batch_size // state.dp_size,
                  "gradient_accumulation_steps": 1, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
     mpu = DeepSpeedMpu(state)  # collective: every rank, once
     prepare_for_deepspeed(model, state)
-    return DeepSpeedZero(cfg, state, model, ds_config, mpu)
+    return DeepSpeedZero(cfg, state, model, ds_config, mpu, grads_from_schedule=True)

@@ -26,7 +26,6 @@ with Megatron tensor parallelism (and sequence parallelism) inside each data-par
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, load_start_weights, sharded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
-from dist_trainer.parallel.ownership import Piece
+from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.zero.config import validate_zero_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, prepare_for_deepspeed, quiet_deepspeed
@@ -51,12 +50,12 @@ class ZeroEngine(Engine):
         self.cfg = cfg
         self.state = state
         self.device = device
-        self.stage = cfg.parallel.zero_stage
+        self.stage = state.layout.zero_stage
         self.name = f"zero{self.stage}" + ("_offload" if cfg.parallel.zero_offload else "") + (
             "+tp" if state.tp_size > 1 else "")
         self.ds_config = validate_zero_config(cfg, state.dp_size, device.type)
         self.mpu = DeepSpeedMpu(state)  # collective (it may create groups): every rank, once
-        self.zero = DeepSpeedZero(cfg, state, self._build_model(deepspeed), self.ds_config, self.mpu)
+        self.update = self.zero = DeepSpeedZero(cfg, state, self._build_model(deepspeed), self.ds_config, self.mpu)
         self.engine, self.optimizer = self.zero.engine, self.zero.optimizer
         self.model: Transformer = self.engine.module
         # Called after each micro-batch's backward (the memory experiment reads the grads held in between).
@@ -69,9 +68,9 @@ class ZeroEngine(Engine):
             # _convert_to_zero_parameters -> zero.Init(module=..., data_parallel_group=mpu's)): the model is not
             # built inside zero.Init, because apply_tensor_parallel slices full weights. Each rank holds the whole
             # plain model briefly, before partitioning.
-            model = sharded_model(self.cfg, self.state)
+            model = sharded_model(self.cfg, self.state, self.device)
             prepare_for_deepspeed(model, self.state)
-            return model.to(self.device)
+            return model
         torch.manual_seed(self.cfg.train.seed)
         # zero.Init reads only the zero_optimization section; its batch assertion would use the world size
         # before our mpu is consulted, so the batch keys stay with deepspeed.initialize.
@@ -87,10 +86,9 @@ class ZeroEngine(Engine):
             model = Transformer(self.cfg.model)
         init_partitioned(model)
         start_finetune(model, self.cfg)
+        parallelize(model, self.state.layout, self.state, self.device)  # tp 1, no ep (ZeRO-3): recompute, placement
         load_start_weights(model, self.cfg, self.state)  # each rank reads its own partition of every parameter
-        model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
-                                           self.cfg.parallel.checkpoint_every)
-        return model.to(self.device)
+        return model
 
     # ------------------------------------------------------------------ steps
 
@@ -116,9 +114,6 @@ class ZeroEngine(Engine):
         # the boundary: reduce(-scatter), clip to gradient_clipping, Adam step, gather; the step hooks around it
         return self.zero.step(lr, self.step_hooks)
 
-    def owned_pieces(self, grads: bool = True) -> list[Piece]:
-        return self.zero.pieces(grads)
-
     @torch.no_grad()
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         self.engine.eval()
@@ -130,13 +125,3 @@ class ZeroEngine(Engine):
             self.engine.train()
         return total
 
-    def owned_state_bytes(self) -> dict[str, int]:
-        return self.zero.owned_state_bytes()
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_shards(self, folder: Path) -> dict[str, Any]:
-        return self.zero.save(folder)
-
-    def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
-        self.zero.load(folder, meta)

@@ -211,13 +211,13 @@ def _modelled_zero_traffic(profile: HardwareProfile, d_model: int, tokens: int, 
     (keys "s/m", m micro-batches): subtracted from the measured extra, so ``zero_overhead`` is DeepSpeed's own."""
     import torch
 
+    from dist_trainer.layout_rules import layout_of
     from dist_trainer.planner.cost import estimate_step_time
-    from dist_trainer.planner.emit import layout_from_parallel
     from dist_trainer.train.plan_check import planner_options
 
     def dp_seconds(stage: int, micro: int) -> float:
         cfg = zero_config(d_model, tokens, nprocs, stage, micro, device)
-        layout = layout_from_parallel(cfg.parallel, nprocs, micro)
+        layout = layout_of(cfg.parallel, nprocs)
         est = estimate_step_time(cfg.model, layout, seq_len=tokens, hardware=profile, gpus_per_node=nprocs,
                                  options=planner_options(cfg, torch.device(device)))  # what the engines ran
         return est.dp_comm

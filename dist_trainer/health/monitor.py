@@ -277,7 +277,9 @@ class HealthMonitor(StepHooks):
         brings their tokens), so no rank sees one micro-batch's expert gradient; every other parameter's gradient
         on a rank is its own micro-batch's, in every layout."""
         calls = max(Counter(i for i, _ in self._norms).values(), default=0)  # micro-batches each parameter saw
-        if calls == 0 or self.cfg.train.precision == "fp16":  # fp16: the loss scale is in every gradient
+        # fp16: the loss scale is in every gradient; context parallelism: each cp rank sees its tokens' share of a
+        # micro-batch's gradient, never the whole (the noise scale is left out of its records)
+        if calls == 0 or self.cfg.train.precision == "fp16" or self.state.cp.size > 1:
             return torch.zeros(1, dtype=torch.float64, device=self.device), None
         scale = float(calls) if self.micro_scaled else 1.0
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -299,7 +301,7 @@ class HealthMonitor(StepHooks):
     def _straggler(self, busy_s: float) -> dict[str, Any]:
         """Per-rank busy time (step time minus time inside collectives), gathered over the grid in rank order."""
         t = torch.tensor([busy_s], dtype=torch.float64, device=self.device)
-        for axis in (self.state.tp, self.state.pp, self.state.dp):
+        for axis in self.state.grid_axes():
             t = axis.all_gather(t)
         times = t.tolist()
         slowest = max(range(len(times)), key=times.__getitem__)

@@ -47,7 +47,7 @@ SUMS = ("grad_sq", "param_sq", "before_sq", "update_sq", "l1")  # per group
 def reduce_over_grid(t: torch.Tensor, state: ParallelState, op: torch.distributed.ReduceOp.RedOpType | None = None
                      ) -> torch.Tensor:
     """All-reduce ``t`` over the whole grid, one axis at a time (every collective goes through an AxisGroup)."""
-    for axis in (state.tp, state.pp, state.dp):
+    for axis in state.grid_axes():
         if op is None:
             axis.all_reduce(t)
         else:

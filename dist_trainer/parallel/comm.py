@@ -105,10 +105,29 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @dataclass
+class RingShift:
+    """A ring exchange under way (``AxisGroup.ring_shift``): ``wait()`` returns the received tensors."""
+
+    received: list[torch.Tensor]
+    requests: list[Any]
+    counter: CommCounter | None
+    entry: Collective | None
+
+    def wait(self) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        for request in self.requests:
+            request.wait()
+        if self.counter is not None and self.entry is not None:
+            self.counter.comm_s += time.perf_counter() - start
+            self.counter.leave(self.entry)
+        return self.received
+
+
+@dataclass
 class AxisGroup:
     """One axis of the (dp, pp, tp) grid from this rank's point of view."""
 
-    axis: str  # "tp", "pp", "dp", "ep" (expert-parallel) or "edp" (expert-data-parallel)
+    axis: str  # a mesh axis ("dp", "pp", "cp", "tp"), "ep"/"edp" (inside dp) or "dp_cp" (dp x cp, flattened)
     size: int  # ranks along this axis
     rank: int  # this rank's coordinate on the axis
     group: dist.ProcessGroup | None  # None when size == 1 (no process group needed)
@@ -222,6 +241,20 @@ class AxisGroup:
         out = torch.empty_like(t)
         self._run("all_to_all", _nbytes(t), lambda: dist.all_to_all_single(out, t, group=self.group))
         return out
+
+    def ring_shift(self, tensors: list[torch.Tensor]) -> RingShift:
+        """Start sending ``tensors`` to the next rank of the axis and receiving the previous rank's (same shapes);
+        ``.wait()`` on the result gives them. Ring attention's K/V exchange, overlapped with a block's compute;
+        counted as the bytes this rank sends."""
+        if self.size == 1:
+            return RingShift(tensors, [], None, None)
+        nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group=self.group, tag=i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, r, prv, group=self.group, tag=i) for i, r in enumerate(recv)]
+        self.counter.record("ring_send", self.axis, sum(_nbytes(t) for t in tensors))
+        entry = self.counter.enter(self.axis, "ring_send")
+        return RingShift(recv, dist.batch_isend_irecv(ops), self.counter, entry)
 
     def broadcast(self, t: torch.Tensor, src_axis_rank: int = 0) -> torch.Tensor:
         if self.size == 1:

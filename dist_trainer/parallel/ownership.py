@@ -65,8 +65,12 @@ def dense_pieces(model: nn.Module, state: ParallelState) -> list[Piece]:
         numel, start = tp_shard_extent(p, state)
         flat = p.detach().reshape(-1)[:numel]
         grad = None if p.grad is None else p.grad.detach().reshape(-1)[:numel]
-        axis = state.edp if getattr(p, "ep_expert", False) else state.dp  # the replicas that hold it
-        lo, hi = numel * axis.rank // axis.size, numel * (axis.rank + 1) // axis.size
+        # the replicas that hold it: dp x cp (dp_cp), or for an expert its edp group x cp
+        if getattr(p, "ep_expert", False):
+            rank, size = state.edp.rank * state.cp.size + state.cp.rank, state.edp.size * state.cp.size
+        else:
+            rank, size = state.dp_cp.rank, state.dp_cp.size
+        lo, hi = numel * rank // size, numel * (rank + 1) // size
         pieces.append(Piece(name, flat[lo:hi], None if grad is None else grad[lo:hi],
                             None if start is None else start + lo))
     return pieces

@@ -1,49 +1,58 @@
-"""ParallelState: the (dp, pp, tp) grid of ranks, its process groups, this rank's coordinates.
+"""ParallelState: this rank's place in the mesh (``parallel/mesh.py``) and one counted ``AxisGroup`` per axis.
 
-The whole topology is ``grid = arange(world).view(dp, pp, tp)`` (``layout_rules.rank_grid``): tp varies fastest,
-so the ranks of a TP group are consecutive and, with tp_size <= GPUs per node, stay
-inside one node (TP all-reduces are the most frequent and want NVLink). The state is
-an object passed explicitly to whatever needs a group: there are no module globals.
-
-Expert parallelism (``parallel.ep_size``) adds two axes inside dp (``layout_rules.expert_groups``): ``ep``, the
-ep consecutive dp ranks that hold different experts and exchange tokens, and ``edp``, the dp ranks holding the
-same experts, over which those experts' gradients are reduced. Both are one-rank axes when ep_size is 1 (edp is
-then dp itself for the experts, which are ordinary parameters).
+Built once per run from the Layout and passed explicitly to whatever needs a group: there are no module globals.
+The axes are the mesh's (``layout_rules.MESH_AXES``: dp, pp, tp) plus ep and edp inside dp for expert
+parallelism (one-rank axes, edp being dp itself, when ep_size is 1); every axis is made in the same loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from dist_trainer.config import ParallelConfig
-from dist_trainer.layout_rules import expert_groups, rank_grid
+from dist_trainer.layout_rules import MESH_AXES, Layout, layout_of
 from dist_trainer.parallel.comm import AxisGroup, CommCounter
+from dist_trainer.parallel.mesh import Mesh, build_mesh
 
-AXES = ("dp", "pp", "tp", "ep", "edp")
+EXPERT_AXES = ("ep", "edp")  # inside dp (layout_rules.expert_groups)
+AXES = (*MESH_AXES, *EXPERT_AXES, "dp_cp")  # dp_cp: the ranks holding the same parameters (dp x cp, flattened)
+
+
+class _Axis:
+    """``state.<axis>``: that axis's AxisGroup in ``state.axes`` (a new axis is one line in ParallelState)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: ParallelState, owner: type | None = None) -> AxisGroup:
+        return state.axes[self.name]
+
+    def __set__(self, state: ParallelState, group: AxisGroup) -> None:
+        state.axes[self.name] = group
 
 
 @dataclass
 class ParallelState:
-    """This rank's place in the grid: one counted ``AxisGroup`` per axis (its process group, size and rank) and the
-    ``CommCounter`` they share.
+    """This rank's axes, each an ``AxisGroup`` (process group, size, rank) sharing one ``CommCounter``, and the mesh
+    they were read off. An axis of one rank holds no group and its collectives return at once (Megatron keeps its
+    groups in module globals; here the state is an object passed in)."""
 
-    Built once per run by ``build`` from the layout and passed explicitly to every mechanism that communicates, so
-    no module holds a global group (Megatron's ``parallel_state`` keeps them in globals); an axis of one rank
-    holds no group and its collectives return at once.
-    """
-
-    dp: AxisGroup
-    pp: AxisGroup
-    tp: AxisGroup
-    ep: AxisGroup
-    edp: AxisGroup
+    layout: Layout
+    mesh: Mesh
+    axes: dict[str, AxisGroup]
     rank: int
     world_size: int
     counter: CommCounter = field(default_factory=CommCounter)
+
+    dp = _Axis()
+    pp = _Axis()
+    cp = _Axis()
+    tp = _Axis()
+    dp_cp = _Axis()
+    ep = _Axis()
+    edp = _Axis()
 
     @property
     def tp_size(self) -> int:
@@ -74,91 +83,50 @@ class ParallelState:
         return self.dp.rank
 
     def describe(self) -> str:
-        ep = f", ep {self.ep.rank}/{self.ep.size}" if self.ep.size > 1 else ""
-        return (f"rank {self.rank}/{self.world_size}: dp {self.dp.rank}/{self.dp.size}, "
-                f"pp {self.pp.rank}/{self.pp.size}, tp {self.tp.rank}/{self.tp.size}{ep}")
+        return f"rank {self.rank}/{self.world_size}: {self.describe_rank(self.rank)}"
 
     def describe_rank(self, rank: int) -> str:
-        """Another rank's coordinates, read off the grid (tp fastest, then pp, then dp)."""
-        tp, pp, ep = self.tp.size, self.pp.size, self.ep.size
-        dp = rank // (tp * pp)
-        where = f"dp {dp}/{self.dp.size}, pp {rank // tp % pp}/{pp}, tp {rank % tp}/{tp}"
-        return where + (f", ep {dp % ep}/{ep}" if ep > 1 else "")  # ep varies fastest inside dp (expert_groups)
+        """A rank's coordinates, read off the mesh (ep, when there is one: its dp index modulo ep)."""
+        at = self.mesh.coordinates(rank)
+        where = ", ".join(f"{a} {at[a]}/{n}" for a, n in self.mesh.shape.items() if n > 1 or a in ("dp", "pp", "tp"))
+        ep = self.ep.size
+        return where + (f", ep {at['dp'] % ep}/{ep}" if ep > 1 else "")
+
+    def grid_axes(self) -> list[AxisGroup]:
+        """The mesh's axes, innermost (tp) first: reducing or gathering over each in turn covers the world once,
+        and gathers come out in rank order."""
+        return [self.axes[a] for a in reversed(MESH_AXES)]
 
     def group_ranks(self) -> dict[str, tuple[int, ...]]:
         """Axis -> the global ranks of this rank's group on that axis (the expert-parallel ep and edp too)."""
-        return {a.axis: a.ranks for a in (self.dp, self.pp, self.tp, self.ep, self.edp)}
+        return {name: a.ranks for name, a in self.axes.items()}
 
     @classmethod
     def single(cls) -> ParallelState:
         """One process, no process groups: every collective is a no-op."""
-        counter = CommCounter()
-        axes = {a: AxisGroup(a, 1, 0, None, (0,), counter) for a in AXES}  # ep, edp: one rank too
-        return cls(**axes, rank=0, world_size=1, counter=counter)
+        return cls.build(Layout(), 1, 0)
 
     @classmethod
-    def build(cls, parallel: ParallelConfig, world_size: int | None = None, rank: int | None = None) -> ParallelState:
-        """Validate the degrees against the world size, then create one group per grid line.
-
-        ``dist.new_group`` is collective: every rank creates every group, in the same order.
-        """
+    def build(cls, layout: Layout | ParallelConfig, world_size: int | None = None, rank: int | None = None,
+              timeout_s: float | None = None) -> ParallelState:
+        """The mesh of ``layout`` (a run config's parallel section is first resolved on the world, raising
+        ValueError before any group exists) and an ``AxisGroup`` per axis. Collective: every rank calls it."""
         initialized = dist.is_available() and dist.is_initialized()
         world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
-        dp_size = parallel.resolve(world_size)  # raises ValueError before any group is made
-        if world_size == 1:
-            return cls.single()
-        if not initialized:
+        if isinstance(layout, ParallelConfig):
+            timeout_s = layout.timeout_s if timeout_s is None else timeout_s
+            layout = layout_of(layout, world_size)
+        if world_size > 1 and not initialized:
             raise RuntimeError("ParallelState.build needs an initialised default process group for world_size > 1")
-        grid = torch.tensor(rank_grid(world_size, dp_size, parallel.pp_size, parallel.tp_size))  # (dp, pp, tp)
-        d, p, t = (int(c) for c in (grid == rank).nonzero()[0])
+        mesh = build_mesh(layout, world_size, rank, ParallelConfig.timeout_s if timeout_s is None else timeout_s)
         counter = CommCounter()
-        timeout = timedelta(seconds=parallel.timeout_s)
-        lines = {
-            "tp": [grid[i, j, :] for i in range(dp_size) for j in range(parallel.pp_size)],
-            "pp": [grid[i, :, k] for i in range(dp_size) for k in range(parallel.tp_size)],
-            "dp": [grid[:, j, k] for j in range(parallel.pp_size) for k in range(parallel.tp_size)],
-        }
-        mine = {"tp": grid[d, p, :], "pp": grid[d, :, t], "dp": grid[:, p, t]}
-        coord = {"dp": d, "pp": p, "tp": t}
-        axes = {}
-        for axis in ("tp", "pp", "dp"):
-            my_ranks = tuple(int(r) for r in mine[axis])
-            group = None
-            for line in lines[axis]:
-                ranks = [int(r) for r in line]
-                if len(ranks) == 1:
-                    continue
-                # every group inherits the configured timeout: a dead peer fails the job, not hangs it
-                g = dist.new_group(ranks, timeout=timeout)
-                if tuple(ranks) == my_ranks:
-                    group = g
-            axes[axis] = AxisGroup(axis, len(my_ranks), coord[axis], group, my_ranks, counter)
-        axes.update(_expert_axes(grid, d, p, t, parallel.ep_size, timeout, axes["dp"]))
-        return cls(**axes, rank=rank, world_size=world_size, counter=counter)
-
-
-def _expert_axes(grid: torch.Tensor, d: int, p: int, t: int, ep_size: int, timeout: timedelta,
-                 dp: AxisGroup) -> dict[str, AxisGroup]:
-    """The ep and edp axes of the rank at (d, p, t): ``layout_rules.expert_groups`` inside each dp line
-    (ep_size 1: no ep group, and edp shares the dp group, so a dense run creates no extra group)."""
-    counter = dp.counter
-    if ep_size == 1:
-        return {"ep": AxisGroup("ep", 1, 0, None, (dp.ranks[dp.rank],), counter),
-                "edp": AxisGroup("edp", dp.size, dp.rank, dp.group, dp.ranks, counter)}
-    dp_size, pp_size, tp_size = grid.shape
-    ep_lines, edp_lines = expert_groups(dp_size, ep_size)
-    axes = {}
-    for axis, lines in (("ep", ep_lines), ("edp", edp_lines)):
-        mine = next(line for line in lines if d in line)
-        ranks = tuple(int(grid[i, p, t]) for i in mine)
-        group = None
-        if len(mine) > 1:
-            for j in range(pp_size):
-                for k in range(tp_size):
-                    for line in lines:  # every rank creates every group, in the same order
-                        g = dist.new_group([int(grid[i, j, k]) for i in line], timeout=timeout)
-                        if (j, k) == (p, t) and line == mine:
-                            group = g
-        axes[axis] = AxisGroup(axis, len(mine), mine.index(d), group, ranks, counter)
-    return axes
+        axes: dict[str, AxisGroup] = {}
+        for axis in AXES:
+            if axis == "dp_cp" and layout.cp_size == 1:  # the same ranks as dp: one axis, counted as dp
+                axes[axis] = axes["dp"]
+                continue
+            ranks = mesh.line(axis)
+            axes[axis] = AxisGroup(axis, len(ranks), ranks.index(rank), mesh.groups[axis] if len(ranks) > 1 else None,
+                                   ranks, counter)
+        return cls(layout, mesh, axes, rank, world_size, counter)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
+from dist_trainer.layout_rules import check_sequence_parallel
 from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
 from dist_trainer.model_shape import kv_sharded, padded_vocab
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
@@ -89,6 +90,8 @@ class ActivationSpec:
     # gathered input (parallel/tp/layers.py); Megatron keeps the shard and re-gathers in backward (False).
     sp_saves_gathered_input: bool = True
     ep_size: int = 1  # expert parallelism: the experts whose weights autocast copies (the activations do not change)
+    cp_size: int = 1  # context parallelism: a rank's tokens are 1/cp of each sequence (seq_len stays the whole)
+    cp_mode: str = "ring"  # ring attention keeps its own tensors (parallel/cp/ring.py); all_to_all runs the core
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -97,8 +100,7 @@ class ActivationSpec:
             raise ValueError(f"attention_kernel={self.attention_kernel!r} is not one of flash, math")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r} must be cuda or cpu")
-        if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("sequence_parallel needs tp_size > 1")
+        check_sequence_parallel(self.tp_size, self.sequence_parallel)  # the layout's rule, asked of its shard
         if self.seq_len < 1 or self.tp_size < 1:
             raise ValueError(f"seq_len={self.seq_len} and tp_size={self.tp_size} must be >= 1")
 
@@ -149,6 +151,12 @@ def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, grad_q:
     t, h, a, s = spec.tp_size, cfg.d_model, cfg.n_heads, spec.seq_len
     if not (grad_q or grad_k or grad_v):
         return []
+    if spec.cp_size > 1 and spec.cp_mode == "ring":  # q, k and v (kv heads) as given, the output and lse in fp32
+        kv = cfg.kv_heads * cfg.head_dim
+        kv_local = kv if t == 1 else (kv / t if kv_sharded(cfg, t) else h / t)
+        return [SavedTensor("attn.q", h / t, spec.act), SavedTensor("attn.k", kv_local, spec.act),
+                SavedTensor("attn.v", kv_local, spec.act), SavedTensor("attn.out", h / t, 4),
+                SavedTensor("attn.logsumexp", a / t, 4)]
     if spec.attention_kernel == "flash":  # one node: it keeps all of them
         out = [SavedTensor(f"attn.{n}", h / t, spec.act) for n in ("q", "k", "v")]
         return out + [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", h / t, spec.act)]
@@ -240,6 +248,8 @@ def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTenso
     if cfg.n_shared_experts:
         wide = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.ffn_dim)
         out += [SavedTensor(f"moe.shared_{x.name}", x.per_token, x.nbytes) for x in _mlp(wide, whole, ALL_TRAIN, every)]
+    if spec.cp_size > 1:  # the block routes whole sequences: each cp rank computes all cp x its tokens
+        out = [dataclasses.replace(x, per_token=x.per_token * spec.cp_size) for x in out]
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.config import CONFIG_ROOT, ZERO_STAGES, ModelConfig
+from dist_trainer.config import CONFIG_ROOT, CP_MODES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.files import make_executable, output_dir, refuse_nonempty
 from dist_trainer.finetune import frozen_modules
@@ -33,7 +33,7 @@ from dist_trainer.planner.memory import (
 )
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
-from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts
+from dist_trainer.planner.search import MIN_CP_TOKENS, PlannedLayout, describe, plan_layouts
 
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
@@ -54,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction,
     m.add_argument("--pp", type=int, default=1)
     m.add_argument("--dp", type=int, default=1)
     m.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models; divides dp)")
+    m.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over cp ranks")
+    m.add_argument("--cp-mode", default="ring", choices=CP_MODES, help="ring attention or all_to_all (Ulysses)")
     m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=ZERO_STAGES,
                    help="ZeRO stage (parallel.zero_stage)")
     m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
@@ -72,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction,
     _model_args(q)
     _option_args(q)
     q.add_argument("--gpus", type=int, required=True)
-    q.add_argument("--gpus-per-node", type=int, required=True)
+    q.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8: a DGX/HGX node)")
     q.add_argument("--gpu-memory-gb", type=float, default=None, help="GiB per GPU; default: the hardware's")
     q.add_argument("--seq-len", type=int, required=True)
     q.add_argument("--global-batch", type=int, required=True)
@@ -97,6 +99,9 @@ def register(subparsers: argparse._SubParsersAction,
     q.add_argument("--zero", default=",".join(map(str, ZERO_STAGES)),
                    help="allowed ZeRO stages, comma-separated (0 = DDP)")
     q.add_argument("--no-offload", action="store_true", help="no ZeRO CPU offload")
+    q.add_argument("--max-cp", type=int, default=None,
+                   help="context-parallel degrees up to this (default: those leaving each rank >= "
+                        f"{MIN_CP_TOKENS} tokens of a sequence; 1 = none)")
     q.set_defaults(func=run_plan, check_written=check_written)
 
 
@@ -126,8 +131,10 @@ def _search_limits(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--zero={args.zero!r} must be comma-separated ZeRO stages among 0,1,2,3") from None
     if not stages or any(z not in ZERO_STAGES for z in stages):
         raise ValueError(f"--zero={args.zero!r} must be comma-separated ZeRO stages among 0,1,2,3")
+    if args.max_cp is not None and args.max_cp < 1:
+        raise ValueError(f"--max-cp={args.max_cp} must be >= 1 (1: no context parallelism)")
     return {"tp_size": args.tp, "max_tp_size": args.max_tp, "pp_size": 1 if args.no_pp else args.pp,
-            "zero_stages": stages, "allow_offload": not args.no_offload}
+            "zero_stages": stages, "allow_offload": not args.no_offload, "max_cp_size": args.max_cp}
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -207,7 +214,8 @@ def run_params(args: argparse.Namespace) -> int:
 def run_memory(args: argparse.Namespace) -> int:
     cfg = _load_model(args)
     opts, over = _options(args)
-    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, ep_size=args.ep, zero_stage=args.zero,
+    layout = Layout(tp_size=args.tp, pp_size=args.pp, dp_size=args.dp, ep_size=args.ep, cp_size=args.cp,
+                    cp_mode=args.cp_mode, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)

@@ -56,9 +56,17 @@ from dataclasses import asdict, dataclass, replace
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.activations import recomputed_layers
-from dist_trainer.planner.flops import pipeline_bubble, step_flops
+from dist_trainer.planner.cp import cp_counted_bytes, cp_exposed_seconds
+from dist_trainer.planner.flops import layer_forward_flops_per_token, pipeline_bubble, step_flops
 from dist_trainer.planner.hardware import HardwareProfile
-from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions, rank_expert_trainable, rank_trainable
+from dist_trainer.planner.memory import (
+    DEFAULT_OPTIONS,
+    Layout,
+    TrainingOptions,
+    rank_expert_trainable,
+    rank_tokens,
+    rank_trainable,
+)
 from dist_trainer.planner.moe import (
     all_to_all_bytes,
     dispatch_elements,
@@ -165,19 +173,22 @@ def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
 def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
                        n_params_rank: int | None = None, n_trainable_rank: int | None = None,
-                       n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None) -> StepTime:
+                       n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None,
+                       layers_by_rank: list[list[int]] | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis's exposed communication (module
     docstring: the overlap rules). Gradients, their reductions and the optimizer exist for the ``n_trainable_rank``
     trainable parameters only (default: those ``options.freeze`` and LoRA leave trainable on pipeline rank 0);
     ZeRO-3 gathers every parameter. Under
     expert parallelism ``n_expert_rank`` of the rank's parameters (``n_expert_trainable_rank`` trainable) are its
-    experts, reduced over edp, not dp (the ep and edp axes)."""
-    n, t, p, d, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.dp_size, layout.n_microbatches,
-                        layout.pp_virtual_stages)
+    experts, reduced over edp, not dp (the ep and edp axes). ``layers_by_rank``: ``layout.layers_by_rank(cfg)``,
+    when the caller has it (the search prices thousands of layouts over a few stage splits)."""
+    n, t, p, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.n_microbatches,
+                     layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
                                recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every)
-    tokens = layout.micro_batch_size * seq_len
-    most_layers = max(len(layout.rank_layer_ids(cfg, r)) for r in range(p))
+    tokens = rank_tokens(layout, seq_len)  # a micro-batch's tokens on this rank (1/cp of each sequence under cp)
+    layers = layout.layers_by_rank(cfg) if layers_by_rank is None else layers_by_rank
+    most_layers = max(len(ids) for ids in layers)
     imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
     rp = rank_params(cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
                      balance=layout.pp_balance, ep_size=layout.ep_size) if n_params_rank is None else None
@@ -193,10 +204,12 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     else:
         expert_trainable = rank_expert_trainable(cfg, layout, rp, options, 0) if rp is not None else expert
     compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
-    if t > 1 and cfg.n_experts:  # the MoE blocks are whole on every TP rank: t times their share
+    whole = t * layout.cp_size  # the ranks that compute each MoE block whole (TP's and cp's replicas)
+    if whole > 1 and cfg.n_experts:  # the MoE blocks are whole on every TP and cp rank: that many times their share
         _, moe_hw = moe_flops_per_token(cfg, seq_len)
         block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
-        compute += block * (t - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model)
+        compute += block * (whole - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens,
+                                                                               cfg.d_model)
     compute += _memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
     ranks_per_node = min(gpus_per_node, n)
     compute /= hardware.rank_speed(ranks_per_node)  # a CPU profile measured with another number of busy ranks
@@ -211,8 +224,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     inter = (hardware.inter_node_bw, hardware.inter_node_latency)
     axes: dict[str, AxisTime] = {}
     if t > 1:  # a TP group stays inside a node
-        recomputed = max(len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every,
-                                                   layout.rank_layer_ids(cfg, r))) for r in range(p))
+        recomputed = max(len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, ids))
+                         for ids in layers)
         sp = layout.sequence_parallel
         # per micro-batch: 4 per layer, 2 per recomputed layer, the embedding's and the LM head's (one stage holds
         # each when p > 1: the last one's head is counted), in units of one all-reduce or SP's gather + scatter
@@ -225,6 +238,9 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         time = calls * per_call + loss + blocking * hardware.sync_cost(t, compute / blocking)
         axes["tp"] = AxisTime(2 * (t - 1) / t * (calls * bsh + 12 * m * tokens), time, time,
                               "between dependent matmuls: all exposed")
+    if layout.cp_size > 1:
+        axes["cp"] = _cp_time(cfg, layout, options, hardware, seq_len=seq_len, tokens=tokens, layers=layers,
+                              link=intra if t * layout.cp_size <= gpus_per_node else inter)
     if p > 1:
         msg = bsh / (t if layout.sequence_parallel else 1)
         link = intra if t * p <= gpus_per_node else inter
@@ -232,17 +248,20 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         one = ring_time("p2p", msg, 2, *link) + hardware.sync_cost(2, compute / (2 * m * v))
         axes["pp"] = AxisTime(2 * m * v * msg, 2 * m * v * one, critical * one,
                               f"the {critical} transfers on the schedule's critical path are exposed")
-    if d > 1:
+    if layout.replicas > 1:
         link = inter if n > gpus_per_node else intra
-        axes["dp"] = _dp_time(layout, options, n_rank - expert, trainable - expert_trainable, backward_one, compute,
-                              link)
+        replicas = layout if layout.cp_size == 1 else replace(layout, dp_size=layout.replicas)  # dp x cp average
+        axes["dp"] = _dp_time(replicas, options, n_rank - expert, trainable - expert_trainable, backward_one,
+                              compute, link)
         axes.update(_expert_axes(cfg, layout, options, expert, expert_trainable, backward_one, compute, link,
                                  seq_len=seq_len,
                                  ep_link=intra if ep_link_is_intra(ep_size=layout.ep_size, tp_size=t, pp_size=p,
-                                                                   gpus_per_node=gpus_per_node) else inter))
+                                                                   gpus_per_node=gpus_per_node) else inter,
+                                 layers=layers))
     if layout.zero_offload:
         # the optimizer's part: dense over dp, this rank's experts over edp (DeepSpeed's MoE groups)
-        shard = (trainable - expert_trainable) / d + expert_trainable * layout.ep_size / d
+        r = layout.replicas
+        shard = (trainable - expert_trainable) / r + expert_trainable * layout.ep_size / r
         per_micro = m if layout.zero_stage == 2 else 1  # stage 2 moves every micro-batch's gradient partition
         transfer = shard * (4 * per_micro + options.param_bytes) / hardware.pcie_bw
         adam = shard * min(gpus_per_node, n) / hardware.host_adam_params_per_s
@@ -253,6 +272,25 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * n * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)
+
+
+def _cp_time(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile, *, seq_len: int,
+             tokens: int, layers: list[list[int]], link: tuple[float, float]) -> AxisTime:
+    """The cp axis (``planner/cp.py``): ring shifts overlapped with one block of the attention core each, or the
+    all-to-alls around it, exposed; on the rank with the most layers."""
+    ids = max(layers, key=len)
+    act = 4 if options.precision == "fp32" else 2
+    _, attn = layer_forward_flops_per_token(cfg, seq_len)
+    t = layout.tp_size
+    attention_fwd = attn * tokens / t / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
+    recomputed = len(ids) if layout.activation_checkpointing == "selective" else len(
+        recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, ids))
+    total, exposed = cp_exposed_seconds(cfg, layout, seq_len=seq_len, act_bytes=act, layers=len(ids),
+                                        recomputed=recomputed, attention_fwd_s=attention_fwd, link=link)
+    volume = cp_counted_bytes(cfg, layout, seq_len=seq_len, precision=options.precision, layer_ids=ids)
+    note = ("K/V around the ring, each shift behind one block of the attention core" if layout.cp_mode == "ring"
+            else "q, k, v and the output across the group around the attention core: all exposed")
+    return AxisTime(volume, total, exposed, note)
 
 
 def _memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile,
@@ -271,7 +309,7 @@ def _memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOpti
         layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
     per_token *= 1 + recomputed / 3
     passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
-    optimizer_bytes = ADAM_BYTES * trainable / (layout.dp_size if layout.zero_stage else 1)
+    optimizer_bytes = ADAM_BYTES * trainable / (layout.replicas if layout.zero_stage else 1)
     tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
     optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
     ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
@@ -302,13 +340,13 @@ def ep_counted_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
 
 def _expert_axes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, expert: int, expert_trainable: int,
                  backward_one: float, compute: float, link: tuple[float, float], *, seq_len: int,
-                 ep_link: tuple[float, float]) -> dict[str, AxisTime]:
+                 ep_link: tuple[float, float], layers: list[list[int]]) -> dict[str, AxisTime]:
     """The ep (token all-to-alls) and edp (expert gradients) axes of expert parallelism (module docstring): this
     rank's ``expert`` parameters, of which ``expert_trainable`` train (frozen experts have no gradient)."""
     ep, edp = layout.ep_size, layout.dp_size // layout.ep_size
     if ep == 1 or not cfg.n_experts:
         return {}
-    ids = max((layout.rank_layer_ids(cfg, r) for r in range(layout.pp_size)), key=lambda x: len(moe_layer_ids(cfg, x)))
+    ids = max(layers, key=lambda x: len(moe_layer_ids(cfg, x)))
     counted = ep_counted_bytes(cfg, layout, options, seq_len=seq_len, layer_ids=ids)
     n_moe, recomputed, in_b, out_b = _ep_exchange(cfg, layout, options, ids)
     elems = dispatch_elements(cfg, micro_batch=layout.micro_batch_size, seq_len=seq_len)

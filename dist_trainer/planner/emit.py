@@ -8,11 +8,12 @@ from typing import Any
 
 from dist_trainer.config import ModelConfig, ParallelConfig
 from dist_trainer.config_load import config_from_dict
+from dist_trainer.layout_rules import Layout
 from dist_trainer.parallel.zero.config import ds_config_for
-from dist_trainer.planner.memory import DEFAULT_OPTIONS, Layout, TrainingOptions
+from dist_trainer.planner.memory import DEFAULT_OPTIONS, TrainingOptions
 
 # Planner precision -> train.precision (the trainer's bf16/fp16 are autocast over fp32 parameters).
-_TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "amp_bf16": "bf16", "amp_fp16": "fp16"}
+TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "amp_bf16": "bf16", "amp_fp16": "fp16"}
 
 
 def parallel_config_dict(layout: Layout) -> dict[str, Any]:
@@ -24,19 +25,6 @@ def parallel_config_dict(layout: Layout) -> dict[str, Any]:
     return out
 
 
-def layout_from_parallel(parallel: ParallelConfig, dp_size: int, n_microbatches: int) -> Layout:
-    """The planner's Layout of a run's parallel section (the inverse of ``parallel_config_dict``): every Layout
-    field ParallelConfig has, read by name; ``n_microbatches`` is the micro-batches per DP rank and step."""
-    names = {f.name for f in dataclasses.fields(Layout)} - {"dp_size", "n_microbatches"}
-    fields: dict[str, Any] = {n: getattr(parallel, n) for n in names if hasattr(parallel, n)}
-    if fields.get("pp_stage_layers") is not None:
-        fields["pp_stage_layers"] = tuple(fields["pp_stage_layers"])
-    if parallel.pp_size > 1 and parallel.n_microbatches:  # the schedule cuts each DP rank's batch its own way
-        n_microbatches = parallel.n_microbatches
-        fields["micro_batch_size"] = parallel.global_batch_size // dp_size // n_microbatches
-    return Layout(**fields, dp_size=dp_size, n_microbatches=n_microbatches)
-
-
 def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
                     options: TrainingOptions = DEFAULT_OPTIONS) -> dict[str, Any]:
     """A config tree that dist_trainer.config_load.config_from_dict accepts (model fields spelled out)."""
@@ -45,7 +33,7 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
         "model": fields,
         "parallel": parallel_config_dict(layout),
         "data": {"seq_len": seq_len},
-        "train": {"precision": _TRAIN_PRECISION[options.precision],
+        "train": {"precision": TRAIN_PRECISION[options.precision],
                   **({"freeze": list(options.freeze)} if options.freeze else {})},
     }
 

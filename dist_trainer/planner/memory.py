@@ -24,16 +24,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dist_trainer.config import ZERO_STAGES, ModelConfig
+from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import trainable_expert_params
-from dist_trainer.layout_rules import (
-    check_ep,
-    check_offload,
-    check_schedule,
-    check_tp,
-    layers_per_stage,
-    rank_layer_ids,
-)
+from dist_trainer.layout_rules import Layout, check_shape
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.finetune import grad_plan, trainable_params
@@ -42,67 +35,6 @@ from dist_trainer.planner.rank_params import RankParams, rank_params
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout, in the terms of dist_trainer.config.ParallelConfig (degrees are *_size)."""
-
-    tp_size: int = 1
-    pp_size: int = 1
-    dp_size: int = 1
-    zero_stage: int = 0
-    zero_offload: bool = False  # optimizer states (stage 3: and parameters) live in host memory
-    micro_batch_size: int = 1
-    n_microbatches: int = 1  # micro-batches per DP rank per step (pipeline micro-batches = grad accumulation)
-    activation_checkpointing: str = "none"  # none | selective | every_k | full
-    checkpoint_every: int = 1
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    pp_balance: str = "layers"  # how layout_rules.layers_per_stage splits the layers (as the trainer does)
-    pp_stage_layers: tuple[int, ...] | None = None  # explicit (uneven) split: layers per stage
-    ep_size: int = 1  # expert parallelism: the experts of each MoE layer split over ep of the dp ranks
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.n_microbatches * self.dp_size
-
-    def validate(self, cfg: ModelConfig) -> None:
-        for name in ("tp_size", "pp_size", "dp_size", "micro_batch_size", "n_microbatches", "checkpoint_every",
-                     "pp_virtual_stages", "ep_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"layout.{name}={getattr(self, name)} must be >= 1")
-        check_tp(cfg, self.tp_size)
-        self.stage_counts(cfg)
-        if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"layout.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        check_offload(self.zero_stage, self.zero_offload)
-        check_ep(cfg, self.ep_size, self.dp_size, self.zero_stage)  # its freeze rule: check_layout (runnable)
-        if self.activation_checkpointing not in act.RECOMPUTE:
-            raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r} is not one of "
-                             f"{', '.join(act.RECOMPUTE)}")
-        if self.pp_schedule not in act.PP_SCHEDULES:
-            raise ValueError(f"layout.pp_schedule={self.pp_schedule!r} is not one of {', '.join(act.PP_SCHEDULES)}")
-        if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("layout.sequence_parallel needs tp_size > 1")
-        if self.pp_size > 1:
-            check_schedule(self.pp_size, self.pp_schedule, self.n_microbatches,
-                           self.micro_batch_size * self.n_microbatches, self.pp_virtual_stages)
-
-    def stage_counts(self, cfg: ModelConfig) -> list[int]:
-        """Layers per stage (pp_size x pp_virtual_stages stages), split as the trainer splits them."""
-        return layers_per_stage(cfg, self.pp_size * self.pp_virtual_stages, self.pp_balance,
-                                None if self.pp_stage_layers is None else list(self.pp_stage_layers))
-
-    def rank_layer_ids(self, cfg: ModelConfig, pp_rank: int) -> list[int]:
-        """Global indices of the layers pipeline rank ``pp_rank`` holds (its stages r, r + pp, ...: the loop
-        placement of the interleaved schedule)."""
-        return rank_layer_ids(self.stage_counts(cfg), pp_rank, self.pp_size)
 
 
 @dataclass(frozen=True)
@@ -265,7 +197,7 @@ def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, o
     """
     if options.fp32_grad_copy is not None or layout.zero_stage == 0 or layout.zero_offload:
         return {}
-    shard = n_params // layout.dp_size
+    shard = n_params // layout.replicas
     if layout.zero_stage == 3:
         return {"zero3_fp32_subgroup_grad": 4 * min(shard, overheads.zero_sub_group_elements)}
     if options.grad_bytes == 4 and options.param_bytes == 2:
@@ -276,16 +208,25 @@ def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, o
 def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
                            pp_rank: int) -> dict[str, int]:
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
-    spec = act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
-                              precision=options.precision, attention_kernel=options.attention_kernel,
-                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
-                              ep_size=layout.ep_size)
-    costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
+    costs = layer_costs(cfg, activation_spec(layout, seq_len, options), grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
-                             tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
+                             tokens=rank_tokens(layout, seq_len), first=pp_rank == 0,
                              last=pp_rank == layout.pp_size - 1,
                              in_flight=_in_flight(layout, pp_rank))
+
+
+def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> act.ActivationSpec:
+    """What decides one rank's saved tensors under ``layout``: its TP shard, SP, its cp split, precision, kernel."""
+    return act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
+                              precision=options.precision, attention_kernel=options.attention_kernel,
+                              device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
+                              ep_size=layout.ep_size, cp_size=layout.cp_size, cp_mode=layout.cp_mode)
+
+
+def rank_tokens(layout: Layout, seq_len: int) -> int:
+    """Tokens of one micro-batch on one rank: its sequences, or its 1/cp of each under context parallelism."""
+    return layout.micro_batch_size * seq_len // layout.cp_size
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:
@@ -302,7 +243,7 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
     trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
     expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
-    p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.dp_size, zero_stage=layout.zero_stage,
+    p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.replicas, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert)
     if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
         states = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
@@ -315,16 +256,16 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
         # accumulating over micro-batches, offloaded ZeRO-1/2 keep each partition parameter's gradient in host
         # memory in the parameters' dtype (stage_1_and_2.py:1822-1853): Psi/N, plus the parameters that straddle
         # a partition boundary (kept whole); frozen parameters have no gradient
-        detail["host.offload_grad_accumulation"] = per_dp * options.grad_bytes // layout.dp_size
+        detail["host.offload_grad_accumulation"] = per_dp * options.grad_bytes // layout.replicas
         host += detail["host.offload_grad_accumulation"]
     step = zero_step_buffers(per_dp, layout, options, overheads)
     detail.update({f"step_buffers.{k}": v for k, v in step.items()})
     over: dict[str, int] = {}
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
-    if layout.dp_size > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
+    if layout.replicas > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
         over["ddp_grad_buckets"] = (trainable - expert) * options.grad_bytes  # DDP buckets what it reduces, not experts
-    if layout.dp_size > 1 and layout.zero_stage > 0 and trainable:
+    if layout.replicas > 1 and layout.zero_stage > 0 and trainable:
         # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains
         over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
     if layout.zero_stage == 3:
@@ -370,7 +311,7 @@ def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     """One RankMemory per pipeline stage (every TP and DP rank of a stage holds the same bytes, but for the experts
     fine-tuning freezes on some ep ranks only: ``ep_rank``'s, None: the ep rank that trains the most)."""
     cfg.validate()
-    layout.validate(cfg)
+    check_shape(cfg, layout)
     options.validate()
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")

@@ -26,6 +26,8 @@ from dist_trainer.planner.params import expert_params, mlp_weights
 
 def moe_layer_ids(cfg: ModelConfig, layer_ids: Sequence[int] | None = None) -> list[int]:
     """The MoE layers among ``layer_ids`` (default: the whole model)."""
+    if not cfg.n_experts:
+        return []
     ids = range(cfg.n_layers) if layer_ids is None else layer_ids
     return [i for i in ids if cfg.is_moe_layer(i)]
 
@@ -95,5 +97,5 @@ def dense_mlp_flops_per_token(cfg: ModelConfig) -> float:
 
 
 def ep_link_is_intra(*, ep_size: int, tp_size: int, pp_size: int, gpus_per_node: int) -> bool:
-    """An ep group is ep consecutive dp ranks: ep x pp x tp consecutive global ranks (layout_rules.rank_grid)."""
+    """An ep group is ep consecutive dp ranks: ep x pp x tp consecutive global ranks (parallel/mesh.py)."""
     return ep_size * pp_size * tp_size <= gpus_per_node

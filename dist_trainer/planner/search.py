@@ -12,26 +12,35 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dist_trainer.config import ZERO_STAGES, ModelConfig
+from dist_trainer.config import CP_MODES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp, divisors
+from dist_trainer.layout_rules import (
+    MULTI_STAGE_SCHEDULES,
+    Layout,
+    check_ep,
+    check_layout,
+    check_layout_for,
+    check_tp,
+    divisors,
+)
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
-from dist_trainer.planner.emit import run_config_dict
+from dist_trainer.planner.emit import TRAIN_PRECISION, run_config_dict
 from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware
 from dist_trainer.planner.memory import (
     DEFAULT_OPTIONS,
     DEFAULT_OVERHEADS,
-    Layout,
     Overheads,
     RankMemory,
     TrainingOptions,
+    activation_spec,
     layout_rank_params,
     node_host_bytes,
     rank_expert_trainable,
     rank_memory,
+    rank_tokens,
     rank_trainable,
 )
 from dist_trainer.planner.rank_params import RankParams
@@ -98,7 +107,7 @@ class _Planner:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool, int], LayerCosts] = {}
+        self._costs: dict[tuple[int, bool, int, int, str], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -111,17 +120,15 @@ class _Planner:
         """Per pipeline rank, the global layers it holds (the trainer's split, layout_rules.layers_per_stage)."""
         key = (layout.pp_size, layout.pp_virtual_stages)
         if key not in self._layers:
-            self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
+            self._layers[key] = layout.layers_by_rank(self.cfg)
         return self._layers[key]
 
-    def costs(self, tp: int, sp: bool, ep: int = 1) -> LayerCosts:
-        if (tp, sp, ep) not in self._costs:
-            o = self.options
-            spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
-                                      attention_kernel=o.attention_kernel, device=o.device,
-                                      sp_saves_gathered_input=o.sp_saves_gathered_input, ep_size=ep)
-            self._costs[(tp, sp, ep)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
-        return self._costs[(tp, sp, ep)]
+    def costs(self, layout: Layout) -> LayerCosts:
+        key = (layout.tp_size, layout.sequence_parallel, layout.ep_size, layout.cp_size, layout.cp_mode)
+        if key not in self._costs:
+            self._costs[key] = layer_costs(self.cfg, activation_spec(layout, self.seq_len, self.options),
+                                           grad_plan(self.cfg, self.options.freeze))
+        return self._costs[key]
 
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
@@ -135,10 +142,10 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
+            acts = stage_activations(self.costs(layout),
                                      mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                                      layer_ids=layers[r],
-                                     tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                     tokens=rank_tokens(layout, self.seq_len), first=r == 0,
                                      last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
@@ -155,12 +162,13 @@ class _Planner:
                                n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
                                                                                       self.options, 0),
                                n_expert_rank=rp.expert,
-                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0))
+                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
+                               layers_by_rank=self.layer_ids(layout))
         host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
 
-def _refusal(check: Callable[..., None], *args: object) -> str | None:
+def _refusal(check: Callable[..., object], *args: object) -> str | None:
     """The ValueError message of a rule check, or None when it passes."""
     try:
         check(*args)
@@ -172,6 +180,21 @@ def _refusal(check: Callable[..., None], *args: object) -> str | None:
 def _ep_sizes(model: ModelConfig, dp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for a MoE model every divisor of dp that divides the experts."""
     return [e for e in divisors(dp) if e == 1 or model.n_experts % e == 0] if model.n_experts else [1]
+
+
+# Context parallelism is searched only while each rank keeps this many tokens of a sequence: below it the ring's
+# transfers are no longer hidden behind the attention blocks (Megatron-core recommends cp from 8K tokens up)
+MIN_CP_TOKENS = 4096
+
+
+def _cp_choices(ranks: int, pp: int, seq_len: int, max_cp: int | None) -> list[tuple[int, str]]:
+    """(cp, mode) candidates for ``ranks`` (= n_gpus / tp) ranks and pp stages: cp 1, and each divisor of the ranks
+    left that keeps MIN_CP_TOKENS per rank (or up to ``max_cp`` when given), in both modes."""
+    if ranks % pp:
+        return [(1, "ring")]
+    sizes = [c for c in divisors(ranks // pp) if c > 1 and (c <= max_cp if max_cp is not None
+                                                           else seq_len // c >= MIN_CP_TOKENS)]
+    return [(1, "ring"), *((c, m) for c in sizes for m in CP_MODES)]
 
 
 def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -186,15 +209,23 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
              options: TrainingOptions = DEFAULT_OPTIONS) -> str | None:
     """None when the trainer runs ``layout``, else the reason it refuses it.
 
-    The question is put to the trainer's own rules: ``layout_rules.check_layout`` on the config that
-    ``plan --out`` writes for this layout (the same check the trainer runs before launching it).
+    The question is put to the trainer's own rules, on the Layout itself: ``layout_rules.check_layout_for``, which
+    the trainer's pre-launch check asks of the Layout its config resolves to (``tests/test_layout_rules.py`` holds
+    the two to agreement).
     """
-    cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
-    try:
-        check_layout(cfg, layout.world_size, options.device)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return _refusal(lambda: check_layout_for(model, layout, seq_len=seq_len, freeze=options.freeze,
+                                             precision=TRAIN_PRECISION[options.precision], device_type=options.device))
+
+
+def config_check(model: ModelConfig, *, seq_len: int,
+                 options: TrainingOptions = DEFAULT_OPTIONS) -> Callable[[Layout], str | None]:
+    """The slow way to ask the same question as ``runnable``: build and validate the run config ``plan --out``
+    would write for a layout and put it to the trainer's whole check (``layout_rules.check_layout``), as the search
+    did before issue 26. ``plan_layouts(check=...)`` takes it to show both rank alike."""
+    def check(layout: Layout) -> str | None:
+        cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
+        return _refusal(lambda: check_layout(cfg, layout.world_size, options.device))
+    return check
 
 
 # The largest problem the planner takes: ten times the largest clusters and batches in use, so that the search
@@ -211,7 +242,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  checkpointing: tuple[str, ...] = ("none", "selective", "every_k", "full"),
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
                  tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
-                 host_memory_bytes: int | None = None) -> PlanResult:
+                 host_memory_bytes: int | None = None, max_cp_size: int | None = None,
+                 check: Callable[[Layout], str | None] | None = None) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
     Enumerated: tp dividing gpus_per_node (a TP group stays in a node), pp up to n_layers, dp = n_gpus/(tp*pp)
@@ -222,7 +254,13 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     or ``max_tp_size``, ``pp_size`` (1: no pipeline), ``zero_stages``, ``allow_offload``. Fitting: the worst
     rank's device bytes within ``gpu_memory_bytes``, and a node's host bytes (``ranks per node`` x the rank's
     offloaded states) within
-    ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node.
+    ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node. ``check``: the refusal
+    of a candidate (default ``runnable``, the trainer's rules on the Layout; ``benchmarks/planner_speed.py`` passes
+    the trainer's whole config check to show both rank alike).
+
+    Fast by construction (issue 26): the rules are asked of the Layout once per shape (recomputation aside), the
+    stage split once per (pp, virtual stages), parameter counts once per (tp, pp, rank, ep) and activation costs
+    once per (tp, sp, ep); a candidate then costs a few multiplications.
     """
     start = time.perf_counter()
     model.validate()
@@ -242,6 +280,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     for name, limit in (("tp_size", tp_size), ("max_tp_size", max_tp_size), ("pp_size", pp_size)):
         if limit is not None and limit < 1:
             raise ValueError(f"{name}={limit} must be >= 1")
+    # what no layout changes (the freeze patterns, the sequence length against the model), asked once as the
+    # trainer's config check asks it
+    config_from_dict(run_config_dict(model, Layout(), seq_len=seq_len, options=options)).validate()
     hw = get_hardware(hardware)
     ranks_per_node = min(gpus_per_node, n_gpus)
     host_memory = hw.host_memory_per_node(gpus_per_node) if host_memory_bytes is None else host_memory_bytes
@@ -251,12 +292,11 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     host_short: list[PlannedLayout] = []  # model states fit the GPU, offloaded states not the host memory
     skipped = _Skipped()
     considered = 0
-    refused: dict[Layout, str | None] = {}  # runnable() per layout, recomputation aside (it decides nothing here)
+    refused: dict[Layout, str | None] = {}  # runnable() per layout without recomputation (it decides nothing here)
 
-    def why_not(lay: Layout) -> str | None:
-        key = replace(lay, activation_checkpointing="none", checkpoint_every=1)
+    def why_not(key: Layout) -> str | None:
         if key not in refused:
-            refused[key] = runnable(model, lay, seq_len=seq_len, options=options)
+            refused[key] = runnable(model, key, seq_len=seq_len, options=options) if check is None else check(key)
             if refused[key] is not None:
                 skipped.add("refused by the trainer's pre-launch check (layout_rules)", str(refused[key]))
         return refused[key]
@@ -272,17 +312,19 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         if tp_refused:
             skipped.add("tensor parallelism (layout_rules.check_tp)", tp_refused)
             continue
-        for pp in ([pp_size] if pp_size else divisors(n_gpus // tp)):
+        pps = [pp_size] if pp_size else divisors(n_gpus // tp)
+        shapes = [(p, c, mode) for p in pps for c, mode in _cp_choices(n_gpus // tp, p, seq_len, max_cp_size)]
+        for pp, cp, cp_mode in shapes:
             if pp > model.n_layers:
                 skipped.add(f"every pipeline stage holds a layer: pp <= n_layers={model.n_layers}", f"pp={pp}")
                 continue
-            if n_gpus % (tp * pp):
-                skipped.add(f"tp*pp must divide n_gpus={n_gpus}", f"{tp}*{pp}")
+            if n_gpus % (tp * pp * cp):
+                skipped.add(f"tp*pp*cp must divide n_gpus={n_gpus}", f"{tp}*{pp}*{cp}")
                 continue
-            dp = n_gpus // (tp * pp)
+            dp = n_gpus // (tp * pp * cp)
             if global_batch % dp:
-                skipped.add(f"dp = n_gpus/(tp*pp) must divide global_batch={global_batch}",
-                            f"dp={dp} (tp={tp} pp={pp})")
+                skipped.add(f"dp = n_gpus/(tp*pp*cp) must divide global_batch={global_batch}",
+                            f"dp={dp} (tp={tp} pp={pp} cp={cp})")
                 continue
             per_dp = global_batch // dp
             # fewer micro-batches than stages: only GPipe runs it (layout_rules.check_schedule), 1F1B cannot fill
@@ -299,7 +341,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                     continue
                 for offload in ((False, True) if zero > 0 and allow_offload else (False,)):
                     base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload,
-                                  ep_size=ep)
+                                  ep_size=ep, cp_size=cp, cp_mode=cp_mode)
                     # Model states alone (micro-batch independent): prune when they overflow.
                     states = pl.memory_of(replace(base, micro_batch_size=1, n_microbatches=per_dp,
                                                   activation_checkpointing="full",
@@ -320,13 +362,14 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                         m = per_dp // mb
                         for sched, v in _schedules(pp, pp_schedules):
                             for sp in ((False, True) if tp > 1 else (False,)):
+                                shape = replace(base, micro_batch_size=mb, n_microbatches=m, sequence_parallel=sp,
+                                                pp_schedule=sched, pp_virtual_stages=v)
+                                if why_not(shape) is not None:
+                                    continue  # the trainer refuses it (whatever the recomputation): never ranked
                                 for ck in checkpointing:
-                                    lay = replace(base, micro_batch_size=mb, n_microbatches=m,
-                                                  activation_checkpointing=ck, checkpoint_every=2 if ck == "every_k"
-                                                  else 1, sequence_parallel=sp, pp_schedule=sched,
-                                                  pp_virtual_stages=v)
-                                    if why_not(lay) is not None:
-                                        continue  # the trainer refuses it: never ranked
+                                    every = 2 if ck == "every_k" else 1
+                                    lay = shape if ck == "none" else replace(shape, activation_checkpointing=ck,
+                                                                             checkpoint_every=every)
                                     considered += 1
                                     planned = pl.price(lay)
                                     if planned.fits:
@@ -372,4 +415,6 @@ def describe(layout: Layout) -> str:
         s += f" {layout.pp_schedule}" + (f"(v={layout.pp_virtual_stages})" if layout.pp_virtual_stages > 1 else "")
     if layout.ep_size > 1:
         s += f" ep={layout.ep_size}"
+    if layout.cp_size > 1:
+        s += f" cp={layout.cp_size}({layout.cp_mode})"
     return s

@@ -19,7 +19,7 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.data.dataset import read_meta as read_data_meta
 from dist_trainer.data.dataset import split_samples
-from dist_trainer.layout_rules import check_nodes, fit_micro_batch, regime_of
+from dist_trainer.layout_rules import Layout, check_nodes, fit_micro_batch, regime_of
 from dist_trainer.train.autolayout import AutoLayout, choose_layout
 from dist_trainer.train.prelaunch import check_layout
 
@@ -29,7 +29,7 @@ class Launch:
     """The config a run uses on this world (layout=auto resolved, micro-batch fitted) and what was decided."""
 
     cfg: Config
-    dp_size: int
+    layout: Layout
     auto_layout: AutoLayout | None
     notes: list[str]
 
@@ -37,16 +37,15 @@ class Launch:
 def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> Launch:
     """Raise ValueError naming the values if ``cfg`` cannot run on ``world_size`` ranks of ``device`` (nodes of
     ``gpus_per_node``); else the config it runs with."""
-    cfg.validate()
     auto = None
     if cfg.parallel.layout == "auto":  # the planner picks the layout for this world
         cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
     cfg, fit_note = fit_micro_batch(cfg, world_size)
-    dp_size = check_layout(cfg, world_size, device.type)
+    layout = check_layout(cfg, world_size, device.type)
     if (Path(cfg.data.path) / "meta.json").is_file():
         check_hf_tokenizer(cfg, Path(cfg.data.path))
     notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
-    return Launch(cfg, dp_size, auto, notes)
+    return Launch(cfg, layout, auto, notes)
 
 
 def warmup_note(cfg: Config) -> str | None:
@@ -148,7 +147,8 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
                      "when the run opens it)")
     p = cfg.parallel
     head = (f"ok: {world_size} ranks ({per_node} per node, {device_type}) run tp={p.tp_size} pp={p.pp_size} "
-            f"dp={launch.dp_size}{f' ep={p.ep_size}' if p.ep_size > 1 else ''} "
+            f"dp={launch.layout.dp_size}{f' ep={p.ep_size}' if p.ep_size > 1 else ''}"
+            f"{f' cp={p.cp_size} ({p.cp_mode})' if p.cp_size > 1 else ''} "
             f"zero={p.zero_stage}{'+offload' if p.zero_offload else ''} "
             f"({regime_of(p)} regime), micro-batch {p.micro_batch_size}, global batch {p.global_batch_size}")
     return [head, *notes]

@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 from dist_trainer.checkpoint.hf_config import is_hf_folder
+from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
 from dist_trainer.model_lora import merge_adapters
-from dist_trainer.train.generate import load_model_from_checkpoint
 
 
 def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
@@ -25,7 +25,7 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool
     what the adapted one does. Without it a LoRA run's adapters are exported under their own names.
     """
     out = output_dir(out, "--out")  # before the (long) load: a file or a read-only folder is named at once
-    model, cfg = load_model_from_checkpoint(checkpoint)
+    model, cfg = load_plain_model(checkpoint)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     model_cfg = cfg.model
     if merge_lora:

@@ -23,11 +23,6 @@ from dist_trainer.model import Transformer
 MAX_NEW_TOKENS = 1_000_000  # with a sliding window, the stated bound on one call's work
 
 
-def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Config]:
-    """The plain model of a checkpoint (any tp x pp layout, or ZeRO), a native export or a Hugging Face folder."""
-    return load_plain_model(path, device)
-
-
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, sliding_window: bool = False) -> None:
     """ValueError naming a sampling setting that cannot work (top_k=0 kept no token; a negative length was
     taken silently); called before a checkpoint is loaded."""
@@ -244,7 +239,7 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
     check_sampling(max_new_tokens, temperature, top_k, sliding_window)
     if prompt is not None:
         check_prompt_text(prompt)
-    model, cfg = load_model_from_checkpoint(checkpoint_path)
+    model, cfg = load_plain_model(checkpoint_path)
     if not model.cfg.causal:
         raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
     tokenizer = None

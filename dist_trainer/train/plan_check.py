@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from dist_trainer.config import Config
 from dist_trainer.files import atomic_write_text
+from dist_trainer.layout_rules import Layout
 from dist_trainer.planner.cost import ep_counted_bytes, estimate_step_time
-from dist_trainer.planner.emit import layout_from_parallel
+from dist_trainer.planner.cp import cp_counted_bytes
 from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, predict_rank_memory
 from dist_trainer.train.metrics import device_hardware
 
@@ -44,7 +45,8 @@ CHECK_STEP = 1  # 0-based: the second step
 TIMED_STEPS = 3
 # |measured / predicted - 1| above which a warning is written (docs/planner.md, "Measured accuracy"): model states
 # are counted exactly; saved activations within a few percent; resident memory and step time much less so.
-ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "ep_traffic": 0.01}
+ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "ep_traffic": 0.01,
+            "cp_traffic": 0.01}
 
 
 class SavedPeak:
@@ -123,11 +125,11 @@ def peak_resident_bytes() -> int:
 class PlanCheck:
     """The prediction for this rank next to its measurements (module docstring); one per Trainer."""
 
-    def __init__(self, cfg: Config, dp_size: int, pp_rank: int, rank: int, world_size: int, gpus_per_node: int,
+    def __init__(self, cfg: Config, layout: Layout, pp_rank: int, rank: int, gpus_per_node: int,
                  device: torch.device, out_dir: Path, baseline_bytes: int, ep_rank: int = 0) -> None:
-        self.cfg, self.pp_rank, self.rank, self.world, self.ep_rank = cfg, pp_rank, rank, world_size, ep_rank
+        self.cfg, self.pp_rank, self.rank, self.world, self.ep_rank = cfg, pp_rank, rank, layout.world_size, ep_rank
         self.device, self.path = device, out_dir / "plan_check.json"
-        self.layout = layout_from_parallel(cfg.parallel, dp_size, cfg.parallel.grad_accum_steps(dp_size))
+        self.layout = layout
         self.options = planner_options(cfg, device)
         self.hardware = device_hardware(device, cfg.parallel.hardware)
         self.gpus_per_node = max(1, gpus_per_node)
@@ -146,12 +148,15 @@ class PlanCheck:
             yield
         self.measured["activations"] = tracker.peak
 
-    def after_backward(self, step: int, owned: dict[str, int], ep_traffic: int = 0) -> None:
-        """After the check step's ``forward_backward``: the bytes it owns, and what it handed to the ep all-to-alls."""
+    def after_backward(self, step: int, owned: dict[str, int], ep_traffic: int = 0, cp_traffic: int = 0) -> None:
+        """After the check step's ``forward_backward``: the bytes it owns, and what it handed to the ep all-to-alls
+        and to the cp axis."""
         if not self.done and step == CHECK_STEP:
             self.measured["model_states"] = sum(owned.values())
             if self.layout.ep_size > 1:
                 self.measured["ep_traffic"] = ep_traffic
+            if self.layout.cp_size > 1:
+                self.measured["cp_traffic"] = cp_traffic
 
     def after_step(self, step: int, seconds: float) -> dict[str, float]:
         """The record entries once the check is complete (empty until then); writes plan_check.json."""
@@ -190,7 +195,11 @@ class PlanCheck:
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
                 "step_time": t.total,
                 "ep_traffic": ep_counted_bytes(self.cfg.model, self.layout, self.options, seq_len=self.cfg.data.seq_len,
-                                               layer_ids=self.layout.rank_layer_ids(self.cfg.model, self.pp_rank))}
+                                               layer_ids=self.layout.rank_layer_ids(self.cfg.model, self.pp_rank)),
+                "cp_traffic": cp_counted_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len,
+                                               precision=self.options.precision,
+                                               layer_ids=self.layout.rank_layer_ids(self.cfg.model, self.pp_rank),
+                                               last_stage=self.pp_rank == self.layout.pp_size - 1)}
 
     def _row(self, predicted: dict[str, float]) -> dict[str, Any]:
         figures = {}

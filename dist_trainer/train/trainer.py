@@ -69,14 +69,13 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, log: bool = True) -> None:
-        cfg.validate()
         self.start_resident = peak_resident_bytes()  # the plan check's memory baseline (CPU)
         self.env = detect_launch_env()
         self.device = pick_device(cfg.train.device, self.env.local_rank)
         # before any group exists: layout=auto's choice, the micro-batch fit, the layout rules (train/check.py)
         launch = resolve_launch(cfg, self.env.world_size, self.env.local_world_size, self.device)
         self.cfg = cfg = launch.cfg
-        self.dp_size, self.auto_layout = launch.dp_size, launch.auto_layout
+        self.layout, self.auto_layout = launch.layout, launch.auto_layout
         check_host_memory(cfg, self.env.local_world_size)  # the model must fit this node's RAM to be built at all
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
@@ -88,8 +87,8 @@ class Trainer:
             enable_nccl_flight_recorder(self.out_dir)
         # DeepSpeed needs torch.distributed even on one process: ZeRO gets a one-rank group there.
         self.has_process_group = init_distributed(self.env, self.device, cfg.train.backend, cfg.parallel.timeout_s,
-                                                  single_process_group=needs_process_group(cfg.parallel))
-        self.state = ParallelState.build(cfg.parallel, self.env.world_size, self.env.rank)
+                                                  single_process_group=needs_process_group(self.layout))
+        self.state = ParallelState.build(self.layout, self.env.world_size, self.env.rank, cfg.parallel.timeout_s)
         # One run per out_dir, seen by every node (issue 16): rank 0's lock is held until close().
         self.run_lock = claim_run_dir(self.out_dir, self.env)
         try:
@@ -98,22 +97,29 @@ class Trainer:
             self.close()
             raise
 
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree: the layout's."""
+        return self.layout.dp_size
+
     def _build(self, cfg: Config, launch_notes: list[str], log: bool) -> None:
         """Everything after the claim on out_dir: a failure here releases it again."""
+        # The one cut of each step's batch into micro-batches (the layout's: a pipeline's micro-batches are what its
+        # schedule runs, no engine cuts again)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
-                                          cfg.parallel.micro_batch_size, self.state.dp_rank, self.dp_size,
+                                          self.layout.micro_batch_size, self.state.dp_rank, self.layout.dp_size,
                                           cfg.train.seed)
         # The eval set: eval_batches global batches of the validation split, read as one large "global batch"
         # that each DP rank cuts into its micro-batches, so every layout evaluates the same samples. Without
         # evaluation there is none (its size is checked before launch only when evaluation is on).
-        self.val_sampler = GlobalBatchSampler(len(self.val_data), eval_set_size(cfg), cfg.parallel.micro_batch_size,
-                                              self.state.dp_rank, self.dp_size,
+        self.val_sampler = GlobalBatchSampler(len(self.val_data), eval_set_size(cfg), self.layout.micro_batch_size,
+                                              self.state.dp_rank, self.layout.dp_size,
                                               cfg.train.seed) if cfg.train.eval_every else None
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
         self.health = HealthMonitor(cfg, self.engine, self.state, self.device, self.ckpt_root)
         self.engine.step_hooks = self.health
-        self.plan_check = PlanCheck(cfg, self.dp_size, self.state.pp_rank, self.env.rank, self.env.world_size,
+        self.plan_check = PlanCheck(cfg, self.layout, self.state.pp_rank, self.env.rank,
                                     self.env.local_world_size, self.device, self.out_dir, self.start_resident,
                                     ep_rank=self.state.ep.rank)
         self.step = 0
@@ -144,10 +150,11 @@ class Trainer:
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
             self.plan_check.after_backward(step, self.engine.owned_state_bytes(),
-                                           self.state.counter.bytes[("all_to_all", "ep")])
+                                           self.state.counter.bytes[("all_to_all", "ep")],
+                                           self.state.counter.axis_bytes("cp"))
         local_loss = loss_sum / len(batches)
         # the mean loss before the update: the health guard judges the step by it (and by the grad norm)
-        mean_loss = float(self.state.dp.all_reduce(local_loss.clone()) / self.dp_size)
+        mean_loss = float(self.state.dp_cp.all_reduce(local_loss.clone()) / self.state.dp_cp.size)
         self.health.loss_ready(local_loss, mean_loss)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.engine.optimizer_step(lr)
@@ -163,7 +170,7 @@ class Trainer:
             raise RuntimeError("evaluate() needs train.eval_every > 0 (no eval set was built)")
         batches = [self._batch(self.val_data, indices, 0) for indices in self.val_sampler.micro_batches(0)]
         total = self.engine.eval_loss(batches)
-        return float(self.state.dp.all_reduce(total / len(batches)) / self.dp_size)
+        return float(self.state.dp_cp.all_reduce(total / len(batches)) / self.state.dp_cp.size)
 
     # ------------------------------------------------------------------ loop
 
@@ -277,7 +284,7 @@ class Trainer:
         tuned = f" ({trainable:,} trainable)" if trainable != n else ""
         return (f"model {self.cfg.model.preset or 'custom'}: {n:,} parameters{tuned} on this rank; "
                 f"world {self.env.world_size} ({self.env.launcher}), tp {self.state.tp_size} x "
-                f"pp {self.state.pp_size} x dp {self.dp_size}, device {self.device}, "
+                f"pp {self.state.pp_size} x dp {self.layout.dp_size}, device {self.device}, "
                 f"{self.cfg.train.precision}, {self.engine.name}, "
                 f"micro-batches per step {len(self.sampler.micro_batches(0))}")
 
@@ -300,8 +307,8 @@ class Trainer:
         self.health.check_finite_state()  # never a checkpoint of non-finite state (issue 16)
         meta = {
             "config": cfg.to_dict(),
-            "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.dp_size,
-                       "ep": self.state.ep_size, "world": self.env.world_size},
+            "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.layout.dp_size,
+                       "ep": self.state.ep_size, "cp": self.layout.cp_size, "world": self.env.world_size},
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,

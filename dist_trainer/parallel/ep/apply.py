@@ -1,10 +1,11 @@
 """apply_expert_parallel: keep this rank's experts of every MoE layer and route tokens to the others by all-to-all.
 
 Rank r of the ep axis keeps experts [r E/ep, (r + 1) E/ep) under their global names (``moe.experts.{e}``), so
-checkpoints, optimizer states and the planner see the same names in every layout. The layer's ``run_experts``
-is rebound (model_moe.py stays pure torch): the (E, N, d) dispatch buffer is cut into ep chunks of E/ep experts,
-chunk i goes to ep rank i, each rank runs its experts on the ep x N rows it received, and the outputs go back the
-same way (two all-to-alls forward, two backward: Lepikhin et al. 2020, section 2.2; DeepSpeed-MoE's MOELayer).
+checkpoints, optimizer states and the planner see the same names in every layout. The layer's declared seam
+``exchange`` (``model_moe.ExpertExchange``) becomes an ``AllToAllExchange``: the (E, N, d) dispatch buffer is cut
+into ep chunks of E/ep experts, chunk i goes to ep rank i, each rank runs its experts on the ep x N rows it
+received, and the outputs go back the same way (two all-to-alls forward, two backward: Lepikhin et al. 2020,
+section 2.2; DeepSpeed-MoE's MOELayer).
 
 The kept experts' parameters follow DeepSpeed's convention (deepspeed/moe/experts.py): ``allreduce = False`` and
 ``group_name = "ep_size_{ep}"``, plus this project's ``ep_expert``: their gradients are reduced over the
@@ -14,13 +15,11 @@ experts are ordinary parameters of an ordinary model.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
 from dist_trainer.model import set_attrs
-from dist_trainer.model_moe import MoE, moe_layers
+from dist_trainer.model_moe import ExpertExchange, moe_layers
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.comms import all_to_all
 from dist_trainer.parallel.state import ParallelState
@@ -44,7 +43,7 @@ def is_expert_param(p: nn.Parameter) -> bool:
 
 def apply_expert_parallel(model: nn.Module, state: ParallelState) -> nn.Module:
     """Drop the experts other ep ranks hold from every MoE layer of ``model`` (plain or TP, a whole model or a
-    pipeline stage, fully initialised), tag the kept ones, rebind the expert call; return ``model``."""
+    pipeline stage, fully initialised), tag the kept ones, swap in the all-to-all exchange; return ``model``."""
     ep = state.ep
     if ep.size == 1:
         return model
@@ -54,18 +53,28 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState) -> nn.Module:
             del layer.experts[name]
         for p in layer.experts.parameters():
             set_attrs(p, ep_expert=True, allreduce=False, group_name=group_name(ep.size))
-        set_attrs(layer, ep_group=ep, run_experts=types.MethodType(_run_experts_ep, layer))
+        layer.exchange = AllToAllExchange(ep, layer.n_experts)
     return model
 
 
-def _run_experts_ep(self: MoE, buf: torch.Tensor) -> torch.Tensor:
-    """(E, N, d) this rank's dispatch buffer -> (E, N, d) every expert's outputs for this rank's tokens."""
-    group = vars(self)["ep_group"]  # a plain attribute (set_attrs), not a submodule
-    assert isinstance(group, AxisGroup), "apply_expert_parallel binds the ep axis"
-    E, N, d = buf.shape
-    here = E // group.size
-    recv = all_to_all(buf, group)  # chunk i: source i's slots for this rank's experts
-    rows = recv.view(group.size, here, N, d).transpose(0, 1).reshape(here, group.size * N, d)
-    out = MoE.run_experts(self, rows)  # each local expert on every source's slots at once
-    back = out.view(here, group.size, N, d).transpose(0, 1).reshape(E, N, d)  # chunk i: for source i
-    return all_to_all(back, group)
+class AllToAllExchange(ExpertExchange):
+    """The rows of each expert to the ep rank holding it and the outputs back: two all-to-alls forward, two
+    backward (Lepikhin et al. 2020, section 2.2)."""
+
+    def __init__(self, group: AxisGroup, n_experts: int) -> None:
+        super().__init__()
+        self.group, self.n_experts = group, n_experts
+
+    def send(self, buf: torch.Tensor) -> torch.Tensor:
+        """(E, N, d) this rank's dispatch buffer -> (E/ep, ep x N, d): every source's slots for this rank's experts."""
+        E, N, d = buf.shape
+        here = E // self.group.size
+        recv = all_to_all(buf, self.group)  # chunk i: source i's slots for this rank's experts
+        return recv.view(self.group.size, here, N, d).transpose(0, 1).reshape(here, self.group.size * N, d)
+
+    def receive(self, out: torch.Tensor) -> torch.Tensor:
+        """(E/ep, ep x N, d) this rank's experts' outputs -> (E, N, d) every expert's outputs for this rank's tokens."""
+        here, rows, d = out.shape
+        N = rows // self.group.size
+        back = out.view(here, self.group.size, N, d).transpose(0, 1).reshape(self.n_experts, N, d)  # chunk i: source i
+        return all_to_all(back, self.group)

@@ -33,3 +33,4 @@ def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
         return
     _, grads = split_expert_grads(list(model.parameters()))
     state.edp.all_reduce_flat_(grads, divide_by=state.dp_size)
+    state.cp.all_reduce_flat_(grads, divide_by=state.cp.size)  # cp ranks saw other tokens of the same sequences

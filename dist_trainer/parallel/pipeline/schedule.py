@@ -31,7 +31,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule  # the schedules' common base
 
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule, rank_grid
+from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule
 from dist_trainer.model import set_attrs
 from dist_trainer.model_moe import paused_router_stats
 from dist_trainer.parallel.comm import AxisGroup
@@ -50,24 +50,21 @@ SCHEDULES = {
 def _embedding_group(state: ParallelState) -> AxisGroup | None:
     """The (first stage, last stage) pair of this rank's pp line, for the tied-embedding grads.
 
-    ``dist.new_group`` is collective over the world: every rank creates every pair, in the
-    same grid order as ``ParallelState.build``. pp_size 2 reuses the pp group itself.
+    ``dist.new_group`` is collective over the world: every rank creates every pair, in the mesh's order of the pp
+    lines. pp_size 2 reuses the pp group itself.
     """
-    pp, tp = state.pp_size, state.tp_size
+    pp = state.pp_size
     if pp == 1:
         return None
     if pp == 2:
         return state.pp
-    dp = state.world_size // (pp * tp)
-    grid = rank_grid(state.world_size, dp, pp, tp)
     mine = (state.pp.ranks[0], state.pp.ranks[-1])
     group = None
-    for d in range(dp):
-        for t in range(tp):
-            pair = [grid[d][0][t], grid[d][pp - 1][t]]
-            g = dist.new_group(pair)
-            if tuple(pair) == mine:
-                group = g
+    for line in state.mesh.lines("pp"):
+        pair = [line[0], line[-1]]
+        g = dist.new_group(pair)
+        if tuple(pair) == mine:
+            group = g
     if state.pp_rank not in (0, pp - 1):
         return None
     return AxisGroup("pp", 2, 0 if state.pp_rank == 0 else 1, group, mine, state.counter)
@@ -97,7 +94,9 @@ class PipelineSchedule:
         return any(s.is_first for s in self.stages)
 
     def step(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
-        """tokens are read on the first stage's rank, targets on the last's; others may pass None."""
+        """One training step over a whole batch, cut here into ``n_microbatches`` (for callers that hold one batch;
+        the trainer hands its sampler's micro-batches to ``run``). tokens are read on the first stage's rank,
+        targets on the last's; others may pass None."""
         checks = ((tokens, self.has_first_stage, "tokens"), (targets, self.has_last_stage, "targets"))
         for batch, needed, what in checks:
             if needed and batch is not None and batch.shape[0] % self.n_microbatches:
@@ -105,13 +104,37 @@ class PipelineSchedule:
                     f"{what} batch of shape {tuple(batch.shape)}: dim 0 is not divisible by "
                     f"n_microbatches={self.n_microbatches}"
                 )
+        cut = (None if b is None else list(b.tensor_split(self.n_microbatches)) for b in (tokens, targets))
+        losses = self.run(*cut, train=True)
+        return torch.stack(losses).mean() if losses else None
+
+    def run(self, tokens: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, *,
+            train: bool) -> list[torch.Tensor]:
+        """One pass of the schedule over ``n_microbatches`` micro-batches as they are given (the sampler's: the
+        batch is cut once), with backward when ``train``; the detached loss of each on the last stage's rank, else
+        []. tokens are read on the first stage's rank, targets on the last's.
+
+        The library's ``step()``/``eval()`` take one whole batch and cut it again; this is their body without the
+        cut (torch.distributed.pipelining's ``_step_microbatches``, the entry every schedule implements, after the
+        per-step reset ``step()`` does: the stages' backward flag and runtime state)."""
+        for what, mbs, needed in (("tokens", tokens, self.has_first_stage), ("targets", targets, self.has_last_stage)):
+            if needed and (mbs is None or len(mbs) != self.n_microbatches):
+                raise RuntimeError(f"the schedule runs n_microbatches={self.n_microbatches} micro-batches of "
+                                   f"{what}, got {None if mbs is None else len(mbs)}")
+        schedule = self.schedule
+        had_backward = schedule._has_backward
+        schedule._has_backward = had_backward and train
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first_stage else ()
-        if self.has_last_stage:
-            self.schedule.step(*args, target=targets, losses=losses)
-            return torch.stack([loss.detach() for loss in losses]).mean()
-        self.schedule.step(*args)
-        return None
+        try:
+            for stage in self.pipeline_stages:
+                stage.has_backward = schedule._has_backward
+                stage.clear_runtime_states()
+            args = [(t,) for t in tokens] if self.has_first_stage and tokens is not None else None
+            schedule._step_microbatches(args, None, targets if self.has_last_stage else None,
+                                        losses if self.has_last_stage else None)
+        finally:
+            schedule._has_backward = had_backward
+        return [loss.detach() for loss in losses]
 
     def finalize_grads(self) -> None:
         if self.embedding_group is None:

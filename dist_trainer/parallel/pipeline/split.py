@@ -68,16 +68,9 @@ class StageModule(nn.Module):
         return range(self.first_layer, self.first_layer + len(self.model.layers))
 
     def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
-        """As ``Transformer.set_activation_checkpointing``, on global layer indices.
-
-        ``run_layers`` looks layers up by global index (``first_layer + i``), so every_k
-        checkpoints the same layers as in the single model whatever the stage boundaries.
-        """
-        self.model.set_activation_checkpointing(mode, every)  # validates mode
-        if mode == "every_k":
-            self.model.checkpointed = frozenset(i for i in self.layer_ids if i % every == 0)
-        else:
-            self.model.checkpointed = frozenset(i + self.first_layer for i in self.model.checkpointed)
+        """As ``Transformer.set_activation_checkpointing``, on global layer indices (``run_layers`` looks layers
+        up by ``first_layer + i``, so every_k checkpoints the same layers as in the single model)."""
+        self.model.set_activation_checkpointing(mode, every, self.first_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:

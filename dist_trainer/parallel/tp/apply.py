@@ -22,27 +22,24 @@ decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) adds: norms and dropout
 run on sequence shards (their parameters get partial gradients, summed by
 ``finalize_tp_grads``), the embedding output is scattered into shards, and the head
-input is all-gathered. The model-level flow changes in two places only, through methods
-bound on the instance (model.py stays untouched): ``model.logits`` returns this rank's
-vocabulary shard of the logits (what ``model.loss`` consumes), and ``model.forward``
-without targets gathers the full logits for generation.
+input is all-gathered. The model-level flow changes only at the seams the model declares
+(identities in one process): ``head_input`` enters the TP region before the head, so
+``model.logits`` gives this rank's vocabulary shard (what ``model.loss`` consumes);
+``full_logits`` gathers the shards for generation; under SP ``pool_input`` gathers the
+sequence before the pooler.
 """
 
 from __future__ import annotations
 
 import re
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer, set_attrs
-from dist_trainer.model_moe import add_aux_losses
 from dist_trainer.model_shape import kv_sharded
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
@@ -221,11 +218,49 @@ def apply_tensor_parallel(model: Transformer, state: ParallelState, sequence_par
                     module = new
     if model.output_bias is not None:  # a parameter of the model itself, which no module pattern reaches
         model.output_bias = sharded_param(model.output_bias, 0, group)
-    set_attrs(model, tp_context=ctx, logits=types.MethodType(_tp_logits, model),
-              forward=types.MethodType(_tp_forward, model))
-    if sequence_parallel and model.pooler is not None:
-        set_attrs(model, pool=types.MethodType(_sp_pool(Transformer.pool), model))
+    # the model's declared seams (model.py): this rank's vocabulary shard of the logits, gathered for generation
+    model.head_input = EnterRegionModule(group, sequence_parallel)
+    model.full_logits = GatherVocabulary(group, cfg.vocab_size)
+    if sequence_parallel:
+        model.pool_input = GatherSequence(group)
+    set_attrs(model, tp_context=ctx)
     return model
+
+
+class EnterRegionModule(nn.Module):
+    """``f`` (identity forward, all-reduce backward), or SP's all-gather: the head's replicated input (after the
+    final norm and the MLM transform, which each rank computes in full, their gradient summed whole by ``f``'s
+    backward; under SP on the sequence shard, their partial gradients summed by ``finalize_tp_grads``) meets this
+    rank's vocabulary rows of the head, or of the shared embedding when tied, and of the output bias."""
+
+    def __init__(self, group: AxisGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return enter_tp_region(x, self.group, self.sequence_parallel)
+
+
+class GatherVocabulary(nn.Module):
+    """(B, T, V_padded/t) this rank's logits -> (B, T, V) the full logits (generation; the loss keeps its shard)."""
+
+    def __init__(self, group: AxisGroup, vocab_size: int) -> None:
+        super().__init__()
+        self.group, self.vocab_size = group, vocab_size
+
+    def forward(self, local: torch.Tensor) -> torch.Tensor:
+        return gather_from_tp(local, self.group)[..., : self.vocab_size]
+
+
+class GatherSequence(nn.Module):
+    """SP: the last hidden state is a sequence shard; the pooler reads token 0 of the whole sequence."""
+
+    def __init__(self, group: AxisGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence(hidden, self.group)
 
 
 def tp_context(model: nn.Module) -> TPContext:
@@ -233,39 +268,3 @@ def tp_context(model: nn.Module) -> TPContext:
     ctx = getattr(model, "tp_context", None)
     assert isinstance(ctx, TPContext), "the model is not tensor-parallel (apply_tensor_parallel was not applied)"
     return ctx
-
-
-def _tp_logits(self: Transformer, x: torch.Tensor) -> torch.Tensor:
-    """(B, T or T/t, C) last hidden state -> (B, T, V_padded/t): this rank's vocabulary shard.
-
-    The head input passes through ``f`` (or the SP all-gather) and meets the local
-    vocabulary rows of the head, or of the shared embedding when tied, and of the output bias.
-    The MLM transform runs before ``f`` like the final norm: on the replicated input each rank
-    computes the same full transform, whose gradient ``f``'s backward sums whole (under SP: on
-    the sequence shard, its parameters' partial gradients summed by ``finalize_tp_grads``)."""
-    ctx = tp_context(self)
-    if self.final_norm is not None:
-        x = self.final_norm(x)
-    if self.mlm_transform is not None:
-        x = self.mlm_transform(x)
-    x = enter_tp_region(x, ctx.group, ctx.sequence_parallel)
-    return F.linear(x, self.output_weight(), self.output_bias)
-
-
-def _tp_forward(self: Transformer, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                token_types: torch.Tensor | None = None) -> torch.Tensor:
-    """As Transformer.forward: the scalar loss (same on every TP rank), or full (B, T, V) logits."""
-    local = self.logits(self.run_layers(self.embed(tokens, token_types)))
-    if targets is not None:
-        return add_aux_losses(self, self.loss(local, targets))
-    return gather_from_tp(local, tp_context(self).group)[..., : self.cfg.vocab_size]
-
-
-def _sp_pool(pool: Callable[[Transformer, torch.Tensor], torch.Tensor]
-             ) -> Callable[[Transformer, torch.Tensor], torch.Tensor]:
-    """Under SP the last hidden state is a sequence shard: gather it before pooling token 0."""
-
-    def sp_pool(self: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-        return pool(self, gather_from_sequence(hidden, tp_context(self).group))
-
-    return sp_pool

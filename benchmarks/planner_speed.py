@@ -1,0 +1,64 @@
+"""The planner's search time, and its ranking against the slow path's, side by side in one run.
+
+    python benchmarks/planner_speed.py [--repeat 3]
+
+For each plan (a 1.0T GPT on 3072 A100-80GB, Megatron's Table 1 row; Llama-2-7B on one node of 8; Mixtral-8x7B on
+64), the search runs twice: as it is (the layout rules asked of each candidate ``Layout``, the stage split and the
+per-layer costs computed once per shape) and with the check the search used before issue 26 (every candidate
+turned into a whole run config and put to the trainer's check: ``planner.search.config_check``). It prints each
+time (the best of ``--repeat``) and slow / fast, and exits non-zero unless both rank exactly the same layouts with
+the same times and bytes. The goals (issue 26): under 1 s for the 1T plan and under 0.2 s for the 7B one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dist_trainer.config import ModelConfig  # noqa: E402
+from dist_trainer.config_load import model_config  # noqa: E402
+from dist_trainer.planner.memory import GiB  # noqa: E402
+from dist_trainer.planner.search import PlanResult, config_check, plan_layouts  # noqa: E402
+
+PLANS = {
+    "1T GPT on 3072": (ModelConfig(vocab_size=51200, d_model=25600, n_layers=128, n_heads=160, max_seq_len=2048),
+                       {"n_gpus": 3072, "seq_len": 2048, "global_batch": 3072}),
+    "llama2-7b on 8": (model_config("llama2-7b"), {"n_gpus": 8, "seq_len": 4096, "global_batch": 64}),
+    "mixtral-8x7b on 64": (model_config("mixtral-8x7b"), {"n_gpus": 64, "seq_len": 4096, "global_batch": 256}),
+}
+
+
+def _timed(model: ModelConfig, kw: dict, repeat: int, slow: bool) -> tuple[float, PlanResult]:
+    best, res = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        res = plan_layouts(model, gpus_per_node=8, gpu_memory_bytes=80 * GiB, hardware="A100-80GB", **kw,
+                           check=config_check(model, seq_len=kw["seq_len"]) if slow else None)
+        best = min(best, time.perf_counter() - start)
+    assert res is not None
+    return best, res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each search; the best time is printed")
+    args = ap.parse_args()
+    print(f"{'plan':<22}{'layouts':>9}{'fit':>6}{'fast s':>9}{'slow s':>9}{'slow/fast':>11}  same ranking")
+    same_everywhere = True
+    for name, (model, kw) in PLANS.items():
+        fast_s, fast = _timed(model, kw, args.repeat, slow=False)
+        slow_s, slow = _timed(model, kw, 1, slow=True)
+        same = [(p.layout, p.time.total, p.memory.device_total) for p in fast.layouts] == \
+            [(p.layout, p.time.total, p.memory.device_total) for p in slow.layouts]
+        same_everywhere &= same
+        print(f"{name:<22}{fast.n_considered:>9}{len(fast.layouts):>6}{fast_s:>9.3f}{slow_s:>9.3f}"
+              f"{slow_s / fast_s:>11.1f}  {'yes' if same else 'NO'}")
+    return 0 if same_everywhere else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Which layouts run: the one owner of every layout rule, and the ``Layout`` they judge; torch-free.
+
+The planner's search asks it which layouts to rank and the trainer's pre-launch check whether a config runs,
+before any process group exists; both get the same answer (``tests/test_layout_rules.py`` holds them to it).
+
+    layout.py       Layout (frozen, its fields checked as it is built), layout_of (a run config on a world -> its
+                    Layout), MESH_AXES (the mesh's axes in order), regime_of
+    tp.py           check_tp, check_sequence_parallel, divisors
+    pipeline.py     layers_per_stage (the stage split), check_schedule
+    cp.py           check_cp (context parallelism: the split, the heads under all_to_all), zigzag
+    composition.py  which regimes compose (check_composition, check_offload), check_ep, expert_groups, check_precision
+    check.py        check_layout_for (every rule for a Layout and a model), check_layout (the pre-launch check of a
+                    run config), fit_micro_batch, check_nodes
+A new axis is its Layout field, its name in MESH_AXES and a module of its rules, called from check.py.
+"""
+
+from __future__ import annotations
+
+from dist_trainer.layout_rules.check import (
+    check_layout,
+    check_layout_for,
+    check_nodes,
+    check_shape,
+    fit_micro_batch,
+)
+from dist_trainer.layout_rules.composition import (
+    ZERO_WITH_PIPELINE_REFUSED,
+    check_composition,
+    check_ep,
+    check_offload,
+    check_precision,
+    expert_groups,
+)
+from dist_trainer.layout_rules.cp import check_cp, zigzag
+from dist_trainer.layout_rules.layout import (
+    MESH_AXES,
+    REGIMES,
+    Layout,
+    check_fields,
+    layout_of,
+    mesh_shape,
+    needs_process_group,
+    regime_of,
+)
+from dist_trainer.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, check_schedule, layers_per_stage, rank_layer_ids
+from dist_trainer.layout_rules.tp import check_sequence_parallel, check_tp, divisors
+
+__all__ = [
+    "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "ZERO_WITH_PIPELINE_REFUSED", "Layout", "check_composition",
+    "check_cp", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_nodes", "check_offload",
+    "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp", "divisors",
+    "expert_groups", "fit_micro_batch", "layers_per_stage", "layout_of", "mesh_shape", "needs_process_group",
+    "rank_layer_ids", "regime_of", "zigzag",
+]

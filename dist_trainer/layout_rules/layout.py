@@ -1,0 +1,169 @@
+"""The one ``Layout``: the degrees and choices of a parallel layout on a world, its own fields' rules, the one
+conversion from a run config (``layout_of``), the mesh's axes and the regime a layout runs under. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dist_trainer.config import (
+    CHECKPOINTING,
+    CP_MODES,
+    PP_BALANCES,
+    PP_SCHEDULES,
+    ZERO_STAGES,
+    ModelConfig,
+    ParallelConfig,
+)
+from dist_trainer.layout_rules.pipeline import check_schedule, layers_per_stage, rank_layer_ids
+from dist_trainer.layout_rules.tp import check_sequence_parallel
+
+REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout on a world of known size: the degrees, whose product is the world, and every choice that
+    shapes a rank's work. The trainer builds it from its config (``layout_of``), the planner's search one per
+    candidate; the pre-launch check, the engines, the mesh and the planner's memory, cost and search all read this
+    object. Frozen, and its fields are checked as it is built (``check_fields``); what depends on the model is
+    ``check_layout_for``.
+
+    ``micro_batch_size`` x ``n_microbatches`` x ``dp_size`` is the global batch: ``n_microbatches`` is each data-
+    parallel rank's micro-batches per step (the pipeline's micro-batches, or gradient accumulation elsewhere).
+    """
+
+    tp_size: int = 1  # tensor-parallel degree (Megatron column/row split); innermost, so a TP group stays in a node
+    pp_size: int = 1  # pipeline stages (x pp_virtual_stages model chunks)
+    dp_size: int = 1  # data-parallel replicas
+    cp_size: int = 1  # context parallelism: each sequence split over cp ranks (parallel/cp/)
+    cp_mode: str = "ring"  # ring | all_to_all (layout_rules.cp.CP_MODES)
+    ep_size: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks (ep divides dp)
+    zero_stage: int = 0  # 0 = no ZeRO; 1/2/3 = DeepSpeed ZeRO over the dp ranks
+    zero_offload: bool = False  # ZeRO-Offload: optimizer states (stage 3: and parameters) in host memory
+    micro_batch_size: int = 1  # sequences per forward/backward on one rank
+    n_microbatches: int = 1  # micro-batches per dp rank per step
+    activation_checkpointing: str = "none"  # none | selective | every_k | full (config.CHECKPOINTING)
+    checkpoint_every: int = 1  # every_k: layers whose index % k == 0
+    sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
+    pp_schedule: str = "1f1b"  # config.PP_SCHEDULES
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved schedules)
+    pp_balance: str = "layers"  # how layers_per_stage splits the layers (by count or by parameters)
+    pp_stage_layers: tuple[int, ...] | None = None  # explicit (uneven) layers per stage
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pp_stage_layers, list):  # YAML and configs hold a list
+            object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
+        check_fields(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.cp_size * self.dp_size
+
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters: dp x cp (gradients are averaged and ZeRO partitions over them)."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.n_microbatches * self.dp_size
+
+    @property
+    def regime(self) -> str:
+        return regime_of(self)
+
+    def stage_counts(self, model: ModelConfig) -> list[int]:
+        """Layers per stage (pp_size x pp_virtual_stages stages), as the trainer splits them."""
+        return layers_per_stage(model, self.pp_size * self.pp_virtual_stages, self.pp_balance,
+                                None if self.pp_stage_layers is None else list(self.pp_stage_layers))
+
+    def rank_layer_ids(self, model: ModelConfig, pp_rank: int) -> list[int]:
+        """Global indices of the layers pipeline rank ``pp_rank`` holds (its stages r, r + pp, ...: the loop
+        placement of the interleaved schedule)."""
+        return rank_layer_ids(self.stage_counts(model), pp_rank, self.pp_size)
+
+    def layers_by_rank(self, model: ModelConfig) -> list[list[int]]:
+        """``rank_layer_ids`` of every pipeline rank, the split computed once."""
+        counts = self.stage_counts(model)
+        return [rank_layer_ids(counts, r, self.pp_size) for r in range(self.pp_size)]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_fields(p: Layout | ParallelConfig) -> None:
+    """The rules of a layout's own fields, whatever the model and the world: degrees and counts are positive
+    integers, every choice is one the code has, SP needs TP, an explicit stage split lists
+    pp_size x virtual stages positive counts. A ``Layout`` is checked as it is built; a run config's parallel
+    section when it is loaded (``config_load``), so a typo fails before anything else."""
+    names = ["tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages"]
+    names += ["dp_size", "n_microbatches"] if isinstance(p, Layout) else ["global_batch_size"]
+    for name in names:
+        if not _positive_int(getattr(p, name)):
+            raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
+    for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
+        value = getattr(p, name)
+        if not isinstance(p, Layout) and value is not None and not _positive_int(value):
+            raise ValueError(f"parallel.{name}={value!r} must be a positive integer or unset")
+    if p.zero_stage not in ZERO_STAGES or isinstance(p.zero_stage, bool):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage!r} must be {', '.join(map(str, ZERO_STAGES[:-1]))} or "
+                         f"{ZERO_STAGES[-1]}")
+    for name, choices in (("activation_checkpointing", CHECKPOINTING), ("pp_schedule", PP_SCHEDULES),
+                          ("pp_balance", PP_BALANCES), ("cp_mode", CP_MODES)):
+        if getattr(p, name) not in choices:
+            raise ValueError(f"parallel.{name}={getattr(p, name)!r} is not one of {', '.join(choices)}")
+    if isinstance(p, ParallelConfig) and p.global_batch_size % p.micro_batch_size:
+        raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
+                         f"parallel.micro_batch_size={p.micro_batch_size}")
+    check_sequence_parallel(p.tp_size, p.sequence_parallel)
+    stages = p.pp_size * p.pp_virtual_stages
+    layers = p.pp_stage_layers
+    if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):
+        raise ValueError(f"parallel.pp_stage_layers={list(layers)} must list {stages} positive layer counts "
+                         f"(pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages})")
+
+
+def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
+    """The Layout a run config's parallel section takes on ``world_size`` ranks (ValueError naming the values when
+    the degrees or the batch do not fit the world). Each dp rank runs ``global / dp`` sequences per step: in
+    micro-batches of ``micro_batch_size`` (gradient accumulation), or, for a pipeline given ``n_microbatches``,
+    cut into that many."""
+    dp = parallel.resolve(world_size)
+    per_rank = parallel.global_batch_size // dp
+    micro = parallel.micro_batch_size
+    n_micro = per_rank // micro
+    if parallel.pp_size > 1 and parallel.n_microbatches:  # the schedule cuts each dp rank's batch its own way
+        n_micro = parallel.n_microbatches
+        check_schedule(parallel.pp_size, parallel.pp_schedule, n_micro, per_rank, parallel.pp_virtual_stages)
+        micro = per_rank // n_micro
+    names = {f.name for f in dataclasses.fields(Layout)} - {"dp_size", "n_microbatches", "micro_batch_size"}
+    return Layout(**{n: getattr(parallel, n) for n in names}, dp_size=dp, n_microbatches=n_micro,
+                  micro_batch_size=micro)
+
+
+def regime_of(parallel: Layout | ParallelConfig) -> str:
+    """The regime that runs this layout: pipeline stages (with ZeRO-1 over their dp replicas when zero_stage is 1),
+    DeepSpeed ZeRO, or DDP (each with TP inside)."""
+    if parallel.pp_size > 1:
+        return "pipeline"
+    if parallel.zero_stage > 0:
+        return "zero"
+    return "ddp"
+
+
+def needs_process_group(parallel: Layout | ParallelConfig) -> bool:
+    """Whether the layout needs torch.distributed even on one process (DeepSpeed's engine does)."""
+    return parallel.zero_stage > 0
+
+
+# The rank grid's axes, outermost first (parallel/mesh.py builds ``arange(world).view(*sizes)``): tp innermost, so
+# a TP group is consecutive ranks and stays inside a node; then cp (its ring next), pp, dp (Megatron's order).
+MESH_AXES = ("dp", "pp", "cp", "tp")
+
+
+def mesh_shape(layout: Layout) -> dict[str, int]:
+    """Axis -> size, in ``MESH_AXES`` order: the layout's ``<axis>_size`` for each."""
+    return {axis: getattr(layout, f"{axis}_size") for axis in MESH_AXES}

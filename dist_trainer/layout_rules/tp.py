@@ -1,0 +1,56 @@
+"""Tensor-parallel rules: what TP and SP need of the model and the layout. Torch-free."""
+
+from __future__ import annotations
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.model_shape import padded_vocab
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (the sizes a group of ``n`` can split into); none for ``n`` < 1.
+
+    By trial up to sqrt(n), each small divisor giving its partner: 10**6 trials for n = 10**12, where trying every
+    integer up to n ran for hours (issue 28)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def check_tp(model: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError if ``model`` cannot be split over ``tp_size`` ranks the Megatron way.
+
+    Query heads and the MLP width are split, so tp divides them; k/v heads never fail (when tp
+    does not divide n_kv_heads they are replicated); the vocabulary is padded to a multiple of
+    tp, and every rank's shard must hold real rows.
+    """
+    if tp_size < 1:
+        raise ValueError(f"parallel.tp_size={tp_size} must be >= 1")
+    if model.n_heads % tp_size:
+        raise ValueError(
+            f"model.n_heads={model.n_heads} is not divisible by parallel.tp_size={tp_size}: "
+            f"attention heads are split across TP ranks; valid tp_size: {divisors(model.n_heads)}"
+        )
+    if model.ffn_dim % tp_size:
+        raise ValueError(
+            f"the MLP width (model.d_ff={model.ffn_dim}) is not divisible by parallel.tp_size={tp_size}; "
+            f"valid tp_size: {[d for d in divisors(model.ffn_dim) if model.n_heads % d == 0]}"
+        )
+    local_vocab = padded_vocab(model.vocab_size, tp_size) // tp_size
+    if (tp_size - 1) * local_vocab >= model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model.vocab_size} padded to a multiple of parallel.tp_size={tp_size} "
+            f"leaves TP rank {tp_size - 1} with padding rows only ({local_vocab} rows per rank); "
+            f"use a tp_size whose vocabulary shards all hold real tokens (vocab_size >= tp_size*(rows-1)+1)"
+        )
+
+
+def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
+    """Sequence parallelism splits what TP replicates (norms, dropout) over the TP ranks: it needs TP."""
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")

@@ -1,0 +1,62 @@
+"""apply_context_parallel: the model's sequence seams filled for this cp rank (issue 23).
+
+    model.sequence, layers.*.attn.sequence   this rank's tokens and their global positions (split.py)
+    layers.*.attn.attend                      ring attention (ring.py) or all-to-all attention (ulysses.py)
+    loss                                      the token-weighted loss over the cp group (loss.py)
+    layers.*.moe                              a MoE layer routes whole sequences: it gathers the cp ranks'
+                                              tokens in order, computes them all, keeps its own
+
+Applied after tensor parallelism (the loss it wraps may be TP's vocab-parallel one, and a MoE block's SP gather
+comes first), before recomputation. A no-op at cp_size 1.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+
+from dist_trainer.model import Attention, SDPAttention, Transformer
+from dist_trainer.model_moe import moe_layers
+from dist_trainer.parallel.cp.loss import ContextParallelLoss
+from dist_trainer.parallel.cp.ring import RingLayout, ring_attention
+from dist_trainer.parallel.cp.split import ContextParallelSequence, gather_sequence, keep_local
+from dist_trainer.parallel.cp.ulysses import UlyssesAttention
+from dist_trainer.parallel.state import ParallelState
+
+
+class RingAttention(nn.Module):
+    """The model's ``attend`` seam under ring context parallelism."""
+
+    def __init__(self, sequence: ContextParallelSequence, causal: bool) -> None:
+        super().__init__()
+        self.sequence, self.causal = sequence, causal
+        self.ring = RingLayout(sequence.group.size, sequence.zigzag)
+
+    def forward(self, q, k, v):  # noqa: ANN001, ANN201 - tensors, as SDPAttention.forward
+        return ring_attention(q, k, v, self.sequence.group, self.ring, self.causal)
+
+
+def apply_context_parallel(model: Transformer, state: ParallelState, mode: str) -> Transformer:
+    """Fill ``model``'s sequence seams for this rank of ``state.cp`` (ring or all_to_all ``mode``); return it."""
+    group = state.cp
+    if group.size == 1:
+        return model
+    causal = model.cfg.causal
+    sequence = ContextParallelSequence(group, zigzag=causal and mode == "ring")
+    model.sequence = sequence
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sequence = sequence
+            assert isinstance(module.attend, SDPAttention), "context parallelism replaces the plain attention core"
+            module.attend = RingAttention(sequence, causal) if mode == "ring" else UlyssesAttention(module.attend,
+                                                                                                    group)
+    model.loss = ContextParallelLoss(model.loss, sequence)
+    for layer in moe_layers(model):  # after TP's SP hooks: gather tp, then cp; keep cp's part, then tp's
+        layer.register_forward_pre_hook(lambda _, args, seq=sequence: (gather_sequence(args[0], seq), *args[1:]))
+        layer.register_forward_hook(partial(_keep_local, sequence), prepend=True)
+    return model
+
+
+def _keep_local(sequence: ContextParallelSequence, _: nn.Module, args: tuple, out):  # noqa: ANN001, ANN202
+    return keep_local(out, sequence)
