@@ -12,6 +12,7 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
     check_ep            expert parallelism: a MoE model, ep dividing the experts and dp, which ZeRO stages take it
     check_precision     device limits: fp16 loss scaling needs CUDA
+    check_low_bit       int8 base weights and low-bit AdamW moments: the layouts they run in
     check_layout        all of the above for a run config on a world size: the pre-launch check
     check_nodes         a world of several nodes fills whole ones; TP groups inside a node
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig
 from dist_trainer.finetune import trainable_expert_params
 from dist_trainer.model_shape import embedding_params, layer_param_counts, padded_vocab, tail_params
+from dist_trainer.quant.sizes import check_int8_layout
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
@@ -310,6 +312,25 @@ def check_precision(precision: str, device_type: str) -> None:
                          "use bf16 or fp32")
 
 
+def check_low_bit(model: ModelConfig, freeze: Sequence[str], *, tp_size: int, zero_stage: int, zero_offload: bool,
+                  ep_size: int, state_dtype: str) -> None:
+    """Low-bit storage (docs/low_bit.md): int8 base weights in any tp whose shards keep whole scale groups, under
+    DDP, pipeline stages and ZeRO-1/2 (ZeRO-3 refused: ``quant.sizes.check_int8_layout``); bf16/int8 AdamW moments
+    everywhere but two places, refused with the reason."""
+    check_int8_layout(model, freeze, tp_size, zero_stage)
+    if state_dtype == "fp32":
+        return
+    if zero_offload:
+        raise ValueError(f"optim.state_dtype={state_dtype} with parallel.zero_offload=true is not supported: the "
+                         "offloaded partitions are stepped by DeepSpeedCPUAdam, whose moments are fp32; use "
+                         "state_dtype fp32 with offload, or ZeRO without offload")
+    if ep_size > 1 and zero_stage > 0:
+        raise ValueError(f"optim.state_dtype={state_dtype} with parallel.ep_size={ep_size} under parallel.zero_stage="
+                         f"{zero_stage} is not supported: expert-parallel ZeRO checkpoints are written through "
+                         "DeepSpeed's per-parameter optimizer-state API, which reads fp32 moments; use state_dtype "
+                         "fp32 there, or zero_stage 0 with expert parallelism")
+
+
 # ---------------------------------------------------------------- the whole check
 
 
@@ -323,6 +344,8 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
     check_composition(p)
     check_ep(cfg.model, p.ep_size, dp, p.zero_stage, cfg.train.freeze)
     check_precision(cfg.train.precision, device_type)
+    check_low_bit(cfg.model, cfg.train.freeze, tp_size=p.tp_size, zero_stage=p.zero_stage,
+                  zero_offload=p.zero_offload, ep_size=p.ep_size, state_dtype=cfg.optim.state_dtype)
     if p.pp_size > 1:
         check_pipeline(cfg.model, p, dp, cfg.train.precision)
     return dp

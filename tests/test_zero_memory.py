@@ -25,7 +25,7 @@ def test_memory_experiment_writes_table_json_chart_matching_the_prediction(exper
     assert (out / "memory.png").stat().st_size > 1000 and (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "memory.md").read_text()
     assert table.count("\n| ") == 5  # the header and one row per stage
-    assert all(f"\n| {stage} | 2 |" in table for stage in range(4))
+    assert all(f"\n| {stage} | fp32 | 2 |" in table for stage in range(4))
     assert json.loads((out / "memory.json").read_text())["rows"][3]["stage"] == 3
     for row in result["rows"]:
         measured, paper = row["measured"]["model_states"], row["paper"]["model_states"]

@@ -37,6 +37,7 @@ from dist_trainer.checkpoint.publish import (
     rng_file,
     save_checkpoint,
 )
+from dist_trainer.optim_lowbit import canonical_states, load_adamw_state
 from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards
 
 
@@ -104,7 +105,7 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                        "params": [name_to_index[n] for n in current]})
     state = {name_to_index[n]: s for n, s in saved["state"].items() if n in name_to_index}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    load_adamw_state(optimizer, {"state": state, "param_groups": groups})  # moments saved in any state dtype
 
 
 def specs_file(pp_rank: int, ep_rank: int = 0) -> str:
@@ -165,7 +166,8 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
     first: dict[str, Any] = {}
     for pp_rank, ep_rank in ((p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))):
         shards = [read_coordinate(path, meta, t, pp_rank, ep_rank) for t in range(layout["tp"])]
-        models, optims = [m for m, _ in shards], [o for _, o in shards]
+        # moments in fp32 whatever dtype they were saved in (optim.state_dtype bf16 / int8), to merge over tp
+        models, optims = [m for m, _ in shards], [{**o, "state": canonical_states(o["state"])} for _, o in shards]
         first = first or optims[0]
         specs = read_specs(path, meta, pp_rank, list(models[0]), ep_rank)
         for n, t in merge_tp_shards([{n: m[n] for n in specs} for m in models], specs).items():

@@ -22,6 +22,7 @@ import torch
 from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
 from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_header, safetensors_index
 from dist_trainer.checkpoint.hf_names import read_plan
+from dist_trainer.quant.int8 import read_dequantized
 
 
 class WeightSource(Protocol):
@@ -172,7 +173,8 @@ def rotate_half_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class SafetensorsSource:
-    """This project's native export (``model.safetensors`` under our own names)."""
+    """This project's native export (``model.safetensors`` under our own names; an int8 one's ``<m>.weight`` codes
+    read as fp32 weights with their ``<m>.weight_scale``)."""
 
     def __init__(self, file: str | Path) -> None:
         self.file = Path(file)
@@ -180,12 +182,14 @@ class SafetensorsSource:
         self.files = SafetensorsFiles({n: self.file for n in safetensors_header(self.file)}, self.where)
 
     def names(self) -> set[str]:
-        return set(self.files.files)
+        return {n for n in self.files.files if not n.endswith(".weight_scale")}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.files.shape(name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if f"{name}_scale" in self.files.files:  # an int8 export (``export --quantize int8``): fp32 weights out
+            return read_dequantized(self.files.read, name, dim, start, stop)
         return self.files.read(name, dim, start, stop)
 
 

@@ -57,6 +57,7 @@ from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.memory import optimizer_moments, unique_bytes
+from dist_trainer.quant.modules import int8_buffers, quantize_base_weights_
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -82,6 +83,7 @@ def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
     model = seeded_model(cfg, device="meta" if streamed else "cpu")
     apply_tensor_parallel(model, state, cfg.parallel.sequence_parallel)
     apply_expert_parallel(model, state)  # no-op at ep_size 1
+    quantize_base_weights_(model, cfg.model, cfg.train.freeze)  # model.base_weight_dtype=int8: each rank its shard
     if streamed:
         materialize_(model)
     load_start_weights(model, cfg, state)
@@ -176,7 +178,8 @@ class Engine(abc.ABC):
         What the planner's model-state terms predict; a regime with other holdings overrides it."""
         params = list(self.model.parameters())
         optimizer = getattr(self, "optimizer", None)
-        return {"params": unique_bytes(params), "grads": unique_bytes(p.grad for p in params),
+        return {"params": unique_bytes([*params, *int8_buffers(self.model)]),  # int8 base weights: buffers
+                "grads": unique_bytes(p.grad for p in params),
                 "optimizer": 0 if optimizer is None else unique_bytes(optimizer_moments(optimizer))}
 
 

@@ -44,6 +44,7 @@ from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.zero.config import validate_zero_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, prepare_for_deepspeed, quiet_deepspeed
+from dist_trainer.quant.modules import quantize_base_weights_
 
 
 class PipelineRankModule(nn.Module):
@@ -79,6 +80,7 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
             apply_expert_parallel(stage.model, state)
             stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)
+        quantize_base_weights_(PipelineRankModule(self.stages), cfg.model, cfg.train.freeze)  # by global names
         load_start_weights(PipelineRankModule(self.stages), cfg, state)  # each rank its stages' TP slices
         for stage in self.stages:
             stage.to(device)

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, replace
 
 from dist_trainer.config import ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
-from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_ep, check_layout, check_tp, divisors
+from dist_trainer.layout_rules import (
+    MULTI_STAGE_SCHEDULES,
+    check_ep,
+    check_layout,
+    check_low_bit,
+    check_tp,
+    divisors,
+)
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.cost import StepTime, estimate_step_time
@@ -35,6 +42,7 @@ from dist_trainer.planner.memory import (
     rank_trainable,
 )
 from dist_trainer.planner.rank_params import RankParams
+from dist_trainer.quant.sizes import check_int8_layout
 
 
 @dataclass(frozen=True)
@@ -160,10 +168,10 @@ class _Planner:
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
 
-def _refusal(check: Callable[..., None], *args: object) -> str | None:
+def _refusal(check: Callable[..., None], *args: object, **kwargs: object) -> str | None:
     """The ValueError message of a rule check, or None when it passes."""
     try:
-        check(*args)
+        check(*args, **kwargs)
     except ValueError as exc:
         return str(exc)
     return None
@@ -268,9 +276,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         if bad:  # a TP group stays inside a node
             skipped.add("tp must divide the ranks per node and n_gpus", f"tp={tp} ({', '.join(bad)})")
             continue
-        tp_refused = _refusal(check_tp, model, tp)  # the rule runnable() applies, asked once per tp
+        tp_refused = _refusal(check_tp, model, tp) or _refusal(check_int8_layout, model, options.freeze, tp, 0)
         if tp_refused:
-            skipped.add("tensor parallelism (layout_rules.check_tp)", tp_refused)
+            skipped.add("tensor parallelism (layout_rules.check_tp, check_low_bit)", tp_refused)
             continue
         for pp in ([pp_size] if pp_size else divisors(n_gpus // tp)):
             if pp > model.n_layers:
@@ -298,6 +306,11 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                     skipped.add("expert parallelism (layout_rules.check_ep)", ep_refused)
                     continue
                 for offload in ((False, True) if zero > 0 and allow_offload else (False,)):
+                    low_bit = _refusal(check_low_bit, model, options.freeze, tp_size=tp, zero_stage=zero,
+                                       zero_offload=offload, ep_size=ep, state_dtype=options.optim_state_dtype)
+                    if low_bit:  # the rule runnable() applies, before the model states are priced
+                        skipped.add("low-bit storage (layout_rules.check_low_bit)", low_bit)
+                        continue
                     base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload,
                                   ep_size=ep)
                     # Model states alone (micro-batch independent): prune when they overflow.
