@@ -160,7 +160,8 @@ class CheckpointSource:
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.dequantize and f"{name}_scale" in self.specs:
-            t = read_dequantized(lambda n, d, a, b: self._read_raw(n, d, a, b), name, dim, start, stop)
+            t = read_dequantized(lambda n, d, a, b: self._read_raw(n, d, a, b), self._raw_shape, name, dim, start,
+                                 stop)
         else:
             t = self._read_raw(name, dim, start, stop)
         prefix = name.rpartition(".")[0]

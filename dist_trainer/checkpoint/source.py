@@ -48,7 +48,8 @@ def _sliced(view: Any, ndim: int, dim: int | None, start: int, stop: int | None)
 
 
 class SafetensorsFiles:
-    """Tensors of one or more safetensors files by the files' own names, opened lazily and kept open."""
+    """Tensors of one or more safetensors files by the files' own names, opened lazily and kept open; a tensor with
+    a ``<name>_scale`` beside it (an int8 export, ``export --quantize int8``) is read as fp32."""
 
     def __init__(self, files: dict[str, Path], where: str) -> None:
         self.files = files  # tensor name -> file
@@ -77,6 +78,12 @@ class SafetensorsFiles:
         return tuple(self.slice_of(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """A slice of tensor ``name``; an int8 one (``export --quantize int8``: ``<name>_scale`` beside it) in fp32."""
+        if f"{name}_scale" in self.files:
+            return read_dequantized(self._read, self.shape, name, dim, start, stop)
+        return self._read(name, dim, start, stop)
+
+    def _read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         view = self.slice_of(name)
         return _sliced(view, len(view.get_shape()), dim, start, stop)
 
@@ -188,9 +195,7 @@ class SafetensorsSource:
         return self.files.shape(name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        if f"{name}_scale" in self.files.files:  # an int8 export (``export --quantize int8``): fp32 weights out
-            return read_dequantized(self.files.read, name, dim, start, stop)
-        return self.files.read(name, dim, start, stop)
+        return self.files.read(name, dim, start, stop)  # an int8 export's weights in fp32
 
 
 def open_source(path: str | Path) -> WeightSource:

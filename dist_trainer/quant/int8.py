@@ -97,15 +97,32 @@ def dequantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_dequantized(read: Callable[[str, int | None, int, int | None], torch.Tensor], name: str, dim: int | None,
-                     start: int, stop: int | None) -> torch.Tensor:
-    """Rows (``dim`` 0) or columns [start, stop) of the int8 weight ``name`` in fp32, read through ``read(tensor,
-    dim, start, stop)`` beside its ``<name>_scale``: rows read only their codes and scales; columns (a row-parallel
-    shard) dequantise the whole tensor first, one tensor at a time."""
+def read_dequantized(read: Callable[[str, int | None, int, int | None], torch.Tensor],
+                     shape: Callable[[str], tuple[int, ...]], name: str, dim: int | None, start: int,
+                     stop: int | None) -> torch.Tensor:
+    """Elements [start, stop) along ``dim`` of the int8 tensor ``name`` in fp32, read through ``read(tensor, dim,
+    start, stop)`` beside its ``<name>_scale`` (per row, per column of a transposed Hugging Face tensor, or per
+    group of columns): a cut along a dim the scale follows element for element (or is 1 along) reads only its
+    codes; a cut across scale groups (a row-parallel shard of a grouped weight) dequantises the tensor first, one
+    tensor at a time."""
     scale = f"{name}_scale"
-    if dim == 0:
-        return dequantize(read(name, 0, start, stop), read(scale, 0, start, stop))
-    w = dequantize(read(name, None, 0, None), read(scale, None, 0, None))
     if dim is None:
-        return w
-    return w.narrow(dim, start, (w.shape[dim] if stop is None else stop) - start).contiguous()
+        return dequantize(read(name, None, 0, None), read(scale, None, 0, None))
+    stop = shape(name)[dim] if stop is None else stop
+    along = shape(scale)[dim]
+    if along == shape(name)[dim]:
+        return dequantize(read(name, dim, start, stop), read(scale, dim, start, stop))
+    if along == 1:
+        return dequantize(read(name, dim, start, stop), read(scale, None, 0, None))
+    w = dequantize(read(name, None, 0, None), read(scale, None, 0, None))
+    return w.narrow(dim, start, stop - start).contiguous()
+
+
+def quantize_per_channel(w: torch.Tensor, channel_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 with one scale per output channel (``export --quantize int8``): channels along
+    ``channel_dim`` (0 for our (out, in) weights, 1 for a transposed (in, out) Hugging Face Conv1D); the scale keeps
+    the weight's rank, 1 along the other dim, so it broadcasts."""
+    if channel_dim == 1:
+        q, s = quantize_per_channel(w.t(), 0)
+        return q.t().contiguous(), s.t().contiguous()
+    return quantize(w, w.shape[1])
