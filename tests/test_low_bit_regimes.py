@@ -61,6 +61,25 @@ def _resume_phases(data: Path, out: Path, sections: dict) -> dict[str, dict[int,
     return {"full": full, "again": run("resumed", max_steps=4, resume=True)}
 
 
+def _cross_layout(data: Path, out: Path) -> dict[str, Any]:
+    """The DDP int8-moment checkpoints of ``_resume_phases`` resumed in other layouts: tp=2 from "full" (its moments
+    dequantised, sliced, quantised again per shard) and ZeRO-2 from "resumed" (into DeepSpeed's flat partitions),
+    both from step 4 to 6. Returns tp=2's moments of the adapters' B (split by rows) and both runs' losses."""
+    from dist_trainer.optim_lowbit import canonical_state
+
+    sections = RESUME["ddp2-int8"]
+    train = {"max_steps": 6, "resume": True, "eval_every": 2, "save_every": 2, "allow_schedule_change": True}
+    tp = Trainer(case_config(data, out / "full", {**sections, "parallel": {"tp_size": 2}, "train": train}), log=False)
+    assert tp.step == 4
+    opt = tp.engine.optimizer
+    moments = {n: canonical_state(opt.state[p]) for n, p in tp.engine.model.named_parameters()
+               if n.endswith("q_proj.lora_B")}
+    zero = Trainer(case_config(data, out / "resumed", {**sections, "parallel": {"zero_stage": 2}, "train": train}),
+                   log=False)
+    assert zero.step == 4
+    return {"tp_moments": moments, "tp": tp.train().losses, "zero": zero.train().losses}
+
+
 def _all_cases(rank: int, world: int, data: Path, out: Path) -> dict[str, Any]:
     zero_cfgs = [experiment_config(ZERO_MODEL, stage, world, state_dtype="int8").to_dict() for stage in (1, 2)]
     tp = Trainer(case_config(data, out / "tp-parity", {**TP_PARITY, "parallel": {"tp_size": 2}}), log=False)
@@ -70,6 +89,8 @@ def _all_cases(rank: int, world: int, data: Path, out: Path) -> dict[str, Any]:
         "zero": measure_ranks(rank, world, zero_cfgs),
         "tp_parity": curves(tp.train()),
         "resume": {name: _resume_phases(data, out / name, sections) for name, sections in RESUME.items()},
+        "cross": _cross_layout(data, out / "ddp2-int8"),  # after the resume phases wrote its checkpoints
+        "out": out,
     }
 
 
@@ -133,3 +154,26 @@ def test_int8_moments_resume_with_the_uninterrupted_losses(ranks: list[dict[str,
         assert sorted(again) == [2, 3]
         for step in (2, 3):
             assert again[step] == full[step], (case, step, again[step], full[step])
+
+
+def test_int8_moments_reshard_into_other_layouts(ranks: list[dict[str, Any]]) -> None:
+    """A DDP checkpoint's int8 moments resumed at tp=2: each rank's moments of the row-split adapter B are the saved
+    ones (dequantised) sliced to its rows, within 8-bit block quantisation; ZeRO-2 resumes the same checkpoint
+    into its partitions and continues like tp=2 (both from the same moments, quantised in other blocks)."""
+    from dist_trainer.checkpoint.publish import load_file
+    from dist_trainer.optim_lowbit import canonical_state
+
+    saved = load_file(ranks[0]["out"] / "ddp2-int8" / "full" / "checkpoints" / "step_00000004" / "optim_tp00_pp00.pt")
+    for tp_rank, rank in enumerate(ranks):
+        assert len(rank["cross"]["tp_moments"]) == 2
+        for name, got in rank["cross"]["tp_moments"].items():
+            want = canonical_state(saved["state"][name])
+            for key in ("exp_avg", "exp_avg_sq"):
+                part = want[key].chunk(2, dim=0)[tp_rank]
+                err = (got[key] - part).norm() / part.norm()
+                assert err < 0.02, (name, key, float(err))
+            assert float(got["step"]) == float(want["step"]) == 4
+        tp, zero = rank["cross"]["tp"], rank["cross"]["zero"]
+        assert sorted(tp) == sorted(zero) == [4, 5]
+        for step in (4, 5):
+            assert abs(zero[step] - tp[step]) <= 1e-2 * tp[step], (step, zero, tp)

@@ -29,7 +29,7 @@ from dist_trainer.engines.base import write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
-from dist_trainer.optim_lowbit import build_adamw
+from dist_trainer.optim_lowbit import build_adamw, canonical_states
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
@@ -219,7 +219,7 @@ class DeepSpeedZero:
         missing = [n for n, _ in named if n not in model_state]
         if missing:
             raise ValueError(f"checkpoint {folder} lacks parameters {missing[:5]}")
-        saved = optim_state["state"]
+        saved = canonical_states(optim_state["state"])  # fp32 moments, whatever optim.state_dtype saved them in
         step = next((s["step"] for s in saved.values()), torch.tensor(0.0))
         base = self.optimizer.optimizer
         # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
