@@ -40,8 +40,7 @@ ZERO_MODEL = {"vocab_size": 512, "max_seq_len": 64, "n_layers": 2, **INT8}
 TP_PARITY = {"model": INT8, "train": {"max_steps": 5}}
 RESUME = {  # full 4 steps; 2 steps and a save; a resume to 4
     "ddp2-int8": {"model": INT8, "optim": {"state_dtype": "int8"}},
-    "zero2-int8": {"model": {"d_model": 64, "n_heads": 4}, "optim": {"state_dtype": "int8"},
-                   "parallel": {"zero_stage": 2}},
+    "zero2-int8": {"model": INT8, "optim": {"state_dtype": "int8"}, "parallel": {"zero_stage": 2}},
 }
 
 
@@ -147,7 +146,8 @@ def test_tp2_on_an_int8_base_gives_the_single_process_losses(ranks: list[dict[st
 
 @pytest.mark.parametrize("case", list(RESUME))
 def test_int8_moments_resume_with_the_uninterrupted_losses(ranks: list[dict[str, Any]], case: str) -> None:
-    """DDP (LoRA on an int8 base: the codes and moments by name) and ZeRO-2 (DeepSpeed's files, its uint8 states):
+    """LoRA on an int8 base with int8 moments: DDP (the codes and moments by name) and ZeRO-2 (DeepSpeed's files:
+    the codes in its module states, bitsandbytes' uint8 states in its partitions):
     steps 2 and 3 after a resume at 2 equal the uninterrupted run's, bit for bit."""
     for rank in ranks:
         full, again = rank["resume"][case]["full"], rank["resume"][case]["again"]
@@ -177,3 +177,24 @@ def test_int8_moments_reshard_into_other_layouts(ranks: list[dict[str, Any]]) ->
         assert sorted(tp) == sorted(zero) == [4, 5]
         for step in (4, 5):
             assert abs(zero[step] - tp[step]) <= 1e-2 * tp[step], (step, zero, tp)
+
+
+def test_a_zero_checkpoint_on_an_int8_base_exports_to_one_process_that_resumes(ranks: list[dict[str, Any]],
+                                                                               tiny_data: Path, tmp_path: Path) -> None:
+    """``export_zero_as_single`` of the ZeRO-2 run: the int8 codes and scales by name beside the consolidated
+    adapters and (dequantised) int8 moments; one process resumes it at step 4 with the same codes."""
+    from dist_trainer.checkpoint.convert import export_zero_as_single
+    from dist_trainer.checkpoint.publish import latest_checkpoint, load_file
+
+    step_dir = latest_checkpoint(ranks[0]["out"] / "zero2-int8" / "full" / "checkpoints")
+    assert step_dir is not None
+    single = export_zero_as_single(step_dir, tmp_path / "single")
+    saved = load_file(single / "model_tp00_pp00.pt")
+    assert saved["layers.0.mlp.up_proj.weight"].dtype == torch.int8 and "layers.0.mlp.up_proj.weight_scale" in saved
+    trainer = Trainer(tiny_config(tiny_data, tmp_path / "single", model=INT8, optim={"state_dtype": "int8"},
+                                  train={"max_steps": 5, "resume": True, "allow_schedule_change": True}), log=False)
+    assert trainer.step == 4
+    up = trainer.engine.model.layers[0].mlp.up_proj
+    assert torch.equal(up.weight, saved["layers.0.mlp.up_proj.weight"])
+    assert torch.equal(up.weight_scale, saved["layers.0.mlp.up_proj.weight_scale"])
+    assert sorted(trainer.train().losses) == [4]

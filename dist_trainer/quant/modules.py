@@ -53,8 +53,10 @@ class Int8Weight:
         self.weight.copy_(q)
         self.weight_scale.copy_(scale.to(self.weight_scale.dtype))
 
-    def quantized_extra_repr(self) -> str:
-        return f"int8 weight, fp32 scale per {self.weight_group} input columns"
+    def extra_repr(self) -> str:
+        base = super().extra_repr()  # type: ignore[misc]  # the linear kind's own description
+        int8 = f"int8 weight {tuple(self.weight.shape)}, one scale per {self.weight_group} input columns"
+        return f"{base}, {int8}" if base else int8
 
 
 class Int8Linear(Int8Weight, nn.Module):
@@ -64,9 +66,6 @@ class Int8Linear(Int8Weight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_linear(x, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, {self.quantized_extra_repr()}"
 
 
 class Int8LoRALinear(Int8Weight, LoRALinear):
