@@ -106,14 +106,14 @@ def main() -> int:
     print("\n1. AdamW moments: loss after the run (mean of its last 10 steps) and eval loss, over fp32 moments'")
     ref = runs["fp32"]
     for dtype, r in runs.items():
-        print(f"   {dtype:5} loss {r['loss']:.4f} ({r['loss'] / ref['loss']:.4f})  eval {r['eval']:.4f} "
-              f"({r['eval'] / ref['eval']:.4f})  {r['seconds']:.0f} s")
+        print(f"   {dtype:5} loss {r['loss']:.6f} ({r['loss'] / ref['loss']:.6f})  eval {r['eval']:.6f} "
+              f"({r['eval'] / ref['eval']:.6f})  {r['seconds']:.0f} s")
     print("\n2. LoRA on a frozen base: loss and eval loss, int8 base over fp32 base")
     for dtype, r in lora.items():
-        print(f"   {dtype:5} base loss {r['loss']:.4f} ({r['loss'] / lora['fp32']['loss']:.4f})  eval {r['eval']:.4f} "
-              f"({r['eval'] / lora['fp32']['eval']:.4f})  {r['seconds']:.0f} s")
-    print(f"\n3. int8 export (weight-only, per channel) of run 1's fp32 model: eval {exported['int8']:.4f} over fp32's "
-          f"{exported['fp32']:.4f} = {exported['int8'] / exported['fp32']:.4f}")
+        print(f"   {dtype:5} base loss {r['loss']:.6f} ({r['loss'] / lora['fp32']['loss']:.6f})  eval "
+              f"{r['eval']:.6f} ({r['eval'] / lora['fp32']['eval']:.6f})  {r['seconds']:.0f} s")
+    print(f"\n3. int8 export (weight-only, per channel) of run 1's fp32 model: eval {exported['int8']:.6f} over fp32's "
+          f"{exported['fp32']:.6f} = {exported['int8'] / exported['fp32']:.6f}")
     print("\n4. model-state bytes owned by the rank, measured (planner), each over its fp32 counterpart")
     for dtype in ("bf16", "int8"):
         s, f = runs[dtype]["states"], runs["fp32"]["states"]

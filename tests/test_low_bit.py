@@ -94,12 +94,15 @@ def test_frozen_linears_become_int8_buffers_under_their_names(tiny_data: Path, t
     assert set(state) == set(plain.state_dict()) | {f"{n}.weight_scale" for n in names}
     assert set(int8_buffer_names(model)) == {f"{n}.{b}" for n in names for b in ("weight", "weight_scale")}
     assert not any(n.endswith(".weight") and "proj" in n for n, _ in model.named_parameters())
+    # the int8 model computes with its dequantised weights (not the fp32 ones it was made from)
+    deq = q8.dequantize_state(state)
+    dequantised = copy.deepcopy(plain)
+    dequantised.load_state_dict(deq)
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        a, b = model(tokens, tokens), plain(tokens, tokens)
+        a, b, c = model(tokens, tokens), plain(tokens, tokens), dequantised(tokens, tokens)
+    assert abs(a.item() - c.item()) < 1e-6 * c.item() and a.item() != b.item()
     assert abs(a.item() - b.item()) < 1e-2 * b.item()
-    # the plain model again from the int8 state: dequantised weights
-    deq = q8.dequantize_state(state)
     torch.testing.assert_close(deq["layers.0.attn.q_proj.weight"], plain.layers[0].attn.q_proj.weight,
                                atol=float(state["layers.0.attn.q_proj.weight_scale"].max()) / 2 + 1e-7, rtol=0)
 
