@@ -4,7 +4,8 @@
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
     dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT | --prompt-ids 1,2,3 [--greedy] [--json]
-    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora]  (safetensors)
+    dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora] [--quantize int8]  (safetensors)
+    dist-trainer eval     --checkpoint A [--checkpoint B ...] [--data DIR]   (validation loss, side by side)
     dist-trainer report   RUN [--out DIR]                                  (PNGs from metrics.jsonl)
     dist-trainer attention --checkpoint RUN_OR_STEP --text TEXT --out DIR  (attention maps, per-head table)
     dist-trainer params | memory | plan ...                             (the planner)
@@ -165,6 +166,9 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
                         "adapter_model.safetensors); without it they are folded into the weights")
     p.add_argument("--merge-lora", action="store_true",
                    help="native: fold a LoRA run's adapters into their weights (W0 + alpha/r B A)")
+    p.add_argument("--quantize", default=None, choices=("int8",),
+                   help="int8: the layer linears' weights as int8 with one fp32 scale per output channel "
+                        "(weight-only; a LoRA run needs --merge-lora with --format native)")
     p.add_argument("--force", action="store_true", help="write into a folder that already holds files")
     p.set_defaults(func=run_export)
 
@@ -173,8 +177,34 @@ def run_export(args: argparse.Namespace) -> int:
     from dist_trainer.train.export import export_checkpoint
 
     for path in export_checkpoint(args.checkpoint, args.out, args.format, args.dtype, args.max_shard_size,
-                                  merge_lora=args.merge_lora, adapter=args.adapter, force=args.force):
+                                  merge_lora=args.merge_lora, adapter=args.adapter, force=args.force,
+                                  quantize=args.quantize):
         print(path)
+    return 0
+
+
+def _register_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="validation loss of checkpoints / exports, side by side (the first is the "
+                                    "reference)")
+    p.add_argument("--checkpoint", action="append", required=True,
+                   help="run folder, checkpoints/ or step folder, an export or a Hugging Face folder; repeat to "
+                        "compare (an int8 export beside the fp32 model it came from)")
+    p.add_argument("--data", default=None, help="prepared data folder (default: the first run checkpoint's)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the first run checkpoint's data.seq_len")
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--eval-batches", type=int, default=None, help="global batches evaluated (train.eval_batches)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from dist_trainer.train.evaluate import evaluate
+
+    overrides = {"data": args.data, "seq_len": args.seq_len, "global_batch_size": args.global_batch_size,
+                 "micro_batch_size": args.micro_batch_size, "eval_batches": args.eval_batches, "seed": args.seed}
+    print(evaluate(args.checkpoint, overrides, as_json=args.json))
     return 0
 
 
@@ -226,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_check(sub)
     _register_generate(sub)
     _register_export(sub)
+    _register_eval(sub)
     _register_report(sub)
     _register_attention(sub)
     planner_cli.register(sub, check_written=_check_written)

@@ -17,6 +17,7 @@ from typing import Any
 
 from dist_trainer.finetune import lora_target_leaves, training_plan
 from dist_trainer.model_shape import is_moe_layer
+from dist_trainer.quant.sizes import check_int8_base
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -34,6 +35,8 @@ CP_MODES = ("ring", "all_to_all")  # context parallelism's attention over the cp
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
+BASE_WEIGHT_DTYPES = ("fp32", "int8")  # model.base_weight_dtype: frozen layer linears as parameters, or int8
+OPTIM_STATE_DTYPES = ("fp32", "bf16", "int8")  # optim.state_dtype: AdamW's two moments
 
 
 @dataclass
@@ -91,6 +94,13 @@ class ModelConfig:
     # the layers' linears that get adapters (model_names.LORA_TARGETS), or all_linear; q_proj,v_proj is the paper's
     # choice (section 7.1). A comma-separated string is accepted too.
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # Frozen base weights in 8 bits (docs/low_bit.md): int8 stores every frozen layer linear (LoRA's base, or one
+    # train.freeze covers) as int8 with an fp32 scale per output row and group of base_weight_group input columns,
+    # dequantised a block of rows at a time in forward and backward; fp32 keeps them as ordinary parameters.
+    base_weight_dtype: str = "fp32"
+    # input columns per scale (QLoRA's block of 64); a TP shard's input width must be a multiple of it, so each rank
+    # quantises its own shard exactly as the full matrix would be quantised and sliced
+    base_weight_group: int = 64
 
     def __post_init__(self) -> None:
         self.lora_targets = _name_list(self.lora_targets)
@@ -153,6 +163,8 @@ class ModelConfig:
             raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
         self._validate_moe()
         self._validate_lora()
+        _choice(self, "base_weight_dtype", BASE_WEIGHT_DTYPES)
+        _positive(self, "base_weight_group")
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)
@@ -316,8 +328,13 @@ class OptimConfig:
     beta2: float = 0.95  # Adam second-moment decay (0.95 as in GPT-3/Llama)
     eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    # AdamW's moments (docs/low_bit.md; master weights stay fp32): fp32 (torch's AdamW) | bf16 (this project's
+    # optim_lowbit.AdamWBf16, Megatron's --exp-avg-dtype) | int8 (bitsandbytes' block-wise 8-bit AdamW, Dettmers
+    # et al. 2022: 256-value blocks, dynamic quantisation map)
+    state_dtype: str = "fp32"
 
     def validate(self) -> None:
+        _choice(self, "state_dtype", OPTIM_STATE_DTYPES)
         # lr 0 is a run that changes no weight (a load-and-export round trip, a layout check): allowed
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim.lr={self.lr} must be >= 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
@@ -472,6 +489,7 @@ class Config:
         if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
+        check_int8_base(self.model, self.train.freeze)  # ValueError: int8 base weights without a frozen linear
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,7 +47,18 @@ def adapter_dropout(p: float) -> nn.Module:
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
-class LoRALinear(nn.Linear):
+class BaseProduct:
+    """The frozen-base product ``x W^T + b`` of a linear-like module, as one overridable method: the module classes
+    that store W otherwise (``quant/modules.py``: int8 with scales) override it, so a reader of a layer's forward
+    sees where the base weight is used. ``rows``: only those output rows (a replicated k/v projection's heads)."""
+
+    weight: torch.Tensor
+
+    def base_linear(self, x: torch.Tensor, bias: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight if rows is None else self.weight[rows], bias)
+
+
+class LoRALinear(BaseProduct, nn.Linear):
     """``nn.Linear`` (the frozen base W0, b) plus the adapter: y = x W0^T + b + (alpha / r) dropout(x) A^T B^T.
 
     A subclass, so ``init_weights_`` draws its base weight exactly as for a plain linear, and the base
@@ -65,8 +76,8 @@ class LoRALinear(nn.Linear):
         self.lora_key = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + lora_delta(x, self.lora_A, self.lora_B, self.scaling,
-                                                                self.lora_dropout)
+        return self.base_linear(x, self.bias) + lora_delta(x, self.lora_A, self.lora_B, self.scaling,
+                                                           self.lora_dropout)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"

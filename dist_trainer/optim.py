@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate."""
+"""AdamW with decoupled weight decay on matrices only (moments in ``optim.state_dtype``), and warmup + cosine
+learning rate."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from dist_trainer.config import OptimConfig
+from dist_trainer.optim_lowbit import build_adamw
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -29,11 +31,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        foreach=False,  # the same per-tensor arithmetic in every regime, for exact parity
-    )
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s trainable parameters, its moments in ``optim.state_dtype`` (``optim_lowbit.py``)."""
+    return build_adamw(param_groups(model, cfg.weight_decay), cfg)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

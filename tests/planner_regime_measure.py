@@ -55,8 +55,9 @@ OPTIONS = TrainingOptions(precision="fp32", device="cpu", attention_kernel="flas
 
 
 def options_for(cfg: Config) -> TrainingOptions:
-    """OPTIONS with the run's train.freeze (LoRA travels with the model config)."""
-    return dataclasses.replace(OPTIONS, freeze=tuple(cfg.train.freeze))
+    """OPTIONS with the run's train.freeze and optim.state_dtype (LoRA and int8 base weights travel with the model
+    config)."""
+    return dataclasses.replace(OPTIONS, freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype)
 
 
 def case_config(data: Path, out: Path, sections: dict) -> Config:

@@ -184,6 +184,16 @@ def _check_attention(ws: Path, env: dict[str, str]) -> None:
     assert (out / "attention.json").is_file() and list(out.glob("attention_layer*.png")), sorted(out.iterdir())
 
 
+def _check_int8_export(ws: Path, env: dict[str, str]) -> None:
+    """`export --quantize int8`: the layer linears' weights in int8, each with its fp32 scales beside it."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(ws / "export" / "demo-int8" / "model.safetensors"), "pt") as f:
+        scales = [k for k in f.keys() if k.endswith(".weight_scale")]
+        assert scales and all(f.get_tensor(k.removesuffix("_scale")).dtype == torch.int8 for k in scales)
+
+
 def _check_memory_experiment(ws: Path, env: dict[str, str]) -> None:
     rows = json.loads((ws / "runs" / "zero_memory" / "memory.json").read_text())
     assert rows, "memory.json is empty"
@@ -195,6 +205,8 @@ RUN: list[tuple[str, Run]] = [
     (r"--train\.resume=true", Run(append=f"{TRAIN_SCALE} --train.max_steps=4", expect=SUMMARY)),
     (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
      Run(append=TRAIN_SCALE, expect=SUMMARY)),
+    (r"^dist-trainer export\b.*--quantize int8", Run(then=_check_int8_export)),
+    (r"^dist-trainer eval\b", Run(expect=("over the first",))),
     (r"^dist-trainer export\b.*--merge-lora", Run(then=_check_merged_export)),
     (r"^dist-trainer export\b.*--adapter", Run(then=_check_adapter_export)),
     (r"^dist-trainer export\b.*export/llama-lora", Run(then=_check_hf_export)),
@@ -216,6 +228,7 @@ RUN: list[tuple[str, Run]] = [
     (r"benchmarks/megatron_table1\.py", Run()),
     (r"benchmarks/planner_speed\.py", Run(append="--repeat 1")),
     (r"benchmarks/cp_comm\.py", Run(append="--seq 512 --cp 2")),
+    (r"benchmarks/low_bit\.py", Run(append="--steps 3 --lora-steps 3", expect=("int8 export",))),
 ]
 
 

@@ -102,17 +102,20 @@ def test_every_ranked_layout_passes_the_trainer_check(name: str, gpus: int, per_
 
 
 def test_the_mesh_is_tp_fastest() -> None:
-    """``arange(world).view(dp, pp, tp)``: a TP group is consecutive ranks (inside a node), then pp, then dp."""
+    """``arange(world).view(dp, pp, cp, tp)``: a TP group is consecutive ranks (inside a node), then cp, pp, dp."""
     import torch
 
     from dist_trainer.parallel.mesh import Mesh, build_mesh
 
     layout = Layout(dp_size=2, pp_size=2, tp_size=2)
-    assert MESH_AXES[-1] == "tp" and mesh_shape(layout) == {"dp": 2, "pp": 2, "tp": 2}
-    mesh = Mesh(MESH_AXES, torch.arange(8).view(2, 2, 2), rank=5)
+    assert MESH_AXES == ("dp", "pp", "cp", "tp") and mesh_shape(layout) == {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
+    mesh = Mesh(MESH_AXES, torch.arange(8).view(2, 2, 1, 2), rank=5)
     assert mesh.lines("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert mesh.lines("pp") == [(0, 2), (1, 3), (4, 6), (5, 7)] and mesh.line("dp") == (1, 5)
-    assert mesh.coordinates() == {"dp": 1, "pp": 0, "tp": 1}
+    assert mesh.lines("pp", "tp") == [(0, 1, 2, 3), (4, 5, 6, 7)]  # DeepSpeed's model-parallel blocks
+    assert mesh.coordinates() == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
+    cp = Mesh(MESH_AXES, torch.arange(8).view(2, 1, 2, 2), rank=5)
+    assert cp.lines("cp") == [(0, 2), (1, 3), (4, 6), (5, 7)] and cp.lines("dp", "cp")[1] == (1, 3, 5, 7)
     with pytest.raises(ValueError, match="does not hold the world of 7 ranks"):
         build_mesh(layout, 7, 0, timeout_s=1.0)
 

@@ -17,15 +17,15 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("memory")
-    return out, run_experiment(TINY, [0, 1, 2, 3], 2, out)
+    return out, run_experiment(TINY, [0, 1, 2, 3], 2, out, state_dtypes=("fp32", "bf16", "int8"))
 
 
 def test_memory_experiment_writes_table_json_chart_matching_the_prediction(experiment: tuple[Path, dict]) -> None:
     out, result = experiment
     assert (out / "memory.png").stat().st_size > 1000 and (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "memory.md").read_text()
-    assert table.count("\n| ") == 5  # the header and one row per stage
-    assert all(f"\n| {stage} | 2 |" in table for stage in range(4))
+    assert table.count("\n| ") == 13  # the header and one row per stage and AdamW state dtype
+    assert all(f"\n| {stage} | {dtype} | 2 |" in table for stage in range(4) for dtype in ("fp32", "bf16", "int8"))
     assert json.loads((out / "memory.json").read_text())["rows"][3]["stage"] == 3
     for row in result["rows"]:
         measured, paper = row["measured"]["model_states"], row["paper"]["model_states"]
@@ -37,10 +37,42 @@ def test_memory_experiment_writes_table_json_chart_matching_the_prediction(exper
         assert row["measured"]["step_time_s"] > 0
 
 
+def test_low_bit_moments_own_what_the_planner_says(experiment: tuple[Path, dict]) -> None:
+    """optim.state_dtype bf16 and int8 under DDP and ZeRO-1/2/3 (issue 25): every rank's optimizer bytes equal the
+    planner's (K = 4 + 4 bf16 moments, 4 + 2 int8 ones under ZeRO; bf16 to the byte, int8 within the block-scale
+    rounding the planner names: at most 8 bytes per tensor, as it counts the blocks of the total), the
+    parameters and gradients as with fp32 moments."""
+    from dist_trainer.config_load import config_from_dict
+    from dist_trainer.model import build_model
+    from dist_trainer.quant.sizes import INT8_QMAPS_BYTES
+
+    rows = {(r["state_dtype"], r["stage"]): r for r in experiment[1]["rows"]}
+    tensors = len(list(build_model(config_from_dict({"model": TINY}).model, device="meta").parameters()))
+    for (dtype, stage), row in rows.items():
+        planned = row["planner"]
+        for rank, fp32 in zip(row["ranks"], rows["fp32", stage]["ranks"], strict=True):
+            assert rank["params"] == fp32["params"] and rank["grads"] == fp32["grads"], (dtype, stage)
+            if dtype == "bf16":
+                assert rank["optimizer"] == planned["optimizer"], (stage, rank, planned)
+            elif dtype == "int8":
+                slack = 8 * (tensors if stage == 0 else 2)  # ZeRO: one flat partition per AdamW group
+                assert 0 <= rank["optimizer"] - planned["optimizer"] <= slack, (stage, rank, planned)
+    # against fp32 moments: bf16 halves them, int8 quarters them (plus scales); ZeRO keeps the fp32 master
+    ddp = {d: rows[d, 0]["measured"]["optimizer"] for d in ("fp32", "bf16", "int8")}
+    assert ddp["bf16"] * 2 == ddp["fp32"]
+    # int8: a quarter, plus one absmax per started block per moment and the two 1 KiB maps
+    blocks = 8 * (ddp["fp32"] // 8 // 256 + tensors)
+    assert ddp["fp32"] // 4 < ddp["int8"] <= ddp["fp32"] // 4 + blocks + INT8_QMAPS_BYTES
+    zero1 = {d: rows[d, 1]["measured"]["optimizer"] for d in ("fp32", "bf16", "int8")}
+    assert zero1["bf16"] * 12 == zero1["fp32"] * 8
+    assert zero1["fp32"] // 2 < zero1["int8"] <= zero1["fp32"] // 2 + 8 * (zero1["fp32"] // 12 // 256 + 2) + \
+        INT8_QMAPS_BYTES
+
+
 def test_stages_partition_what_they_should(experiment: tuple[Path, dict]) -> None:
     """Against the DDP run's own tensors (stage 0): stage 1 shards the optimizer states (moments plus
     DeepSpeed's fp32 master copy, one parameter-sized tensor), stage 2 also the grads, stage 3 also the params."""
-    rows = {r["stage"]: r["measured"] for r in experiment[1]["rows"]}
+    rows = {r["stage"]: r["measured"] for r in experiment[1]["rows"] if r["state_dtype"] == "fp32"}
     ddp = rows[0]
     assert ddp["optimizer"] == 2 * ddp["params"]  # AdamW's two moments, fp32
 

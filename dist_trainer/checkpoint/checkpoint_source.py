@@ -19,13 +19,16 @@ import torch
 from dist_trainer.checkpoint.convert import check_files, read_coordinate, read_specs, shard_name
 from dist_trainer.checkpoint.publish import load_file, read_meta, resolve_checkpoint
 from dist_trainer.model_lora import is_adapter
+from dist_trainer.optim_lowbit import canonical_state
 from dist_trainer.parallel.tp.reshard import ShardSpec
+from dist_trainer.quant.int8 import read_dequantized
 
 
 class CheckpointSource:
     """Full tensors of a checkpoint step folder (or run folder: its newest checkpoint) by parameter name."""
 
-    def __init__(self, path: str | Path, check: bool = True, merge_adapters: bool = True) -> None:
+    def __init__(self, path: str | Path, check: bool = True, merge_adapters: bool = True,
+                 dequantize: bool = True) -> None:
         try:
             self.step = resolve_checkpoint(path)
         except ValueError as exc:
@@ -52,6 +55,8 @@ class CheckpointSource:
                     if n in self._shard(0, pp, ep):
                         self.specs.setdefault(n, spec)
                         self.coordinate.setdefault(n, (pp, ep))  # a tied copy on the last stage: the first's
+        # an int8-base run's frozen linears (quant/modules.py): read as fp32 weights, or as saved (a resume)
+        self.dequantize = dequantize and any(n.endswith(".weight_scale") for n in self.specs)
         lora = self.model.get("lora_rank") or 0
         self.scaling = (self.model.get("lora_alpha", 16.0) / lora) if lora and merge_adapters else 0.0
 
@@ -79,17 +84,24 @@ class CheckpointSource:
         layout = self.meta["layout"]
         return [(p, e) for p in range(int(layout["pp"])) for e in range(int(layout.get("ep", 1)))]
 
+    def _state(self, t: int, pp: int, ep: int, name: str) -> dict[str, torch.Tensor]:
+        """One saved AdamW entry in canonical form: fp32 moments whatever ``optim.state_dtype`` saved (bf16, or int8
+        codes with block scales, which are not sliceable as they are), a tensor step."""
+        return canonical_state(self.optim(t, pp, ep)["state"][name])
+
     def state_keys(self, name: str) -> list[str]:
-        """The optimizer's per-parameter entries saved for ``name`` (exp_avg, ...; none for a frozen one)."""
+        """The optimizer's per-parameter entries saved for ``name`` (step, exp_avg, exp_avg_sq; none for a frozen
+        one)."""
         pp, ep = self.coordinate[name]
-        return list(self.optim(0, pp, ep)["state"].get(name, {}))
+        return list(self._state(0, pp, ep, name)) if self.optim(0, pp, ep)["state"].get(name) else []
 
     def state_is_scalar(self, name: str, key: str) -> bool:
         pp, ep = self.coordinate[name]
-        return self.optim(0, pp, ep)["state"][name][key].ndim == 0
+        return self._state(0, pp, ep, name)[key].ndim == 0
 
     def names(self) -> set[str]:
-        return {n for n in self.specs if not is_adapter(n)} if self.scaling else set(self.specs)
+        names = {n for n in self.specs if not is_adapter(n)} if self.scaling else set(self.specs)
+        return {n for n in names if not n.endswith(".weight_scale")} if self.dequantize else names
 
     def adapter_names(self) -> set[str]:
         return {n for n in self.specs if is_adapter(n)}
@@ -120,7 +132,7 @@ class CheckpointSource:
         spec = self.specs[name]
 
         def saved(t: int) -> torch.Tensor:
-            return self._shard(t, pp, ep)[name] if key is None else self.optim(t, pp, ep)["state"][name][key]
+            return self._shard(t, pp, ep)[name] if key is None else self._state(t, pp, ep, name)[key]
 
         if saved(0).ndim == 0:  # Adam's step: a replicated scalar
             return saved(0).clone()
@@ -147,7 +159,11 @@ class CheckpointSource:
         return self._read_raw(name, dim, start, stop, key)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        t = self._read_raw(name, dim, start, stop)
+        if self.dequantize and f"{name}_scale" in self.specs:
+            t = read_dequantized(lambda n, d, a, b: self._read_raw(n, d, a, b), self._raw_shape, name, dim, start,
+                                 stop)
+        else:
+            t = self._read_raw(name, dim, start, stop)
         prefix = name.rpartition(".")[0]
         if self.scaling and f"{prefix}.lora_A" in self.specs and name.endswith(".weight"):
             a = self._read_raw(f"{prefix}.lora_A", None, 0, None).double()  # (r, in)
@@ -198,7 +214,8 @@ def load_shards(path: Path, meta: dict[str, Any], *, tp_rank: int, tp_size: int,
         own = read_coordinate(path, meta, tp_rank, pp_rank)
         if set(specs_now) <= set(own[0]):  # else the stages were split otherwise: read slices by name
             return own
-    src = CheckpointSource(path, check=False, merge_adapters=False)  # the files were checked before the resume
+    # the files were checked before the resume; tensors as saved (int8 base weights too)
+    src = CheckpointSource(path, check=False, merge_adapters=False, dequantize=False)
     missing = set(specs_now) - src.names()
     if missing:
         raise ValueError(f"checkpoint {path} lacks parameters {sorted(missing)[:5]} of this model")

@@ -37,6 +37,7 @@ from dist_trainer.checkpoint.publish import (
     rng_file,
     save_checkpoint,
 )
+from dist_trainer.optim_lowbit import canonical_states, load_adamw_state
 from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards
 
 
@@ -104,7 +105,7 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                        "params": [name_to_index[n] for n in current]})
     state = {name_to_index[n]: s for n, s in saved["state"].items() if n in name_to_index}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    load_adamw_state(optimizer, {"state": state, "param_groups": groups})  # moments saved in any state dtype
 
 
 def specs_file(pp_rank: int, ep_rank: int = 0) -> str:
@@ -166,7 +167,8 @@ def read_full_state(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.T
     first: dict[str, Any] = {}
     for pp_rank, ep_rank in ((p, e) for p in range(layout["pp"]) for e in range(layout.get("ep", 1))):
         shards = [read_coordinate(path, meta, t, pp_rank, ep_rank) for t in range(layout["tp"])]
-        models, optims = [m for m, _ in shards], [o for _, o in shards]
+        # moments in fp32 whatever dtype they were saved in (optim.state_dtype bf16 / int8), to merge over tp
+        models, optims = [m for m, _ in shards], [{**o, "state": canonical_states(o["state"])} for _, o in shards]
         first = first or optims[0]
         specs = read_specs(path, meta, pp_rank, list(models[0]), ep_rank)
         for n, t in merge_tp_shards([{n: m[n] for n in specs} for m in models], specs).items():
@@ -249,9 +251,12 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
     """
     from dist_trainer.config_load import config_from_dict
+    from dist_trainer.finetune import frozen_modules
     from dist_trainer.model import build_model
+    from dist_trainer.model_lora import freeze_
     from dist_trainer.optim import build_optimizer
     from dist_trainer.parallel.tp.reshard import tp_shard_specs
+    from dist_trainer.quant.modules import quantize_base_weights_
 
     meta = read_meta(step_dir)
     zero_ds_dir(step_dir, meta)  # a ZeRO checkpoint, or a ValueError naming its regime
@@ -259,6 +264,9 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     model_state, optim = read_full_state(step_dir, meta)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")
+    # an int8-base run's frozen linears as the engines hold them (codes and scales by name, quant/modules.py)
+    freeze_(model, frozen_modules(cfg.model, cfg.train.freeze))
+    quantize_base_weights_(model, cfg.model, cfg.train.freeze)
     missing = set(model.state_dict()) - set(model_state)
     if missing:
         raise ValueError(f"ZeRO checkpoint {step_dir} lacks parameters {sorted(missing)[:5]}")

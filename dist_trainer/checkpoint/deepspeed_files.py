@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dist_trainer.checkpoint.publish import load_file
+from dist_trainer.optim_lowbit import canonical_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -79,16 +80,19 @@ def read_partitions(ds_dir: Path, mp: int, dp_size: int, stage: int,
 
 
 def _base_state(sd: dict[str, Any], stage: int) -> list[dict[str, Any]]:
-    """Per flat group (ZeRO-1/2 parameter group, ZeRO-3 sub-group), the wrapped AdamW's state."""
+    """Per flat group (ZeRO-1/2 parameter group, ZeRO-3 sub-group), the wrapped AdamW's state, its moments in fp32
+    whatever ``optim.state_dtype`` stored them in (``optim_lowbit.canonical_state``; before the padding is cut, as
+    an int8 state's block scales are not per element)."""
     if stage == 3:
         state = sd["optimizer_state_dict"]["state"]
-        return [state[k] for k in sorted(state)]
+        return [canonical_state(state[k]) for k in sorted(state)]
     base = sd["base_optimizer_state"]
     if isinstance(base, list):  # an elastic checkpoint: group states already stripped of their padding
         step = sd.get("base_optimizer_state_step")
-        return [{**g, **({"step": step} if step is not None and "step" not in g else {})} for g in base]
+        return [canonical_state({**g, **({"step": step} if step is not None and "step" not in g else {})})
+                for g in base]
     state = base["state"]
-    return [{k: _strip(v, sd["group_paddings"][i]) for k, v in state[g].items()}
+    return [{k: _strip(v, sd["group_paddings"][i]) for k, v in canonical_state(state[g]).items()}
             for i, g in enumerate(sorted(state))]
 
 
@@ -164,4 +168,8 @@ def consolidate(ds_dir: Path, mp: int, dp_size: int,
                             for n, s in frozen.items()})
         else:
             weights.update({n: model_states["module"][n].float() for n in frozen})
+    module = model_states.get("module") or {}
+    for scale in [k for k in module if k.endswith(".weight_scale")]:  # int8 base weights (quant/modules.py), as saved
+        weights[scale] = module[scale]
+        weights[scale[: -len("_scale")]] = module[scale[: -len("_scale")]]
     return weights, {"state": state}

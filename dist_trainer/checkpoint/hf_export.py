@@ -26,9 +26,15 @@ from dist_trainer.checkpoint.hf_config import family_of, hf_config_from_model
 from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE
 from dist_trainer.checkpoint.hf_names import Recipe, write_plan
 from dist_trainer.checkpoint.source import WeightSource, rotate_half_rope_rows
+from dist_trainer.quant.int8 import quantize_per_channel
 
 DTYPES = {"fp32": (torch.float32, "F32", "float32"), "bf16": (torch.bfloat16, "BF16", "bfloat16"),
           "fp16": (torch.float16, "F16", "float16")}
+INT8 = (torch.int8, "I8", "int8")  # ``--quantize int8``: the layer linears' codes (their scales stay fp32)
+# config.json's record of an int8 export: this project's own scheme (SafetensorsFiles reads it back; transformers
+# knows no such quant_method and refuses the folder rather than misreading it)
+INT8_QUANT_CONFIG = {"quant_method": "dist_trainer_int8", "bits": 8, "symmetric": True,
+                     "scheme": "weight-only, one fp32 absmax/127 scale per output channel", "scale_suffix": "_scale"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -63,14 +69,17 @@ def _hf_shape(parts: list[tuple[str, Recipe]], shape: Callable[[str], tuple[int,
 
 
 def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str], torch.Tensor],
-                       dtype: torch.dtype, code: str) -> None:
-    """One safetensors file, streamed: header from the shapes, then each tensor made, cast and written in turn."""
-    size = torch.tensor([], dtype=dtype).element_size()
+                       dtype: torch.dtype, code: str,
+                       other: dict[str, tuple[torch.dtype, str, str]] | None = None) -> None:
+    """One safetensors file, streamed: header from the shapes, then each tensor made, cast and written in turn
+    (``other``: tensors of another dtype than ``dtype``, by name)."""
+    other = other or {}
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in entries:
-        n = math.prod(shape) * size
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        kind, kind_code = other[name][:2] if name in other else (dtype, code)
+        n = math.prod(shape) * torch.tensor([], dtype=kind).element_size()
+        header[name] = {"dtype": kind_code, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -79,18 +88,19 @@ def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], m
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name, shape in entries:
-            t = make(name).to(dtype).contiguous()
+            t = make(name).to(other[name][0] if name in other else dtype).contiguous()
             if tuple(t.shape) != shape:
                 raise RuntimeError(f"export: {name} came out {tuple(t.shape)}, planned {shape}")
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     tmp.replace(path)
 
 
-def _shards(entries: list[tuple[str, tuple[int, ...]]], bytes_per: int, max_bytes: int) -> list[list[tuple[str, Any]]]:
+def _shards(entries: list[tuple[str, tuple[int, ...]]], bytes_of: Callable[[str], int],
+            max_bytes: int) -> list[list[tuple[str, Any]]]:
     out: list[list[tuple[str, Any]]] = [[]]
     used = 0
     for name, shape in entries:
-        n = math.prod(shape) * bytes_per
+        n = math.prod(shape) * bytes_of(name)
         if out[-1] and used + n > max_bytes:
             out.append([])
             used = 0
@@ -100,19 +110,26 @@ def _shards(entries: list[tuple[str, tuple[int, ...]]], bytes_per: int, max_byte
 
 
 def write_weights(out: Path, entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str], torch.Tensor],
-                  dtype_name: str, max_shard_bytes: int, single: str = SINGLE_FILE) -> list[Path]:
-    """The tensors ``entries`` as one file ``single`` or ``model-0000i-of-0000n.safetensors`` + the index."""
+                  dtype_name: str, max_shard_bytes: int, single: str = SINGLE_FILE,
+                  other: dict[str, tuple[torch.dtype, str, str]] | None = None) -> list[Path]:
+    """The tensors ``entries`` as one file ``single`` or ``model-0000i-of-0000n.safetensors`` + the index (each in
+    ``dtype_name``, or in its ``other`` dtype)."""
     dtype, code, _ = DTYPES[dtype_name]
-    groups = _shards(entries, torch.tensor([], dtype=dtype).element_size(), max_shard_bytes)
+    other = other or {}
+
+    def bytes_of(name: str) -> int:
+        return torch.tensor([], dtype=other[name][0] if name in other else dtype).element_size()
+
+    groups = _shards(entries, bytes_of, max_shard_bytes)
     if len(groups) == 1:
         files = [out / single]
     else:
         stem = single.removesuffix(".safetensors")
         files = [out / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     for file, group in zip(files, groups):
-        _write_safetensors(file, group, make, dtype, code)
+        _write_safetensors(file, group, make, dtype, code, other)
     if len(groups) > 1:
-        total = sum(math.prod(s) for _, s in entries) * torch.tensor([], dtype=dtype).element_size()
+        total = sum(math.prod(s) * bytes_of(n) for n, s in entries)
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f.name for f, g in zip(files, groups) for n, _ in g}}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -121,9 +138,12 @@ def write_weights(out: Path, entries: list[tuple[str, tuple[int, ...]]], make: C
 
 
 def export_hf(source: WeightSource, model: dict[str, Any], out: Path, dtype: str = "fp32",
-              max_shard_size: str = "5GB", tokenizer_dirs: Iterable[Path] = ()) -> list[Path]:
+              max_shard_size: str = "5GB", tokenizer_dirs: Iterable[Path] = (), quantize: str | None = None
+              ) -> list[Path]:
     """Write ``source`` (this model's names; ``model``: its ModelConfig fields, adapters already folded in) as a
-    Hugging Face folder in ``out``; the files written."""
+    Hugging Face folder in ``out``; the files written. ``quantize="int8"``: every layer linear's HF tensor as int8
+    codes with a ``<tensor>_scale`` of one fp32 scale per output channel beside it (``quant/int8.py``), the rest in
+    ``dtype``."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
@@ -133,15 +153,53 @@ def export_hf(source: WeightSource, model: dict[str, Any], out: Path, dtype: str
     if missing:
         raise ValueError(f"export: {source.where} lacks {missing[:5]} of its {family} model")
     entries = [(hf, _hf_shape(parts, source.shape)) for hf, parts in plan.items()]
-    written = write_weights(out, entries, lambda hf: _to_hf(plan[hf], source.read), dtype, max_bytes)
+    make: Callable[[str], torch.Tensor] = lambda hf: _to_hf(plan[hf], source.read)  # noqa: E731
+    other: dict[str, tuple[torch.dtype, str, str]] = {}
+    if quantize == "int8":
+        entries, make, other = _int8_entries(plan, entries, make)
+    written = write_weights(out, entries, make, dtype, max_bytes, other=other)
     config = hf_config_from_model(model, DTYPES[dtype][2])
     config["dtype"] = DTYPES[dtype][2]
+    if quantize == "int8":
+        config["quantization_config"] = INT8_QUANT_CONFIG
     tokenizer = copy_tokenizer(out, tokenizer_dirs)
     ids = _special_ids(out) if tokenizer else {}
     config.update(ids)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **ids}, indent=2))
     return [*written, out / "config.json", out / "generation_config.json", *tokenizer]
+
+
+def _int8_entries(plan: dict[str, list[tuple[str, Recipe]]], entries: list[tuple[str, tuple[int, ...]]],
+                  make: Callable[[str], torch.Tensor]) -> tuple[list[tuple[str, tuple[int, ...]]],
+                                                             Callable[[str], torch.Tensor],
+                                                             dict[str, tuple[torch.dtype, str, str]]]:
+    """The entries with every layer linear (all its parts ``layers.{i}.*_proj.weight``) as int8 codes plus a
+    ``_scale`` tensor per output channel (dim 0, or dim 1 of a transposed GPT-2 Conv1D), made from the fp32 HF tensor
+    once (the last one kept for its scale, written next)."""
+    quantized = {hf for hf, parts in plan.items()
+                 if all(re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", ours) for ours, _ in parts)}
+    out: list[tuple[str, tuple[int, ...]]] = []
+    other: dict[str, tuple[torch.dtype, str, str]] = {}
+    for hf, shape in entries:
+        out.append((hf, shape))
+        if hf in quantized:
+            channel = 1 if plan[hf][0][1].transpose else 0
+            out.append((f"{hf}_scale", tuple(n if d == channel else 1 for d, n in enumerate(shape))))
+            other[hf] = INT8
+            other[f"{hf}_scale"] = DTYPES["fp32"]
+    last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def make_int8(name: str) -> torch.Tensor:
+        base = name.removesuffix("_scale")
+        if base not in quantized:
+            return make(name)
+        if base not in last:
+            last.clear()  # one tensor at a time
+            last[base] = quantize_per_channel(make(base).float(), 1 if plan[base][0][1].transpose else 0)
+        return last[base][1] if name.endswith("_scale") else last[base][0]
+
+    return out, make_int8, other
 
 
 def copy_tokenizer(out: Path, dirs: Iterable[Path]) -> list[Path]:

@@ -19,6 +19,7 @@ from dist_trainer.checkpoint.checkpoint_source import read_tp_shard
 from dist_trainer.checkpoint.source import WeightSource
 from dist_trainer.model_lora import is_adapter
 from dist_trainer.parallel.tp.reshard import ShardSpec
+from dist_trainer.quant.modules import Int8Weight, int8_layers
 
 
 def _full_shape(p: nn.Parameter, tp_size: int) -> tuple[int, ...]:
@@ -32,14 +33,23 @@ def _full_shape(p: nn.Parameter, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _int8_full_shape(module: Int8Weight) -> tuple[int, ...]:
+    shape = list(module.weight.shape)
+    dim, full = module.weight_split
+    if dim is not None:
+        shape[dim] = int(full)  # type: ignore[arg-type]
+    return tuple(shape)
+
+
 def check_fits(source: WeightSource, named: Iterable[tuple[str, nn.Parameter]], tp_size: int,
-               what: str = "train.init_from") -> None:
-    """ValueError naming the parameters the source lacks or holds in another shape (before anything is copied)."""
-    own = {n: p for n, p in named if not is_adapter(n)}
+               what: str = "train.init_from", int8: Iterable[tuple[str, Int8Weight]] = ()) -> None:
+    """ValueError naming the parameters (and int8 weights) the source lacks or holds in another shape (before
+    anything is copied)."""
+    own = {n: _full_shape(p, tp_size) for n, p in named if not is_adapter(n)}
+    own.update({f"{n}.weight": _int8_full_shape(m) for n, m in int8})
     have = source.names()
     missing = sorted(set(own) - have)
-    wrong = [(n, source.shape(n), _full_shape(own[n], tp_size)) for n in sorted(set(own) & have)
-             if tuple(source.shape(n)) != _full_shape(own[n], tp_size)]
+    wrong = [(n, source.shape(n), own[n]) for n in sorted(set(own) & have) if tuple(source.shape(n)) != own[n]]
     if missing or wrong:
         raise ValueError(f"{what}={source.where}: its weights do not fit this model: missing {missing[:5]}, other "
                          f"shapes (source, model) {wrong[:5]}")
@@ -72,13 +82,19 @@ def _zero3_partition(source: WeightSource, name: str, p: torch.Tensor) -> torch.
 @torch.no_grad()
 def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_size: int = 1,
                 what: str = "train.init_from") -> None:
-    """Every base parameter of ``model`` (a rank's cut of the plain model, under its names) from ``source``."""
+    """Every base parameter of ``model`` (a rank's cut of the plain model, under its names) from ``source``; an int8
+    linear's weight (``quant/modules.py``) quantised from its slice as that one tensor streams in."""
     named = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
-    check_fits(source, named, tp_size, what)
+    int8 = list(int8_layers(model))
+    check_fits(source, named, tp_size, what, int8)
     for name, p in named:
         if hasattr(p, "ds_tensor"):
             p.ds_tensor.copy_(_zero3_partition(source, name, p).to(p.ds_tensor.dtype))
         else:
             p.copy_(_tp_slice(source, name, p, tp_rank, tp_size).to(p.dtype))
+    for name, module in int8:
+        dim, full = module.weight_split
+        read = lambda d, a, b, n=f"{name}.weight": source.read(n, d, a, b)  # noqa: E731
+        module.load_weight_(read_tp_shard(read, ShardSpec(dim, full), tp_rank, tp_size, tuple(module.weight.shape)))
 
 

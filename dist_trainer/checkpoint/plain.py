@@ -20,7 +20,9 @@ from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict, hf_model_fields
 from dist_trainer.model import Transformer, build_model
-from dist_trainer.parallel.tp.reshard import tp_shard_specs
+from dist_trainer.parallel.tp.reshard import ShardSpec, tp_shard_specs
+from dist_trainer.quant.int8 import dequantize_state
+from dist_trainer.quant.sizes import int8_modules
 
 
 def _empty_model(cfg: Config) -> Transformer:
@@ -59,7 +61,8 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     cfg = config_from_dict(meta["config"])
     model = _empty_model(cfg)
     # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
-    state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                           specs_now=tp_shard_specs(model))
-    model.load_state_dict(state)
+    specs = tp_shard_specs(model)  # and the scales of an int8-base run's weights, whole (quant/modules.py)
+    specs.update({f"{n}.weight_scale": ShardSpec(None, None) for n in int8_modules(cfg.model, cfg.train.freeze)})
+    state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, specs_now=specs)
+    model.load_state_dict(dequantize_state(state))  # an int8-base run's frozen linears as fp32 weights
     return model.to(device).eval(), cfg

@@ -22,6 +22,7 @@ import torch
 from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
 from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_header, safetensors_index
 from dist_trainer.checkpoint.hf_names import read_plan
+from dist_trainer.quant.int8 import read_dequantized
 
 
 class WeightSource(Protocol):
@@ -47,7 +48,8 @@ def _sliced(view: Any, ndim: int, dim: int | None, start: int, stop: int | None)
 
 
 class SafetensorsFiles:
-    """Tensors of one or more safetensors files by the files' own names, opened lazily and kept open."""
+    """Tensors of one or more safetensors files by the files' own names, opened lazily and kept open; a tensor with
+    a ``<name>_scale`` beside it (an int8 export, ``export --quantize int8``) is read as fp32."""
 
     def __init__(self, files: dict[str, Path], where: str) -> None:
         self.files = files  # tensor name -> file
@@ -76,6 +78,12 @@ class SafetensorsFiles:
         return tuple(self.slice_of(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """A slice of tensor ``name``; an int8 one (``export --quantize int8``: ``<name>_scale`` beside it) in fp32."""
+        if f"{name}_scale" in self.files:
+            return read_dequantized(self._read, self.shape, name, dim, start, stop)
+        return self._read(name, dim, start, stop)
+
+    def _read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         view = self.slice_of(name)
         return _sliced(view, len(view.get_shape()), dim, start, stop)
 
@@ -172,7 +180,8 @@ def rotate_half_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class SafetensorsSource:
-    """This project's native export (``model.safetensors`` under our own names)."""
+    """This project's native export (``model.safetensors`` under our own names; an int8 one's ``<m>.weight`` codes
+    read as fp32 weights with their ``<m>.weight_scale``)."""
 
     def __init__(self, file: str | Path) -> None:
         self.file = Path(file)
@@ -180,13 +189,13 @@ class SafetensorsSource:
         self.files = SafetensorsFiles({n: self.file for n in safetensors_header(self.file)}, self.where)
 
     def names(self) -> set[str]:
-        return set(self.files.files)
+        return {n for n in self.files.files if not n.endswith(".weight_scale")}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.files.shape(name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        return self.files.read(name, dim, start, stop)
+        return self.files.read(name, dim, start, stop)  # an int8 export's weights in fp32
 
 
 def open_source(path: str | Path) -> WeightSource:

@@ -66,7 +66,8 @@ def sharded_model(cfg: Config, state: ParallelState, device: torch.device | str 
     each rank keeps its slices, so every layout starts from the single-process weights; its experts; recompute;
     ``device``), then ``train.init_from``'s slices loaded."""
     streamed = streams_start_weights(cfg)
-    model = parallelize(seeded_model(cfg, device="meta" if streamed else "cpu"), state.layout, state, device)
+    model = parallelize(seeded_model(cfg, device="meta" if streamed else "cpu"), state.layout, state, device,
+                        freeze=cfg.train.freeze)
     load_start_weights(model, cfg, state)
     return model
 

@@ -20,6 +20,7 @@ from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.grad import expert_param_names
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import clip_grad_norm_
+from dist_trainer.quant.modules import int8_buffer_names
 
 
 def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejects string annotations here
@@ -50,8 +51,9 @@ class DataParallelEngine(Engine):
         dp = self.state.dp_cp  # the replicas: dp, and the cp ranks that hold the same parameters
         if dp.size == 1:
             return model
-        # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads)
-        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+        # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads); int8
+        # base weights are the same frozen codes on every rank: not broadcast before each forward
+        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model) + int8_buffer_names(model))
         ddp = DDP(model, process_group=dp.group,
                   device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=model.pooler is not None)  # the pooler takes no part in the MLM loss

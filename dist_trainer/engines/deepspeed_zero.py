@@ -29,6 +29,7 @@ from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
+from dist_trainer.optim_lowbit import build_adamw, canonical_states
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
@@ -37,21 +38,23 @@ from dist_trainer.parallel.zero.config import engine_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu
 from dist_trainer.parallel.zero.fragments import skip_next_step, zero_pieces
 from dist_trainer.parallel.zero.memory import zero_owned_bytes
+from dist_trainer.quant.modules import int8_buffer_names, int8_buffers
 
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config) -> torch.optim.Optimizer:
-    """Our AdamW for DeepSpeed to wrap: torch's (exact parity with DDP), or DeepSpeedCPUAdam in AdamW mode when
-    the optimizer states live in host memory (DeepSpeed steps offloaded partitions with it)."""
+    """Our AdamW for DeepSpeed to wrap: the DDP engine's (torch's for exact parity, or with ``optim.state_dtype``
+    bf16/int8 moments: ``optim_lowbit.py``), or DeepSpeedCPUAdam in AdamW mode when the optimizer states live in
+    host memory (DeepSpeed steps offloaded partitions with it; fp32 moments only, ``layout_rules.check_low_bit``)."""
     o = cfg.optim
     groups = list(params)
     if cfg.parallel.zero_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    return build_adamw(groups, o)
 
 
 class DeepSpeedZero:
@@ -111,8 +114,8 @@ class DeepSpeedZero:
         return zero_pieces(self.module, self.state, self.stage, grads)
 
     def owned_state_bytes(self) -> dict[str, int]:
-        params = list({id(p): p for p in self.module.parameters()}.values())
-        return zero_owned_bytes(self.optimizer, params, self.stage)
+        params: list[torch.Tensor] = list({id(p): p for p in self.module.parameters()}.values())
+        return zero_owned_bytes(self.optimizer, params + int8_buffers(self.module), self.stage)
 
     def save(self, folder: Path) -> dict[str, Any]:
         """Every rank writes its partition (DeepSpeed's ``zero_pp_rank_D_mp_rank_M_*`` files, M the (tp, pp)
@@ -147,9 +150,11 @@ class DeepSpeedZero:
         into this rank's partitions (``_load_by_name``).
         """
         layout, s = meta["layout"], self.state
+        saved_dtype = meta.get("config", {}).get("optim", {}).get("state_dtype", "fp32")
         if ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1)) ==
                 (s.tp_size, s.pp_size, s.dp_size, s.cp.size)
-                and meta.get("zero_stage") == self.stage and bool(meta.get("zero_offload")) == self.offload):
+                and meta.get("zero_stage") == self.stage and bool(meta.get("zero_offload")) == self.offload
+                and saved_dtype == self.cfg.optim.state_dtype):
             ds_dir = folder / meta["deepspeed_tag"]
             model_states = load_deepspeed_file(model_file(ds_dir, self.engine.mpu.get_model_parallel_rank(),
                                                           self.stage, s.dp_cp.rank))
@@ -223,7 +228,7 @@ class DeepSpeedZero:
         missing = [n for n, _ in named if n not in model_state]
         if missing:
             raise ValueError(f"checkpoint {folder} lacks parameters {missing[:5]}")
-        saved = optim_state["state"]
+        saved = canonical_states(optim_state["state"])  # fp32 moments, whatever optim.state_dtype saved them in
         step = next((s["step"] for s in saved.values()), torch.tensor(0.0))
         base = self.optimizer.optimizer
         # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
@@ -248,6 +253,12 @@ class DeepSpeedZero:
                     p.data.copy_(full)
             else:
                 p.data.copy_(full)
+        adopt = getattr(base, "adopt_canonical_state_", None)  # bf16 / int8 moments: the fp32 ones converted
+        if adopt is not None:
+            for flat in flats:
+                adopt(base.state[flat])
+        for name, buf in zip(int8_buffer_names(self.module), int8_buffers(self.module), strict=True):
+            buf.copy_(model_state[name])  # int8 base weights and scales (ZeRO-1/2), as saved
 
 
 # ---------------------------------------------------------------- DeepSpeed's MoE conventions

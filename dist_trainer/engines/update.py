@@ -34,6 +34,7 @@ from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.memory import optimizer_moments, unique_bytes
+from dist_trainer.quant.modules import int8_buffers
 
 
 def nothing() -> None:
@@ -123,7 +124,8 @@ class DenseUpdate:
 
     def owned_state_bytes(self) -> dict[str, int]:
         params = list(self.model.parameters())
-        return {"params": unique_bytes(params), "grads": unique_bytes(p.grad for p in params),
+        return {"params": unique_bytes([*params, *int8_buffers(self.model)]),  # int8 base weights are buffers
+                "grads": unique_bytes(p.grad for p in params),
                 "optimizer": unique_bytes(optimizer_moments(self.optimizer))}
 
     def save(self, folder: Path) -> dict[str, Any]:

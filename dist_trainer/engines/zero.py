@@ -86,7 +86,8 @@ class ZeroEngine(Engine):
             model = Transformer(self.cfg.model)
         init_partitioned(model)
         start_finetune(model, self.cfg)
-        parallelize(model, self.state.layout, self.state, self.device)  # tp 1, no ep (ZeRO-3): recompute, placement
+        # tp 1, no ep under ZeRO-3: recompute, placement
+        parallelize(model, self.state.layout, self.state, self.device, freeze=self.cfg.train.freeze)
         load_start_weights(model, self.cfg, self.state)  # each rank reads its own partition of every parameter
         return model
 

@@ -18,18 +18,20 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"micro-batch {result['micro_batch_size']} x {result['n_micro']}",
         "",
         "MiB on the busiest rank. Measured: tensors the rank owns (unique storages). Paper: (4 + 4 + K) Psi in fp32, "
-        "K = 8 (AdamW) + 4 (DeepSpeed's fp32 master partition, stages >= 1), sharded per stage. "
-        "Planner: predict_rank_memory (fp32, no overheads).",
+        "K = 8 (AdamW moments; 4 in bf16, 2 in int8 without their block scales) + 4 (DeepSpeed's fp32 master "
+        "partition, stages >= 1), sharded per stage. Planner: predict_rank_memory (fp32, no overheads; int8 moments "
+        "with their block scales).",
         "",
-        "| stage | procs | params | grads | optimizer | model states | paper | planner | activations "
-        "| planner act. | peak memory | step time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stage | moments | procs | params | grads | optimizer | planner optimizer | model states | paper | planner "
+        "| activations | planner act. | peak memory | step time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         m, paper, plan = row["measured"], row["paper"], row["planner"]
         name = f"{row['stage']}{' +offload' if row['offload'] else ''}"
         lines.append(
-            f"| {name} | {row['nprocs']} | {_mib(m['params'])} | {_mib(m['grads'])} | {_mib(m['optimizer'])} "
+            f"| {name} | {row.get('state_dtype', 'fp32')} | {row['nprocs']} | {_mib(m['params'])} | {_mib(m['grads'])} "
+            f"| {_mib(m['optimizer'])} | {_mib(plan['optimizer'])} "
             f"| {_mib(m['model_states'])} | {_mib(paper['model_states'])} | {_mib(plan['model_states'])} "
             f"| {_mib(m['activations'])} | {_mib(plan['activations'])} | {_mib(m['peak_memory'])} "
             f"| {m['step_time_s']:.4f} |")
@@ -43,7 +45,8 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = [f"stage {r['stage']}" for r in rows]
+    labels = [f"stage {r['stage']}" + (f"\n{r['state_dtype']}" if r.get("state_dtype", "fp32") != "fp32" else "")
+              for r in rows]
     series = {"measured": [r["measured"]["model_states"] / MiB for r in rows],
               "paper": [r["paper"]["model_states"] / MiB for r in rows],
               "planner": [r["planner"]["model_states"] / MiB for r in rows]}

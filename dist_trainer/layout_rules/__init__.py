@@ -9,6 +9,7 @@ before any process group exists; both get the same answer (``tests/test_layout_r
     pipeline.py     layers_per_stage (the stage split), check_schedule
     cp.py           check_cp (context parallelism: the split, the heads under all_to_all), zigzag
     composition.py  which regimes compose (check_composition, check_offload), check_ep, expert_groups, check_precision
+    low_bit.py      check_low_bit: where int8 base weights and low-bit AdamW moments run
     check.py        check_layout_for (every rule for a Layout and a model), check_layout (the pre-launch check of a
                     run config), fit_micro_batch, check_nodes
 A new axis is its Layout field, its name in MESH_AXES and a module of its rules, called from check.py.
@@ -42,13 +43,14 @@ from dist_trainer.layout_rules.layout import (
     needs_process_group,
     regime_of,
 )
+from dist_trainer.layout_rules.low_bit import check_low_bit
 from dist_trainer.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, check_schedule, layers_per_stage, rank_layer_ids
 from dist_trainer.layout_rules.tp import check_sequence_parallel, check_tp, divisors
 
 __all__ = [
-    "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "ZERO_WITH_PIPELINE_REFUSED", "Layout", "check_composition",
-    "check_cp", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_nodes", "check_offload",
-    "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp", "divisors",
-    "expert_groups", "fit_micro_batch", "layers_per_stage", "layout_of", "mesh_shape", "needs_process_group",
-    "rank_layer_ids", "regime_of", "zigzag",
+    "Layout", "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "ZERO_WITH_PIPELINE_REFUSED", "check_composition",
+    "check_cp", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_low_bit", "check_nodes",
+    "check_offload", "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp",
+    "divisors", "expert_groups", "fit_micro_batch", "layers_per_stage", "layout_of", "mesh_shape",
+    "needs_process_group", "rank_layer_ids", "regime_of", "zigzag",
 ]

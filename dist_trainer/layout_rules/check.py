@@ -10,6 +10,7 @@ from dist_trainer.config import Config, ModelConfig
 from dist_trainer.layout_rules.composition import check_composition, check_ep, check_precision
 from dist_trainer.layout_rules.cp import check_cp
 from dist_trainer.layout_rules.layout import Layout, check_fields, layout_of
+from dist_trainer.layout_rules.low_bit import check_low_bit
 from dist_trainer.layout_rules.pipeline import check_schedule
 from dist_trainer.layout_rules.tp import check_tp
 
@@ -27,9 +28,10 @@ def check_shape(model: ModelConfig, layout: Layout, freeze: Sequence[str] = ()) 
 
 
 def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None = None, freeze: Sequence[str] = (),
-                     precision: str = "fp32", device_type: str = "cpu") -> None:
+                     precision: str = "fp32", device_type: str = "cpu", state_dtype: str = "fp32") -> None:
     """Raise ValueError naming the values unless ``layout`` runs ``model`` (sequences of ``seq_len`` tokens, the
-    ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``): the question the planner's search puts
+    ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``, AdamW moments in ``state_dtype``): the
+    question the planner's search puts
     for every candidate and the trainer for its run (``check_layout``), answered by the same rules."""
     check_cp(model, layout.cp_size, layout.cp_mode, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
              seq_len=seq_len, zero_stage=layout.zero_stage, ep_size=layout.ep_size)
@@ -38,6 +40,8 @@ def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None 
                          f"must be divisible by parallel.tp_size={layout.tp_size}")
     check_composition(layout)
     check_precision(precision, device_type)
+    check_low_bit(model, freeze, tp_size=layout.tp_size, zero_stage=layout.zero_stage,
+                  zero_offload=layout.zero_offload, ep_size=layout.ep_size, state_dtype=state_dtype)
     if layout.pp_size > 1 and precision == "fp16":
         raise ValueError("train.precision=fp16 (loss scaling) is not supported with pipeline stages; use bf16")
     check_shape(model, layout, freeze)
@@ -50,7 +54,7 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> Layout:
     check_fields(cfg.parallel)
     layout = layout_of(cfg.parallel, world_size)
     check_layout_for(cfg.model, layout, seq_len=cfg.data.seq_len, freeze=cfg.train.freeze,
-                     precision=cfg.train.precision, device_type=device_type)
+                     precision=cfg.train.precision, device_type=device_type, state_dtype=cfg.optim.state_dtype)
     return layout
 
 

@@ -5,6 +5,8 @@ here; what each parallelism does to it happens in this order, in one place:
 
     1. tensor parallelism (+ SP)   ``parallel/tp``: Megatron's column/row/vocab-parallel modules swapped in
     2. expert parallelism           ``parallel/ep``: this rank's experts kept, the token exchange swapped in
+       int8 base weights            ``quant``: frozen linears stored as int8 codes (model.base_weight_dtype), each
+                                    rank quantising its own TP shard
     3. context parallelism          ``parallel/cp``: this rank's part of each sequence, ring or all-to-all attention
     4. activation recomputation     the layout's mode on the model's own switch (global layer indices)
     5. placement                    onto the device; a model built on the meta device (every weight to come from
@@ -15,6 +17,8 @@ The engines then load start weights, wrap (DDP, the pipeline schedule, DeepSpeed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -24,14 +28,17 @@ from dist_trainer.parallel.cp.apply import apply_context_parallel
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
+from dist_trainer.quant.modules import materialize_int8_, quantize_base_weights_
 
 
 def parallelize(model: Transformer, layout: Layout, state: ParallelState, device: torch.device | str,
-                first_layer: int = 0) -> Transformer:
+                first_layer: int = 0, freeze: Sequence[str] = ()) -> Transformer:
     """Apply ``layout`` to ``model`` (a whole plain model, or one pipeline stage's whose layers start at global
-    index ``first_layer``) in the order above; return it, on ``device``."""
+    index ``first_layer``; ``freeze``: the run's train.freeze, which decides the int8 base weights) in the order
+    above; return it, on ``device``."""
     apply_tensor_parallel(model, state, layout.sequence_parallel)
     apply_expert_parallel(model, state)
+    quantize_base_weights_(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
     apply_context_parallel(model, state, layout.cp_mode)
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
     if any(p.is_meta for p in model.parameters()):
@@ -56,5 +63,6 @@ def materialize_(model: nn.Module, device: str | torch.device = "cpu") -> None:
     init_buffers = getattr(model, "_init_buffers", None)
     if init_buffers is not None:
         init_buffers()
+    materialize_int8_(model, device)  # int8 base weights: filled by the start weights, quantised as they stream
     meta = [n for n, b in model.named_buffers() if b.is_meta]
     assert not meta, f"buffers left on the meta device: {meta[:5]}"

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.config import CONFIG_ROOT, CP_MODES, ZERO_STAGES, ModelConfig
+from dist_trainer.config import BASE_WEIGHT_DTYPES, CONFIG_ROOT, CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.files import make_executable, output_dir, refuse_nonempty
 from dist_trainer.finetune import frozen_modules
@@ -34,6 +34,7 @@ from dist_trainer.planner.memory import (
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import MIN_CP_TOKENS, PlannedLayout, describe, plan_layouts
+from dist_trainer.quant.sizes import check_int8_base, int8_weights
 
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
@@ -145,6 +146,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default="q_proj,v_proj", help="model.lora_targets: linears, or all_linear")
     p.add_argument("--freeze", default="", help="train.freeze: comma-separated module patterns or presets "
                                                 "(embeddings, bottom:N, norms_only)")
+    p.add_argument("--base-weight-dtype", default="fp32", choices=BASE_WEIGHT_DTYPES,
+                   help="model.base_weight_dtype: int8 stores the frozen layer linears as int8 + fp32 group scales")
+    p.add_argument("--base-weight-group", type=int, default=64,
+                   help="model.base_weight_group: input columns per int8 scale")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -155,6 +160,9 @@ def _option_args(p: argparse.ArgumentParser) -> None:
                    help="fp32 gradients beside 16-bit ones. auto: what the optimizer does (DeepSpeed ZeRO builds "
                         "them in step(), charged as step buffers; torch AdamW none); on: a persistent copy in the "
                         "optimizer states (Megatron's distributed optimizer); off: none")
+    p.add_argument("--optim-state-dtype", default="fp32", choices=OPTIM_STATE_DTYPES,
+                   help="optim.state_dtype: Adam's moments in fp32 (8 bytes per parameter), bf16 (4) or int8 (2 + "
+                        "block scales)")
     p.add_argument("--attention-kernel", default="flash", choices=("flash", "math"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--cuda-context-gb", type=float, default=0.5)
@@ -165,8 +173,10 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
     """The preset with --lora-rank/--lora-targets; --freeze checked against it (ValueError naming a bad pattern)."""
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
-    cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
+    cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group)
     frozen_modules(cfg, _freeze(args))
+    check_int8_base(cfg, _freeze(args))
     return cfg
 
 
@@ -178,7 +188,7 @@ def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
                            attention_kernel=args.attention_kernel, device=args.device,
                            fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
-                           freeze=tuple(_freeze(args)))
+                           freeze=tuple(_freeze(args)), optim_state_dtype=args.optim_state_dtype)
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
@@ -192,9 +202,11 @@ def run_params(args: argparse.Namespace) -> int:
     trainable = sum(trains.values())
     # what fine-tuning saves against training every weight of the base model (Hu et al. 2021, section 4.2)
     reduction = 1 - trainable / bd.base_total
+    weights = weight_bytes(cfg, _freeze(args), bd.total)
     if args.json:
         print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "base_total": bd.base_total,
-                          "trainable": trainable, "reduction": reduction, "per_layer": bd.layer_total,
+                          "trainable": trainable, "reduction": reduction, "weight_bytes": weights,
+                          "per_layer": bd.layer_total,
                           "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers, "breakdown": rows}, indent=2))
         return 0
     width = max(28, *(len(r["module"]) + 2 for r in rows))
@@ -208,7 +220,18 @@ def run_params(args: argparse.Namespace) -> int:
     if trainable != bd.total:
         print(f"trainable {trainable:,} of {bd.total:,} ({trainable / bd.total:.4%}); base model {bd.base_total:,}: "
               f"{reduction:.4%} fewer trainable parameters than training it all")
+    if weights["int8_weights"]:
+        print(f"weights: {weights['bytes']:,} bytes in fp32 with {weights['int8_weights']:,} int8 base weights and "
+              f"{weights['int8_scales']:,} fp32 scales ({weights['bytes'] / (4 * bd.total):.4f} of "
+              f"{4 * bd.total:,} all-fp32 bytes; {weights['per_int8_weight']:.4f} bytes per int8 weight)")
     return 0
+
+
+def weight_bytes(cfg: ModelConfig, freeze: list[str], total: int) -> dict[str, Any]:
+    """The whole model's weight bytes in fp32 with ``model.base_weight_dtype``'s int8 weights and their scales."""
+    w, scales = int8_weights(cfg, freeze)
+    return {"bytes": 4 * (total - w) + w + 4 * scales, "int8_weights": w, "int8_scales": scales,
+            "per_int8_weight": (w + 4 * scales) / w if w else 0.0}
 
 
 def run_memory(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
         "model": fields,
         "parallel": parallel_config_dict(layout),
         "data": {"seq_len": seq_len},
+        **({"optim": {"state_dtype": options.optim_state_dtype}} if options.optim_state_dtype != "fp32" else {}),
         "train": {"precision": TRAIN_PRECISION[options.precision],
                   **({"freeze": list(options.freeze)} if options.freeze else {})},
     }

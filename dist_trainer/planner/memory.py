@@ -24,15 +24,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import OPTIM_STATE_DTYPES, ModelConfig
 from dist_trainer.finetune import trainable_expert_params
-from dist_trainer.layout_rules import Layout, check_shape
+from dist_trainer.layout_rules import Layout, check_low_bit, check_shape
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
+from dist_trainer.quant.sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}  # Adam's two moments per parameter, by optim.state_dtype
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
 
@@ -55,6 +57,8 @@ class TrainingOptions:
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
     zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
     freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
+    # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: quant/sizes.py)
+    optim_state_dtype: str = "fp32"
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:
@@ -63,6 +67,12 @@ class TrainingOptions:
             raise ValueError(f"grad_dtype={self.grad_dtype!r} is not one of fp32, bf16, fp16")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.optim_state_dtype not in OPTIM_STATE_DTYPES:
+            raise ValueError(f"optim_state_dtype={self.optim_state_dtype!r} is not one of "
+                             f"{', '.join(OPTIM_STATE_DTYPES)}")
+        if self.optim_state_dtype != "fp32" and self.optimizer == "sgd":
+            raise ValueError(f"optim_state_dtype={self.optim_state_dtype} applies to Adam's moments: use "
+                             "optimizer adam or adamw")
 
     @property
     def param_bytes(self) -> int:
@@ -76,7 +86,8 @@ class TrainingOptions:
     def optimizer_bytes(self) -> int:
         """K of the ZeRO paper: fp32 master copy (16-bit models), moments, optional fp32 gradient copy."""
         master = 4 if self.param_bytes == 2 else 0
-        moments = 8 if self.optimizer in ("adam", "adamw") else (4 if self.sgd_momentum else 0)
+        moments = MOMENT_BYTES[self.optim_state_dtype] if self.optimizer in ("adam", "adamw") else \
+            (4 if self.sgd_momentum else 0)
         grad_copy = 4 if self.fp32_grad_copy is True and self.grad_bytes < 4 else 0
         return master + moments + grad_copy
 
@@ -141,23 +152,25 @@ def node_host_bytes(rank: RankMemory, *, world_size: int, gpus_per_node: int) ->
 
 
 def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, zero_offload: bool = False,
-                      options: TrainingOptions = DEFAULT_OPTIONS, n_trainable: int | None = None
-                      ) -> tuple[int, int, int, int]:
+                      options: TrainingOptions = DEFAULT_OPTIONS, n_trainable: int | None = None,
+                      int8: tuple[int, int] = (0, 0)) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, host) bytes of one rank holding ``n_params`` before DP/ZeRO sharding, of which
     ``n_trainable`` (default: all) train: frozen parameters have no gradient and no optimizer state, and DeepSpeed
-    partitions (and offloads) only the trainable ones' (its optimizer sees only them)."""
+    partitions (and offloads) only the trainable ones' (its optimizer sees only them). ``int8``: (weights, scales)
+    among the frozen ones stored as int8 codes and scales in the parameters' dtype (``model.base_weight_dtype``:
+    1 + 4/g bytes per weight in an fp32 model)."""
     options.validate()
     n_train = n_params if n_trainable is None else n_trainable
-    p = n_params * options.param_bytes
+    weights, scales = int8
+    assert not weights or zero_stage < 3, "int8 base weights are refused under ZeRO-3 (quant.sizes.check_int8_layout)"
+    p = (n_params - weights) * options.param_bytes + weights + scales * options.param_bytes
     g = n_train * options.grad_bytes
-    o = n_train * options.optimizer_bytes
-    if zero_stage >= 1 and options.param_bytes == 4 and options.zero_fp32_master:
-        # DeepSpeed's ZeRO optimizers keep an fp32 master copy of their partition even when the
-        # model is fp32 (measured: 12 bytes/param of optimizer state under ZeRO-1/2/3 with fp32 AdamW)
-        o += 4 * n_train
-    shard = dp_size
-    if zero_stage >= 1:
-        o //= shard
+    shard = dp_size if zero_stage >= 1 else 1
+    master = 4 if zero_stage >= 1 and options.param_bytes == 4 and options.zero_fp32_master else 0
+    # DeepSpeed's ZeRO optimizers keep an fp32 master copy of their partition even when the model is fp32
+    # (measured: 12 bytes/param of optimizer state under ZeRO-1/2/3 with fp32 AdamW). Int8 moments add one absmax per
+    # started 256-value block of the rank's partition and bitsandbytes' two shared maps.
+    o = ((master + options.optimizer_bytes) * n_train) // shard + optimizer_scale_bytes(n_train // shard, options)
     if zero_stage >= 2:
         g //= shard
     if zero_stage >= 3:
@@ -171,6 +184,16 @@ def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, z
         if zero_stage == 3:
             host, p = host + p, 0
     return p, g, o, host
+
+
+def optimizer_scale_bytes(n: int, options: TrainingOptions) -> int:
+    """The optimizer bytes beyond K per value of ``n`` trainable values on a rank (a ZeRO partition, or the rank's
+    tensors): with int8 moments, one fp32 absmax per started 256-value block per moment
+    (``quant.sizes.adam_moment_bytes``; counted over the total, so at most 8 bytes per tensor under the true
+    per-tensor count) and bitsandbytes' two shared quantisation maps; 0 otherwise."""
+    if options.optim_state_dtype != "int8" or options.optimizer not in ("adam", "adamw") or not n:
+        return 0
+    return adam_moment_bytes(n, "int8") - MOMENT_BYTES["int8"] * n + INT8_QMAPS_BYTES
 
 
 def layout_rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> RankParams:
@@ -243,15 +266,24 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
     trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
     expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
+    int8 = int8_weights(cfg, options.freeze, layout.tp_size, layout.rank_layer_ids(cfg, pp_rank))
     p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.replicas, zero_stage=layout.zero_stage,
-                                      zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert)
+                                      zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert,
+                                      int8=int8)
     if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
         states = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
                                    zero_offload=layout.zero_offload, options=options, n_trainable=expert)
         p, g, o, host = (a + b for a, b in zip((p, g, o, host), states))
+        if options.optim_state_dtype == "int8" and expert and trainable - expert:
+            o -= INT8_QMAPS_BYTES  # one optimizer, its two maps counted once
     # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
     per_dp = trainable - expert + expert * layout.ep_size
     detail = {f"activations.{k}": v for k, v in activations.items()}
+    if int8[0]:  # what the params term holds of int8 base weights (quant/sizes.py)
+        detail.update({"params.int8_weights": int8[0], "params.int8_scales": int8[1] * options.param_bytes})
+    if options.optim_state_dtype == "int8" and trainable:  # within the optimizer term: the int8 moments' scales
+        detail["optimizer.int8_scales"] = optimizer_scale_bytes(
+            (trainable - expert) // (layout.replicas if layout.zero_stage else 1), options)
     if layout.zero_offload and layout.zero_stage in (1, 2) and layout.n_microbatches > 1 and trainable:
         # accumulating over micro-batches, offloaded ZeRO-1/2 keep each partition parameter's gradient in host
         # memory in the parameters' dtype (stage_1_and_2.py:1822-1853): Psi/N, plus the parameters that straddle
@@ -313,6 +345,8 @@ def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     cfg.validate()
     check_shape(cfg, layout)
     options.validate()
+    check_low_bit(cfg, options.freeze, tp_size=layout.tp_size, zero_stage=layout.zero_stage,
+                  zero_offload=layout.zero_offload, ep_size=layout.ep_size, state_dtype=options.optim_state_dtype)
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
     out = []

@@ -20,6 +20,7 @@ from dist_trainer.layout_rules import (
     check_ep,
     check_layout,
     check_layout_for,
+    check_low_bit,
     check_tp,
     divisors,
 )
@@ -44,6 +45,7 @@ from dist_trainer.planner.memory import (
     rank_trainable,
 )
 from dist_trainer.planner.rank_params import RankParams
+from dist_trainer.quant.sizes import check_int8_layout
 
 
 @dataclass(frozen=True)
@@ -168,10 +170,10 @@ class _Planner:
         return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
 
 
-def _refusal(check: Callable[..., object], *args: object) -> str | None:
+def _refusal(check: Callable[..., object], *args: object, **kwargs: object) -> str | None:
     """The ValueError message of a rule check, or None when it passes."""
     try:
-        check(*args)
+        check(*args, **kwargs)
     except ValueError as exc:
         return str(exc)
     return None
@@ -214,7 +216,8 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
     the two to agreement).
     """
     return _refusal(lambda: check_layout_for(model, layout, seq_len=seq_len, freeze=options.freeze,
-                                             precision=TRAIN_PRECISION[options.precision], device_type=options.device))
+                                             precision=TRAIN_PRECISION[options.precision], device_type=options.device,
+                                             state_dtype=options.optim_state_dtype))
 
 
 def config_check(model: ModelConfig, *, seq_len: int,
@@ -308,9 +311,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         if bad:  # a TP group stays inside a node
             skipped.add("tp must divide the ranks per node and n_gpus", f"tp={tp} ({', '.join(bad)})")
             continue
-        tp_refused = _refusal(check_tp, model, tp)  # the rule runnable() applies, asked once per tp
+        tp_refused = _refusal(check_tp, model, tp) or _refusal(check_int8_layout, model, options.freeze, tp, 0)
         if tp_refused:
-            skipped.add("tensor parallelism (layout_rules.check_tp)", tp_refused)
+            skipped.add("tensor parallelism (layout_rules.check_tp, check_low_bit)", tp_refused)
             continue
         pps = [pp_size] if pp_size else divisors(n_gpus // tp)
         shapes = [(p, c, mode) for p in pps for c, mode in _cp_choices(n_gpus // tp, p, seq_len, max_cp_size)]
@@ -318,13 +321,14 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             if pp > model.n_layers:
                 skipped.add(f"every pipeline stage holds a layer: pp <= n_layers={model.n_layers}", f"pp={pp}")
                 continue
+            with_cp = ("*cp", f"*{cp}", f" cp={cp}") if cp > 1 else ("", "", "")
             if n_gpus % (tp * pp * cp):
-                skipped.add(f"tp*pp*cp must divide n_gpus={n_gpus}", f"{tp}*{pp}*{cp}")
+                skipped.add(f"tp*pp{with_cp[0]} must divide n_gpus={n_gpus}", f"{tp}*{pp}{with_cp[1]}")
                 continue
             dp = n_gpus // (tp * pp * cp)
             if global_batch % dp:
-                skipped.add(f"dp = n_gpus/(tp*pp*cp) must divide global_batch={global_batch}",
-                            f"dp={dp} (tp={tp} pp={pp} cp={cp})")
+                skipped.add(f"dp = n_gpus/(tp*pp{with_cp[0]}) must divide global_batch={global_batch}",
+                            f"dp={dp} (tp={tp} pp={pp}{with_cp[2]})")
                 continue
             per_dp = global_batch // dp
             # fewer micro-batches than stages: only GPipe runs it (layout_rules.check_schedule), 1F1B cannot fill
@@ -340,6 +344,11 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                     skipped.add("expert parallelism (layout_rules.check_ep)", ep_refused)
                     continue
                 for offload in ((False, True) if zero > 0 and allow_offload else (False,)):
+                    low_bit = _refusal(check_low_bit, model, options.freeze, tp_size=tp, zero_stage=zero,
+                                       zero_offload=offload, ep_size=ep, state_dtype=options.optim_state_dtype)
+                    if low_bit:  # the rule runnable() applies, before the model states are priced
+                        skipped.add("low-bit storage (layout_rules.check_low_bit)", low_bit)
+                        continue
                     base = Layout(tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=zero, zero_offload=offload,
                                   ep_size=ep, cp_size=cp, cp_mode=cp_mode)
                     # Model states alone (micro-batch independent): prune when they overflow.

@@ -2,12 +2,15 @@
 
 ``--format hf`` (the default) writes a Hugging Face folder tensor by tensor (``checkpoint/hf_export.py``);
 ``--format native`` this project's ``model.safetensors`` under its own names with its ``config.json``.
+``--quantize int8`` stores the layer linears' weights in int8 with one scale per output channel (weight-only,
+docs/low_bit.md); ``generate``, ``eval``, ``train.init_from`` and the HF import path read them back as fp32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from dist_trainer.checkpoint.hf_config import is_hf_folder
@@ -15,37 +18,51 @@ from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
 from dist_trainer.model_lora import merge_adapters
+from dist_trainer.quant.int8 import quantize_per_channel
 
 
-def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
+def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool = False,
+                       quantize: str | None = None) -> Path:
     """Write ``out/model.safetensors`` (full fp32 tensors, plain parameter names) and ``out/config.json``.
 
     ``merge_lora``: fold a LoRA run's adapters into the weights they adapt, W = W0 + (alpha / r) B A (Hu et al.
     2021, section 4.1: no inference latency), and write a config without adapters: a plain model that computes
     what the adapted one does. Without it a LoRA run's adapters are exported under their own names.
+    ``quantize="int8"``: every layer linear's weight as int8 codes and ``<name>_scale``, one fp32 scale per output
+    row (weight-only, per channel: ``quant/int8.quantize_per_channel``); what reads an export dequantises them.
     """
     out = output_dir(out, "--out")  # before the (long) load: a file or a read-only folder is named at once
     model, cfg = load_plain_model(checkpoint)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    model_cfg = cfg.model
+    # a plain model: an int8-base run's frozen weights are read back as fp32 (load_plain_model), so its config too
+    model_cfg = dataclasses.replace(cfg.model, base_weight_dtype="fp32")
     if merge_lora:
         if not model_cfg.lora_rank:
             raise ValueError(f"--merge-lora: the checkpoint {checkpoint} has no LoRA adapters (model.lora_rank=0)")
         tensors = {k: v.contiguous() for k, v in merge_adapters(tensors, model_cfg.lora_scaling).items()}
         model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
-    write_safetensors(tensors, out / EXPORT_WEIGHTS, metadata={"format": "pt", "producer": "dist_trainer"})
+    if quantize == "int8":
+        if model_cfg.lora_rank:
+            raise ValueError(f"--quantize int8: the checkpoint {checkpoint} has LoRA adapters; add --merge-lora so "
+                             "they are folded into the weights before these are quantised")
+        for name in [k for k in tensors if re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", k)]:
+            tensors[name], tensors[f"{name}_scale"] = quantize_per_channel(tensors[name])
+    write_safetensors(tensors, out / EXPORT_WEIGHTS, metadata={"format": "pt", "producer": "dist_trainer",
+                                                              **({"quantization": "int8"} if quantize else {})})
     atomic_write_text(out / EXPORT_CONFIG, json.dumps(dataclasses.asdict(model_cfg), indent=2, sort_keys=True))
     return out / EXPORT_WEIGHTS
 
 
 FORMATS = ("hf", "native")
+QUANTIZE = ("int8",)
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "fp32",
                       max_shard_size: str = "5GB", merge_lora: bool = False, adapter: bool = False,
-                      force: bool = False) -> list[Path]:
+                      force: bool = False, quantize: str | None = None) -> list[Path]:
     """``dist-trainer export``: the files written. ``hf``: a Hugging Face folder (a LoRA run's adapters folded in,
-    or with ``adapter`` a PEFT adapter folder alone); ``native``: ``export_safetensors``. A non-empty ``out`` is
+    or with ``adapter`` a PEFT adapter folder alone); ``native``: ``export_safetensors``. ``quantize="int8"``: the
+    layer linears' weights in int8 with a scale per output channel (both formats). A non-empty ``out`` is
     refused unless ``force`` (nothing of the user's is replaced silently), before any work."""
     from dist_trainer.checkpoint.checkpoint_source import CheckpointSource
     from dist_trainer.checkpoint.hf_export import export_hf, export_peft_adapter
@@ -53,11 +70,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
 
     if fmt not in FORMATS:
         raise ValueError(f"--format={fmt!r} is not one of {', '.join(FORMATS)}")
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"--quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
+    if quantize and adapter:
+        raise ValueError("--quantize int8 writes the model's weights; --adapter writes the adapters alone")
     refuse_nonempty(out, force)
     if fmt == "native":
         if adapter or dtype != "fp32":
             raise ValueError("--adapter and --dtype are options of --format hf")
-        return [export_safetensors(checkpoint, out, merge_lora=merge_lora)]
+        return [export_safetensors(checkpoint, out, merge_lora=merge_lora, quantize=quantize)]
     out = output_dir(out, "--out")
     source = open_source(checkpoint)
     if isinstance(source, CheckpointSource):
@@ -66,7 +87,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
                 if isinstance(p, str)]
         if adapter:
             return export_peft_adapter(source, model, out, config.get("train", {}).get("init_from"), dtype)
-        model["lora_rank"] = 0  # the source folds the adapters into their weights
+        model["lora_rank"] = 0  # the source folds the adapters into their weights (and dequantises an int8 base)
     else:
         if adapter:
             raise ValueError(f"--adapter: {checkpoint} is no LoRA checkpoint")
@@ -74,4 +95,4 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
 
         model = export_model_fields(checkpoint)
         dirs = [Path(checkpoint)] if is_hf_folder(checkpoint) else []
-    return export_hf(source, model, out, dtype, max_shard_size, dirs)
+    return export_hf(source, model, out, dtype, max_shard_size, dirs, quantize=quantize)

@@ -111,7 +111,7 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
     kernel = "flash" if cfg.model.dropout == 0 else "math"
     return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
-                           freeze=tuple(cfg.train.freeze))
+                           freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype)
 
 
 def peak_resident_bytes() -> int:

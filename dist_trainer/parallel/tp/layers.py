@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.model import IGNORE_INDEX, set_attrs
-from dist_trainer.model_lora import LoRALinear, lora_delta
+from dist_trainer.model_lora import BaseProduct, LoRALinear, lora_delta
 from dist_trainer.model_shape import padded_vocab
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.tp.comms import (
@@ -103,7 +103,7 @@ def _adapter(layer: nn.Module, x: torch.Tensor, rows: slice | None = None) -> to
     return lora_delta(x, lora_a, lora_b if rows is None else lora_b[rows], scaling, dropout)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(BaseProduct, nn.Module):
     """Y = X A with A split by columns (output features): Y_i = X A_i (Megatron section 3).
 
     ``copy_input``: apply ``f`` (or the SP all-gather) to the input; False when the caller
@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = enter_tp_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.base_linear(x, self.bias)
         delta = _adapter(self, x)  # x is the whole (entered) input: B_i A x is this rank's output rows
         if delta is not None:
             y = y + delta
@@ -140,7 +140,7 @@ class ColumnParallelLinear(nn.Module):
                 f"tp={self.group.size}, gather_output={self.gather_output}, sp={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(BaseProduct, nn.Module):
     """Y = X A with A split by rows (input features): Y = sum_i X_i A_i, summed by ``g``
     (or reduce-scattered along the sequence under SP). The bias is added once, after the
     reduction; under SP each rank adds it to its sequence shard only, so its gradient is
@@ -166,7 +166,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        partial = F.linear(x, self.weight)
+        partial = self.base_linear(x, None)
         delta = _adapter(self, x)  # B (A_i x_i): a partial sum like the base product, reduced by the same g
         if delta is not None:
             partial = partial + delta
@@ -178,7 +178,7 @@ class RowParallelLinear(nn.Module):
                 f"tp={self.group.size}, sp={self.sequence_parallel}")
 
 
-class ReplicatedKVLinear(nn.Module):
+class ReplicatedKVLinear(BaseProduct, nn.Module):
     """A k or v projection kept whole on every rank when tp does not divide n_kv_heads.
 
     Each rank's query heads are a contiguous block [r*Hq/t, (r+1)*Hq/t); query head i
@@ -208,7 +208,7 @@ class ReplicatedKVLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = slice(self.kv_lo * self.head_dim, self.kv_hi * self.head_dim)
         bias = None if self.bias is None else self.bias[rows]
-        y = F.linear(x, self.weight[rows], bias)  # (B, T, n_needed*D)
+        y = self.base_linear(x, bias, rows)  # (B, T, n_needed*D)
         delta = _adapter(self, x, rows)
         if delta is not None:
             y = y + delta

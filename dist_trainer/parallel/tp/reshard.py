@@ -35,11 +35,17 @@ class ShardSpec:
 
 
 def tp_shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
-    """{parameter name: ShardSpec} for a model (TP or plain: a plain one is all replicated)."""
+    """{parameter name: ShardSpec} for a model (TP or plain: a plain one is all replicated), and the buffers that are
+    model state (int8 base weights and their scales, ``quant/modules.py``), which their module declares in
+    ``buffer_specs``."""
     specs = {}
     for name, p in model.named_parameters():
         dim = getattr(p, "tp_split_dim", None)
         specs[name] = ShardSpec(dim, None if dim is None else getattr(p, "tp_full_size", None))
+    for prefix, module in model.named_modules():
+        declared = getattr(module, "buffer_specs", None)
+        if declared is not None:
+            specs.update({f"{prefix}.{b}": ShardSpec(*spec) for b, spec in declared().items()})
     return specs
 
 

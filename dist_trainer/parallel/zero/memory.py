@@ -40,7 +40,7 @@ def optimizer_moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
 
 
-def zero_owned_bytes(ds_optimizer: Any, params: list[torch.nn.Parameter], stage: int) -> dict[str, int]:
+def zero_owned_bytes(ds_optimizer: Any, params: list[torch.Tensor], stage: int) -> dict[str, int]:
     """{"params", "grads", "optimizer"} bytes a DeepSpeed ZeRO rank holds: its parameter partitions (stage 3) or
     parameters, the gradients alive now (module grads and DeepSpeed's partitions; call it between backward and
     the optimizer step), its fp32 master partition and the moments of the wrapped optimizer."""
