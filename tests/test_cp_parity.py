@@ -38,6 +38,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "ring_cp2_zero3": (LLAMA, {"cp_size": 2, "zero_stage": 3}, 4),
     "moe_ring_cp2_ep2": ({**LLAMA, "n_experts": 4, "top_k": 2}, {"cp_size": 2, "ep_size": 2}, 4),
     "lora_ring_cp2": ({**LLAMA, "lora_rank": 4}, {"cp_size": 2}, 2),
+    "a2a_cp2_selective": (LLAMA, {"cp_size": 2, "cp_mode": "all_to_all", "activation_checkpointing": "selective"}, 2),
+    "ring_cp2_pp2_interleaved": ({**LLAMA, "n_layers": 4}, {"cp_size": 2, "pp_size": 2, "micro_batch_size": 2,
+                                                            "pp_schedule": "interleaved_1f1b",
+                                                            "pp_virtual_stages": 2}, 4),
 }
 
 

@@ -30,11 +30,19 @@ def _heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return cfg.n_heads // tp, kv
 
 
-def _recomputed_cores(layout: Layout, layer_ids: Sequence[int]) -> int:
-    """Layers whose attention core runs twice: all under selective recomputation, the recomputed ones otherwise."""
+def recomputed_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes: int,
+                     layer_ids: Sequence[int]) -> int:
+    """Bytes the recomputed forwards send again, per micro-batch: every layer's attention core under selective
+    recomputation, the recomputed layers whole otherwise. torch.utils.checkpoint stops a recomputation once the
+    last tensor backward needs is rebuilt, so a selectively recomputed core under all-to-all attention sends q, k
+    and v again but not the output (nothing after it saves a tensor inside the core); a whole layer does."""
+    fwd, _ = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act_bytes)
     if layout.activation_checkpointing == "selective":
-        return len(layer_ids)
-    return len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, layer_ids))
+        if layout.cp_mode == "all_to_all":
+            hq, hkv = _heads(cfg, layout.tp_size)
+            fwd = fwd * (hq + 2 * hkv) // (2 * hq + 2 * hkv)
+        return len(layer_ids) * fwd
+    return len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, layer_ids)) * fwd
 
 
 def cp_layer_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes: int) -> tuple[int, int]:
@@ -58,7 +66,8 @@ def cp_counted_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, precisio
     m, cp = layout.n_microbatches, layout.cp_size
     act = 4 if precision == "fp32" else 2
     fwd, bwd = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act)
-    total = len(layer_ids) * (fwd + bwd) + _recomputed_cores(layout, layer_ids) * fwd
+    total = len(layer_ids) * (fwd + bwd) + recomputed_bytes(cfg, layout, seq_len=seq_len, act_bytes=act,
+                                                            layer_ids=layer_ids)
     moe = moe_layer_ids(cfg, layer_ids)
     if moe:  # all-gather (its local shard counted) forward, reduce-scatter (the whole input) backward
         resid = 2 if precision in ("bf16", "fp16") else 4
@@ -87,7 +96,11 @@ def cp_exposed_seconds(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_by
         redo = (link_f, exposed_f)
     else:  # one all-to-all per tensor: (cp - 1)/cp of it leaves the rank
         one = (cp - 1) / cp * fwd / bw + 4 * (cp - 1) * latency
-        per_layer, redo = (2 * one, 2 * one), (one, one)
+        again = one
+        if layout.activation_checkpointing == "selective":  # q, k, v again, not the output (recomputed_bytes)
+            hq, hkv = _heads(cfg, layout.tp_size)
+            again = one * (hq + 2 * hkv) / (2 * hq + 2 * hkv)
+        per_layer, redo = (2 * one, 2 * one), (again, again)
     total = m * (layers * per_layer[0] + recomputed * redo[0])
     exposed = m * (layers * per_layer[1] + recomputed * redo[1])
     return total, exposed
