@@ -40,7 +40,8 @@ class WeightSource(Protocol):
 
 
 def _sliced(view: Any, ndim: int, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
-    """``view[..., start:stop, ...]`` on a safetensors slice or a tensor (a copy: the result owns its bytes)."""
+    """``view[..., start:stop, ...]`` on a safetensors slice or a tensor: a view of the memory-mapped file (the
+    caller copies what it keeps)."""
     if dim is None:
         return view[:]
     index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(ndim))
@@ -142,6 +143,8 @@ class HFSource:
         return tuple(shape)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """A slice of our tensor ``name``, converted from the HF one; possibly a strided view of the memory-mapped
+        file (the caller copies it where it keeps it: one copy of the bytes, not two)."""
         r = self.plan[name]
         full = self.shape(name)
         if dim is None:
@@ -150,21 +153,20 @@ class HFSource:
         hd = r.rope_head_dim
         if hd and dim == 0 and (start % hd or stop % hd):  # the permutation is within heads: read whole ones
             lo, hi = start // hd * hd, -(-stop // hd) * hd
-            return self.read(name, 0, lo, hi)[start - lo: stop - lo].contiguous()
+            return self.read(name, 0, lo, hi)[start - lo: stop - lo]
         hf_dim = (len(full) - 1 - dim) if r.transpose else dim
         if r.offset is not None and dim == 0:  # a fused tensor: our rows are a block of the (transposed) HF rows
             t = self.files.read(r.hf_name, hf_dim, r.offset + start, r.offset + stop)
         elif r.offset is not None:  # columns of our block: the whole block's rows, those columns
             t = self.files.read(r.hf_name, hf_dim, start, stop)
-            t = _sliced(t.t() if r.transpose else t, t.ndim, 0, r.offset, r.offset + full[0])
-            return t.contiguous()
+            return _sliced(t.t() if r.transpose else t, t.ndim, 0, r.offset, r.offset + full[0])
         else:
             t = self.files.read(r.hf_name, hf_dim, start, stop)
         if r.transpose:
             t = t.t()
         if r.rope_head_dim:
             t = interleave_rope_rows(t, r.rope_head_dim)
-        return t.contiguous()
+        return t  # a view where it can be (a column slice, a transpose): the caller's copy is the only one
 
 
 def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
