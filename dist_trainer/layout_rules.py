@@ -12,6 +12,7 @@ enumerates layouts and checks the two agree). Pure arithmetic on the config: no 
     check_composition   which regimes compose (ZeRO-1/2/3 with TP, ZeRO-1 with PP; the rest refused, with why)
     check_ep            expert parallelism: a MoE model, ep dividing the experts and dp, which ZeRO stages take it
     check_precision     device limits: fp16 loss scaling needs CUDA
+    check_compile       which layouts take train.compile (all but ZeRO-3 and the zero-bubble schedule, with why)
     check_layout        all of the above for a run config on a world size: the pre-launch check
     check_nodes         a world of several nodes fills whole ones; TP groups inside a node
     rank_grid           the (dp, pp, tp) grid of ranks, tp fastest (a TP group stays in a node)
@@ -303,6 +304,36 @@ def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0
                 "alike on every ep rank (all, none, or the same projections of each), or use zero_stage 0")
 
 
+# Why a layout does not take train.compile (parallel/compile.py; docs/compile.md), for the error and the docs.
+COMPILE_REFUSED = {
+    "zero_stage=3": (
+        "ZeRO-3 gathers each module's parameter partition in DeepSpeed hooks that run inside a compiled block's "
+        "call: Dynamo breaks the block's graph at every sub-module and compiles DeepSpeed's post-forward hook once "
+        "per module (it guards on the module), so compilation grows with depth and passes Dynamo's recompile limit "
+        "within a few layers; DeepSpeed's own answer is its DeepCompile graph passes, which this trainer does not "
+        "use"),
+    "pp_schedule=zero_bubble": (
+        "the zero-bubble schedule splits each backward into an input-gradient pass and a later weight-gradient pass "
+        "over the stage's autograd graph, but a compiled block is one autograd node whose backward computes both "
+        "at once (AOTAutograd), so the weight pass would run every block's backward a second time (and it needs "
+        "the graph retained, which the compiled backward's donated buffers refuse)"),
+}
+
+
+def check_compile(parallel: ParallelConfig, compile_blocks: bool) -> None:
+    """``train.compile`` runs every regime but two (``COMPILE_REFUSED``)."""
+    if not compile_blocks:
+        return
+    if parallel.zero_stage == 3:
+        key, instead = "zero_stage=3", "zero_stage 1 or 2"
+    elif parallel.pp_size > 1 and parallel.pp_schedule == "zero_bubble":
+        key, instead = "pp_schedule=zero_bubble", "pp_schedule interleaved_1f1b, 1f1b or gpipe"
+    else:
+        return
+    raise ValueError(f"train.compile=true with parallel.{key} is not supported: {COMPILE_REFUSED[key]}. Use "
+                     f"{instead} with train.compile, or train.compile=false")
+
+
 def check_precision(precision: str, device_type: str) -> None:
     """fp16 trains with dynamic loss scaling, which this trainer runs on CUDA only."""
     if precision == "fp16" and device_type != "cuda":
@@ -323,6 +354,7 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> int:
     check_composition(p)
     check_ep(cfg.model, p.ep_size, dp, p.zero_stage, cfg.train.freeze)
     check_precision(cfg.train.precision, device_type)
+    check_compile(p, cfg.train.compile)
     if p.pp_size > 1:
         check_pipeline(cfg.model, p, dp, cfg.train.precision)
     return dp

@@ -50,6 +50,7 @@ from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
 from dist_trainer.optim import set_lr
+from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ep.grad import expert_param_names
 from dist_trainer.parallel.ownership import Piece, dense_pieces
@@ -85,6 +86,8 @@ def sharded_model(cfg: Config, state: ParallelState) -> Transformer:
     if streamed:
         materialize_(model)
     load_start_weights(model, cfg, state)
+    if cfg.train.compile:
+        apply_compile(model)
     return model
 
 

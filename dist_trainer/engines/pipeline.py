@@ -34,6 +34,7 @@ from dist_trainer.layout_rules import n_microbatches
 from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
 from dist_trainer.optim import build_optimizer
+from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ep.grad import reduce_expert_grads, split_expert_grads
 from dist_trainer.parallel.ownership import Piece
@@ -79,6 +80,8 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
             apply_tensor_parallel(stage.model, state, p.sequence_parallel)
             apply_expert_parallel(stage.model, state)
             stage.set_activation_checkpointing(p.activation_checkpointing, p.checkpoint_every)
+            if cfg.train.compile:
+                apply_compile(stage.model)
         load_start_weights(PipelineRankModule(self.stages), cfg, state)  # each rank its stages' TP slices
         for stage in self.stages:
             stage.to(device)

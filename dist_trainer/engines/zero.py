@@ -35,10 +35,17 @@ from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, load_start_weights, sharded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.model import Transformer
+from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.zero.config import validate_zero_config
-from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, prepare_for_deepspeed, quiet_deepspeed
+from dist_trainer.parallel.zero.deepspeed import (
+    DeepSpeedMpu,
+    deepspeed_for_compile,
+    init_partitioned,
+    prepare_for_deepspeed,
+    quiet_deepspeed,
+)
 
 
 class ZeroEngine(Engine):
@@ -46,6 +53,8 @@ class ZeroEngine(Engine):
 
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
         quiet_deepspeed()
+        if cfg.train.compile:
+            deepspeed_for_compile()
         import deepspeed
 
         self.cfg = cfg
@@ -90,6 +99,8 @@ class ZeroEngine(Engine):
         load_start_weights(model, self.cfg, self.state)  # each rank reads its own partition of every parameter
         model.set_activation_checkpointing(self.cfg.parallel.activation_checkpointing,
                                            self.cfg.parallel.checkpoint_every)
+        if self.cfg.train.compile:
+            apply_compile(model)
         return model.to(self.device)
 
     # ------------------------------------------------------------------ steps
