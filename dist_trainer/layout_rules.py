@@ -304,7 +304,7 @@ def check_ep(model: ModelConfig, ep_size: int, dp_size: int, zero_stage: int = 0
                 "alike on every ep rank (all, none, or the same projections of each), or use zero_stage 0")
 
 
-# Why a layout does not take train.compile (parallel/compile.py; docs/compile.md), for the error and the docs.
+# Why a layout does not take train.compile (parallel/compile.py; docs/performance.md), for the error and the docs.
 COMPILE_REFUSED = {
     "zero_stage=3": (
         "ZeRO-3 gathers each module's parameter partition in DeepSpeed hooks that run inside a compiled block's "

@@ -103,13 +103,7 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         aux_before = aux_loss_sum(self.model)
         try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
             with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
-                if train:
-                    loss = self.pipe.step(tokens, targets)
-                else:
-                    losses: list[torch.Tensor] = []
-                    args = (tokens,) if self.pipe.has_first_stage else ()
-                    self.pipe.schedule.eval(*args, target=targets, losses=losses)
-                    loss = torch.stack([x.detach() for x in losses]).mean() if losses else None
+                loss = self.pipe.step(tokens, targets) if train else self.pipe.eval(tokens, targets)
         except RuntimeError as exc:  # a dead or stalled neighbour: say which stage waited on whom
             raise RuntimeError(
                 f"pipeline stage(s) {stage_ids} on rank {self.state.rank} (pp rank {self.state.pp_rank}) failed "

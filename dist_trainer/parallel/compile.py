@@ -3,7 +3,7 @@
 torchtitan's recipe (``apply_compile`` in its parallelize step): compile per block rather than the whole model, so
 one compiled graph serves every layer of the same shape (Dynamo guards a block on its structure, not on its
 identity), compile time does not grow with depth, and whatever wraps the blocks (DDP, the pipeline schedule,
-DeepSpeed's engine and its ZeRO-3 hooks, activation checkpointing) stays eager and unchanged. Each module is
+DeepSpeed's ZeRO-1/2 engine, activation checkpointing) stays eager and unchanged. Each module is
 compiled in place with ``nn.Module.compile`` (its ``__call__`` runs the compiled call; its ``forward``, its
 names and its parameters are untouched), so checkpoints, the TP plan and the optimizer groups see the same
 model. The head's matmul is left eager (one GEMM: nothing to fuse); the final norm, BERT's MLM transform and
@@ -14,6 +14,11 @@ Collectives stay eager: ``AxisGroup``'s collectives are ``torch.compiler.disable
 their counting, numbering and timing is Python state a traced graph would run once, at trace time. Under TP, SP
 and EP a compiled block is therefore a few graphs with the counted collectives between them (a graph break at
 each), the same collectives in the same order as eager.
+
+Two layouts are refused before launch (``layout_rules.COMPILE_REFUSED`` says why): ZeRO-3, whose per-module
+gather hooks split every block at each sub-module, and the zero-bubble schedule, whose split of each backward into
+an input pass and a weight pass a compiled block (one autograd node) cannot take. Measured speed-ups and compile
+times: docs/performance.md.
 
 The compile cache (``TORCHINDUCTOR_CACHE_DIR``; the Makefile and the tests keep it in ``.torchinductor/``) makes
 every later run of the same shapes start in seconds. A run that exceeds Dynamo's recompile limit fails rather

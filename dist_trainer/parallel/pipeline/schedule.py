@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule, ran
 from dist_trainer.model import set_attrs
 from dist_trainer.model_moe import paused_router_stats
 from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.parallel.pipeline.replay import StageAction
 from dist_trainer.parallel.pipeline.split import StageModule
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import clip_grad_norm_
@@ -107,11 +107,20 @@ class PipelineSchedule:
                 )
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first_stage else ()
+        # return_outputs=False: the library would otherwise keep every micro-batch's logits on the last stage until
+        # the step ends and concatenate them into one (batch, seq, vocab) tensor nobody reads (issue 26)
         if self.has_last_stage:
-            self.schedule.step(*args, target=targets, losses=losses)
+            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
             return torch.stack([loss.detach() for loss in losses]).mean()
-        self.schedule.step(*args)
+        self.schedule.step(*args, return_outputs=False)
         return None
+
+    def eval(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """The no-grad forward of ``step``: the mean loss on the last stage's rank (None elsewhere)."""
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first_stage else ()
+        self.schedule.eval(*args, target=targets, losses=losses, return_outputs=False)
+        return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def finalize_grads(self) -> None:
         if self.embedding_group is None:
@@ -183,16 +192,6 @@ def _pausing_stats(infer: Callable, stage: StageModule) -> Callable:
         with paused_router_stats(stage):
             return infer(*args, **kwargs)
     return run
-
-
-class StageAction(NamedTuple):
-    """One compute action a stage ran: F forward, B full backward, I input-grad, W weight-grad."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    start: float
-    end: float
 
 
 def trace_actions(pipe: PipelineSchedule) -> list[StageAction]:
