@@ -1,7 +1,8 @@
 """Pipeline bubble per schedule: measured idle fraction against theory, and the part each cause takes.
 
     python benchmarks/pipeline_bubble.py [--pp 2] [--microbatches 8] [--layers 8] [--d-model 512] [--seq 256]
-                                         [--micro-batch-size 4] [--steps 3] [--schedules gpipe,1f1b,...]
+                                         [--micro-batch-size 4] [--vocab 512] [--steps 3] [--schedules gpipe,...]
+                                         [--out run.json | --load run.json]
 
 One gloo run of ``pp`` ranks (``run_distributed``); every schedule runs on the same model and batches.
 ``trace_actions`` time-stamps each compute action (F, B, I, W) a stage runs, and the loss function handed to the
@@ -130,7 +131,7 @@ def _after_schedule(state: ParallelState, pipe: PipelineSchedule, loss: torch.Te
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     state = ParallelState.build(ParallelConfig(pp_size=world_size))
-    cfg = ModelConfig(vocab_size=512, d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 64,
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 64,
                       max_seq_len=args.seq)
     batch = args.microbatches * args.micro_batch_size
     data = torch.randint(0, cfg.vocab_size, (batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
@@ -213,6 +214,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512, help="the head's width: the last stage's extra work")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"a comma-separated subset of "
                                                                           f"{list(SCHEDULES)}")
@@ -222,7 +224,7 @@ def main() -> None:
     args.schedules = args.schedules.split(",")
     if args.load:  # the run's own arguments and traces
         saved = json.loads(Path(args.load).read_text())
-        args = argparse.Namespace(**{**saved["args"], "out": None})
+        args = argparse.Namespace(**{"vocab": 512, **saved["args"], "out": None})  # runs before --vocab: 512
         results = saved["ranks"]
         for rank in results:
             for row in rank["rows"].values():
@@ -236,11 +238,12 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"args": vars(args), "ranks": results}))
     p, m, p2p_s = args.pp, args.microbatches, results[0]["p2p_s"]
     print(f"pp={p}, m={m} micro-batches of {args.micro_batch_size} x {args.seq} tokens, {args.layers} layers, "
-          f"d_model {args.d_model}; p2p latency of one activation {p2p_s * 1e3:.2f} ms (one way)")
-    print("excess = the idle fraction over theory by cause; after = the step's work after the schedule, as a share")
-    print(f"{'schedule':17s} {'v':>2s} {'theory':>7s} {'measured':>9s} {'ratio':>6s} | excess: {'stages':>6s} "
-          f"{'loss':>6s} {'vary':>6s} {'p2p':>6s} {'host':>6s} | after: {'bcast':>6s} {'tied':>6s} {'norm':>6s} | "
-          "peak micro-batches per rank (stage: n); activation MiB per rank")
+          f"d_model {args.d_model}, vocab {args.vocab}; p2p latency of one activation {p2p_s * 1e3:.2f} ms (one way)")
+    print("excess = the idle fraction over theory by cause; own = (theory + loss + p2p + host) / theory, the "
+          "pipeline's own ratio with steady compute; after = the step's work after the schedule, as a share")
+    print(f"{'schedule':17s} {'v':>2s} {'theory':>7s} {'measured':>9s} {'ratio':>6s} {'own':>5s} | excess: "
+          f"{'stages':>6s} {'loss':>6s} {'vary':>6s} {'p2p':>6s} {'host':>6s} | after: {'bcast':>6s} {'tied':>6s} "
+          f"{'norm':>6s} | peak micro-batches per rank (stage: n); activation MiB per rank")
     for name in args.schedules:
         v = SCHEDULES[name]
         rows = [r["rows"][name] for r in results]
@@ -251,9 +254,12 @@ def main() -> None:
         peaks = "; ".join(f"r{k}: " + ", ".join(f"{s}:{n}" for s, n in r["peak_mb"].items())
                           for k, r in enumerate(rows))
         mib = ", ".join(f"{r['peak_bytes'] / 2**20:.1f}" for r in rows)
-        print(f"{name:17s} {v:2d} {theory:7.3f} {d['measured']:9.3f} {d['measured'] / theory:6.2f} | excess: "
+        own = (theory + parts[1] + parts[3] + parts[4]) / theory
+        print(f"{name:17s} {v:2d} {theory:7.3f} {d['measured']:9.3f} {d['measured'] / theory:6.2f} {own:5.2f} | "
+              "excess: "
               + " ".join(f"{x:+6.3f}" for x in parts) + " | after: "
               + " ".join(f"{d[k]:6.1%}" for k in AFTER) + f" | {peaks}; {mib}")
+
 
 if __name__ == "__main__":
     main()
