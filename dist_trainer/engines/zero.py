@@ -39,13 +39,7 @@ from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.zero.config import validate_zero_config
-from dist_trainer.parallel.zero.deepspeed import (
-    DeepSpeedMpu,
-    deepspeed_for_compile,
-    init_partitioned,
-    prepare_for_deepspeed,
-    quiet_deepspeed,
-)
+from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu, init_partitioned, prepare_for_deepspeed, quiet_deepspeed
 
 
 class ZeroEngine(Engine):
@@ -53,8 +47,6 @@ class ZeroEngine(Engine):
 
     def __init__(self, cfg: Config, state: ParallelState, device: torch.device) -> None:
         quiet_deepspeed()
-        if cfg.train.compile:
-            deepspeed_for_compile()
         import deepspeed
 
         self.cfg = cfg

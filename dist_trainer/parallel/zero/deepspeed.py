@@ -37,20 +37,6 @@ def quiet_deepspeed() -> None:
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
 
 
-def deepspeed_for_compile() -> None:
-    """Let compiled blocks (``train.compile``) run DeepSpeed's ZeRO-3 module hooks without tracing them per module.
-
-    The hooks DeepSpeed registers on every module (gathering a partition before the module's forward, releasing it
-    after) run inside a compiled block's call. The pre-hook is ``torch.compiler.disable``d; the post-hook is wrapped
-    by ``utils/nvtx.instrument_w_nvtx``, whose ``wrapped_fn`` Dynamo then compiles once per module (a closure over
-    each module's hook), past any recompile limit. With NVTX ranges off the wrapper is the plain call: what
-    DeepSpeed's own ``engine.compile`` sets first (runtime/engine.py, "Avoid graph breaks").
-    """
-    import deepspeed.utils.nvtx
-
-    deepspeed.utils.nvtx.enable_nvtx = False
-
-
 class DeepSpeedMpu:
     """DeepSpeed's model-parallel-unit protocol (Megatron's ``mpu``) over our ParallelState.
 
