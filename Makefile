@@ -3,9 +3,10 @@
 SHELL := /bin/bash
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Everything a run writes stays inside the project (temp files, JIT-built ops, wandb caches).
+# Everything a run writes stays inside the project (temp files, JIT-built ops, torch.compile's kernels, wandb caches).
 export TMPDIR := $(CURDIR)/.tmp
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.torchinductor
 export WANDB_MODE ?= offline
 export WANDB_DIR := $(CURDIR)/runs
 export WANDB_CACHE_DIR := $(CURDIR)/.tmp/wandb-cache

@@ -4,11 +4,15 @@
     python benchmarks/gpu_check.py --device cpu --smoke             # a tiny run of the same code paths (the suite)
 
 1. bf16 tokens/s and MFU (model FLOPs over the profile's dense bf16 peak of the detected GPU) for GPT-2-124M and a
-   ~1B GPT-style model (d_model 2048, 18 layers, 16 heads), one process, synthetic tokens, after warm-up steps.
+   ~1B GPT-style model (d_model 2048, 18 layers, 16 heads), one process, synthetic tokens, after warm-up steps;
+   each eager and compiled (``train.compile``: every block and the loss head through torch.compile), with the
+   compiled / eager ratio and the compile time (the compiled run's warm-up minus the eager one's).
 2. ``torch.cuda.max_memory_allocated`` of one training step against the planner's prediction (device total minus
    the CUDA context, which the allocator does not see) for GPT-2-124M over a grid: micro-batch 1/4/8 x sequence
    1024/4096 x checkpointing none/selective/full (plain DDP at dp 1), then ZeRO-1/2/3 at dp 1 (micro-batch 4,
-   sequence 1024). Each row prints predicted, measured and their ratio; everything lands in ``--out``.
+   sequence 1024), then the compiled model without and with full checkpointing (the planner counts eager's
+   saved tensors; a compiled block saves what inductor's partitioner keeps). Each row prints predicted, measured
+   and their ratio; everything lands in ``--out``.
 
 Synthetic batches go straight to the engine (``engines.build_engine``), as ``dist-trainer memory-experiment``
 does, so no data set is needed on the GPU machine. CI never runs this on a GPU; the suite runs ``--smoke``.
@@ -29,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from dist_trainer.config_load import config_from_dict  # noqa: E402
+from benchmarks.common import synthetic_batches, synthetic_engine, train_steps  # noqa: E402
 from dist_trainer.layout_rules import layout_of  # noqa: E402
 from dist_trainer.planner.memory import GiB, Overheads, predict_rank_memory  # noqa: E402
 from dist_trainer.train.metrics import device_hardware, model_flops_per_step  # noqa: E402
@@ -42,56 +46,26 @@ TINY = {"preset": "tiny", "dropout": 0.0}
 
 
 def _config(model: dict, *, micro: int, seq: int, ckpt: str = "none", zero: int = 0, precision: str = "bf16",
-            device: str = "cuda") -> dict:
+            device: str = "cuda", compiled: bool = False) -> dict:
     return {"model": {**model, "max_seq_len": max(seq, model.get("max_seq_len", 0) or 0)},
             "parallel": {"micro_batch_size": micro, "global_batch_size": micro, "activation_checkpointing": ckpt,
                          "zero_stage": zero},
-            "data": {"seq_len": seq}, "train": {"precision": precision, "device": device, "max_steps": 10},
+            "data": {"seq_len": seq},
+            "train": {"precision": precision, "device": device, "max_steps": 10, "compile": compiled},
             "optim": {"warmup_steps": 0}, "wandb": {"mode": "disabled"}}
 
 
-def _engine(tree: dict, device: torch.device) -> tuple[Any, Any]:
-    from dist_trainer.engines import build_engine
-    from dist_trainer.parallel.state import ParallelState
-    from dist_trainer.train.distributed import LaunchEnv, init_distributed
-
-    cfg = config_from_dict(tree).validate()
-    from dist_trainer.layout_rules import needs_process_group
-
-    init_distributed(LaunchEnv("none", 0, 1, 0, 1), device, None, 600.0,
-                     single_process_group=needs_process_group(cfg.parallel))
-    return cfg, build_engine(cfg, ParallelState.build(cfg.parallel, 1, 0), device)
-
-
-def _batch(cfg: Any, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    seq = torch.randint(0, cfg.model.vocab_size, (cfg.parallel.micro_batch_size, cfg.data.seq_len + 1),
-                        device=device)
-    return [{"tokens": seq[:, :-1].contiguous(), "targets": seq[:, 1:].contiguous()}]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def throughput(model: dict, device: torch.device, *, micro: int, seq: int, steps: int) -> dict[str, float]:
+def throughput(model: dict, device: torch.device, *, micro: int, seq: int, steps: int,
+               compiled: bool = False) -> dict[str, float]:
     tree = _config(model, micro=micro, seq=seq, device=device.type,
-                   precision="bf16" if device.type == "cuda" else "fp32")
-    cfg, engine = _engine(tree, device)
-    batches = _batch(cfg, device)
-    for _ in range(2):  # warm-up: kernels chosen, optimizer states created
-        engine.forward_backward(batches)
-        engine.optimizer_step(1e-4)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.forward_backward(batches)
-        engine.optimizer_step(1e-4)
-    _sync(device)
-    step_s = (time.perf_counter() - start) / steps
+                   precision="bf16" if device.type == "cuda" else "fp32", compiled=compiled)
+    cfg, engine = synthetic_engine(tree, device)
+    batches = synthetic_batches(cfg, device)
+    warmup_s = 2 * train_steps(engine, batches, 2, device)  # kernels chosen (compiled), optimizer states created
+    step_s = train_steps(engine, batches, steps, device)
     peak = device_hardware(device).peak_flops(cfg.train.precision)
     params = sum(p.numel() for p in engine.model.parameters())
-    result = {"tokens_per_s": micro * seq / step_s, "step_s": step_s,
+    result = {"tokens_per_s": micro * seq / step_s, "step_s": step_s, "warmup_s": warmup_s,
               "mfu": model_flops_per_step(cfg) / step_s / peak, "params": params}
     del engine
     return result
@@ -104,11 +78,8 @@ def memory_row(model: dict, device: torch.device, **kw: Any) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    cfg, engine = _engine(tree, device)
-    batches = _batch(cfg, device)
-    for _ in range(2):  # the second step holds the optimizer states during its backward
-        engine.forward_backward(batches)
-        engine.optimizer_step(1e-4)
+    cfg, engine = synthetic_engine(tree, device)
+    train_steps(engine, synthetic_batches(cfg, device), 2, device)  # the second holds the optimizer states
     measured = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
     layout = layout_of(cfg.parallel, 1)
     mem = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len, options=planner_options(cfg, device),
@@ -135,21 +106,28 @@ def main() -> None:
                               "throughput": {}, "memory": []}
     for name, model in models.items():
         micro, seq = (2, 64) if args.smoke else (8, 1024)
-        result["throughput"][name] = throughput(model, device, micro=micro, seq=seq, steps=2 if args.smoke else 10)
-        t = result["throughput"][name]
-        print(f"{name}: {t['params'] / 1e6:.0f}M params, {t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}",
-              flush=True)
+        for compiled in (False, True):
+            t = throughput(model, device, micro=micro, seq=seq, steps=2 if args.smoke else 10, compiled=compiled)
+            result["throughput"][f"{name}{'-compiled' if compiled else ''}"] = t
+            print(f"{name}{' compiled' if compiled else ''}: {t['params'] / 1e6:.0f}M params, "
+                  f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}", flush=True)
+        eager, comp = result["throughput"][name], result["throughput"][f"{name}-compiled"]
+        print(f"{name}: compiled / eager tokens/s {comp['tokens_per_s'] / eager['tokens_per_s']:.3f}, compile "
+              f"{comp['warmup_s'] - eager['warmup_s']:.1f} s (warm-up of 2 steps, compiled minus eager)", flush=True)
     grid_model = TINY if args.smoke else GPT2
     micros, seqs = ((1, 2), (64,)) if args.smoke else ((1, 4, 8), (1024, 4096))
     grid = [dict(micro=m, seq=s, ckpt=c) for m in micros for s in seqs for c in ("none", "selective", "full")]
     grid += [dict(micro=micros[-1], seq=seqs[0], zero=z) for z in (1, 2, 3)]
-    print(f"\n{'micro':>5}{'seq':>6}{'ckpt':>10}{'zero':>5}{'predicted GiB':>15}{'measured GiB':>14}{'ratio':>7}")
+    grid += [dict(micro=micros[-1], seq=seqs[0], ckpt=c, compiled=True) for c in ("none", "full")]
+    print(f"\n{'micro':>5}{'seq':>6}{'ckpt':>10}{'zero':>5}{'compiled':>9}{'predicted GiB':>15}{'measured GiB':>14}"
+          f"{'ratio':>7}")
     for kw in grid:
         row = memory_row(grid_model, device, **kw)
         result["memory"].append(row)
         ratio = f"{row['ratio']:.3f}" if row["ratio"] else "-"
         print(f"{kw['micro']:>5}{kw['seq']:>6}{kw.get('ckpt', 'none'):>10}{kw.get('zero', 0):>5}"
-              f"{row['predicted'] / GiB:>15.3f}{row['measured'] / GiB:>14.3f}{ratio:>7}", flush=True)
+              f"{'yes' if kw.get('compiled') else 'no':>9}{row['predicted'] / GiB:>15.3f}"
+              f"{row['measured'] / GiB:>14.3f}{ratio:>7}", flush=True)
     result["seconds"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{result['seconds']:.0f} s; wrote {args.out}")

@@ -396,6 +396,9 @@ class TrainConfig:
     allow_schedule_change: bool = False
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = the planner's profile of the device
     progress: bool = True  # show a progress bar on rank 0
+    # torch.compile (inductor) each layer block and the loss head, in every regime (parallel/compile.py,
+    # docs/performance.md); the losses are eager's. The first steps pay the compile (seconds with a warm cache)
+    compile: bool = False
     # Fine-tuning: modules whose parameters do not train (no gradient, no optimizer state, kept in checkpoints).
     # Module names (tok_emb, layers.3.attn.q_proj), ranges (layers.0-11), globs (*.attn_norm) or presets:
     # embeddings (token/position/type tables), bottom:N (the embeddings and layers 0..N-1), norms_only (all but

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_VOCAB
+from tests.helpers import ROOT, TINY_VOCAB
 
 # Tests write only inside the project or a temp dir, and never reach the network.
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# torch.compile's kernels (train.compile) are cached in the project, as the Makefile sets it: kept between runs
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".torchinductor"))
 
 
 @pytest.fixture(scope="session")

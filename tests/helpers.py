@@ -74,7 +74,8 @@ def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
         PYTHONPATH=str(ROOT),  # `-m dist_trainer.cli` also where the package is not pip-installed
         TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu",
-        TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), HF_HOME=str(tmp_path / "hf"),
+        TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"), TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".torchinductor"),
+        HF_HOME=str(tmp_path / "hf"),
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)

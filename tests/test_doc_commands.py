@@ -220,7 +220,11 @@ RUN: list[tuple[str, Run]] = [
     (r"^dist-trainer attention\b", Run(then=_check_attention)),
     (r"benchmarks/(trainer_overhead|zero_overhead|moe_dispatch)\.py", Run(append="--steps 3 --rounds 1")),
     (r"benchmarks/health_overhead\.py", Run(append="--steps 3 --rounds 1 --every 2")),
-    (r"benchmarks/(tp_comm|pipeline_bubble)\.py", Run(append="--steps 2")),
+    (r"benchmarks/tp_comm\.py", Run(append="--steps 2")),
+    (r"benchmarks/pipeline_bubble\.py", Run(append="--steps 1 --d-model 128 --seq 64 --layers 4")),
+    # the project's kernel cache (subprocess_env): the benchmark's default, an empty one, compiles from scratch
+    (r"benchmarks/compile_speed\.py",
+     Run(append='--models demo --steps 1 --rounds 1 --cache "$TORCHINDUCTOR_CACHE_DIR"')),
     (r"benchmarks/planner_accuracy\.py", Run(append="--quick")),
     (r"benchmarks/planner_time\.py", Run(append="--quick --steps 3")),
     (r"benchmarks/collective_wait\.py", Run(append="--repeats 3", expect=("x back to back",))),

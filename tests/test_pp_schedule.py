@@ -7,7 +7,8 @@ GPipe (Huang et al. 2019): all forwards, then all backwards; m micro-batches hel
 warm-up forwards, then alternates F/B, so it holds at most p - r <= p micro-batches.
 Interleaved 1F1B (same paper, Megatron's warm-up count): rank r holds at most
 min(v m, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches.
-Every multi-stage schedule (and GPipe) must run exactly the compute actions of its own ``pipeline_order``.
+Every multi-stage schedule (and GPipe) must run exactly the compute actions of its own ``pipeline_order``, and
+every schedule's trace must replay (``parallel/pipeline/replay.py``) with the dependencies the replay assumes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from dist_trainer.config import ModelConfig, ParallelConfig
 from dist_trainer.layout_rules import check_schedule
+from dist_trainer.parallel.pipeline.replay import replay
 from dist_trainer.parallel.pipeline.split import split_into_stages
 from dist_trainer.testing import run_distributed
 
@@ -47,6 +49,7 @@ def _traces(rank: int, world_size: int) -> list[dict]:
               if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
         out.append({
             "ran": [(a.stage, a.kind, a.microbatch) for a in trace],
+            "trace": list(trace),
             "ir": ir,
             "peak": {s.stage_index: peak_in_flight(trace, s.stage_index) for s in stages},
             "peak_rank": peak_in_flight([a._replace(stage=-1) for a in trace], -1),
@@ -97,6 +100,17 @@ def test_multi_stage_schedules_follow_their_pipeline_order(traces: list[list[dic
                 kinds = {kind for _, kind, _ in case["ran"]}
                 assert kinds == {"F", "I", "W"}, kinds
                 assert case["peak_rank"] <= v * m
+
+
+def test_every_schedule_replays_with_the_dependencies_the_replay_assumes(traces: list[list[dict]]) -> None:
+    """``replay`` (benchmarks/pipeline_bubble.py's split of the bubble) runs what each library schedule ran: every
+    action's dependencies (forward from the previous stage, backward from the next, W after I) come before it."""
+    p = len(traces)
+    for i, (name, _, v) in enumerate(CASES):
+        ranks = [per_case[i]["trace"] for per_case in traces]
+        result = replay(ranks, num_stages=p * v)
+        busy = [sum(a.end - a.start for a in t) for t in ranks]
+        assert result.busy == pytest.approx(busy) and result.makespan >= max(busy), name
 
 
 @pytest.mark.parametrize("kwargs, match", [

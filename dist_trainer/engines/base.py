@@ -67,7 +67,7 @@ def sharded_model(cfg: Config, state: ParallelState, device: torch.device | str 
     ``device``), then ``train.init_from``'s slices loaded."""
     streamed = streams_start_weights(cfg)
     model = parallelize(seeded_model(cfg, device="meta" if streamed else "cpu"), state.layout, state, device,
-                        freeze=cfg.train.freeze)
+                        freeze=cfg.train.freeze, compile_blocks=cfg.train.compile)
     load_start_weights(model, cfg, state)
     return model
 

@@ -68,7 +68,8 @@ class PipelineEngine(Engine):
                                         draw=not streams_start_weights(cfg))
         start_finetune(PipelineRankModule(self.stages), cfg)  # by global names, before TP splits the modules
         for stage in self.stages:
-            parallelize(stage.model, layout, state, device, first_layer=stage.first_layer, freeze=cfg.train.freeze)
+            parallelize(stage.model, layout, state, device, first_layer=stage.first_layer, freeze=cfg.train.freeze,
+                        compile_blocks=cfg.train.compile)
         load_start_weights(PipelineRankModule(self.stages), cfg, state)  # each rank its stages' TP slices
         self.pipe = build_schedule(self.stages, state, self.n_micro, layout.pp_schedule, self.stages[-1].model.loss)
         placement = stage_placement(layout.pp_size, layout.pp_virtual_stages)

@@ -87,7 +87,8 @@ class ZeroEngine(Engine):
         init_partitioned(model)
         start_finetune(model, self.cfg)
         # tp 1, no ep under ZeRO-3: recompute, placement
-        parallelize(model, self.state.layout, self.state, self.device, freeze=self.cfg.train.freeze)
+        parallelize(model, self.state.layout, self.state, self.device, freeze=self.cfg.train.freeze,
+                    compile_blocks=self.cfg.train.compile)
         load_start_weights(model, self.cfg, self.state)  # each rank reads its own partition of every parameter
         return model
 

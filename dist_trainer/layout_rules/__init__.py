@@ -7,6 +7,7 @@ before any process group exists; both get the same answer (``tests/test_layout_r
                     Layout), MESH_AXES (the mesh's axes in order), regime_of
     tp.py           check_tp, check_sequence_parallel, divisors
     pipeline.py     layers_per_stage (the stage split), check_schedule
+    compile.py      check_compile: which layouts take train.compile (COMPILE_REFUSED says why not)
     cp.py           check_cp (context parallelism: the split, the heads under all_to_all), zigzag
     composition.py  which regimes compose (check_composition, check_offload), check_ep, expert_groups, check_precision
     low_bit.py      check_low_bit: where int8 base weights and low-bit AdamW moments run
@@ -24,6 +25,7 @@ from dist_trainer.layout_rules.check import (
     check_shape,
     fit_micro_batch,
 )
+from dist_trainer.layout_rules.compile import COMPILE_REFUSED, check_compile
 from dist_trainer.layout_rules.composition import (
     ZERO_WITH_PIPELINE_REFUSED,
     check_composition,
@@ -48,6 +50,7 @@ from dist_trainer.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, check_sche
 from dist_trainer.layout_rules.tp import check_sequence_parallel, check_tp, divisors
 
 __all__ = [
+    "COMPILE_REFUSED", "check_compile",
     "Layout", "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "ZERO_WITH_PIPELINE_REFUSED", "check_composition",
     "check_cp", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_low_bit", "check_nodes",
     "check_offload", "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp",

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from dist_trainer.config import Config, ModelConfig
+from dist_trainer.layout_rules.compile import check_compile
 from dist_trainer.layout_rules.composition import check_composition, check_ep, check_precision
 from dist_trainer.layout_rules.cp import check_cp
 from dist_trainer.layout_rules.layout import Layout, check_fields, layout_of
@@ -28,10 +29,11 @@ def check_shape(model: ModelConfig, layout: Layout, freeze: Sequence[str] = ()) 
 
 
 def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None = None, freeze: Sequence[str] = (),
-                     precision: str = "fp32", device_type: str = "cpu", state_dtype: str = "fp32") -> None:
+                     precision: str = "fp32", device_type: str = "cpu", state_dtype: str = "fp32",
+                     compile_blocks: bool = False) -> None:
     """Raise ValueError naming the values unless ``layout`` runs ``model`` (sequences of ``seq_len`` tokens, the
-    ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``, AdamW moments in ``state_dtype``): the
-    question the planner's search puts
+    ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``, AdamW moments in ``state_dtype``,
+    ``train.compile``): the question the planner's search puts
     for every candidate and the trainer for its run (``check_layout``), answered by the same rules."""
     check_cp(model, layout.cp_size, layout.cp_mode, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
              seq_len=seq_len, zero_stage=layout.zero_stage, ep_size=layout.ep_size)
@@ -40,6 +42,7 @@ def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None 
                          f"must be divisible by parallel.tp_size={layout.tp_size}")
     check_composition(layout)
     check_precision(precision, device_type)
+    check_compile(layout, compile_blocks)
     check_low_bit(model, freeze, tp_size=layout.tp_size, zero_stage=layout.zero_stage,
                   zero_offload=layout.zero_offload, ep_size=layout.ep_size, state_dtype=state_dtype)
     if layout.pp_size > 1 and precision == "fp16":
@@ -54,7 +57,8 @@ def check_layout(cfg: Config, world_size: int, device_type: str) -> Layout:
     check_fields(cfg.parallel)
     layout = layout_of(cfg.parallel, world_size)
     check_layout_for(cfg.model, layout, seq_len=cfg.data.seq_len, freeze=cfg.train.freeze,
-                     precision=cfg.train.precision, device_type=device_type, state_dtype=cfg.optim.state_dtype)
+                     precision=cfg.train.precision, device_type=device_type, state_dtype=cfg.optim.state_dtype,
+                     compile_blocks=cfg.train.compile)
     return layout
 
 

@@ -23,11 +23,23 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _eager(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run ``fn`` eagerly inside a compiled module (``parallel/compile.py``): what a collective records (bytes, the
+    sequence number a hang report names, the time inside) is Python state that a traced graph would run once, at
+    trace time. Dynamo breaks the graph at each call instead, so a compiled block counts the collectives an eager
+    one does. (``torch.compiler.disable`` itself is untyped; this keeps the methods' signatures for mypy.)"""
+    return torch.compiler.disable(fn)
+
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); keep both working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -178,6 +190,7 @@ class AxisGroup:
         yield
         self.counter.leave(entry)
 
+    @_eager
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of ``t``; returns ``t``."""
         if self.size == 1:
@@ -185,6 +198,7 @@ class AxisGroup:
         self._run("all_reduce", _nbytes(t), lambda: dist.all_reduce(t, op=op, group=self.group))
         return t
 
+    @_eager
     def all_reduce_flat_(self, tensors: list[torch.Tensor], divide_by: int = 1) -> None:
         """Sum ``tensors`` (gradients, say) over the group in one flat all-reduce, divide by ``divide_by``, and
         write the results back in place: one collective however many tensors (none on a one-rank group, where
@@ -197,6 +211,7 @@ class AxisGroup:
         for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
             t.copy_(reduced)
 
+    @_eager
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes equal)."""
         if self.size == 1:
@@ -210,6 +225,7 @@ class AxisGroup:
         self._run("all_gather", _nbytes(t), lambda: dist.all_gather(parts, t, group=self.group))
         return torch.cat(parts, dim=dim)
 
+    @_eager
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum ``t`` over the axis and keep this rank's 1/size slice along ``dim``."""
         if self.size == 1:
@@ -229,6 +245,7 @@ class AxisGroup:
             self._run("reduce_scatter", _nbytes(t), lambda: dist.reduce_scatter(out, parts, group=self.group))
         return out
 
+    @_eager
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """Chunk ``i`` of ``t`` (dim 0 cut into ``size`` equal chunks) goes to axis rank ``i``; chunk ``j`` of the
         result came from axis rank ``j`` (expert parallelism's token exchange). Counts the whole of ``t``."""
@@ -242,6 +259,7 @@ class AxisGroup:
         self._run("all_to_all", _nbytes(t), lambda: dist.all_to_all_single(out, t, group=self.group))
         return out
 
+    @_eager
     def ring_shift(self, tensors: list[torch.Tensor]) -> RingShift:
         """Start sending ``tensors`` to the next rank of the axis and receiving the previous rank's (same shapes);
         ``.wait()`` on the result gives them. Ring attention's K/V exchange, overlapped with a block's compute;
@@ -256,12 +274,14 @@ class AxisGroup:
         entry = self.counter.enter(self.axis, "ring_send")
         return RingShift(recv, dist.batch_isend_irecv(ops), self.counter, entry)
 
+    @_eager
     def broadcast(self, t: torch.Tensor, src_axis_rank: int = 0) -> torch.Tensor:
         if self.size == 1:
             return t
         self._run("broadcast", _nbytes(t), lambda: dist.broadcast(t, src=self.ranks[src_axis_rank], group=self.group))
         return t
 
+    @_eager
     def barrier(self) -> None:
         if self.size > 1:
             self._run("barrier", None, lambda: dist.barrier(group=self.group))

@@ -9,6 +9,8 @@ here; what each parallelism does to it happens in this order, in one place:
                                     rank quantising its own TP shard
     3. context parallelism          ``parallel/cp``: this rank's part of each sequence, ring or all-to-all attention
     4. activation recomputation     the layout's mode on the model's own switch (global layer indices)
+       compilation                  ``train.compile``: each layer block and the loss head compiled in place
+                                    (``parallel/compile.py``; the collectives inside stay eager and counted)
     5. placement                    onto the device; a model built on the meta device (every weight to come from
                                     ``train.init_from``) gets storage for this rank's slices only
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from dist_trainer.layout_rules import Layout
 from dist_trainer.model import Transformer
+from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.cp.apply import apply_context_parallel
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.state import ParallelState
@@ -32,7 +35,7 @@ from dist_trainer.quant.modules import materialize_int8_, quantize_base_weights_
 
 
 def parallelize(model: Transformer, layout: Layout, state: ParallelState, device: torch.device | str,
-                first_layer: int = 0, freeze: Sequence[str] = ()) -> Transformer:
+                first_layer: int = 0, freeze: Sequence[str] = (), compile_blocks: bool = False) -> Transformer:
     """Apply ``layout`` to ``model`` (a whole plain model, or one pipeline stage's whose layers start at global
     index ``first_layer``; ``freeze``: the run's train.freeze, which decides the int8 base weights) in the order
     above; return it, on ``device``."""
@@ -41,6 +44,8 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     quantize_base_weights_(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
     apply_context_parallel(model, state, layout.cp_mode)
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
+    if compile_blocks:
+        apply_compile(model)
     if any(p.is_meta for p in model.parameters()):
         materialize_(model, device)
     return model.to(device)

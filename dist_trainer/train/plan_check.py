@@ -65,12 +65,16 @@ class SavedPeak:
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    # The hooks run eagerly inside a compiled block too (train.compile): autograd calls them from its own eager
+    # calls between graphs, where Dynamo would otherwise trace them and guard on this bookkeeping's dict keys.
+    @torch.compiler.disable
     def _release(self, key: int) -> None:
         self.refs[key] -= 1
         if self.refs[key] == 0:
             del self.refs[key]
             self.live -= self.sizes.pop(key)
 
+    @torch.compiler.disable
     def _pack(self, t: torch.Tensor) -> object:
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -87,6 +91,7 @@ class SavedPeak:
         return holder
 
     @staticmethod
+    @torch.compiler.disable
     def _unpack(packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Holder) else packed  # type: ignore[return-value]
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule
 from dist_trainer.model import set_attrs
 from dist_trainer.model_moe import paused_router_stats
 from dist_trainer.parallel.comm import AxisGroup
+from dist_trainer.parallel.pipeline.replay import StageAction
 from dist_trainer.parallel.pipeline.split import StageModule
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import clip_grad_norm_
@@ -130,8 +130,10 @@ class PipelineSchedule:
                 stage.has_backward = schedule._has_backward
                 stage.clear_runtime_states()
             args = [(t,) for t in tokens] if self.has_first_stage and tokens is not None else None
+            # return_outputs=False: the library would otherwise keep every micro-batch's logits on the last stage
+            # until the step ends and concatenate them into one (batch, seq, vocab) tensor nobody reads (issue 26)
             schedule._step_microbatches(args, None, targets if self.has_last_stage else None,
-                                        losses if self.has_last_stage else None)
+                                        losses if self.has_last_stage else None, return_outputs=False)
         finally:
             schedule._has_backward = had_backward
         return [loss.detach() for loss in losses]
@@ -206,16 +208,6 @@ def _pausing_stats(infer: Callable, stage: StageModule) -> Callable:
         with paused_router_stats(stage):
             return infer(*args, **kwargs)
     return run
-
-
-class StageAction(NamedTuple):
-    """One compute action a stage ran: F forward, B full backward, I input-grad, W weight-grad."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    start: float
-    end: float
 
 
 def trace_actions(pipe: PipelineSchedule) -> list[StageAction]:
