@@ -21,10 +21,11 @@ from dist_trainer.model_shape import is_moe_layer
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
 
-POS_EMBEDDINGS = ("learned", "sinusoidal", "rope")
+POS_EMBEDDINGS = ("learned", "sinusoidal", "rope", "relative")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")  # a gate projection beside up: act(gate(x)) * up(x) (Shazeer 2020)
 ROPE_SCALINGS = ("none", "linear", "llama3")
 CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -47,7 +48,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # key/value heads: None = n_heads (MHA), 1 = MQA, between = GQA
     d_ff: int | None = None  # MLP inner size; None = 4 * d_model
     max_seq_len: int = 1024  # longest sequence; sizes learned position tables and RoPE caches
-    pos_embedding: str = "learned"  # learned (GPT-2, BERT) | sinusoidal (fixed) | rope (Llama)
+    # learned (GPT-2, BERT) | sinusoidal (fixed, Vaswani et al. 2017, section 3.5) | rope (Llama) | relative (T5: a
+    # learned bias per head and bucketed distance added to the attention scores; encoder-decoder models only)
+    pos_embedding: str = "learned"
     rope_theta: float = 10000.0  # RoPE base frequency
     # RoPE frequency scaling for contexts past the pretraining length (HF's rope_scaling / rope_parameters):
     # none | linear (every inverse frequency / factor: position interpolation, Chen et al. 2023) | llama3 (Llama 3.1:
@@ -61,7 +64,9 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm (GPT-2, BERT) | rmsnorm (Llama)
     norm_eps: float = 1e-5  # epsilon of every norm (BERT uses 1e-12, Llama 1e-5/1e-6)
     norm_placement: str = "pre"  # pre (GPT-2, Llama: final norm) | post (BERT: embedding norm, none final)
-    activation: str = "gelu"  # gelu | gelu_tanh | relu | swiglu (gated: adds a gate projection)
+    # gelu | gelu_tanh | relu | swiglu (silu-gated: adds a gate projection) | geglu (gelu_tanh-gated: T5 v1.1's
+    # gated-gelu, gate = its wi_0, up = its wi_1)
+    activation: str = "gelu"
     bias: bool = True  # biases in linears and layernorms (Llama: none)
     tie_embeddings: bool = True  # output head shares the token-embedding weight
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
@@ -72,6 +77,18 @@ class ModelConfig:
     # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
     # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
     mlm_head: bool = False
+    # Encoder-decoder (Vaswani et al. 2017; T5, Raffel et al. 2020; docs/seq2seq.md). 0: one stack, as above. > 0:
+    # n_layers encoder layers (bidirectional self-attention + MLP) then this many decoder layers (causal
+    # self-attention, cross-attention over the encoder output, MLP), one token embedding shared by both stacks
+    # (and by the head when tied); the objective is data.objective's (span_corruption or seq2seq), and
+    # model.causal stays true (it names the decoder-only objective otherwise)
+    n_decoder_layers: int = 0
+    rel_buckets: int = 32  # pos_embedding=relative: buckets per direction pair (T5: 32; half per side in the encoder)
+    rel_max_distance: int = 128  # pos_embedding=relative: distances from this on share the last bucket (T5: 128)
+    scale_embeddings: bool = False  # token embeddings * sqrt(d_model) (Vaswani et al. 2017, section 3.4)
+    scale_head_input: bool = False  # last hidden state * d_model**-0.5 before the head (T5 with a tied head)
+    attn_scale: bool = True  # attention scores / sqrt(head_dim); false: none (T5 folds it into q's initialisation)
+    decoder_start_id: int = 0  # encoder-decoder: the decoder's first input token (T5: its pad id 0)
     init_std: float = 0.02  # std of normal init for every weight matrix and embedding
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
     # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
@@ -106,6 +123,15 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
+    @property
+    def gated(self) -> bool:
+        """The MLP has a gate projection (swiglu, geglu)."""
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.n_decoder_layers > 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) is a mixture-of-experts layer: the model, the planner and the
         pipeline split ask here."""
@@ -137,9 +163,9 @@ class ModelConfig:
         self._validate_rope_scaling()
         if not isinstance(self.mlm_head, bool):
             raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
-        if self.mlm_head and self.activation == "swiglu":
+        if self.mlm_head and self.gated:
             raise ValueError("model.mlm_head=true applies model.activation to one dense layer's output: it needs "
-                             "gelu, gelu_tanh or relu, not the gated swiglu")
+                             f"gelu, gelu_tanh or relu, not the gated {self.activation}")
         if self.pos_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.ffn_dim < 1:
@@ -152,6 +178,7 @@ class ModelConfig:
             raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
         self._validate_moe()
         self._validate_lora()
+        self._validate_encoder_decoder()
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)
@@ -170,6 +197,39 @@ class ModelConfig:
             raise ValueError(f"model.rope_low_freq_factor={low!r} and model.rope_high_freq_factor={high!r} must be "
                              "numbers with 0 < low < high (Llama 3.1: 1 and 4)")
         _positive(self, "rope_original_max_seq_len")
+
+    def _validate_encoder_decoder(self) -> None:
+        value = self.n_decoder_layers
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"model.n_decoder_layers={value!r} must be an integer >= 0 (0 = one stack)")
+        if not self.encoder_decoder:
+            if self.pos_embedding == "relative":
+                raise ValueError("model.pos_embedding=relative (T5's bias) is for encoder-decoder models: set "
+                                 "model.n_decoder_layers > 0, or use learned, sinusoidal or rope")
+            return
+        # one stack's features that an encoder-decoder does not have
+        refused = {"causal": (self.causal is not True, "the encoder is bidirectional and the decoder causal; "
+                              "data.objective picks the objective"),
+                   "n_token_types": (self.n_token_types != 0, "no segment embeddings"),
+                   "pooler": (self.pooler, "no pooler"), "mlm_head": (self.mlm_head, "no masked-LM head"),
+                   "n_experts": (self.n_experts != 0, "mixture-of-experts layers are for one stack"),
+                   "pos_embedding": (self.pos_embedding == "rope", "rope is not mapped onto cross-attention; use "
+                                     "relative, sinusoidal or learned")}
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} with model.n_decoder_layers="
+                                 f"{self.n_decoder_layers}: {why}")
+        if not 0 <= self.decoder_start_id < self.vocab_size:
+            raise ValueError(f"model.decoder_start_id={self.decoder_start_id} is not a token id of "
+                             f"model.vocab_size={self.vocab_size}")
+        if self.pos_embedding == "relative":
+            _positive(self, "rel_buckets", "rel_max_distance")
+            if self.rel_buckets < 4 or self.rel_buckets % 2:
+                raise ValueError(f"model.rel_buckets={self.rel_buckets} must be even and >= 4 (the encoder splits "
+                                 "them between the two directions, each half exact then logarithmic)")
+            if self.rel_max_distance <= self.rel_buckets // 2:
+                raise ValueError(f"model.rel_max_distance={self.rel_max_distance} must exceed rel_buckets/2 = "
+                                 f"{self.rel_buckets // 2} (the distances the decoder counts exactly)")
 
     def _validate_moe(self) -> None:
         for name in ("n_experts", "n_shared_experts"):

@@ -188,7 +188,9 @@ def run_params(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "base_total": bd.base_total,
                           "trainable": trainable, "reduction": reduction, "per_layer": bd.layer_total,
-                          "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers, "breakdown": rows}, indent=2))
+                          "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers,
+                          "per_decoder_layer": bd.decoder_layer_total, "n_decoder_layers": bd.n_decoder_layers,
+                          "stacks": {k.strip(): v for k, v in bd.stacks().items()}, "breakdown": rows}, indent=2))
         return 0
     width = max(28, *(len(r["module"]) + 2 for r in rows))
     print(f"{'module':<{width}}{'each':>16}{'x':>6}{'total':>18}{'share':>9}{'active/token':>18}{'trainable':>18}")
@@ -196,7 +198,12 @@ def run_params(args: argparse.Namespace) -> int:
         print(f"{r['module']:<{width}}{r['per_instance']:>16,}{r['instances']:>6}{r['total']:>18,}{r['share']:>9.2%}"
               f"{r['active']:>18,}{r['trainable']:>18,}")
     if bd.n_layers:
-        print(f"{'one dense layer' if bd.n_moe_layers else 'one layer':<{width}}{bd.layer_total:>16,}")
+        one = "one dense layer" if bd.n_moe_layers else "one encoder layer" if bd.n_decoder_layers else "one layer"
+        print(f"{one:<{width}}{bd.layer_total:>16,}")
+    if bd.n_decoder_layers:
+        print(f"{'one decoder layer':<{width}}{bd.decoder_layer_total:>16,}")
+        for part, n in bd.stacks().items():
+            print(f"{part:<{width}}{'':>22}{n:>18,}{n / bd.total:>9.2%}")
     print(f"{'total':<{width}}{'':>22}{bd.total:>18,}{'':>9}{bd.active:>18,}{trainable:>18,}")
     if trainable != bd.total:
         print(f"trainable {trainable:,} of {bd.total:,} ({trainable / bd.total:.4%}); base model {bd.base_total:,}: "
