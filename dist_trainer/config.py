@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dist_trainer.data.span import span_lengths
 from dist_trainer.finetune import lora_target_leaves, training_plan
 from dist_trainer.model_shape import is_moe_layer
 
@@ -31,6 +32,9 @@ CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# data.objective: lm = the model's own language modelling (causal LM, or masked LM for an encoder); an
+# encoder-decoder trains on span_corruption (T5, from token shards) or seq2seq (source/target pairs)
+OBJECTIVES = ("lm", "span_corruption", "seq2seq")
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
@@ -407,13 +411,41 @@ class DataConfig:
     """Token shards written by `dist-trainer prepare`."""
 
     path: str = "data/default"  # folder with meta.json, tokenizer.json and the train/val shards
-    seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len)
+    seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len); an encoder-decoder's source length
     mlm_probability: float = 0.15  # encoders: share of tokens selected for masked-LM (80/10/10 split)
+    # the training objective (OBJECTIVES): lm, or for an encoder-decoder span_corruption (T5 on the token shards:
+    # data/span.py) or seq2seq (the pairs `prepare --pairs` writes: data/pairs.py)
+    objective: str = "lm"
+    noise_density: float = 0.15  # span_corruption: share of each raw window's tokens that are corrupted (T5: 0.15)
+    mean_noise_span: float = 3.0  # span_corruption: mean length of a corrupted span (T5: 3)
+    # encoder-decoder: the decoder's length (targets truncated or padded to it); None = span corruption's exact
+    # target length (no padding), or data.seq_len for seq2seq pairs
+    target_len: int | None = None
 
     def validate(self) -> None:
         _positive(self, "seq_len")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"data.mlm_probability={self.mlm_probability} must be in (0, 1)")
+        _choice(self, "objective", OBJECTIVES)
+        if not 0.0 < self.noise_density < 1.0 or not self.mean_noise_span >= 1.0:
+            raise ValueError(f"data.noise_density={self.noise_density} must be in (0, 1) and data.mean_noise_span="
+                             f"{self.mean_noise_span} >= 1")
+        if self.target_len is not None:
+            _positive(self, "target_len")
+        if self.objective == "span_corruption":
+            exact = span_lengths(self.seq_len, self.noise_density, self.mean_noise_span)[1]
+            if self.target_len is not None and self.target_len < exact:
+                raise ValueError(f"data.target_len={self.target_len} is shorter than span corruption's targets: "
+                                 f"data.seq_len={self.seq_len} at noise {self.noise_density} and mean span "
+                                 f"{self.mean_noise_span} gives {exact}-token targets; leave it unset or >= {exact}")
+
+    def decoder_len(self) -> int:
+        """An encoder-decoder's decoder length (the targets' and the decoder inputs')."""
+        if self.target_len is not None:
+            return self.target_len
+        if self.objective == "span_corruption":
+            return span_lengths(self.seq_len, self.noise_density, self.mean_noise_span)[1]
+        return self.seq_len
 
 
 @dataclass
@@ -539,6 +571,7 @@ class Config:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        self._validate_objective()
         # ValueError naming a malformed pattern, or one matching nothing; and a run where nothing would train
         if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
@@ -549,7 +582,25 @@ class Config:
                 f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={self.data.seq_len} "
                 f"must be divisible by parallel.tp_size={tp}"
             )
+        if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
+            raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "
+                             f"{self.data.decoder_len()} (data.target_len, or span corruption's) must be divisible by "
+                             f"parallel.tp_size={tp}; set data.target_len to a multiple of {tp} (the targets are "
+                             "padded to it)")
         return self
+
+    def _validate_objective(self) -> None:
+        """The objective fits the model: an encoder-decoder trains on span_corruption or seq2seq, one stack on lm."""
+        objective, seq2seq = self.data.objective, self.model.encoder_decoder
+        if seq2seq and objective == "lm":
+            raise ValueError("an encoder-decoder (model.n_decoder_layers > 0) trains on data.objective="
+                             "span_corruption (T5, on token shards) or seq2seq (pairs from prepare --pairs), not lm")
+        if not seq2seq and objective != "lm":
+            raise ValueError(f"data.objective={objective} needs an encoder-decoder (model.n_decoder_layers > 0); "
+                             "one stack trains on lm (causal or masked, as model.causal says)")
+        if seq2seq and self.data.decoder_len() > self.model.max_seq_len:
+            raise ValueError(f"the decoder's length {self.data.decoder_len()} (data.target_len, or span corruption's) "
+                             f"exceeds model.max_seq_len={self.model.max_seq_len}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -38,6 +38,12 @@ from dist_trainer.model_positions import RelativePositionBias, apply_rope, rope_
 from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
 
 IGNORE_INDEX = -100
+SEQ2SEQ_INPUTS = ("decoder_tokens", "source_mask")  # an encoder-decoder batch's inputs beside tokens and targets
+
+
+def seq2seq_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs ``Transformer.forward`` takes from a batch (none for one stack's batch)."""
+    return {k: batch[k] for k in SEQ2SEQ_INPUTS if k in batch}
 
 
 def set_attrs(obj: object, **attrs: object) -> None:

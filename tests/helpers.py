@@ -24,8 +24,9 @@ TINY_VOCAB = 512
 TINY_SEQ = 32
 
 
-def tiny_config(data: Path, out_dir: Path, **sections: dict) -> Config:
-    """A 2-layer model small enough for multi-rank CPU tests; override any section's fields."""
+def tiny_config(data_path: Path, out_dir: Path, **sections: dict) -> Config:
+    """A 2-layer model small enough for multi-rank CPU tests; override any section's fields (``data`` too)."""
+    data = data_path
     tree: dict[str, dict[str, Any]] = {
         "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
                   "dropout": 0.0},

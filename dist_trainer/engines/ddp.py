@@ -21,6 +21,7 @@ from dist_trainer.engines.base import (
     clip_norm,
     sharded_model,
 )
+from dist_trainer.model import seq2seq_inputs
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.grad import expert_param_names, reduce_expert_grads
@@ -73,7 +74,7 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
             sync = i == n - 1 or not isinstance(wrapped, DDP)
             with wrapped.no_sync() if isinstance(wrapped, DDP) and not sync else contextlib.nullcontext():
                 with autocast_for(self.cfg.train.precision, self.device):
-                    loss = wrapped(batch["tokens"], batch["targets"])
+                    loss = wrapped(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float()
@@ -96,6 +97,6 @@ class DataParallelEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
         total = torch.zeros((), device=self.device)
         with autocast_for(self.cfg.train.precision, self.device):
             for batch in batches:
-                total += self.model(batch["tokens"], batch["targets"]).float()
+                total += self.model(batch["tokens"], batch["targets"], **seq2seq_inputs(batch)).float()
         self.model.train()
         return total

@@ -244,18 +244,15 @@ def _tp_logits(self: Transformer, x: torch.Tensor) -> torch.Tensor:
     computes the same full transform, whose gradient ``f``'s backward sums whole (under SP: on
     the sequence shard, its parameters' partial gradients summed by ``finalize_tp_grads``)."""
     ctx = tp_context(self)
-    if self.final_norm is not None:
-        x = self.final_norm(x)
-    if self.mlm_transform is not None:
-        x = self.mlm_transform(x)
-    x = enter_tp_region(x, ctx.group, ctx.sequence_parallel)
+    x = enter_tp_region(self.head_input(x), ctx.group, ctx.sequence_parallel)
     return F.linear(x, self.output_weight(), self.output_bias)
 
 
 def _tp_forward(self: Transformer, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                token_types: torch.Tensor | None = None) -> torch.Tensor:
+                token_types: torch.Tensor | None = None, *, decoder_tokens: torch.Tensor | None = None,
+                source_mask: torch.Tensor | None = None) -> torch.Tensor:
     """As Transformer.forward: the scalar loss (same on every TP rank), or full (B, T, V) logits."""
-    local = self.logits(self.run_layers(self.embed(tokens, token_types)))
+    local = self.logits(self.hidden_states(tokens, token_types, decoder_tokens, source_mask))
     if targets is not None:
         return add_aux_losses(self, self.loss(local, targets))
     return gather_from_tp(local, tp_context(self).group)[..., : self.cfg.vocab_size]
