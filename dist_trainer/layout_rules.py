@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig
 from dist_trainer.finetune import trainable_expert_params
+from dist_trainer.layout_seq2seq import seq2seq_stage_counts
 from dist_trainer.model_shape import embedding_params, layer_param_counts, padded_vocab, tail_params
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
@@ -104,8 +105,13 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
     remainder going to the middle stages first (the first and last also hold the embeddings and
     the head). ``params``: minimise the largest stage's parameter count, embeddings and head
     included (exact DP over the cut points; counts from model_shape.py, which equal the
-    model's). The trainer builds these stages and the planner prices them.
+    model's). The trainer builds these stages and the planner prices them. An encoder-decoder's split (over both
+    stacks, encoder stages first) is ``layout_seq2seq.seq2seq_stage_counts``.
     """
+    if model.encoder_decoder:
+        if balance not in PP_BALANCES:
+            raise ValueError(f"parallel.pp_balance={balance!r} is not one of {', '.join(PP_BALANCES)}")
+        return seq2seq_stage_counts(model, num_stages, balance, stage_layers)
     n = model.n_layers
     if stage_layers is not None:
         counts = list(stage_layers)

@@ -24,10 +24,11 @@ TAIL_NAMES = tuple(n for top in LAST_STAGE_MODULES
 MLP_LEAVES = ("up_proj", "gate_proj", "down_proj")  # an MLP's linears: a dense layer's, an expert's, the shared one's
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj")  # LoRA can adapt these
 # An encoder-decoder (model.n_decoder_layers > 0, model_seq2seq.py): ``layers`` is the encoder stack, closed by
-# ``enc_norm`` (pre-norm); the decoder stack ``dec_layers`` starts with its own position tables (its token embedding
-# is ``tok_emb``), and each of its layers adds cross-attention between self-attention and the MLP
+# ``enc_norm`` (pre-norm); the decoder stack ``dec_layers`` has its own position tables (its token embedding is
+# ``tok_emb``), and each of its layers adds cross-attention between self-attention and the MLP
 ENCODER_LAST_MODULES = ("enc_norm",)  # after the encoder's layers (its last pipeline stage)
-DECODER_FIRST_MODULES = ("dec_pos_emb", "dec_rel_emb")  # before the decoder's layers (its first pipeline stage)
+DECODER_FIRST_MODULES = ("dec_pos_emb", "dec_rel_emb")  # the decoder's tables (on the first pipeline stage, which
+# embeds both stacks' inputs)
 CROSS_ATTENTION_MODULES = ("cross_norm", "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj",
                            "cross_attn.o_proj")  # a decoder layer's, by their names under the layer
 DECODER_LAYER_MODULES = LAYER_MODULES[:5] + CROSS_ATTENTION_MODULES + LAYER_MODULES[5:]  # module order

@@ -118,8 +118,9 @@ class RelativePositionBias(nn.Embedding):
         key = torch.arange(k_len, dtype=torch.long, device=device)[None, :]
         buckets = relative_position_bucket(key - query, bidirectional=self.bidirectional,
                                            num_buckets=self.num_embeddings, max_distance=self.max_distance)
-        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)  # (1, H, q, k)
+        # contiguous: a pipeline stage sends it on (p2p buffers are dense)
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()  # (1, H, q, k)
 
     def extra_repr(self) -> str:
-        return (f"buckets={self.num_embeddings}, heads={self.weight.shape[1]}, max_distance={self.max_distance}, "
+        return (f"buckets={self.num_embeddings}, heads={self.embedding_dim}, max_distance={self.max_distance}, "
                 f"bidirectional={self.bidirectional}")

@@ -31,8 +31,14 @@ from dist_trainer.engines.base import (
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.layout_rules import n_microbatches
+from dist_trainer.model import seq2seq_inputs
 from dist_trainer.model_moe import aux_loss_sum
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
+from dist_trainer.model_names import (
+    DECODER_FIRST_MODULES,
+    ENCODER_LAST_MODULES,
+    FIRST_STAGE_MODULES,
+    LAST_STAGE_MODULES,
+)
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.ep.grad import reduce_expert_grads, split_expert_grads
@@ -57,12 +63,16 @@ class PipelineRankModule(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict()
         for stage in stages:
-            for name in FIRST_STAGE_MODULES + LAST_STAGE_MODULES:
+            for name in FIRST_STAGE_MODULES + LAST_STAGE_MODULES + ENCODER_LAST_MODULES + DECODER_FIRST_MODULES:
                 module = getattr(stage.model, name, None)
                 if module is not None and not hasattr(self, name):
                     setattr(self, name, module)
             for i, layer in zip(stage.layer_ids, stage.model.layers):
                 self.layers[str(i)] = layer
+            for i, layer in zip(stage.layer_ids[len(stage.model.layers):], stage.model.dec_layers or ()):
+                if not hasattr(self, "dec_layers"):  # an encoder-decoder's decoder layers: dec_layers.{j}
+                    self.dec_layers = nn.ModuleDict()
+                self.dec_layers[str(i - stage.model.cfg.n_layers)] = layer
 
 
 class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
@@ -94,17 +104,18 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
             self.name += f"+zero{p.zero_stage}"
 
     def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
-        tokens = torch.cat([b["tokens"] for b in batches]) if self.pipe.has_first_stage else None
+        keys = ("tokens", *seq2seq_inputs(batches[0]))  # an encoder-decoder's first stage reads its decoder inputs too
+        inputs = tuple(torch.cat([b[k] for b in batches]) for k in keys) if self.pipe.has_first_stage else None
         targets = torch.cat([b["targets"] for b in batches]) if self.pipe.has_last_stage else None
         stage_ids = [s.stage_index for s in self.stages]
         aux_before = aux_loss_sum(self.model)
         try:  # the schedule's send/recv are the library's: numbered on the pp axis for a hang report
             with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
                 if train:
-                    loss = self.pipe.step(tokens, targets)
+                    loss = self.pipe.step(inputs, targets)
                 else:
                     losses: list[torch.Tensor] = []
-                    args = (tokens,) if self.pipe.has_first_stage else ()
+                    args = inputs or ()
                     self.pipe.schedule.eval(*args, target=targets, losses=losses)
                     loss = torch.stack([x.detach() for x in losses]).mean() if losses else None
         except RuntimeError as exc:  # a dead or stalled neighbour: say which stage waited on whom
@@ -145,8 +156,12 @@ class PipelineEngine(DenseUpdateMixin, NamedShardsMixin, Engine):
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         for stage in self.stages:
             stage.eval()
+        # one schedule pass per step's worth of micro-batches, so each evaluated micro-batch is a training step's
+        # (a mean over its own target tokens: targets of different lengths, seq2seq pairs, make it matter)
+        step = self.cfg.parallel.grad_accum_steps(self.state.dp_size)
         try:
-            return self._run(batches, train=False)
+            return sum((self._run(batches[i:i + step], train=False) for i in range(0, len(batches), step)),
+                       torch.zeros((), device=self.device))
         finally:
             for stage in self.stages:
                 stage.train()

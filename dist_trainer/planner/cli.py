@@ -150,6 +150,12 @@ def _option_args(p: argparse.ArgumentParser) -> None:
                         "optimizer states (Megatron's distributed optimizer); off: none")
     p.add_argument("--attention-kernel", default="flash", choices=("flash", "math"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--target-len", type=int, default=None, metavar="N",
+                   help="an encoder-decoder's decoder length (default: span corruption's targets for --seq-len "
+                        "sources, or --seq-len with --pairs)")
+    p.add_argument("--pairs", action="store_true",
+                   help="an encoder-decoder trained on seq2seq pairs (padded sources, data.objective=seq2seq) "
+                        "rather than span corruption")
     p.add_argument("--cuda-context-gb", type=float, default=0.5)
     p.add_argument("--fragmentation", type=float, default=0.05)
 
@@ -171,7 +177,7 @@ def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
                            attention_kernel=args.attention_kernel, device=args.device,
                            fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
-                           freeze=tuple(_freeze(args)))
+                           freeze=tuple(_freeze(args)), target_len=args.target_len, source_mask=args.pairs)
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 

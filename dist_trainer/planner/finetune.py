@@ -41,7 +41,6 @@ from dist_trainer.model_shape import (
     layer_params,
     moe_block_params,
     tail_params,
-    token_embedding_params,
 )
 from dist_trainer.planner.params import lora_layer_params
 
@@ -131,7 +130,7 @@ def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: i
                 for i in ids if i < n_enc for leaf in LAYER_MODULES)
     if cfg.encoder_decoder:  # decoder layer j is global layer n_layers + j; the stack's modules beside its ends
         total += _decoder_trainable(cfg, plan, tp_size, [i - n_enc for i in ids if i >= n_enc],
-                                    encoder_end=n_enc - 1 in ids, tok_copy=pp_size > 1 and not first)
+                                    encoder_end=n_enc - 1 in ids, first=first)
     block = moe_block_params(cfg) if cfg.n_experts else {}
     total += sum(v * plan[f"layers.{i}.moe.{k}"][0] for i in ids if cfg.is_moe_layer(i)
                  for k, v in block.items() if v and not k.startswith("experts."))
@@ -146,19 +145,17 @@ def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: i
 
 
 def _decoder_trainable(cfg: ModelConfig, plan: dict[str, tuple[bool, bool]], tp_size: int, decoder_ids: list[int],
-                       *, encoder_end: bool, tok_copy: bool) -> int:
+                       *, encoder_end: bool, first: bool) -> int:
     """An encoder-decoder rank's trainable decoder-side parameters: its decoder layers, ``enc_norm`` with the
-    encoder's last layer, the decoder's position tables with its first layer (and the token embedding's copy the
-    decoder's first pipeline stage keeps when it is not the first stage, ``tok_copy``)."""
+    encoder's last layer, the decoder's position tables on the first stage (which embeds both stacks' inputs)."""
     base, adapters = decoder_layer_params(cfg, tp_size), lora_layer_params(cfg, tp_size, decoder=True)
     total = sum(base[k] * plan.get(layer_module_name(j, k, "dec_layers"), (False, False))[0]
                 + adapters[k] * plan.get(layer_module_name(j, k, "dec_layers"), (False, False))[1]
                 for j in decoder_ids for k in DECODER_LAYER_MODULES)
     if encoder_end:
         total += sum(v * plan.get(n, (False, False))[0] for n, v in encoder_last_params(cfg).items())
-    if 0 in decoder_ids:
+    if first:
         total += sum(v * plan.get(n, (False, False))[0] for n, v in decoder_first_params(cfg, tp_size).items())
-        total += token_embedding_params(cfg, tp_size) * plan["tok_emb"][0] if tok_copy else 0
     return total
 
 

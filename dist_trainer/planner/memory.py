@@ -38,6 +38,7 @@ from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
+from dist_trainer.planner.seq2seq import seq2seq_stage_activations, target_length
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -123,6 +124,9 @@ class TrainingOptions:
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
     zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
     freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
+    # an encoder-decoder's batch: the decoder's length (None: seq_len) and whether sources are padded (a mask)
+    target_len: int | None = None
+    source_mask: bool = False
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:
@@ -280,12 +284,27 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
                               precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
                               ep_size=layout.ep_size)
+    if cfg.encoder_decoder:
+        return seq2seq_activation_bytes(cfg, layout, spec, options, pp_rank, _in_flight(layout, pp_rank))
     costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
                              tokens=layout.micro_batch_size * seq_len, first=pp_rank == 0,
                              last=pp_rank == layout.pp_size - 1,
                              in_flight=_in_flight(layout, pp_rank))
+
+
+def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.ActivationSpec, options: TrainingOptions,
+                             pp_rank: int, in_flight: float) -> dict[str, int]:
+    """``stage_activation_bytes`` of an encoder-decoder (``planner/seq2seq.py``): the source's and the target's
+    tokens, the rank's stages of either stack."""
+    ids = layout.rank_layer_ids(cfg, pp_rank)
+    return seq2seq_stage_activations(cfg, spec, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                     layer_ids=ids, batch=layout.micro_batch_size,
+                                     target_len=target_length(spec.seq_len, options.target_len, options.source_mask),
+                                     padded=options.source_mask,
+                                     first=pp_rank == 0, last=pp_rank == layout.pp_size - 1, in_flight=in_flight,
+                                     encoder_last=cfg.n_layers - 1 in ids)
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:

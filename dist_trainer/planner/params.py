@@ -72,13 +72,17 @@ def lora_layer_params(cfg: ModelConfig, tp_size: int = 1, decoder: bool = False)
     return {key: count(key) for key in (DECODER_LAYER_MODULES if decoder else LAYER_MODULES)}
 
 
-def lora_replicated_params(cfg: ModelConfig, tp_size: int) -> int:
-    """Adapter parameters of one layer that every TP rank keeps whole (A of column targets, B of row targets)."""
+def lora_replicated_params(cfg: ModelConfig, tp_size: int, decoder: bool = False) -> int:
+    """Adapter parameters of one layer that every TP rank keeps whole (A of column targets, B of row targets);
+    ``decoder``: an encoder-decoder's decoder layer, whose cross-attention linears are adapted as self-attention's."""
     if tp_size == 1:
         return 0
     shapes = lora_shapes(cfg, tp_size)
+    leaves = [*lora_target_leaves(cfg)]
+    if decoder:
+        leaves += [leaf for leaf in lora_target_leaves(cfg) if leaf in ("q_proj", "k_proj", "v_proj", "o_proj")]
     return sum(cfg.lora_rank * (shapes[leaf][0] * shapes[leaf][2] + shapes[leaf][1] * shapes[leaf][3])
-               for leaf in lora_target_leaves(cfg))
+               for leaf in leaves)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from dist_trainer.planner.memory import (
     rank_expert_trainable,
     rank_memory,
     rank_trainable,
+    seq2seq_activation_bytes,
 )
 from dist_trainer.planner.rank_params import RankParams
 
@@ -114,13 +115,16 @@ class _Planner:
             self._layers[key] = [layout.rank_layer_ids(self.cfg, r) for r in range(layout.pp_size)]
         return self._layers[key]
 
+    def spec(self, tp: int, sp: bool, ep: int = 1) -> act.ActivationSpec:
+        o = self.options
+        return act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
+                                  attention_kernel=o.attention_kernel, device=o.device,
+                                  sp_saves_gathered_input=o.sp_saves_gathered_input, ep_size=ep)
+
     def costs(self, tp: int, sp: bool, ep: int = 1) -> LayerCosts:
         if (tp, sp, ep) not in self._costs:
-            o = self.options
-            spec = act.ActivationSpec(seq_len=self.seq_len, tp_size=tp, sequence_parallel=sp, precision=o.precision,
-                                      attention_kernel=o.attention_kernel, device=o.device,
-                                      sp_saves_gathered_input=o.sp_saves_gathered_input, ep_size=ep)
-            self._costs[(tp, sp, ep)] = layer_costs(self.cfg, spec, grad_plan(self.cfg, o.freeze))
+            self._costs[(tp, sp, ep)] = layer_costs(self.cfg, self.spec(tp, sp, ep), grad_plan(self.cfg,
+                                                                                               self.options.freeze))
         return self._costs[(tp, sp, ep)]
 
     def memory_of(self, layout: Layout) -> RankMemory:
@@ -135,11 +139,15 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
-                                     mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                     layer_ids=layers[r],
-                                     tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
-                                     last=r == p - 1, in_flight=in_flight)
+            if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+                acts = seq2seq_activation_bytes(self.cfg, layout, self.spec(layout.tp_size, layout.sequence_parallel),
+                                                self.options, r, in_flight)
+            else:
+                acts = stage_activations(self.costs(layout.tp_size, layout.sequence_parallel, layout.ep_size),
+                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                         layer_ids=layers[r],
+                                         tokens=layout.micro_batch_size * self.seq_len, first=r == 0,
+                                         last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
             if worst is None or mem.device_total > worst.device_total:

@@ -47,30 +47,38 @@ SCHEDULES = {
 }
 
 
-def _embedding_group(state: ParallelState) -> AxisGroup | None:
-    """The (first stage, last stage) pair of this rank's pp line, for the tied-embedding grads.
+def _embedding_group(state: ParallelState, pp_ranks: list[int]) -> AxisGroup | None:
+    """The pp ranks of this rank's pp line that hold a copy of the token embedding (the first stage and, tied, the
+    last), for summing their gradients.
 
-    ``dist.new_group`` is collective over the world: every rank creates every pair, in the
-    same grid order as ``ParallelState.build``. pp_size 2 reuses the pp group itself.
+    ``dist.new_group`` is collective over the world: every rank creates every line's group, in the
+    same grid order as ``ParallelState.build``. A set that is the whole pp line reuses the pp group itself.
     """
     pp, tp = state.pp_size, state.tp_size
-    if pp == 1:
+    if len(pp_ranks) < 2:
         return None
-    if pp == 2:
+    if pp_ranks == list(range(pp)):
         return state.pp
     dp = state.world_size // (pp * tp)
     grid = rank_grid(state.world_size, dp, pp, tp)
-    mine = (state.pp.ranks[0], state.pp.ranks[-1])
+    mine = tuple(state.pp.ranks[p] for p in pp_ranks)
     group = None
     for d in range(dp):
         for t in range(tp):
-            pair = [grid[d][0][t], grid[d][pp - 1][t]]
-            g = dist.new_group(pair)
-            if tuple(pair) == mine:
+            line = [grid[d][p][t] for p in pp_ranks]
+            g = dist.new_group(line)
+            if tuple(line) == mine:
                 group = g
-    if state.pp_rank not in (0, pp - 1):
+    if state.pp_rank not in pp_ranks:
         return None
-    return AxisGroup("pp", 2, 0 if state.pp_rank == 0 else 1, group, mine, state.counter)
+    return AxisGroup("pp", len(pp_ranks), pp_ranks.index(state.pp_rank), group, mine, state.counter)
+
+
+def token_embedding_ranks(stages: list[StageModule], pp_size: int) -> list[int]:
+    """The pp ranks whose stages hold a copy of the token embedding (stage s runs on pp rank s % pp_size): the first
+    stage, and the last when the head is tied (an encoder-decoder's too: its first stage embeds both stacks)."""
+    last = stages[0].num_stages - 1
+    return sorted({s % pp_size for s in (0, *([last] if stages[0].model.cfg.tie_embeddings else []))})
 
 
 @dataclass
@@ -96,9 +104,14 @@ class PipelineSchedule:
     def has_first_stage(self) -> bool:
         return any(s.is_first for s in self.stages)
 
-    def step(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
-        """tokens are read on the first stage's rank, targets on the last's; others may pass None."""
-        checks = ((tokens, self.has_first_stage, "tokens"), (targets, self.has_last_stage, "targets"))
+    def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
+             targets: torch.Tensor | None) -> torch.Tensor | None:
+        """``inputs`` (the tokens, or a tuple: an encoder-decoder's with its decoder ids and source mask) are read on
+        the first stage's rank, targets on the last's; others may pass None."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        checks = [*((t, self.has_first_stage, "inputs") for t in inputs or ()),
+                  (targets, self.has_last_stage, "targets")]
         for batch, needed, what in checks:
             if needed and batch is not None and batch.shape[0] % self.n_microbatches:
                 raise RuntimeError(
@@ -106,7 +119,7 @@ class PipelineSchedule:
                     f"n_microbatches={self.n_microbatches}"
                 )
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first_stage else ()
+        args = tuple(inputs or ()) if self.has_first_stage else ()
         if self.has_last_stage:
             self.schedule.step(*args, target=targets, losses=losses)
             return torch.stack([loss.detach() for loss in losses]).mean()
@@ -116,8 +129,8 @@ class PipelineSchedule:
     def finalize_grads(self) -> None:
         if self.embedding_group is None:
             return
-        # the embedding on the first stage, its head copy on the last: each rank holds one
-        owner = next(s for s in self.stages if s.is_first or s.is_last)
+        # the embedding on the first stage, its head copy on the last: each rank holds one (stages on one rank share it)
+        owner = next(s for s in self.stages if s.model.tok_emb is not None)
         weight = owner.model.tok_emb.weight
         if not weight.requires_grad:  # frozen (train.freeze names tok_emb on both stages, or LoRA): no gradient
             return
@@ -166,13 +179,12 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
         schedule = cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     else:
         schedule = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    tied = stages[0].model.cfg.tie_embeddings
     for s in stages:
-        if tied and s.is_last and not s.is_first and not any(t.is_first for t in stages):
+        if s.model.tok_emb is not None and not any(t.is_first for t in stages):
             # the head copy is counted once (on stage 0) in the grad norm, as Megatron's
             # param_is_not_shared; marked here, after any TP rewrite replaced the Parameter
             set_attrs(s.model.tok_emb.weight, pp_shared_copy=True)
-    group = _embedding_group(state) if tied else None
+    group = _embedding_group(state, token_embedding_ranks(stages, state.pp_size))
     return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
 
 
