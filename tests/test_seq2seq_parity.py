@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dist_trainer.finetune import lora_module_names
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
+from tests.helpers import assert_same_curves, assert_same_health, curves, health_records, relative_diff, tiny_config
 
 T5 = {"n_decoder_layers": 2, "pos_embedding": "relative", "rel_buckets": 8, "rel_max_distance": 20, "norm": "rmsnorm",
       "bias": False, "activation": "geglu", "tie_embeddings": True, "scale_head_input": True, "attn_scale": False}
@@ -41,6 +41,8 @@ MODELS = {"t5": (T5, "span"), "vaswani": (VASWANI, "pairs"), "t5-lora": (LORA, "
 DATA = {"span": {"objective": "span_corruption", "seq_len": 32},  # 8-token targets
         "pairs": {"objective": "seq2seq", "seq_len": 32, "target_len": 24}}
 STEPS = {"max_steps": 6, "eval_every": 3, "save_every": 3}
+HEALTH = {"every": 3}  # the per-layer signals at steps 3 and 6 (both stacks' layers, the cross-attention)
+HEALTH_LAYOUTS = ("t5:tp2sp", "t5:pp2_gpipe", "t5:zero3", "t5:pp4", "t5:tp2xpp2sp")
 
 TWO = {"t5:tp2sp": ("t5", {"tp_size": 2, "sequence_parallel": True}),
        "t5:pp2_gpipe": ("t5", {"pp_size": 2, "pp_schedule": "gpipe"}),
@@ -62,13 +64,16 @@ RESUMES = {"pp2": {"pp_size": 2, "pp_schedule": "gpipe"}, "zero3": {"zero_stage"
 
 def _config(data: dict[str, Path], out: Path, model: str, parallel: dict, **train: Any) -> Any:
     fields, kind = MODELS[model]
-    return tiny_config(data[kind], out, model=fields, data=DATA[kind], parallel=parallel, train={**STEPS, **train})
+    return tiny_config(data[kind], out, model=fields, data=DATA[kind], parallel=parallel, train={**STEPS, **train},
+                       health=HEALTH)
 
 
 def _run(data: dict[str, Path], out: Path, model: str, parallel: dict, **train: Any) -> dict[str, Any]:
-    result = curves(Trainer(_config(data, out, model, parallel, **train)).train())
+    trainer = Trainer(_config(data, out, model, parallel, **train))
+    result = curves(trainer.train())
     checked = out / "plan_check.json"  # every rank's figures, written by rank 0 (train/plan_check.py)
     result["plan_check"] = json.loads(checked.read_text())["ranks"] if checked.is_file() else None
+    result["health"] = health_records(out) if trainer.env.rank == 0 else None
     return result
 
 
@@ -122,6 +127,24 @@ def test_planner_predicts_every_ranks_model_states_and_saved_activations(name: s
             assert 0.5 < ratio <= 1.0, (name, row)
         elif parallel.get("pp_virtual_stages", 1) == 1:  # (docs/seq2seq.md: the interleaved schedules' in-flight)
             assert abs(ratio - 1) <= 0.01, (name, row)
+
+
+@pytest.mark.parametrize("name", HEALTH_LAYOUTS)
+def test_health_signals_of_both_stacks_equal_the_single_process(name: str, runs: dict[str, Any]) -> None:
+    """The per-layer health signals (grad and parameter norms, update ratios, attention projection norms, MLP
+    gradient quantiles) of the encoder's and the decoder's layers, cross-attention included, reduced over every
+    layout's grid, are the single process's: within 5e-5 (individual gradient norms after three steps at lr 1e-2
+    carry fp32 summation-order differences a little above the losses' 1e-5). The gradient noise scale reads each
+    micro-batch's gradient: compared where the layout keeps the single process's micro-batches of 4."""
+    ref = runs["single"]["t5"]["health"]
+    assert sorted(ref) == [3, 6]
+    expected = {"health/grad_norm/dec_layers.1.cross_attn", "health/attn_proj_norm/dec_layers.0.cross_attn.k",
+                "health/grad_norm/layers.0.attn", "health/mlp_grad_abs/dec_layers.1/p90", "health/grad_norm/embed",
+                "health/param_norm/cross_attn"}
+    assert expected <= set(ref[3]), expected - set(ref[3])
+    same_micro_batches = {**TWO, **FOUR}[name][1].get("micro_batch_size", 4) == 4
+    assert_same_health(runs[name]["health"], ref, name, rel_tol=5e-5,
+                       skip=() if same_micro_batches else ("health/noise/",))
 
 
 def test_the_runs_learn_and_lora_adapts_cross_attention(runs: dict[str, Any]) -> None:
