@@ -164,3 +164,62 @@ def test_t5_config_keys_that_change_the_maths_are_refused(t5_folders: dict[str, 
         (folder / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=needle):
             load_plain_model(folder)
+
+
+# A run from a T5 folder (train.init_from: the model section from its config.json) on seq2seq pairs, one step at
+# lr 0 in each layout: its loss is the single process's, which is transformers' own loss on that batch; the tp=2
+# run's checkpoint exported with `export --format hf` is the input folder, tensor for tensor.
+PAIRS_VOCAB = 512  # tests/conftest.pairs_data's vocabulary
+LAYOUTS = {"tp2sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2, "pp_schedule": "gpipe"}}
+
+
+def _run_from(data: Path, out: Path, folder: Path, parallel: dict[str, Any]) -> dict[str, Any]:
+    from dist_trainer.train.trainer import Trainer
+    from tests.helpers import curves, tiny_config
+
+    cfg = tiny_config(data, out, model={"preset": "tiny"}, parallel=parallel,
+                      data={"objective": "seq2seq", "seq_len": 32, "target_len": 24},
+                      optim={"lr": 0.0, "min_lr": 0.0, "warmup_steps": 0},
+                      train={"init_from": str(folder), "max_steps": 1, "eval_every": 1, "save_every": 1})
+    return curves(Trainer(cfg, log=False).train())
+
+
+def _layouts(rank: int, world: int, data: Path, root: Path, folder: Path) -> dict[str, Any]:
+    return {name: _run_from(data, root / name, folder, parallel) for name, parallel in LAYOUTS.items()}
+
+
+def test_a_run_from_a_t5_folder_in_every_layout_and_its_export(pairs_data: Path, tmp_path: Path) -> None:
+    from dist_trainer.testing import run_distributed
+    from dist_trainer.train.trainer import Trainer
+    from tests.helpers import assert_same_curves, curves, tiny_config
+
+    torch.manual_seed(1)
+    folder = tmp_path / "t5"
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=PAIRS_VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0))
+    model.save_pretrained(folder, max_shard_size="40KB")
+    cfg = tiny_config(pairs_data, tmp_path / "single", model={"preset": "tiny"},
+                      data={"objective": "seq2seq", "seq_len": 32, "target_len": 24},
+                      optim={"lr": 0.0, "min_lr": 0.0, "warmup_steps": 0},
+                      train={"init_from": str(folder), "max_steps": 1, "eval_every": 1, "save_every": 1})
+    trainer = Trainer(cfg, log=False)
+    theirs = _reference(folder)
+    losses = []
+    for indices in trainer.sampler.micro_batches(0):
+        batch = trainer._batch(trainer.train_data, indices, 0)
+        with torch.no_grad():
+            losses.append(theirs(input_ids=batch["tokens"], attention_mask=batch["source_mask"].long(),
+                                 decoder_input_ids=batch["decoder_tokens"], labels=batch["targets"]).loss.item())
+    single = curves(trainer.train())
+    assert abs(single["losses"][0] - sum(losses) / len(losses)) <= 1e-5 * single["losses"][0], (single, losses)
+    results = run_distributed(_layouts, 2, (pairs_data, tmp_path, folder))[0]
+    for name in LAYOUTS:
+        assert_same_curves(results[name], single, what=name)
+    out = tmp_path / "export"
+    export_checkpoint(tmp_path / "tp2sp", out, max_shard_size="40KB")
+    want, got = _tensors(folder), _tensors(out)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    _, info = transformers.T5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
