@@ -127,7 +127,7 @@ class ActivationSpec:
         return 1.0 if self.sp_saves_gathered_input else self.rep
 
 
-def _norm(cfg: ModelConfig, spec: ActivationSpec, name: str, input_grad: bool = True,
+def norm_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, name: str, input_grad: bool = True,
           weight_grad: bool = True) -> list[SavedTensor]:
     """A norm's tensors: LayerNorm's one node keeps its input and statistics whenever it is in the graph; RMSNorm
     keeps its input and rsqrt for the input's gradient and the normalised product for the weight's."""
@@ -302,11 +302,12 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
     ffn = _moe(cfg, spec, mlp_input, flow["mlp_out"]) if moe else [*mlp_input, *_mlp(cfg, spec, g, flow)]
     mlp = [*ffn, *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_out"])]
     if pre:
-        return [*_norm(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
-                *_norm(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp, *_adapters(cfg, spec, g, flow)]
+        return [*norm_saved_tensors(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
+                *norm_saved_tensors(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp,
+                *_adapters(cfg, spec, g, flow)]
     # post-norm: the layer input feeds q/k/v directly; each norm sees the residual sum
-    return [*attn, *_norm(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base), *mlp,
-            *_norm(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base),
+    return [*attn, *norm_saved_tensors(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base), *mlp,
+            *norm_saved_tensors(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base),
             *_adapters(cfg, spec, g, flow)]
 
 
@@ -354,7 +355,7 @@ def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec,
         out.append(SavedTensor("embedding.type_ids", 1, 8))
     tables = bool(trains & {"tok_emb", "pos_emb", "type_emb"})
     if cfg.norm_placement == "post":
-        out += _norm(cfg, spec, "emb_norm", tables, "emb_norm" in trains)
+        out += norm_saved_tensors(cfg, spec, "emb_norm", tables, "emb_norm" in trains)
     if cfg.dropout > 0 and (tables or "emb_norm" in trains):
         mask = 1 if spec.device == "cuda" else spec.residual  # the embedding sum is in the residual dtype
         out.append(SavedTensor("embedding.dropout_mask", cfg.d_model * spec.rep, mask))
@@ -370,7 +371,7 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool 
     (``model_names.TAIL_NAMES``), those that train (None: all; a tied head trains with the token embedding)."""
     trains = frozenset(TAIL_NAMES) if trains is None else trains
     pre = cfg.norm_placement == "pre"
-    out = _norm(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
+    out = norm_saved_tensors(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
     grad = input_grad or (pre and "final_norm" in trains)  # the head's (or the transform's) input requires grad
     if cfg.mlm_head:
         out += _mlm_transform(cfg, spec, grad, trains)
@@ -397,7 +398,7 @@ def _mlm_transform(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool, tra
     out = [SavedTensor("mlm_transform.dense.input", h, spec.act)] if dense_trains else []
     if through:
         out.append(SavedTensor("mlm_transform.activation", h, spec.act))
-    norm = _norm(cfg, spec, "mlm_transform.norm", through, "mlm_transform.norm" in trains)
+    norm = norm_saved_tensors(cfg, spec, "mlm_transform.norm", through, "mlm_transform.norm" in trains)
     if cfg.activation == "relu" and spec.act == 4 and through:
         norm = [x for x in norm if x.name != "mlm_transform.norm.input"]  # the same fp32 tensor as relu's output
     return out + norm

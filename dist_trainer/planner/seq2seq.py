@@ -48,7 +48,7 @@ def _mask(spec: ActivationSpec) -> int:
 def cross_attention_per_target(cfg: ModelConfig, spec: ActivationSpec, selective: bool) -> float:
     """Bytes per target token of one decoder layer's cross-attention, the k/v side excluded (``per_source``)."""
     h, t = cfg.d_model, spec.tp_size
-    out = [*act._norm(cfg, spec, "cross_norm"), SavedTensor("cross.q_input", h * spec.lin_in, spec.act)]
+    out = [*act.norm_saved_tensors(cfg, spec, "cross_norm"), SavedTensor("cross.q_input", h * spec.lin_in, spec.act)]
     if selective:
         out += [SavedTensor("cross.q_proj_out", h / t, spec.act), SavedTensor("cross.o_input", h / t, spec.act)]
     elif spec.attention_kernel == "flash":
@@ -143,7 +143,7 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
     if relative and padded and any(i < n_enc for i in layer_ids):
         saved += B * S  # the source's padding folded into the encoder's bias
     if encoder_last:
-        saved += per_token(act._norm(cfg, enc, "enc_norm")) * B * S if cfg.norm_placement == "pre" else 0
+        saved += per_token(act.norm_saved_tensors(cfg, enc, "enc_norm")) * B * S if cfg.norm_placement == "pre" else 0
     head = per_token(act.head_saved_tensors(cfg, dec)) * B * T if last else 0.0
     saved += head
     weights += _amp_head(cfg, spec) if last else 0
