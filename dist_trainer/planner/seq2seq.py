@@ -10,8 +10,9 @@ encoder output (the memory, S tokens). What is shared is counted once, as the sa
   each k/v linear keeps its own 16-bit copy (two per layer), under SP each layer its own all-gathered copy;
 - T5's relative position bias (``pos_embedding=relative``): the bucket ids (S x S and T x T int64) of its lookups on
   the first stage, the decoder's causal mask and the source's padding folded into the float bias (their bool masks
-  kept by ``masked_fill``) on every stage that folds them; a bias that requires grad sends SDPA down its math path
-  (no fused kernel takes a gradient for the mask), so the stacks' self-attention is priced as the math kernel;
+  kept by ``masked_fill``) on every stage that folds them; on CPU a bias that requires grad sends SDPA down its math
+  path (the CPU flash kernel takes no gradient for the mask), so the stacks' self-attention is priced as the math
+  kernel; on CUDA the memory-efficient kernel takes it and keeps less: there this is an upper bound (not measured);
 - the source padding (``data.objective=seq2seq``): without a bias SDPA's flash kernel turns the bool mask into a
   float one per call (encoder layer, cross-attention), B S elements of the activation dtype each;
 - full recomputation keeps each layer's input and, once, the memory and the masks its layers share.
