@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import benchmark_data  # noqa: E402
 from dist_trainer.config import Config  # noqa: E402
 from dist_trainer.config_load import config_from_dict  # noqa: E402
-from dist_trainer.data.batch import collate  # noqa: E402
 from dist_trainer.planner.memory import Layout, Overheads, predict_rank_memory  # noqa: E402
 from dist_trainer.quant.modules import int8_buffers  # noqa: E402
 from dist_trainer.train.evaluate import EvalSettings, eval_loss  # noqa: E402
@@ -58,8 +57,7 @@ def make_config(data: Path, out: Path, steps: int, model: dict[str, Any] | None 
 
 def model_states(trainer: Trainer) -> dict[str, int]:
     """What the rank owns between a backward and its step (the gradients alive), and the planner's figures."""
-    batches = [collate(trainer.train_data, idx, causal=True, step=0, seed=0)
-               for idx in trainer.sampler.micro_batches(0)]
+    batches = [trainer._batch(trainer.train_data, idx, 0) for idx in trainer.sampler.micro_batches(0)]
     trainer.engine.forward_backward(batches)
     owned = trainer.engine.owned_state_bytes()
     trainer.engine.model.zero_grad(set_to_none=True)

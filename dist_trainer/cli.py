@@ -4,6 +4,7 @@
     dist-trainer train    [--config FILE] [--section.field=value ...]   (under torchrun/deepspeed/...)
     dist-trainer check    --config FILE --world-size N [--gpus-per-node G]  (the pre-launch check, no launch)
     dist-trainer generate --checkpoint RUN_OR_STEP --prompt TEXT | --prompt-ids 1,2,3 [--greedy] [--json]
+                          (an encoder-decoder: --source TEXT | --source-ids 1,2,3)
     dist-trainer export   --checkpoint RUN_OR_STEP --out DIR [--merge-lora] [--quantize int8]  (safetensors)
     dist-trainer eval     --checkpoint A [--checkpoint B ...] [--data DIR]   (validation loss, side by side)
     dist-trainer report   RUN [--out DIR]                                  (PNGs from metrics.jsonl)
@@ -107,6 +108,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt-ids", metavar="IDS",
                         help="token ids instead of text, e.g. 1,2,3 (no tokenizer needed; write --prompt-ids=-1 "
                              "for an id argparse would take for an option)")
+    prompt.add_argument("--source", help="an encoder-decoder's input text (encoded once; the decoder answers it)")
+    prompt.add_argument("--source-ids", metavar="IDS", help="an encoder-decoder's input as token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=100,
                    help="at most this many new tokens (capped where they would overflow the model's context "
                         "unless --sliding-window)")
@@ -132,6 +135,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--greedy and --temperature {args.temperature} disagree: greedy is temperature 0")
     temperature = 0.0 if args.greedy else (0.8 if args.temperature is None else args.temperature)
     prompt_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)
+    source_ids = None if args.source_ids is None else parse_prompt_ids(args.source_ids)
 
     def note(text: str) -> None:
         sys.stderr.write(f"generate: {text}\n")
@@ -141,7 +145,8 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = generate(args.checkpoint, prompt=args.prompt, prompt_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+    result = generate(args.checkpoint, prompt=args.prompt, prompt_ids=prompt_ids, source=args.source,
+                      source_ids=source_ids, max_new_tokens=args.max_new_tokens,
                       temperature=temperature, top_k=args.top_k, seed=args.seed, data_path=args.data,
                       sliding_window=args.sliding_window, ignore_eos=args.ignore_eos,
                       on_text=None if args.json else write, on_note=note)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dist_trainer.data.span import span_lengths
 from dist_trainer.finetune import lora_target_leaves, training_plan
 from dist_trainer.model_shape import is_moe_layer
 from dist_trainer.quant.sizes import check_int8_base
@@ -22,16 +23,20 @@ from dist_trainer.quant.sizes import check_int8_base
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
 
-POS_EMBEDDINGS = ("learned", "sinusoidal", "rope")
+POS_EMBEDDINGS = ("learned", "sinusoidal", "rope", "relative")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")  # a gate projection beside up: act(gate(x)) * up(x) (Shazeer 2020)
 ROPE_SCALINGS = ("none", "linear", "llama3")
 CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_MODES = ("ring", "all_to_all")  # context parallelism's attention over the cp group (parallel/cp/)
+# data.objective: lm = the model's own language modelling (causal LM, or masked LM for an encoder); an
+# encoder-decoder trains on span_corruption (T5, from token shards) or seq2seq (source/target pairs)
+OBJECTIVES = ("lm", "span_corruption", "seq2seq")
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
@@ -51,7 +56,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # key/value heads: None = n_heads (MHA), 1 = MQA, between = GQA
     d_ff: int | None = None  # MLP inner size; None = 4 * d_model
     max_seq_len: int = 1024  # longest sequence; sizes learned position tables and RoPE caches
-    pos_embedding: str = "learned"  # learned (GPT-2, BERT) | sinusoidal (fixed) | rope (Llama)
+    # learned (GPT-2, BERT) | sinusoidal (fixed, Vaswani et al. 2017, section 3.5) | rope (Llama) | relative (T5: a
+    # learned bias per head and bucketed distance added to the attention scores; encoder-decoder models only)
+    pos_embedding: str = "learned"
     rope_theta: float = 10000.0  # RoPE base frequency
     # RoPE frequency scaling for contexts past the pretraining length (HF's rope_scaling / rope_parameters):
     # none | linear (every inverse frequency / factor: position interpolation, Chen et al. 2023) | llama3 (Llama 3.1:
@@ -65,7 +72,9 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm (GPT-2, BERT) | rmsnorm (Llama)
     norm_eps: float = 1e-5  # epsilon of every norm (BERT uses 1e-12, Llama 1e-5/1e-6)
     norm_placement: str = "pre"  # pre (GPT-2, Llama: final norm) | post (BERT: embedding norm, none final)
-    activation: str = "gelu"  # gelu | gelu_tanh | relu | swiglu (gated: adds a gate projection)
+    # gelu | gelu_tanh | relu | swiglu (silu-gated: adds a gate projection) | geglu (gelu_tanh-gated: T5 v1.1's
+    # gated-gelu, gate = its wi_0, up = its wi_1)
+    activation: str = "gelu"
     bias: bool = True  # biases in linears and layernorms (Llama: none)
     tie_embeddings: bool = True  # output head shares the token-embedding weight
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
@@ -76,6 +85,18 @@ class ModelConfig:
     # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
     # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
     mlm_head: bool = False
+    # Encoder-decoder (Vaswani et al. 2017; T5, Raffel et al. 2020; docs/seq2seq.md). 0: one stack, as above. > 0:
+    # n_layers encoder layers (bidirectional self-attention + MLP) then this many decoder layers (causal
+    # self-attention, cross-attention over the encoder output, MLP), one token embedding shared by both stacks
+    # (and by the head when tied); the objective is data.objective's (span_corruption or seq2seq), and
+    # model.causal stays true (it names the decoder-only objective otherwise)
+    n_decoder_layers: int = 0
+    rel_buckets: int = 32  # pos_embedding=relative: buckets per direction pair (T5: 32; half per side in the encoder)
+    rel_max_distance: int = 128  # pos_embedding=relative: distances from this on share the last bucket (T5: 128)
+    scale_embeddings: bool = False  # token embeddings * sqrt(d_model) (Vaswani et al. 2017, section 3.4)
+    scale_head_input: bool = False  # last hidden state * d_model**-0.5 before the head (T5 with a tied head)
+    attn_scale: bool = True  # attention scores / sqrt(head_dim); false: none (T5 folds it into q's initialisation)
+    decoder_start_id: int = 0  # encoder-decoder: the decoder's first input token (T5: its pad id 0)
     init_std: float = 0.02  # std of normal init for every weight matrix and embedding
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
     # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
@@ -117,6 +138,15 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
+    @property
+    def gated(self) -> bool:
+        """The MLP has a gate projection (swiglu, geglu)."""
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.n_decoder_layers > 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) is a mixture-of-experts layer: the model, the planner and the
         pipeline split ask here."""
@@ -148,9 +178,9 @@ class ModelConfig:
         self._validate_rope_scaling()
         if not isinstance(self.mlm_head, bool):
             raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
-        if self.mlm_head and self.activation == "swiglu":
+        if self.mlm_head and self.gated:
             raise ValueError("model.mlm_head=true applies model.activation to one dense layer's output: it needs "
-                             "gelu, gelu_tanh or relu, not the gated swiglu")
+                             f"gelu, gelu_tanh or relu, not the gated {self.activation}")
         if self.pos_embedding == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.ffn_dim < 1:
@@ -165,6 +195,7 @@ class ModelConfig:
         self._validate_lora()
         _choice(self, "base_weight_dtype", BASE_WEIGHT_DTYPES)
         _positive(self, "base_weight_group")
+        self._validate_encoder_decoder()
 
     def _validate_rope_scaling(self) -> None:
         _choice(self, "rope_scaling", ROPE_SCALINGS)
@@ -183,6 +214,39 @@ class ModelConfig:
             raise ValueError(f"model.rope_low_freq_factor={low!r} and model.rope_high_freq_factor={high!r} must be "
                              "numbers with 0 < low < high (Llama 3.1: 1 and 4)")
         _positive(self, "rope_original_max_seq_len")
+
+    def _validate_encoder_decoder(self) -> None:
+        value = self.n_decoder_layers
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"model.n_decoder_layers={value!r} must be an integer >= 0 (0 = one stack)")
+        if not self.encoder_decoder:
+            if self.pos_embedding == "relative":
+                raise ValueError("model.pos_embedding=relative (T5's bias) is for encoder-decoder models: set "
+                                 "model.n_decoder_layers > 0, or use learned, sinusoidal or rope")
+            return
+        # one stack's features that an encoder-decoder does not have
+        refused = {"causal": (self.causal is not True, "the encoder is bidirectional and the decoder causal; "
+                              "data.objective picks the objective"),
+                   "n_token_types": (self.n_token_types != 0, "no segment embeddings"),
+                   "pooler": (self.pooler, "no pooler"), "mlm_head": (self.mlm_head, "no masked-LM head"),
+                   "n_experts": (self.n_experts != 0, "mixture-of-experts layers are for one stack"),
+                   "pos_embedding": (self.pos_embedding == "rope", "rope is not mapped onto cross-attention; use "
+                                     "relative, sinusoidal or learned")}
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} with model.n_decoder_layers="
+                                 f"{self.n_decoder_layers}: {why}")
+        if not 0 <= self.decoder_start_id < self.vocab_size:
+            raise ValueError(f"model.decoder_start_id={self.decoder_start_id} is not a token id of "
+                             f"model.vocab_size={self.vocab_size}")
+        if self.pos_embedding == "relative":
+            _positive(self, "rel_buckets", "rel_max_distance")
+            if self.rel_buckets < 4 or self.rel_buckets % 2:
+                raise ValueError(f"model.rel_buckets={self.rel_buckets} must be even and >= 4 (the encoder splits "
+                                 "them between the two directions, each half exact then logarithmic)")
+            if self.rel_max_distance <= self.rel_buckets // 2:
+                raise ValueError(f"model.rel_max_distance={self.rel_max_distance} must exceed rel_buckets/2 = "
+                                 f"{self.rel_buckets // 2} (the distances the decoder counts exactly)")
 
     def _validate_moe(self) -> None:
         for name in ("n_experts", "n_shared_experts"):
@@ -353,13 +417,41 @@ class DataConfig:
     """Token shards written by `dist-trainer prepare`."""
 
     path: str = "data/default"  # folder with meta.json, tokenizer.json and the train/val shards
-    seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len)
+    seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len); an encoder-decoder's source length
     mlm_probability: float = 0.15  # encoders: share of tokens selected for masked-LM (80/10/10 split)
+    # the training objective (OBJECTIVES): lm, or for an encoder-decoder span_corruption (T5 on the token shards:
+    # data/span.py) or seq2seq (the pairs `prepare --pairs` writes: data/pairs.py)
+    objective: str = "lm"
+    noise_density: float = 0.15  # span_corruption: share of each raw window's tokens that are corrupted (T5: 0.15)
+    mean_noise_span: float = 3.0  # span_corruption: mean length of a corrupted span (T5: 3)
+    # encoder-decoder: the decoder's length (targets truncated or padded to it); None = span corruption's exact
+    # target length (no padding), or data.seq_len for seq2seq pairs
+    target_len: int | None = None
 
     def validate(self) -> None:
         _positive(self, "seq_len")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"data.mlm_probability={self.mlm_probability} must be in (0, 1)")
+        _choice(self, "objective", OBJECTIVES)
+        if not 0.0 < self.noise_density < 1.0 or not self.mean_noise_span >= 1.0:
+            raise ValueError(f"data.noise_density={self.noise_density} must be in (0, 1) and data.mean_noise_span="
+                             f"{self.mean_noise_span} >= 1")
+        if self.target_len is not None:
+            _positive(self, "target_len")
+        if self.objective == "span_corruption":
+            exact = span_lengths(self.seq_len, self.noise_density, self.mean_noise_span)[1]
+            if self.target_len is not None and self.target_len < exact:
+                raise ValueError(f"data.target_len={self.target_len} is shorter than span corruption's targets: "
+                                 f"data.seq_len={self.seq_len} at noise {self.noise_density} and mean span "
+                                 f"{self.mean_noise_span} gives {exact}-token targets; leave it unset or >= {exact}")
+
+    def decoder_len(self) -> int:
+        """An encoder-decoder's decoder length (the targets' and the decoder inputs')."""
+        if self.target_len is not None:
+            return self.target_len
+        if self.objective == "span_corruption":
+            return span_lengths(self.seq_len, self.noise_density, self.mean_noise_span)[1]
+        return self.seq_len
 
 
 @dataclass
@@ -488,12 +580,32 @@ class Config:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        self._validate_objective()
         # ValueError naming a malformed pattern, or one matching nothing; and a run where nothing would train
         if not any(base or adapter for base, adapter in training_plan(self.model, self.train.freeze).values()):
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
         check_int8_base(self.model, self.train.freeze)  # ValueError: int8 base weights without a frozen linear
+        tp = self.parallel.tp_size
+        if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
+            raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "
+                             f"{self.data.decoder_len()} (data.target_len, or span corruption's) must be divisible by "
+                             f"parallel.tp_size={tp}; set data.target_len to a multiple of {tp} (the targets are "
+                             "padded to it)")
         return self
+
+    def _validate_objective(self) -> None:
+        """The objective fits the model: an encoder-decoder trains on span_corruption or seq2seq, one stack on lm."""
+        objective, seq2seq = self.data.objective, self.model.encoder_decoder
+        if seq2seq and objective == "lm":
+            raise ValueError("an encoder-decoder (model.n_decoder_layers > 0) trains on data.objective="
+                             "span_corruption (T5, on token shards) or seq2seq (pairs from prepare --pairs), not lm")
+        if not seq2seq and objective != "lm":
+            raise ValueError(f"data.objective={objective} needs an encoder-decoder (model.n_decoder_layers > 0); "
+                             "one stack trains on lm (causal or masked, as model.causal says)")
+        if seq2seq and self.data.decoder_len() > self.model.max_seq_len:
+            raise ValueError(f"the decoder's length {self.data.decoder_len()} (data.target_len, or span corruption's) "
+                             f"exceeds model.max_seq_len={self.model.max_seq_len}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -26,7 +26,10 @@ import re
 from collections.abc import Sequence
 
 from dist_trainer.model_names import (
+    DECODER_FIRST_MODULES,
+    DECODER_LAYER_MODULES,
     EMBEDDING_TABLES,
+    ENCODER_LAST_MODULES,
     FIRST_STAGE_MODULES,
     LAYER_MODULES,
     LORA_LINEARS,
@@ -47,20 +50,34 @@ def moe_module_names(cfg: ModelShape, layer: int) -> list[str]:
     return names + ([f"layers.{layer}.moe.shared_expert.{leaf}" for leaf in leaves] if cfg.n_shared_experts else [])
 
 
-def layer_module_name(layer: int, leaf: str) -> str:
-    """``layers.{i}.attn.q_proj`` for leaf ``q_proj``: the full name of a layer module (norms sit on the layer)."""
+def layer_module_name(layer: int, leaf: str, stack: str = "layers") -> str:
+    """``layers.{i}.attn.q_proj`` for leaf ``q_proj``: the full name of a layer module (norms sit on the layer);
+    ``stack`` ``dec_layers`` for an encoder-decoder's decoder layer, whose cross-attention modules are named under
+    the layer already (``cross_attn.q_proj``, ``cross_norm``)."""
     parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") else \
         "mlp." if leaf in ("up_proj", "gate_proj", "down_proj") else ""
-    return f"layers.{layer}.{parent}{leaf}"
+    return f"{stack}.{layer}.{parent}{leaf}"
 
 
 def _present(cfg: ModelShape, name: str) -> bool:
+    relative, pre = cfg.pos_embedding == "relative", cfg.norm_placement == "pre"
     return {
-        "pos_emb": cfg.pos_embedding == "learned", "type_emb": cfg.n_token_types > 0,
-        "emb_norm": cfg.norm_placement == "post", "final_norm": cfg.norm_placement == "pre",
-        "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "gate_proj": cfg.activation == "swiglu",
+        "pos_emb": cfg.pos_embedding == "learned", "type_emb": cfg.n_token_types > 0, "rel_emb": relative,
+        "emb_norm": not pre and not cfg.encoder_decoder, "final_norm": pre,
+        "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "gate_proj": cfg.gated,
         "mlm_transform.dense": cfg.mlm_head, "mlm_transform.norm": cfg.mlm_head, "output_bias": cfg.mlm_head,
+        "enc_norm": pre, "dec_pos_emb": cfg.pos_embedding == "learned", "dec_rel_emb": relative,
     }.get(name, True)
+
+
+def decoder_module_names(cfg: ModelShape) -> list[str]:
+    """An encoder-decoder's modules after its encoder layers and before the tail, in module order: ``enc_norm``, the
+    decoder's position tables, its layers; [] for one stack."""
+    if not cfg.encoder_decoder:
+        return []
+    names = [n for n in (*ENCODER_LAST_MODULES, *DECODER_FIRST_MODULES) if _present(cfg, n)]
+    keys = [k for k in DECODER_LAYER_MODULES if _present(cfg, k)]
+    return names + [layer_module_name(j, k, "dec_layers") for j in range(cfg.n_decoder_layers) for k in keys]
 
 
 def module_names(cfg: ModelShape) -> list[str]:
@@ -74,7 +91,7 @@ def module_names(cfg: ModelShape) -> list[str]:
             names += moe_module_names(cfg, i)
         else:
             names += [layer_module_name(i, leaf) for leaf in leaves]
-    return names + [n for n in TAIL_NAMES if _present(cfg, n)]
+    return names + decoder_module_names(cfg) + [n for n in TAIL_NAMES if _present(cfg, n)]
 
 
 def lora_target_leaves(cfg: ModelShape) -> tuple[str, ...]:
@@ -103,9 +120,12 @@ def lora_target_leaves(cfg: ModelShape) -> tuple[str, ...]:
 
 
 def lora_module_names(cfg: ModelShape) -> list[str]:
-    """Full names of the modules that carry adapters."""
+    """Full names of the modules that carry adapters (an encoder-decoder's decoder layers: self- and
+    cross-attention linears alike), in module order."""
     leaves = lora_target_leaves(cfg)
-    return [layer_module_name(i, leaf) for i in range(cfg.n_layers) for leaf in leaves]
+    names = [layer_module_name(i, leaf) for i in range(cfg.n_layers) for leaf in leaves]
+    keys = [k for k in DECODER_LAYER_MODULES if k.rpartition(".")[2] in leaves]
+    return names + [layer_module_name(j, k, "dec_layers") for j in range(cfg.n_decoder_layers) for k in keys]
 
 
 def _preset(cfg: ModelShape, pattern: str, names: list[str]) -> list[str] | None:
@@ -134,9 +154,12 @@ def _expand_ranges(cfg: ModelShape, pattern: str) -> list[str]:
             out = [f"{o}.{part}" if o else part for o in out]
             continue
         lo, hi = int(match[1]), int(match[2])
-        if lo > hi or (i > 0 and parts[i - 1] == "layers" and hi >= cfg.n_layers):
+        stack = parts[i - 1] if i > 0 else ""
+        n = {"layers": cfg.n_layers, "dec_layers": cfg.n_decoder_layers}.get(stack)
+        if lo > hi or (n is not None and hi >= n):
+            field = "n_decoder_layers" if stack == "dec_layers" else "n_layers"
             raise ValueError(f"train.freeze pattern {pattern!r}: the range {part} must run low-high within the "
-                             f"layers 0-{cfg.n_layers - 1} (model.n_layers={cfg.n_layers})")
+                             f"{stack} 0-{(n or 1) - 1} (model.{field}={n})")
         out = [f"{o}.{k}" if o else str(k) for o in out for k in range(lo, hi + 1)]
     return out
 
@@ -189,7 +212,7 @@ _PLANS: dict[tuple, dict[str, tuple[bool, bool]]] = {}  # module_training's cach
 def module_training(cfg: ModelShape, freeze: Sequence[str] = ()) -> dict[str, tuple[bool, bool]]:
     """``training_plan`` (module -> (base trains, adapter trains)), cached for the planner search's many calls by
     the fields that decide which modules exist (the ``ModelShape`` fields ``module_names`` reads)."""
-    key = (cfg.n_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
+    key = (cfg.n_layers, cfg.n_decoder_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
            cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts,
            cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
     if key not in _PLANS:

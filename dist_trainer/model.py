@@ -1,4 +1,4 @@
-"""The one model definition: GPT-2, Llama and BERT families from one ModelConfig.
+"""The one model definition: GPT-2, Llama, BERT and encoder-decoder (Transformer, T5) families from one ModelConfig.
 
 Pure torch: nothing here knows how it is parallelised. Regimes rewrite modules by
 name (``parallel/tp/apply.py``), split ``layers`` into stages
@@ -13,6 +13,9 @@ Module names (the TP plan refers to them):
   head (absent when tied), pooler, loss
 A mixture-of-experts layer (``model.n_experts`` > 0, ``model_moe.py``) holds ``layers.{i}.moe.{router,
 experts.{e}.*, shared_expert.*}`` in place of ``layers.{i}.mlp``.
+An encoder-decoder (``model.n_decoder_layers`` > 0, ``model_seq2seq.py``, docs/seq2seq.md) adds rel_emb (T5's
+relative table), enc_norm, dec_pos_emb, dec_rel_emb and dec_layers.{j}.{attn_norm, attn.*, cross_norm,
+cross_attn.{q,k,v,o}_proj, mlp_norm, mlp.*}; ``layers`` is its encoder.
 
 With ``model.lora_rank`` > 0 the ``model.lora_targets`` linears are ``model_lora.LoRALinear``s (their
 adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is frozen (``finetune.py``).
@@ -31,8 +34,16 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
 from dist_trainer.model_lora import LoRALinear, init_adapter_, is_adapter
 from dist_trainer.model_moe import MoE, add_aux_losses
+from dist_trainer.model_positions import RelativePositionBias, apply_rope, rope_cache, sinusoidal_table
+from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
 
 IGNORE_INDEX = -100
+SEQ2SEQ_INPUTS = ("decoder_tokens", "source_mask")  # an encoder-decoder batch's inputs beside tokens and targets
+
+
+def seq2seq_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs ``Transformer.forward`` takes from a batch (none for one stack's batch)."""
+    return {k: batch[k] for k in SEQ2SEQ_INPUTS if k in batch}
 
 
 def set_attrs(obj: object, **attrs: object) -> None:
@@ -74,59 +85,6 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The head_dim/2 inverse frequencies theta^(-2i/d) (Su et al. 2021), scaled as ``cfg.rope_scaling`` asks.
-
-    Computed in fp32 with Hugging Face's operations in its order (transformers' modeling_rope_utils: the default,
-    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters``), so the tables equal
-    transformers' bit for bit (tests/test_model_hf_maths.py); Meta's reference (``precompute_freqs_cis``) also
-    computes them in fp32. A float64 table differs from them by the fp32 rounding of the angle: cos and sin up
-    to 2.8e-4 apart over 4096 positions at head_dim 128, theta 5e5 (5e-7 over 16).
-    """
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if cfg.rope_scaling == "linear":  # position interpolation: positions / factor, applied to the frequencies instead
-        return inv_freq / cfg.rope_scaling_factor
-    if cfg.rope_scaling == "llama3":
-        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        old_len = cfg.rope_original_max_seq_len
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths (> old_len / low) are divided by factor, short ones (< old_len / high) kept, and the
-        # band between is a linear blend in old_len / wavelen
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(medium, blended, scaled)
-    return inv_freq
-
-
-def rope_cache(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (seq_len or max_seq_len, head_dim/2) for rotary embeddings, fp32 as transformers computes
-    them (``rope_inv_freq``): angle = float(position) * inv_freq, rounded to fp32, then its cos and sin."""
-    positions = torch.arange(cfg.max_seq_len if seq_len is None else seq_len).float()
-    angles = positions[:, None] * rope_inv_freq(cfg)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, H, T, D) by the position's angle; in fp32."""
-    xf = x.float().unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2)
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
-def sinusoidal_table(seq_len: int, dim: int) -> torch.Tensor:
-    """Fixed sine/cosine positions (Vaswani et al. 2017, section 3.5): (seq_len, dim)."""
-    pos = torch.arange(seq_len, dtype=torch.float64).unsqueeze(1)
-    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
-    table = torch.zeros(seq_len, dim, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(pos * div)
-    table[:, 1::2] = torch.cos(pos * div)
-    return table.float()
-
-
 def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: int) -> nn.Linear:
     """A layer's linear ``leaf`` (q_proj, ..., down_proj): with a LoRA adapter when it is one of the targets."""
     if leaf in lora_target_leaves(cfg):
@@ -149,34 +107,41 @@ class Sequence(nn.Module):
 
 
 class SDPAttention(nn.Module):
-    """The attention core after RoPE: the GQA repeat and SDPA over (B, H, T, D) heads. Context parallelism swaps
-    in ring or all-to-all attention here (``parallel/cp``)."""
+    """The attention core after RoPE: the GQA repeat and SDPA over (B, H, T, D) heads, with an optional SDPA mask
+    (a position bias, padding: ``model_seq2seq.attention_mask``) and score scale (None: 1/sqrt(head_dim)). Context
+    parallelism swaps in ring or all-to-all attention here (``parallel/cp``)."""
 
-    def __init__(self, causal: bool, dropout: float) -> None:
+    def __init__(self, causal: bool, dropout: float, scale: float | None = None) -> None:
         super().__init__()
-        self.causal, self.dropout = causal, dropout
+        self.causal, self.dropout, self.scale = causal, dropout, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        # a causal mask without a mask tensor; one query row against cached keys (generation) sees them all
+        causal = self.causal and mask is None and q.shape[2] == k.shape[2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped key/value heads through SDPA.
+    """Multi-head attention with grouped key/value heads through SDPA; self-attention, or cross-attention when
+    ``memory`` (the encoder output) is given: queries from ``x``, keys and values from ``memory``.
 
     Head counts are read off the projection widths at run time, so a TP rank whose
-    q/k/v projections hold a slice of the heads runs unchanged.
+    q/k/v projections hold a slice of the heads runs unchanged. ``mask``: an SDPA ``attn_mask`` (a position bias,
+    padding; ``model_seq2seq.attention_mask``); ``cache``: a ``model_seq2seq.KVCache`` during generation.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, causal: bool | None = None) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.causal = cfg.causal
+        self.causal = cfg.causal if causal is None else causal
         self.dropout = cfg.dropout
+        self.scale = None if cfg.attn_scale else 1.0  # None: SDPA's 1/sqrt(head_dim)
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.q_proj = build_linear(cfg, "q_proj", cfg.d_model, cfg.d_model)
         self.k_proj = build_linear(cfg, "k_proj", cfg.d_model, kv_dim)
@@ -186,23 +151,31 @@ class Attention(nn.Module):
         self.recompute_core = False  # set by Transformer.set_activation_checkpointing("selective")
         # the seams context parallelism fills: the positions of this rank's tokens, the attention over all of them
         self.sequence = Sequence()
-        self.attend: nn.Module = SDPAttention(cfg.causal, cfg.dropout)
+        self.attend: nn.Module = SDPAttention(self.causal, cfg.dropout, self.scale)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, *,
+                memory: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if cache is not None and cache.cross and cache.k is not None and cache.v is not None:
+            k, v = cache.k, cache.v  # cross-attention: the encoder output's keys and values, projected once
+        else:
+            src = x if memory is None else memory
+            k = self.k_proj(src).view(B, src.shape[1], -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+            v = self.v_proj(src).view(B, src.shape[1], -1, self.head_dim).transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(k, v)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al. 2022, section 4.2): keep only the projections'
             # outputs and run the core again in backward (the RNG state is replayed, so dropout matches).
-            y = checkpoint(self.core, q, k, v, rope, use_reentrant=False)
+            y = checkpoint(self.core, q, k, v, rope, mask, use_reentrant=False)
         else:
-            y = self.core(q, k, v, rope)
+            y = self.core(q, k, v, rope, mask)
         return self.o_proj(y)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+             rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE, the GQA repeat, SDPA and the head merge: what selective recomputation runs twice.
 
         Everything here is cheap to recompute against what it saves: rotated q and k, full-width k and v
@@ -212,26 +185,28 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = self.sequence.rows(rope[0], T), self.sequence.rows(rope[1], T)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v, mask)
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
 
 
 class MLP(nn.Module):
-    """Feed-forward block: up -> activation -> down, gated (SwiGLU, Shazeer 2020) when asked."""
+    """Feed-forward block: up -> activation -> down, gated (SwiGLU or GEGLU, Shazeer 2020) when asked."""
 
     def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
         super().__init__()
         self.activation = cfg.activation
         width = cfg.ffn_dim if width is None else width  # a MoE layer's shared expert is wider
         self.up_proj = build_linear(cfg, "up_proj", cfg.d_model, width)
-        self.gate_proj = build_linear(cfg, "gate_proj", cfg.d_model, width) if cfg.activation == "swiglu" else None
+        self.gate_proj = build_linear(cfg, "gate_proj", cfg.d_model, width) if cfg.gated else None
         self.down_proj = build_linear(cfg, "down_proj", width, cfg.d_model)
         set_attrs(self.down_proj, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
-        h = F.silu(self.gate_proj(x)) * up if self.gate_proj is not None else activate(up, self.activation)
-        return self.down_proj(h)
+        if self.gate_proj is None:
+            return self.down_proj(activate(up, self.activation))
+        gate = self.gate_proj(x)  # swiglu: silu(gate) * up; geglu (T5 v1.1): gelu_tanh(gate) * up
+        return self.down_proj((F.silu(gate) if self.activation == "swiglu" else activate(gate, "gelu_tanh")) * up)
 
 
 def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -257,13 +232,14 @@ class MLMTransform(nn.Module):
 
 class Block(nn.Module):
     """One transformer layer; pre-norm (GPT-2/Llama) or post-norm (BERT); ``moe`` in place of ``mlp`` in a
-    mixture-of-experts layer (``cfg.is_moe_layer(layer_id)``)."""
+    mixture-of-experts layer (``cfg.is_moe_layer(layer_id)``). ``causal``: an encoder-decoder's encoder
+    layers are bidirectional whatever ``cfg.causal`` says."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, causal: bool | None = None) -> None:
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, causal)
         self.mlp_norm = build_norm(cfg)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg, layer_id, lambda width: MLP(cfg, width))
@@ -271,12 +247,13 @@ class Block(nn.Module):
             self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         ffn = self.moe if hasattr(self, "moe") else self.mlp
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.attn_norm(x), rope))
+            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask=mask))
             return x + self.drop(ffn(self.mlp_norm(x)))
-        x = self.attn_norm(x + self.drop(self.attn(x, rope)))
+        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask=mask)))
         return self.mlp_norm(x + self.drop(ffn(x)))
 
 
@@ -301,7 +278,8 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
     """
     if isinstance(module, nn.Linear):
         scaled = cfg.scaled_residual_init and getattr(module, "residual_out", False)
-        nn.init.normal_(module.weight, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std)
+        depth = cfg.n_layers + cfg.n_decoder_layers  # residual layers of both stacks of an encoder-decoder
+        nn.init.normal_(module.weight, 0.0, cfg.init_std / math.sqrt(2 * depth) if scaled else cfg.init_std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, LoRALinear):
@@ -318,7 +296,15 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
 
 
 class Transformer(nn.Module):
-    """Decoder (causal LM) or encoder (masked LM) transformer, configured by ModelConfig."""
+    """Decoder (causal LM), encoder (masked LM) or encoder-decoder (``model.n_decoder_layers`` > 0, sequence to
+    sequence: ``model_seq2seq.py``) transformer, configured by ModelConfig.
+
+    An encoder-decoder's encoder is ``layers`` (bidirectional), closed by ``enc_norm`` (pre-norm); its decoder is
+    ``dec_layers``, closed by ``final_norm`` and the head. One token embedding serves both stacks (and the head
+    when tied); learned positions and T5's relative bias are per stack (``pos_emb``/``rel_emb`` for the encoder,
+    ``dec_pos_emb``/``dec_rel_emb`` for the decoder); no stack has an embedding norm (Vaswani et al.'s post-norm
+    model normalises after each sub-layer only).
+    """
 
     # buffers, registered by _init_buffers for the position embedding in use
     rope_cos: torch.Tensor
@@ -330,13 +316,20 @@ class Transformer(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        seq2seq, post = cfg.encoder_decoder, cfg.norm_placement == "post"
+        learned, relative = cfg.pos_embedding == "learned", cfg.pos_embedding == "relative"
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_embedding == "learned" else None
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned else None
         self.type_emb = nn.Embedding(cfg.n_token_types, cfg.d_model) if cfg.n_token_types else None
-        post = cfg.norm_placement == "post"
-        self.emb_norm = build_norm(cfg) if post else None  # BERT normalises the embedding sum
+        self.rel_emb = self._relative_bias(bidirectional=True) if relative else None
+        self.emb_norm = build_norm(cfg) if post and not seq2seq else None  # BERT normalises the embedding sum
         self.emb_drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, causal=False if seq2seq else None) for i in range(cfg.n_layers))
+        self.enc_norm = build_norm(cfg) if seq2seq and not post else None  # the encoder stack's final norm
+        self.dec_pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if seq2seq and learned else None
+        self.dec_rel_emb = self._relative_bias(bidirectional=False) if relative else None
+        self.dec_layers = nn.ModuleList(self._decoder_block() for _ in range(cfg.n_decoder_layers)) if seq2seq \
+            else None
         self.final_norm = None if post else build_norm(cfg)  # post-norm layers end normalised
         self.mlm_transform = MLMTransform(cfg) if cfg.mlm_head else None
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -362,6 +355,16 @@ class Transformer(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 
+    def _relative_bias(self, bidirectional: bool) -> RelativePositionBias:
+        cfg = self.cfg
+        return RelativePositionBias(cfg.n_heads, cfg.rel_buckets, cfg.rel_max_distance, bidirectional)
+
+    def _decoder_block(self) -> DecoderBlock:
+        cfg = self.cfg
+        return DecoderBlock(attn_norm=build_norm(cfg), attn=Attention(cfg, causal=True), cross_norm=build_norm(cfg),
+                            cross_attn=Attention(cfg, causal=False), mlp_norm=build_norm(cfg), mlp=MLP(cfg),
+                            dropout=cfg.dropout, pre_norm=cfg.norm_placement == "pre")
+
     def _init_buffers(self) -> None:
         cfg = self.cfg
         if cfg.pos_embedding == "rope":
@@ -386,9 +389,10 @@ class Transformer(nn.Module):
 
     def set_activation_checkpointing(self, mode: str, every: int = 1, first_layer: int = 0) -> None:
         """none | selective (every layer's attention core) | every_k (layers whose global index % every == 0) |
-        full. ``first_layer``: the global index of ``layers[0]`` (a pipeline stage's), which ``run_layers`` is given
-        too, so every_k recomputes the same layers as the single model whatever the stage boundaries."""
-        ids = range(first_layer, first_layer + len(self.layers))
+        full. Layers are numbered over both stacks of an encoder-decoder: decoder layer j is layer n_layers + j.
+        ``first_layer``: the global index of the first layer this model holds (a pipeline stage's), which the layer
+        loops are given too, so every_k recomputes the same layers as the single model whatever the stages."""
+        ids = range(first_layer, first_layer + len(self.layers) + len(self.dec_layers or ()))
         for module in self.modules():
             if isinstance(module, Attention):
                 module.recompute_core = mode == "selective"
@@ -401,18 +405,24 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
 
-    def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, C) input of the first layer (under context parallelism: of this rank's
-        tokens, ``sequence.shard``, at their global positions)."""
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise RuntimeError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+    def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, *, decoder: bool = False,
+              start: int = 0) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, C) input of the first layer (of the decoder stack with ``decoder``; ``start``:
+        the position of the first token, during generation; under context parallelism: of this rank's tokens,
+        ``sequence.shard``, at their global positions)."""
+        if start + tokens.shape[1] > self.cfg.max_seq_len:
+            raise RuntimeError(f"sequence length {start + tokens.shape[1]} exceeds model.max_seq_len="
+                               f"{self.cfg.max_seq_len}")
         tokens = self.sequence.shard(tokens)
         T = tokens.shape[1]
         x = self.tok_emb(tokens)
-        if self.pos_emb is not None:
-            x = x + self.sequence.rows(self.pos_emb.weight, T)
+        if self.cfg.scale_embeddings:  # Vaswani et al. 2017, section 3.4
+            x = x * math.sqrt(self.cfg.d_model)
+        pos_emb = self.dec_pos_emb if decoder else self.pos_emb
+        if pos_emb is not None:
+            x = x + self.sequence.rows(pos_emb.weight[start:], T)
         elif self.cfg.pos_embedding == "sinusoidal":
-            x = x + self.sequence.rows(self.pos_table, T).to(x.dtype)
+            x = x + self.sequence.rows(self.pos_table[start:], T).to(x.dtype)
         if self.type_emb is not None:
             types = torch.zeros_like(tokens) if token_types is None else self.sequence.shard(token_types)
             x = x + self.type_emb(types)
@@ -423,26 +433,89 @@ class Transformer(nn.Module):
     def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.rope_cos, self.rope_sin) if self.cfg.pos_embedding == "rope" else None
 
-    def run_layers(self, x: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+    def position_bias(self, decoder: bool, q_len: int, k_len: int | None = None, offset: int = 0
+                      ) -> torch.Tensor | None:
+        """A stack's relative-position bias (1, H, q_len, k_len), computed once and shared by its layers (T5);
+        None without relative positions."""
+        table = self.dec_rel_emb if decoder else self.rel_emb
+        return None if table is None else table(q_len, q_len if k_len is None else k_len, offset)
+
+    def run_layers(self, x: torch.Tensor, first_layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The (encoder) stack's layers, ``layers[i]`` being global layer ``first_layer + i``; ``mask``: an SDPA mask
+        for their self-attention (``model_seq2seq.attention_mask``)."""
         rope = self.rope()
         for i, layer in enumerate(self.layers, start=first_layer):
             if i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, use_reentrant=False)
+                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
             else:
-                x = layer(x, rope)
+                x = layer(x, rope, mask)
         return x
+
+    def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder's last hidden state -> the memory the decoder attends to (after ``enc_norm``, pre-norm)."""
+        return x if self.enc_norm is None else self.enc_norm(x)
+
+    def run_decoder_layers(self, y: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor | None,
+                           cross_mask: torch.Tensor | None, first_layer: int | None = None,
+                           caches: list[LayerCache] | None = None) -> torch.Tensor:
+        """The decoder stack's layers over ``memory`` (B, S, C); ``dec_layers[j]`` is global layer ``first_layer + j``
+        (default n_layers: numbered after the encoder's)."""
+        assert self.dec_layers is not None, "run_decoder_layers needs an encoder-decoder (model.n_decoder_layers > 0)"
+        first = self.cfg.n_layers if first_layer is None else first_layer
+        for j, layer in enumerate(self.dec_layers):
+            cache = None if caches is None else caches[j]
+            if first + j in self.checkpointed and torch.is_grad_enabled() and cache is None:
+                y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False)
+            else:
+                y = layer(y, memory, self_mask, cross_mask, cache)
+        return y
+
+    def encode(self, tokens: torch.Tensor, source_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S) source ids (``source_mask`` (B, S): False at padding) -> (B, S, C) encoder output."""
+        bias = self.position_bias(False, tokens.shape[1])
+        x = self.run_layers(self.embed(tokens), mask=attention_mask(bias, source_mask, causal=False))
+        return self.encoder_output(x)
+
+    def decode(self, decoder_tokens: torch.Tensor, memory: torch.Tensor, source_mask: torch.Tensor | None = None,
+               caches: list[LayerCache] | None = None) -> torch.Tensor:
+        """(B, T) decoder inputs over the encoder output -> (B, T, C) last hidden state. With ``caches`` the tokens
+        follow the ``caches[0]``'s length of earlier ones (generation: keys and values kept, cross-attention's
+        projected once)."""
+        start = 0 if caches is None else caches[0].self_attn.length
+        T = decoder_tokens.shape[1]
+        bias = self.position_bias(True, T, start + T, offset=start)
+        # the first pass is causal; a later step's queries follow every cached key
+        self_mask = attention_mask(bias, None, causal=start == 0)
+        y = self.embed(decoder_tokens, decoder=True, start=start)
+        return self.run_decoder_layers(y, memory, self_mask, attention_mask(None, source_mask, causal=False),
+                                       caches=caches)
+
+    def hidden_states(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
+                      decoder_tokens: torch.Tensor | None = None,
+                      source_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden state the head reads: one stack's, or the decoder's over the encoded ``tokens``."""
+        if self.dec_layers is None:
+            return self.run_layers(self.embed(tokens, token_types))
+        if decoder_tokens is None:
+            raise ValueError("an encoder-decoder model needs decoder_tokens (the targets shifted right)")
+        return self.decode(decoder_tokens, self.encode(tokens, source_mask), source_mask)
 
     def output_weight(self) -> torch.Tensor:
         return self.tok_emb.weight if self.head is None else self.head.weight
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) last hidden state -> (B, T, V) logits (final norm, the MLM transform, then the head; under TP
-        this rank's vocabulary shard, which ``loss`` consumes)."""
+    def pre_head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) last hidden state -> what the output projection reads: the final norm, BERT's MLM transform,
+        T5's d_model**-0.5 before a tied head."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.mlm_transform is not None:
             x = self.mlm_transform(x)
-        return F.linear(self.head_input(x), self.output_weight(), self.output_bias)
+        return x * self.cfg.d_model ** -0.5 if self.cfg.scale_head_input else x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) last hidden state -> (B, T, V) logits (``pre_head``, then the head; under TP this rank's
+        vocabulary shard, which ``loss`` consumes)."""
+        return F.linear(self.head_input(self.pre_head(x)), self.output_weight(), self.output_bias)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""
@@ -455,10 +528,14 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         targets: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
+        *,
+        decoder_tokens: torch.Tensor | None = None,
+        source_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) when targets is None, else the scalar mean loss (in training, plus the MoE layers'
-        router losses)."""
-        logits = self.logits(self.run_layers(self.embed(tokens, token_types)))
+        router losses). An encoder-decoder reads source ``tokens`` (``source_mask``: False at padding) and
+        ``decoder_tokens``; its logits and targets are the decoder's."""
+        logits = self.logits(self.hidden_states(tokens, token_types, decoder_tokens, source_mask))
         return self.full_logits(logits) if targets is None else add_aux_losses(self, self.loss(logits, targets))
 
 

@@ -6,8 +6,9 @@ checkpoints and the planner's counts all refer to them, so a name lives here onc
 
 from __future__ import annotations
 
-FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "emb_norm")  # before the layers (the first pipeline stage)
-EMBEDDING_TABLES = FIRST_STAGE_MODULES[:3]  # the lookup tables (freeze preset `embeddings`), not emb_norm
+# before the layers (the first pipeline stage); rel_emb: T5's relative-position table (pos_embedding=relative)
+FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "rel_emb", "emb_norm")
+EMBEDDING_TABLES = FIRST_STAGE_MODULES[:3]  # the lookup tables (freeze preset `embeddings`), not rel_emb, emb_norm
 LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj",
                  "down_proj")  # one transformer block's parameterised modules (leaf names)
 # after the layers (the last pipeline stage): the Transformer's attributes, in module order; ``output_bias`` (BERT's
@@ -22,3 +23,12 @@ TAIL_NAMES = tuple(n for top in LAST_STAGE_MODULES
 # index (each the MLP's up/gate/down), and the optional shared expert (an MLP every token passes through)
 MLP_LEAVES = ("up_proj", "gate_proj", "down_proj")  # an MLP's linears: a dense layer's, an expert's, the shared one's
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj")  # LoRA can adapt these
+# An encoder-decoder (model.n_decoder_layers > 0, model_seq2seq.py): ``layers`` is the encoder stack, closed by
+# ``enc_norm`` (pre-norm); the decoder stack ``dec_layers`` has its own position tables (its token embedding is
+# ``tok_emb``), and each of its layers adds cross-attention between self-attention and the MLP
+ENCODER_LAST_MODULES = ("enc_norm",)  # after the encoder's layers (its last pipeline stage)
+DECODER_FIRST_MODULES = ("dec_pos_emb", "dec_rel_emb")  # the decoder's tables (on the first pipeline stage, which
+# embeds both stacks' inputs)
+CROSS_ATTENTION_MODULES = ("cross_norm", "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj",
+                           "cross_attn.o_proj")  # a decoder layer's, by their names under the layer
+DECODER_LAYER_MODULES = LAYER_MODULES[:5] + CROSS_ATTENTION_MODULES + LAYER_MODULES[5:]  # module order

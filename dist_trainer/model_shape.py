@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dist_trainer.model_names import MLP_LEAVES
+from dist_trainer.model_names import CROSS_ATTENTION_MODULES, MLP_LEAVES
 
 
 class ModelShape(Protocol):
@@ -24,6 +24,7 @@ class ModelShape(Protocol):
     vocab_size: int
     d_model: int
     n_layers: int
+    n_heads: int
     max_seq_len: int
     pos_embedding: str
     n_token_types: int
@@ -39,6 +40,8 @@ class ModelShape(Protocol):
     n_experts: int
     moe_every: int
     n_shared_experts: int
+    n_decoder_layers: int
+    rel_buckets: int
 
     @property
     def head_dim(self) -> int: ...
@@ -48,6 +51,12 @@ class ModelShape(Protocol):
 
     @property
     def ffn_dim(self) -> int: ...
+
+    @property
+    def gated(self) -> bool: ...
+
+    @property
+    def encoder_decoder(self) -> bool: ...
 
 
 def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
@@ -72,40 +81,78 @@ def norm_params(cfg: ModelShape) -> int:
     return cfg.d_model * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
 
 
+def token_embedding_params(cfg: ModelShape, tp_size: int = 1) -> int:
+    """The token table on one TP rank: vocabulary rows split (padded to a multiple of tp)."""
+    return (padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size) * cfg.d_model
+
+
+def relative_bias_params(cfg: ModelShape, tp_size: int = 1) -> int:
+    """One stack's relative-position table (buckets x heads) on one TP rank: split by head, as the attention."""
+    return cfg.rel_buckets * cfg.n_heads // tp_size if cfg.pos_embedding == "relative" else 0
+
+
 def embedding_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     """Parameters of the first-stage embedding modules on one TP rank (a post-norm model, BERT, normalises the
-    embedding sum in ``emb_norm``)."""
+    embedding sum in ``emb_norm``; an encoder-decoder's stacks have no embedding norm)."""
     h = cfg.d_model
     return {
-        "tok_emb": padded_vocab(cfg.vocab_size, tp_size) // tp_size * h if tp_size > 1 else cfg.vocab_size * h,
+        "tok_emb": token_embedding_params(cfg, tp_size),
         "pos_emb": cfg.max_seq_len * h if cfg.pos_embedding == "learned" else 0,
         "type_emb": cfg.n_token_types * h,
-        "emb_norm": norm_params(cfg) if cfg.norm_placement == "post" else 0,
+        "rel_emb": relative_bias_params(cfg, tp_size),
+        "emb_norm": norm_params(cfg) if cfg.norm_placement == "post" and not cfg.encoder_decoder else 0,
     }
+
+
+def encoder_last_params(cfg: ModelShape) -> dict[str, int]:
+    """An encoder-decoder's encoder closes with ``enc_norm`` (pre-norm; replicated under TP); {} for one stack."""
+    if not cfg.encoder_decoder:
+        return {}
+    return {"enc_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0}
+
+
+def decoder_first_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
+    """The decoder stack's own position tables (its token embedding is ``tok_emb``); {} for one stack."""
+    if not cfg.encoder_decoder:
+        return {}
+    return {"dec_pos_emb": cfg.max_seq_len * cfg.d_model if cfg.pos_embedding == "learned" else 0,
+            "dec_rel_emb": relative_bias_params(cfg, tp_size)}
+
+
+def attention_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
+    """One attention block on one TP rank: q/k/v column-parallel (k/v split when tp divides the kv heads),
+    o row-parallel with its bias replicated, added after the all-reduce."""
+    h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
+    return {"q_proj": h * (h // t) + bias * (h // t), "k_proj": h * kv_local + bias * kv_local,
+            "v_proj": h * kv_local + bias * kv_local, "o_proj": (h // t) * h + bias * h}
 
 
 def mlp_params(cfg: ModelShape, width: int, tp_size: int = 1) -> dict[str, int]:
     """An MLP of ``width`` inner features on one TP rank: up and gate column-parallel, down row-parallel (its bias
     replicated, added after the all-reduce)."""
     h, bias, f = cfg.d_model, int(cfg.bias), width // tp_size
-    return {"up_proj": h * f + bias * f, "gate_proj": (h * f + bias * f) if cfg.activation == "swiglu" else 0,
+    return {"up_proj": h * f + bias * f, "gate_proj": (h * f + bias * f) if cfg.gated else 0,
             "down_proj": f * h + bias * h}
 
 
 def layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
-    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``)."""
-    h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
-    return {
-        "attn_norm": norm_params(cfg),
-        "q_proj": h * (h // t) + bias * (h // t),  # column-parallel: output rows split
-        "k_proj": h * kv_local + bias * kv_local,
-        "v_proj": h * kv_local + bias * kv_local,
-        "o_proj": (h // t) * h + bias * h,  # row-parallel: bias replicated, added after the all-reduce
-        "mlp_norm": norm_params(cfg),
-        **mlp_params(cfg, cfg.ffn_dim, t),
-    }
+    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``); an
+    encoder-decoder's encoder layer."""
+    return {"attn_norm": norm_params(cfg), **attention_params(cfg, tp_size), "mlp_norm": norm_params(cfg),
+            **mlp_params(cfg, cfg.ffn_dim, tp_size)}
+
+
+def decoder_layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
+    """One decoder layer of an encoder-decoder on one TP rank (``model_names.DECODER_LAYER_MODULES``): the layer's
+    modules with cross-attention (its norm, q over the decoder state, k/v over the encoder output, o) between
+    self-attention and the MLP, split as self-attention is."""
+    layer = layer_params(cfg, tp_size)
+    cross = [norm_params(cfg), *attention_params(cfg, tp_size).values()]
+    keys = list(layer)
+    return {**{k: layer[k] for k in keys[:5]}, **dict(zip(CROSS_ATTENTION_MODULES, cross)),
+            **{k: layer[k] for k in keys[5:]}}
 
 
 def moe_block_params(cfg: ModelShape) -> dict[str, int]:
@@ -119,11 +166,12 @@ def moe_block_params(cfg: ModelShape) -> dict[str, int]:
 
 def layer_param_counts(cfg: ModelShape) -> list[int]:
     """Parameters of each layer of the whole model: a dense layer, or attention and norms plus the MoE block with
-    all its experts."""
+    all its experts; an encoder-decoder's decoder layers follow its encoder's (global layer n_layers + j)."""
     dense = layer_params(cfg)
     moe = sum(v for k, v in dense.items() if k not in MLP_LEAVES) + sum(
         v * (cfg.n_experts if k.startswith("experts.") else 1) for k, v in moe_block_params(cfg).items())
-    return [moe if is_moe_layer(cfg, i) else sum(dense.values()) for i in range(cfg.n_layers)]
+    decoder = [sum(decoder_layer_params(cfg).values())] * cfg.n_decoder_layers
+    return [moe if is_moe_layer(cfg, i) else sum(dense.values()) for i in range(cfg.n_layers)] + decoder
 
 
 def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
@@ -136,7 +184,7 @@ def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[
     has_head = not cfg.tie_embeddings or pp_size > 1
     dense = cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model  # a Linear(h, h, bias=model.bias)
     return {
-        "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,
+        "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,  # the decoder's, in an encoder-decoder
         "mlm_transform.dense": dense if cfg.mlm_head else 0,
         "mlm_transform.norm": norm_params(cfg) if cfg.mlm_head else 0,
         "head": head_rows * cfg.d_model if has_head else 0,

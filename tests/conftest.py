@@ -27,3 +27,40 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare(inputs, out, vocab_size=TINY_VOCAB, val_fraction=0.1, max_bytes=300_000, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def span_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny corpus with 16 of its 512 ids T5's sentinels <extra_id_0..15> (span corruption; issue 24)."""
+    from dist_trainer.data.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("data") / "span"
+    prepare([stdlib / name for name in ("json", "argparse.py", "textwrap.py")], out, vocab_size=TINY_VOCAB,
+            val_fraction=0.1, max_bytes=200_000, seed=0, extra_ids=16)
+    return out
+
+
+def reversal_pairs(path: Path, n: int = 800) -> Path:
+    """A JSONL of seq2seq pairs: a line of the stdlib's textwrap.py and its words reversed (1 to 30 words)."""
+    import json
+
+    lines = [" ".join(x.split()) for x in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+             .splitlines() if x.split()]
+    with open(path, "w") as f:
+        for i in range(n):
+            words = lines[i % len(lines)].split()[: 1 + i % 30]
+            f.write(json.dumps({"source": " ".join(words), "target": " ".join(reversed(words))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def pairs_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seq2seq pairs (``reversal_pairs``) prepared with a 512-token BPE (``prepare --pairs``; issue 24)."""
+    from dist_trainer.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("data")
+    out = root / "pairs"
+    prepare([reversal_pairs(root / "pairs.jsonl")], out, vocab_size=TINY_VOCAB, val_fraction=0.1, seed=0,
+            pairs=True)
+    return out

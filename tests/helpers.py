@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,8 +26,9 @@ TINY_VOCAB = 512
 TINY_SEQ = 32
 
 
-def tiny_config(data: Path, out_dir: Path, **sections: dict) -> Config:
-    """A 2-layer model small enough for multi-rank CPU tests; override any section's fields."""
+def tiny_config(data_path: Path, out_dir: Path, **sections: dict) -> Config:
+    """A 2-layer model small enough for multi-rank CPU tests; override any section's fields (``data`` too)."""
+    data = data_path
     tree: dict[str, dict[str, Any]] = {
         "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
                   "dropout": 0.0},
@@ -64,6 +67,32 @@ def assert_same_curves(got: dict[str, dict[int, float]], ref: dict[str, dict[int
     evals = sorted(ref["eval"])
     ev = relative_diff([got["eval"][s] for s in evals], [ref["eval"][s] for s in evals])
     assert train <= tol and ev <= tol, (what, f"train {train:.2e}", f"eval {ev:.2e}")
+
+
+def health_records(out: Path, timings: bool = False) -> dict[int, dict[str, float]]:
+    """step -> the numeric health entries of a run's metrics.jsonl (rank 0 writes it), the timings only if asked."""
+    records = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        health = {k: v for k, v in rec.items() if k.startswith("health/") and isinstance(v, (int, float))
+                  and (timings or "/straggler/" not in k)}
+        if health:
+            records[rec["step"]] = health
+    return records
+
+
+def assert_same_health(got: dict[int, dict[str, float]], ref: dict[int, dict[str, float]], what: str,
+                       rel_tol: float = 1e-5, skip: tuple[str, ...] = ()) -> None:
+    """The same health keys at the same steps, each value the reference's within ``rel_tol``; keys starting with
+    one of ``skip`` are left out (the noise scale's small-batch side when the micro-batches differ)."""
+    assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
+    for step in ref:
+        assert set(got[step]) == set(ref[step]), (what, step, set(got[step]) ^ set(ref[step]))
+        for key, value in ref[step].items():
+            if key.startswith(skip):
+                continue
+            assert math.isclose(got[step][key], value, rel_tol=rel_tol, abs_tol=1e-9), (what, step, key,
+                                                                                        got[step][key], value)
 
 
 def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -25,9 +25,11 @@ from dist_trainer.model_lora import freeze_
 
 def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpointing: str = "none", every: int = 1,
                         precision: str = "fp32", math_kernel: bool = False, seed: int = 0,
-                        freeze: tuple[str, ...] = ()) -> int:
+                        freeze: tuple[str, ...] = (), target_len: int | None = None, padded: bool = False) -> int:
     """Bytes of the distinct non-parameter storages saved for backward by one training forward on CPU
-    (``freeze``: train.freeze patterns applied as the trainer applies them; LoRA comes with ``cfg``)."""
+    (``freeze``: train.freeze patterns applied as the trainer applies them; LoRA comes with ``cfg``). An
+    encoder-decoder reads ``seq_len`` source tokens and ``target_len`` decoder tokens, its sources ``padded`` (every
+    other one ends in padding: a source mask) or not."""
     model = build_model(cfg, "cpu", seed=seed)
     freeze_(model, frozen_modules(cfg, list(freeze)))
     model.train()
@@ -43,13 +45,20 @@ def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpoin
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
-    targets = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
+    n_out = seq_len if target_len is None else target_len
+    targets = torch.randint(0, cfg.vocab_size, (batch, n_out), generator=gen)
+    inputs: dict[str, torch.Tensor] = {}
+    if cfg.encoder_decoder:
+        inputs["decoder_tokens"] = torch.randint(0, cfg.vocab_size, (batch, n_out), generator=gen)
+        if padded:
+            inputs["source_mask"] = torch.ones(batch, seq_len, dtype=torch.bool)
+            inputs["source_mask"][::2, seq_len // 2:] = False
     amp = precision.startswith("amp_")
     dtype = torch.float16 if precision == "amp_fp16" else torch.bfloat16
     kernel = sdpa_kernel(SDPBackend.MATH) if math_kernel else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernel:
         with torch.autocast("cpu", dtype=dtype, enabled=amp):
-            loss = model(tokens, targets)
+            loss = model(tokens, targets, **inputs)
         loss.backward()  # the graph was real: backward (and any recompute) must succeed with what was saved
     return sum(s.nbytes() for s in saved.values())
 

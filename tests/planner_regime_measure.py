@@ -26,7 +26,7 @@ import torch
 
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict
-from dist_trainer.data.batch import collate
+from dist_trainer.data.objective import make_batch
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 from dist_trainer.train.plan_check import SavedPeak
 from dist_trainer.train.trainer import Trainer
@@ -75,8 +75,7 @@ def measure_case(data: Path, out: Path, sections: dict) -> dict:
     engine, cfg = trainer.engine, trainer.cfg
 
     def batches(step: int) -> list[dict[str, torch.Tensor]]:
-        return [collate(trainer.train_data, idx, causal=cfg.model.causal, step=step, seed=cfg.train.seed)
-                for idx in trainer.sampler.micro_batches(step)]
+        return [make_batch(cfg, trainer.train_data, idx, step) for idx in trainer.sampler.micro_batches(step)]
 
     trainer.train_step(0)  # creates AdamW's moments
     modules = [s.model for s in getattr(engine, "stages", [])] or [engine.model]

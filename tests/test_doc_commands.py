@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from dist_trainer.testing import free_port
+from tests.conftest import reversal_pairs
 from tests.helpers import ROOT, subprocess_env
 
 DOCS = ("README.md", "docs/launching.md", "docs/planner.md")
@@ -272,6 +273,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     (ws / "more.jsonl").write_text("".join(json.dumps({"text": (stdlib / n).read_text()}) + "\n"
                                           for n in ("fnmatch.py", "bisect.py")))
     _write_hf_llama(ws / "models" / "llama", ws / "corpus")  # `models/llama`: README's Hugging Face section
+    reversal_pairs(ws / "pairs.jsonl")  # `prepare --input pairs.jsonl --pairs`: README's encoder-decoder section
     # `--config run.yaml` (docs/launching.md): a user's run config; the demo's is one
     shutil.copy(ROOT / "configs" / "runs" / "demo.yaml", ws / "run.yaml")
     env = subprocess_env(ws, TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"))

@@ -18,7 +18,7 @@ import torch
 from dist_trainer.health.monitor import UnhealthyStep
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import assert_same_curves, curves, tiny_config
+from tests.helpers import assert_same_curves, assert_same_health, curves, health_records, tiny_config
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 # records at steps 2 and 4 (the second has an L1 change); evaluation and a checkpoint inside the run
@@ -40,18 +40,6 @@ def _sections(parallel: dict, extra: dict) -> dict:
     return {**extra, "parallel": {**extra.get("parallel", {}), **parallel}}
 
 
-def _health_records(out: Path, timings: bool = False) -> dict[int, dict[str, float]]:
-    """step -> the numeric health entries of metrics.jsonl (rank 0 writes it), the timings only if asked."""
-    records = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        health = {k: v for k, v in rec.items() if k.startswith("health/") and isinstance(v, (int, float))
-                  and (timings or "/straggler/" not in k)}
-        if health:
-            records[rec["step"]] = health
-    return records
-
-
 def _spike_at(trainer: Trainer, step: int) -> None:
     """Multiply one gradient by 1e4 at ``step`` on every rank (a test hook, registered before training)."""
     weight = next(p for n, p in trainer.engine.model.named_parameters() if n.endswith("mlp.up_proj.weight"))
@@ -63,7 +51,7 @@ def _run(out: Path, data: Path, sections: dict, spike: bool = False) -> tuple[di
     if spike:
         _spike_at(trainer, SPIKE_STEP)
     result = curves(trainer.train())
-    return result, (_health_records(out) if trainer.env.rank == 0 else {})
+    return result, (health_records(out) if trainer.env.rank == 0 else {})
 
 
 def _layouts(rank: int, world: int, data: Path, out: Path) -> dict[str, Any]:
@@ -71,15 +59,6 @@ def _layouts(rank: int, world: int, data: Path, out: Path) -> dict[str, Any]:
             for name, parallel in LAYOUTS.items()}
     runs["zero2+spike"] = _run(out / "zero2+spike", data, _sections(LAYOUTS["zero2"], SPIKE), spike=True)
     return runs
-
-
-def _assert_same_health(got: dict[int, dict[str, float]], ref: dict[int, dict[str, float]], what: str) -> None:
-    assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
-    for step in ref:
-        assert set(got[step]) == set(ref[step]), (what, step, set(got[step]) ^ set(ref[step]))
-        for key, value in ref[step].items():
-            assert math.isclose(got[step][key], value, rel_tol=1e-5, abs_tol=1e-9), (what, step, key, got[step][key],
-                                                                                     value)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +90,7 @@ def test_signals_equal_the_single_process_run_in_every_layout(layouts: dict, tin
         got_curves, got = layouts[name]
         want_curves, want = refs.get(name, (ref_curves, ref))
         assert_same_curves(got_curves, want_curves, what=name)
-        _assert_same_health(got, want, name)
+        assert_same_health(got, want, name)
 
 
 def test_a_skipped_step_is_not_applied_and_the_next_steps_stay_exact(layouts: dict, tiny_data: Path,
@@ -190,7 +169,7 @@ def _faults(rank: int, world: int, data: Path, out: Path) -> dict[str, Any]:
     trainer = Trainer(tiny_config(data, out / "slow", health={"every": 3}, train={"max_steps": 6, "eval_every": 0}))
     _slow_rank(trainer, rank)
     trainer.train()
-    results["slow"] = _health_records(out / "slow", timings=True) if rank == 0 else None
+    results["slow"] = health_records(out / "slow", timings=True) if rank == 0 else None
     return results
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model import Transformer, build_model, rope_cache, rope_inv_freq
+from dist_trainer.model import Transformer, build_model
+from dist_trainer.model_positions import rope_cache, rope_inv_freq
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ = 24

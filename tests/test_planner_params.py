@@ -58,7 +58,8 @@ def test_published_counts() -> None:
     assert bert.total == 109_482_240
     assert bert.layer_total == 7_087_872
     assert sum(bert.embedding.values()) == 23_837_184
-    assert bert.embedding == {"tok_emb": 23_440_896, "pos_emb": 393_216, "type_emb": 1_536, "emb_norm": 1_536}
+    assert bert.embedding == {"tok_emb": 23_440_896, "pos_emb": 393_216, "type_emb": 1_536, "rel_emb": 0,
+                              "emb_norm": 1_536}
     assert bert.tail["pooler"] == 590_592
 
 

@@ -1,10 +1,11 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig`` fields, per model family (torch-free).
 
-Families: ``gpt2``, ``llama`` (Llama 2 and 3), ``mistral`` (without a sliding window), ``mixtral`` (MoE) and
-``bert``. Every key of an HF config that changes the maths is either mapped onto a ModelConfig field or refused
-here, before any weight is read, with a ValueError naming the key and its value (``sliding_window: 4096``, an
-unknown ``rope_scaling`` type, ``attention_bias: true``, a ``hidden_act`` the model lacks). Keys that change
-nothing of the forward pass (token ids, ``use_cache``, ``initializer_range``, ...) are ignored.
+Families: ``gpt2``, ``llama`` (Llama 2 and 3), ``mistral`` (without a sliding window), ``mixtral`` (MoE), ``bert``
+and ``t5`` (T5 and T5 v1.1, encoder-decoder: ``T5ForConditionalGeneration``). Every key of an HF config that
+changes the maths is either mapped onto a ModelConfig field or refused here, before any weight is read, with a
+ValueError naming the key and its value (``sliding_window: 4096``, an unknown ``rope_scaling`` type,
+``attention_bias: true``, a ``hidden_act`` the model lacks). Keys that change nothing of the forward pass (token
+ids, ``use_cache``, ``initializer_range``, ...) are ignored.
 
 Mixtral's experts are dropless (every token reaches its top-k experts); ours have a capacity per sequence, so a
 Mixtral folder maps to ``capacity_factor = n_experts / top_k``: one expert can take every token of a sequence,
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.json"
-FAMILIES = ("gpt2", "llama", "mistral", "mixtral", "bert")
+FAMILIES = ("gpt2", "llama", "mistral", "mixtral", "bert", "t5")
 LLAMA_LIKE = ("llama", "mistral", "mixtral")
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _BERT_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "t5": "T5ForConditionalGeneration"}
+_T5_ACT = {"relu": "relu", "gated-gelu": "geglu"}  # feed_forward_proj -> model.activation
+T5_LM_HEAD = "lm_head.weight"  # present in a folder exactly when the output layer is untied (T5 v1.1)
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -181,6 +184,32 @@ def _bert(hf: dict[str, Any], where: str, weight_names: set[str] | None) -> dict
             "mlm_head": any(n.startswith("cls.predictions.transform.") for n in names)}
 
 
+def _t5(hf: dict[str, Any], where: str, weight_names: set[str] | None) -> dict[str, Any]:
+    """T5 (``feed_forward_proj`` relu) and T5 v1.1 (gated-gelu). Whether the head reads the last state scaled by
+    d_model**-0.5: ``scale_decoder_outputs`` (transformers 5), else ``tie_word_embeddings`` (T5 scales with its tied
+    head, v1.1 neither ties nor scales). Whether the head is tied: whether the folder holds ``lm_head.weight``
+    (transformers 5 writes ``tie_word_embeddings: true`` for both and leaves a tied head out)."""
+    act = hf.get("feed_forward_proj", "relu")
+    if act not in _T5_ACT:
+        raise _refuse(where, "feed_forward_proj", act, f"feed-forward kinds: {', '.join(_T5_ACT)}")
+    _require(hf, where, "is_encoder_decoder", (True,), "T5 is read as an encoder-decoder")
+    d, heads = int(hf.get("d_model", 512)), int(hf.get("num_heads", 8))
+    if int(hf.get("d_kv", d // heads)) * heads != d:
+        raise _refuse(where, "d_kv", hf.get("d_kv"), f"this model's heads span d_model: d_kv must be d_model / "
+                                                      f"num_heads = {d // heads}")
+    scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+    return {"vocab_size": int(hf.get("vocab_size", 32128)), "d_model": d, "n_layers": int(hf.get("num_layers", 6)),
+            "n_decoder_layers": int(hf.get("num_decoder_layers") or hf.get("num_layers", 6)), "n_heads": heads,
+            "n_kv_heads": None, "d_ff": int(hf.get("d_ff", 2048)), "max_seq_len": int(hf.get("n_positions", 512)),
+            "pos_embedding": "relative", "rel_buckets": int(hf.get("relative_attention_num_buckets", 32)),
+            "rel_max_distance": int(hf.get("relative_attention_max_distance", 128)), "norm": "rmsnorm",
+            "norm_eps": float(hf.get("layer_norm_epsilon", 1e-6)), "norm_placement": "pre",
+            "activation": _T5_ACT[act], "bias": False, "tie_embeddings": T5_LM_HEAD not in (weight_names or set()),
+            "scale_head_input": bool(scale), "attn_scale": False, "scale_embeddings": False,
+            "decoder_start_id": int(hf.get("decoder_start_token_id") or 0),
+            "dropout": float(hf.get("dropout_rate", 0.1)), "causal": True, "n_token_types": 0, "pooler": False}
+
+
 def model_fields_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE,
                          weight_names: set[str] | None = None) -> dict[str, Any]:
     """ModelConfig fields for an HF config (``weight_names``: the folder's tensor names, which say whether a BERT
@@ -190,6 +219,8 @@ def model_fields_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE,
         return _gpt2(hf, where)
     if family == "bert":
         return _bert(hf, where, weight_names)
+    if family == "t5":
+        return _t5(hf, where, weight_names)
     return _llama(hf, where, family)
 
 
@@ -199,7 +230,13 @@ def family_of(model: dict[str, Any]) -> str:
     def need(**want: Any) -> list[str]:
         return [f"{k}={model.get(k)!r} (needs {v!r})" for k, v in want.items() if model.get(k) != v]
 
-    if model.get("causal", True) is False:
+    if model.get("n_decoder_layers"):
+        misses = need(pos_embedding="relative", norm="rmsnorm", norm_placement="pre", bias=False, attn_scale=False,
+                      scale_embeddings=False, n_kv_heads=None)
+        if model.get("activation") not in _T5_ACT.values():
+            misses.append(f"activation={model.get('activation')!r} (needs relu or geglu)")
+        family = "t5"
+    elif model.get("causal", True) is False:
         misses = need(norm_placement="post", norm="layernorm", pos_embedding="learned", bias=True, n_experts=0,
                       tie_embeddings=True)
         family = "bert"
@@ -236,6 +273,15 @@ def hf_config_from_model(model: dict[str, Any], dtype: str) -> dict[str, Any]:
                 "n_ctx": model["max_seq_len"], "layer_norm_epsilon": model["norm_eps"],
                 "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[model["activation"]],
                 "resid_pdrop": model["dropout"], "embd_pdrop": model["dropout"], "attn_pdrop": model["dropout"]}
+    if family == "t5":  # scale_decoder_outputs for transformers 5; tie_word_embeddings false for 4 (v1.1)
+        return {**common, "architectures": [_ARCHITECTURES[family]], "d_model": d, "d_kv": d // heads,
+                "d_ff": d_ff, "num_layers": model["n_layers"], "num_decoder_layers": model["n_decoder_layers"],
+                "num_heads": heads, "relative_attention_num_buckets": model["rel_buckets"],
+                "relative_attention_max_distance": model["rel_max_distance"], "dropout_rate": model["dropout"],
+                "layer_norm_epsilon": model["norm_eps"], "is_encoder_decoder": True,
+                "feed_forward_proj": {v: k for k, v in _T5_ACT.items()}[model["activation"]],
+                "scale_decoder_outputs": bool(model.get("scale_head_input")),
+                "decoder_start_token_id": model.get("decoder_start_id", 0), "n_positions": model["max_seq_len"]}
     if family == "bert":
         arch = "BertForMaskedLM" if model.get("mlm_head") else "BertModel"
         return {**common, "architectures": [arch], "hidden_size": d, "num_hidden_layers": model["n_layers"],

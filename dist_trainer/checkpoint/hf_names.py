@@ -9,6 +9,10 @@ Conventions converted exactly (a permutation or a transpose, never an approximat
   HF's row i + D/2 (the inverse of the permutation of transformers' ``convert_llama_weights_to_hf.py``), so the
   scores q.k are the same numbers.
 - Mixtral's experts ``w1, w3, w2`` are our ``gate_proj, up_proj, down_proj``, its ``gate`` our ``router``.
+- T5: ``shared`` is the token embedding of both stacks; each block's sub-layers are numbered (``layer.0``
+  self-attention, ``layer.1`` the encoder's MLP or the decoder's ``EncDecAttention``, ``layer.2`` the decoder's MLP),
+  each with its ``layer_norm``; the relative-position table sits in block 0 of each stack; ``wi`` (or v1.1's
+  ``wi_0``, ``wi_1``), ``wo`` are our ``up_proj`` (``gate_proj``, ``up_proj``), ``down_proj``.
 - BERT: ``query/key/value``, ``attention.output.dense``, ``intermediate/output.dense``; its post-norm LayerNorms
   are our ``attn_norm``/``mlp_norm`` (``emb_norm`` for the embeddings'); old checkpoints name LayerNorm
   parameters ``gamma``/``beta``; the masked-LM decoder is tied to the word embedding.
@@ -125,6 +129,36 @@ def _bert(m: dict[str, Any], p: str, hf_names: set[str]) -> dict[str, Recipe]:
     return out
 
 
+def _t5(m: dict[str, Any]) -> dict[str, Recipe]:
+    out = {"tok_emb.weight": Recipe("shared.weight"), "rel_emb.weight": Recipe(
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+        "enc_norm.weight": Recipe("encoder.final_layer_norm.weight"), "dec_rel_emb.weight": Recipe(
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+        "final_norm.weight": Recipe("decoder.final_layer_norm.weight")}
+    mlp = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"} if m["activation"] == "geglu" else \
+        {"up_proj": "wi", "down_proj": "wo"}
+
+    def sub_layer(ours: str, theirs: str, attention: bool) -> None:
+        leaves = {f"{x}_proj": x for x in "qkvo"} if attention else mlp
+        for leaf, hf_leaf in leaves.items():
+            out[f"{ours}.{leaf}.weight"] = Recipe(f"{theirs}.{hf_leaf}.weight")
+
+    for stack, prefix, n in (("layers", "encoder", m["n_layers"]), ("dec_layers", "decoder", m["n_decoder_layers"])):
+        for i in range(n):
+            o, h = f"{stack}.{i}.", f"{prefix}.block.{i}.layer."
+            sub_layer(f"{o}attn", f"{h}0.SelfAttention", True)
+            out[f"{o}attn_norm.weight"] = Recipe(f"{h}0.layer_norm.weight")
+            ffn = 2 if stack == "dec_layers" else 1
+            if stack == "dec_layers":
+                sub_layer(f"{o}cross_attn", f"{h}1.EncDecAttention", True)
+                out[f"{o}cross_norm.weight"] = Recipe(f"{h}1.layer_norm.weight")
+            sub_layer(f"{o}mlp", f"{h}{ffn}.DenseReluDense", False)
+            out[f"{o}mlp_norm.weight"] = Recipe(f"{h}{ffn}.layer_norm.weight")
+    if not m["tie_embeddings"]:
+        out["head.weight"] = Recipe("lm_head.weight")
+    return out
+
+
 def read_plan(family: str, model: dict[str, Any], hf_names: set[str]) -> dict[str, Recipe]:
     """{our parameter name: Recipe} for an HF folder of ``family`` whose tensors are ``hf_names`` (the prefix of a
     task model, ``transformer.``/``model.``/``bert.``, or none for a bare ``*Model``, is read off the names)."""
@@ -132,6 +166,8 @@ def read_plan(family: str, model: dict[str, Any], hf_names: set[str]) -> dict[st
         return _gpt2(model, _prefix(hf_names, "wte.weight", ("transformer.", "")))
     if family == "bert":
         return _bert(model, _prefix(hf_names, "embeddings.word_embeddings.weight", ("bert.", "")), hf_names)
+    if family == "t5":
+        return _t5(model)
     return _llama(model, _prefix(hf_names, "embed_tokens.weight", ("model.", "")))
 
 

@@ -18,6 +18,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Suffixes read from folders. An input named explicitly is read whatever its suffix.
 TEXT_SUFFIXES = frozenset({
@@ -137,7 +138,8 @@ def _read_text(src: Source, limit: int | None) -> tuple[str, int]:
                          "convert it or leave it out of --input") from None
 
 
-def _read_jsonl(src: Source) -> Iterator[str]:
+def _read_jsonl(src: Source, fields: tuple[str, ...] = ("text",)) -> Iterator[Any]:
+    """Each record's ``fields`` (strings): the one field's text, or a tuple of them; ValueError naming the line."""
     with open(src.path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -149,9 +151,27 @@ def _read_jsonl(src: Source) -> Iterator[str]:
                 raise ValueError(f"{src.path} line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
             if record is None and not line.strip():  # blank lines (a separator, a trailing one) hold no document
                 continue
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
+            values = [record.get(k) if isinstance(record, dict) else None for k in fields]
+            if not all(isinstance(v, str) for v in values):
                 found = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-                raise ValueError(f"{src.path} line {lineno}: expected an object with a string \"text\" field, "
-                                 f"got {found}")
-            yield text
+                names = " and ".join(f'"{k}"' for k in fields)
+                raise ValueError(f"{src.path} line {lineno}: expected an object with string {names} field"
+                                 f"{'s' if len(fields) > 1 else ''}, got {found}")
+            yield values[0] if len(fields) == 1 else tuple(values)
+
+
+def iter_pairs(sources: list[Source], max_bytes: int | None = None) -> Iterator[tuple[str, str]]:
+    """(source, target) of every line of the JSONL ``sources`` (``{"source": ..., "target": ...}``), in order,
+    stopping after the pair that reaches ``max_bytes`` of UTF-8 text; pairs with an empty side are skipped."""
+    remaining = max_bytes
+    for src in sources:
+        if src.kind != "jsonl":
+            raise ValueError(f"{src.path}: seq2seq pairs are read from JSONL files ({{\"source\": ..., "
+                             f"\"target\": ...}} per line), not {src.kind} files")
+        for source, target in _read_jsonl(src, ("source", "target")):
+            if remaining is not None and remaining <= 0:
+                return
+            if source and target:
+                if remaining is not None:
+                    remaining -= len(source.encode("utf-8")) + len(target.encode("utf-8"))
+                yield source, target

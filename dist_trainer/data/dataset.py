@@ -42,6 +42,10 @@ META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 VERIFIED_FILE = "verified.json"  # the record of the full check
 VERIFY_LOCK_FILE = ".verify.lock"  # held while one process runs the full check; the others wait for its record
+# a seq2seq pairs folder (meta "format": "pairs", data/pairs.py): per split an index of uint64 (start, source length,
+# target length) records beside the token shards
+INDEX_DTYPE = np.dtype("<u8")
+INDEX_FIELDS = 3
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
@@ -92,8 +96,24 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def is_pairs(meta: dict[str, Any]) -> bool:
+    """A folder of seq2seq pairs (``prepare --pairs``), not of token shards alone."""
+    return meta.get("format") == "pairs"
+
+
+def index_files(meta: dict[str, Any], splits: list[str] | None = None) -> list[dict[str, Any]]:
+    """The pair index entries ({file, count, sha256}) of ``splits`` (default: all); [] for token shards."""
+    return [meta["splits"][s]["pairs"] for s in (meta["splits"] if splits is None else splits)
+            if "pairs" in meta["splits"][s]]
+
+
 def check_shard_sizes(path: Path, meta: dict[str, Any], splits: list[str] | None = None) -> None:
-    """Every shard of ``splits`` (default: all) exists with the byte size its token count implies."""
+    """Every shard (and pair index) of ``splits`` (default: all) exists with the byte size its count implies."""
+    for entry in index_files(meta, splits):
+        file, expected = path / entry["file"], entry["count"] * INDEX_FIELDS * INDEX_DTYPE.itemsize
+        if not file.is_file() or file.stat().st_size != expected:
+            raise ValueError(f"pair index {file} listed in {path / META_FILE} is missing or not {expected} bytes "
+                             f"({entry['count']} pairs); {_rebuild_hint(path)}")
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in meta["splits"] if splits is None else splits:
         for shard in meta["splits"][split]["shards"]:
@@ -119,6 +139,10 @@ def verify_checksums(path: str | Path, meta: dict[str, Any] | None = None,
         tok_path = path / name
         if not tok_path.is_file() or file_sha256(tok_path) != sha:
             raise ValueError(f"{tok_path} is missing or its sha256 differs from meta's {sha}; {_rebuild_hint(path)}")
+    for entry in index_files(meta, splits):
+        if file_sha256(path / entry["file"]) != entry["sha256"]:
+            raise ValueError(f"pair index {path / entry['file']} differs from meta's sha256: the data is corrupted; "
+                             f"{_rebuild_hint(path)}")
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     largest: dict[str, int] = {}
     for split in meta["splits"] if splits is None else splits:
@@ -164,7 +188,8 @@ def _file_keys(path: Path, meta: dict[str, Any]) -> dict[str, list[int] | None]:
     """Each file the full check depends on -> [size, mtime_ns, inode] (None when missing). A write, a
     truncation, a replacement or a copy elsewhere changes the key, and the folder is checked again."""
     names = [META_FILE, TOKENIZER_FILE, *(n for n in meta.get("tokenizer_files", {}) if n != TOKENIZER_FILE),
-             *(s["file"] for split in meta["splits"].values() for s in split["shards"])]
+             *(s["file"] for split in meta["splits"].values() for s in split["shards"]),
+             *(e["file"] for e in index_files(meta))]
     keys: dict[str, list[int] | None] = {}
     for name in names:
         try:
@@ -212,7 +237,8 @@ def _locked(lock_path: Path) -> Any:
 def data_fingerprint(meta: dict[str, Any]) -> str:
     """sha256 over the tokenizer's and every shard's sha256 in meta: equal fingerprints, the same samples."""
     parts = [meta["tokenizer_sha256"], *(f"{split}/{s['file']}:{s['sha256']}" for split in sorted(meta["splits"])
-                                         for s in meta["splits"][split]["shards"])]
+                                         for s in meta["splits"][split]["shards"]),
+             *(f"{e['file']}:{e['sha256']}" for e in index_files(meta))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -251,6 +277,8 @@ def split_samples(path: Path, meta: dict[str, Any], split: str, seq_len: int,
     if splits[split]["documents"] == 0:
         raise ValueError(f"split {split!r} of {path} is empty (prepared with val_fraction="
                          f"{meta.get('val_fraction')}); prepare again with a val_fraction > 0")
+    if is_pairs(meta):  # one sample per pair, whatever the lengths (data/pairs.py)
+        return int(splits[split]["pairs"]["count"])
     samples = sum(s["tokens"] // (seq_len + 1) for s in splits[split]["shards"])
     if samples < 1:
         raise ValueError(f"split {split!r} of {path} holds {splits[split]['tokens']} tokens in shards of "
@@ -269,6 +297,9 @@ class TokenDataset:
         self.meta: dict[str, Any] = read_meta(self.path)
         self.vocab_size: int = self.meta["vocab_size"]
         self.special_tokens: dict[str, int] = dict(self.meta["special_tokens"])
+        if is_pairs(self.meta):
+            raise ValueError(f"{self.path} holds seq2seq pairs (prepare --pairs): train an encoder-decoder on it "
+                             "with data.objective=seq2seq")
         split_samples(self.path, self.meta, split, seq_len, expect_vocab_size)
         check_shard_sizes(self.path, self.meta, [split])
         verify_folder(self.path, self.meta)  # the full check once per state of the folder, then its record

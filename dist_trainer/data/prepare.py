@@ -46,6 +46,7 @@ from dist_trainer.data.dataset import (
     token_dtype,
     verify_folder,
 )
+from dist_trainer.data.pairs import PairWriter
 from dist_trainer.data.shards import BATCH_BYTES, DEFAULT_SHARD_TOKENS, ShardWriter, encode_stream
 from dist_trainer.data.tokenizer import (
     MODEL_CONFIG,
@@ -62,25 +63,29 @@ BPE_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte is a token in byte-level BPE, plus the specials
 # meta fields that must match for an existing folder to be reused.
 REQUEST_KEYS = ("format_version", "inputs", "input_fingerprint", "vocab_size", "val_fraction", "max_bytes",
-                "seed", "shard_tokens", "tokenizer_source")
+                "seed", "shard_tokens", "tokenizer_source", "format", "extra_ids")
+SENTINEL = "<extra_id_{}>"  # T5's sentinel tokens: <extra_id_0> is the highest id (span corruption's first span)
 
 
-def train_tokenizer(texts: Any, vocab_size: int, length: int | None = None) -> Tokenizer:
+def train_tokenizer(texts: Any, vocab_size: int, length: int | None = None, extra_ids: int = 0) -> Tokenizer:
     """Byte-level BPE (GPT-2 style: Radford et al. 2019, section 2.2) with SPECIAL_TOKENS at ids 0..3.
 
     The initial alphabet is all 256 byte symbols, so any text encodes without an unknown token
-    and decodes back exactly.
+    and decodes back exactly. ``extra_ids``: T5's sentinels ``<extra_id_k>`` take the top ``extra_ids`` ids of
+    ``vocab_size`` (``<extra_id_0>`` the highest, as in T5's vocabulary), the BPE the ids below them.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - extra_ids,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer, length=length)
+    if extra_ids:  # added in reverse so that <extra_id_0> gets the top id
+        tokenizer.add_special_tokens([SENTINEL.format(k) for k in reversed(range(extra_ids))])
     return tokenizer
 
 
@@ -96,7 +101,8 @@ def choose_val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int
 
 
 def _check_args(vocab_size: int, val_fraction: float, max_bytes: int | None, workers: int | None,
-                shard_tokens: int, bpe: bool = True) -> None:
+                shard_tokens: int, bpe: bool = True, extra_ids: int = 0) -> None:
+    vocab_size -= extra_ids  # the BPE's own share
     if bpe and not MIN_VOCAB_SIZE <= vocab_size <= 2**32:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
                          f"{len(SPECIAL_TOKENS)} special tokens {list(SPECIAL_TOKENS)}, so at least {MIN_VOCAB_SIZE}"
@@ -130,7 +136,8 @@ def _reusable(out: Path, request: dict[str, Any]) -> dict[str, Any] | None:
     except (ValueError, KeyError, TypeError) as exc:
         print(f"prepare: {out} is incomplete or stale ({exc}); rebuilding", flush=True)
         return None
-    changed = [k for k in REQUEST_KEYS if meta.get(k) != request[k]]
+    before = {"format": "tokens", "extra_ids": 0}  # what a folder prepared before these keys existed holds
+    changed = [k for k in REQUEST_KEYS if meta.get(k, before.get(k)) != request[k]]
     if changed:
         print(f"prepare: {out} was prepared with different {', '.join(changed)}; rebuilding", flush=True)
         return None
@@ -210,7 +217,7 @@ def _bpe_format(tokenizer: Tokenizer) -> tuple[dict[str, int], dict[str, int], d
 def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None, val_fraction: float = 0.01,
             max_bytes: int | None = None, workers: int | None = None, seed: int = 0, *, force: bool = False,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, tokenizer: str | Path | None = None,
-            model_vocab: int | None = None) -> dict[str, Any]:
+            model_vocab: int | None = None, pairs: bool = False, extra_ids: int = 0) -> dict[str, Any]:
     """Prepare ``out`` from ``inputs`` (None = the Python stdlib's source); return its meta.
 
     ``tokenizer`` (an HF folder or a tokenizer.json) encodes with that tokenizer instead of training a BPE of
@@ -219,15 +226,20 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
     deterministic order). ``workers``: None encodes on the tokenizers library's thread pool (all cores), 1 on
     one core, N > 1 in N spawned processes (a calling script then needs the ``if __name__ == "__main__":``
     guard). ``shard_tokens`` is the size at which a new shard file starts (shards end on document boundaries).
-    The output does not depend on ``workers``.
+    The output does not depend on ``workers``. ``pairs``: the inputs are JSONL files of ``{"source": ..., "target":
+    ...}`` pairs for an encoder-decoder (``data/pairs.py``), held out and written pair by pair. ``extra_ids``: T5's
+    sentinel tokens (span corruption) at the top of a trained BPE's vocabulary.
     """
     _check_vocab_args(vocab_size, tokenizer, model_vocab)
+    if extra_ids < 0 or (extra_ids and tokenizer is not None):
+        raise ValueError(f"--extra-ids {extra_ids} must be >= 0 and adds sentinels to the BPE prepare trains (a "
+                         "--tokenizer brings its own, T5's <extra_id_k>)")
     hf = None
     if tokenizer is not None:
         hf, vocab_size = _tokenizer_request(tokenizer, model_vocab)
         hf.check_document_boundary()
     assert vocab_size is not None
-    _check_args(vocab_size, val_fraction, max_bytes, workers, shard_tokens, bpe=hf is None)
+    _check_args(vocab_size, val_fraction, max_bytes, workers, shard_tokens, bpe=hf is None, extra_ids=extra_ids)
     out = Path(out)
     sources = corpus.discover(None if inputs is None else [Path(p) for p in inputs])
     _check_out(out)
@@ -241,6 +253,8 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
         "seed": seed,
         "shard_tokens": shard_tokens,
         "tokenizer_source": None if hf is None else _source(tokenizer or "", hf),
+        "format": "pairs" if pairs else "tokens",
+        "extra_ids": extra_ids,
     }
     if not force and (meta := _reusable(out, request)) is not None:
         print(f"prepare: reusing {out} ({meta['splits']['train']['tokens']:,} train tokens, "
@@ -249,9 +263,13 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
 
     start = time.perf_counter()
     n_docs, n_bytes = 0, 0
-    for text in corpus.iter_documents(sources, max_bytes):
+
+    def documents() -> Any:  # a document, or a seq2seq pair (source, target)
+        return corpus.iter_pairs(sources, max_bytes) if pairs else corpus.iter_documents(sources, max_bytes)
+
+    for doc in documents():
         n_docs += 1
-        n_bytes += len(text.encode("utf-8"))
+        n_bytes += sum(len(t.encode("utf-8")) for t in (doc if pairs else [doc]))
     if n_docs == 0:
         raise ValueError(f"the corpus is empty: {len(sources)} file(s) under {request['inputs']} hold no text "
                          f"(max_bytes={max_bytes})")
@@ -263,8 +281,9 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
     tmp.mkdir()
     try:
         if hf is None:
-            train_texts = (t for i, t in enumerate(corpus.iter_documents(sources, max_bytes)) if i not in val_docs)
-            trained = train_tokenizer(train_texts, vocab_size, length=n_docs - len(val_docs))
+            train_texts = (t for i, d in enumerate(documents()) if i not in val_docs for t in (d if pairs else [d]))
+            trained = train_tokenizer(train_texts, vocab_size, length=(n_docs - len(val_docs)) * (2 if pairs else 1),
+                                      extra_ids=extra_ids)
             trained.save(str(tmp / TOKENIZER_FILE))
             special_ids, roles, doc_format = _bpe_format(trained)
             # its special tokens by role, as a Hugging Face folder names them: an export hands both files on
@@ -280,14 +299,19 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
         t_train = time.perf_counter() - start
         used = Tokenizer.from_file(str(tmp / TOKENIZER_FILE))
 
-        writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
-        tagged = ((t, "val" if i in val_docs else "train")
-                  for i, t in enumerate(corpus.iter_documents(sources, max_bytes)))
+        writer = PairWriter if pairs else ShardWriter
+        writers: dict[str, Any] = {split: writer(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
+        # a pair's source and target are encoded as two documents (tagged part 0 and 1), written as one
+        tagged = ((t, ("val" if i in val_docs else "train", part)) for i, d in enumerate(documents())
+                  for part, t in enumerate(d if pairs else [d]))
         # More processes than batches would only pay their start-up time.
         n_workers = None if workers is None else max(1, min(workers, n_bytes // BATCH_BYTES + 1))
-        for tokens, split in encode_stream(tmp / TOKENIZER_FILE, tagged, doc_format["eos_id"], dtype, n_workers,
-                                           bos_id=doc_format["bos_id"]):
-            writers[split].add(tokens)
+        for tokens, (split, part) in encode_stream(tmp / TOKENIZER_FILE, tagged, doc_format["eos_id"], dtype,
+                                                   n_workers, bos_id=doc_format["bos_id"]):
+            if pairs:
+                writers[split].add(tokens, part)
+            else:
+                writers[split].add(tokens)
         splits = {split: w.close() for split, w in writers.items()}
 
         meta = {
@@ -370,6 +394,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="encoding processes (default: the tokenizers thread pool, one thread per core; "
                         "1 = one core)")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation split (default 0)")
+    p.add_argument("--pairs", action="store_true",
+                   help="the inputs are JSONL files of {\"source\": ..., \"target\": ...} pairs for an "
+                        "encoder-decoder (data.objective=seq2seq)")
+    p.add_argument("--extra-ids", type=int, default=0, metavar="N",
+                   help="T5's sentinels <extra_id_0..N-1> at the top of the trained BPE's vocabulary, for "
+                        "data.objective=span_corruption (default 0)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out holds the same preparation")
     p.set_defaults(func=run)
 
@@ -379,5 +409,6 @@ def run(args: argparse.Namespace) -> int:
     inputs = [Path(p) for p in args.inputs] if args.inputs else None
     tokenizer = Path(args.tokenizer) if args.tokenizer is not None else None
     prepare(inputs, Path(args.out), args.vocab_size, val_fraction=args.val_fraction, max_bytes=args.max_bytes,
-            workers=args.workers, seed=args.seed, force=args.force, tokenizer=tokenizer, model_vocab=args.model_vocab)
+            workers=args.workers, seed=args.seed, force=args.force, tokenizer=tokenizer, model_vocab=args.model_vocab,
+            pairs=args.pairs, extra_ids=args.extra_ids)
     return 0

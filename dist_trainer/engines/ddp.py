@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, autocast_for, clip_norm, sharded_model
 from dist_trainer.engines.update import DenseUpdate
+from dist_trainer.model import seq2seq_inputs
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.grad import expert_param_names
@@ -69,7 +70,7 @@ class DataParallelEngine(Engine):
             sync = i == n - 1 or not isinstance(wrapped, DDP)
             with wrapped.no_sync() if isinstance(wrapped, DDP) and not sync else contextlib.nullcontext():
                 with autocast_for(self.cfg.train.precision, self.device):
-                    loss = wrapped(batch["tokens"], batch["targets"])
+                    loss = wrapped(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float()
@@ -86,6 +87,6 @@ class DataParallelEngine(Engine):
         total = torch.zeros((), device=self.device)
         with autocast_for(self.cfg.train.precision, self.device):
             for batch in batches:
-                total += self.model(batch["tokens"], batch["targets"]).float()
+                total += self.model(batch["tokens"], batch["targets"], **seq2seq_inputs(batch)).float()
         self.model.train()
         return total

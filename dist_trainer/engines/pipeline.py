@@ -26,8 +26,14 @@ from dist_trainer.engines.base import (
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.engines.update import DenseUpdate, Update
+from dist_trainer.model import seq2seq_inputs
 from dist_trainer.model_moe import aux_loss_sum
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES
+from dist_trainer.model_names import (
+    DECODER_FIRST_MODULES,
+    ENCODER_LAST_MODULES,
+    FIRST_STAGE_MODULES,
+    LAST_STAGE_MODULES,
+)
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.pipeline.schedule import PipelineSchedule, build_schedule
@@ -48,12 +54,16 @@ class PipelineRankModule(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict()
         for stage in stages:
-            for name in FIRST_STAGE_MODULES + LAST_STAGE_MODULES:
+            for name in FIRST_STAGE_MODULES + LAST_STAGE_MODULES + ENCODER_LAST_MODULES + DECODER_FIRST_MODULES:
                 module = getattr(stage.model, name, None)
                 if module is not None and not hasattr(self, name):
                     setattr(self, name, module)
             for i, layer in zip(stage.layer_ids, stage.model.layers):
                 self.layers[str(i)] = layer
+            for i, layer in zip(stage.layer_ids[len(stage.model.layers):], stage.model.dec_layers or ()):
+                if not hasattr(self, "dec_layers"):  # an encoder-decoder's decoder layers: dec_layers.{j}
+                    self.dec_layers = nn.ModuleDict()
+                self.dec_layers[str(i - stage.model.cfg.n_layers)] = layer
 
 
 class PipelineEngine(Engine):
@@ -84,6 +94,7 @@ class PipelineEngine(Engine):
     def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
         """The schedule over the sampler's micro-batches (``n_micro`` per pass: a step is one pass, the eval set
         several); the sum of their losses on every rank."""
+        keys = ("tokens", *seq2seq_inputs(batches[0]))  # an encoder-decoder's first stage reads its decoder inputs too
         stage_ids = [s.stage_index for s in self.stages]
         aux_before = aux_loss_sum(self.model)
         losses: list[torch.Tensor] = []
@@ -91,7 +102,8 @@ class PipelineEngine(Engine):
             with autocast_for(self.cfg.train.precision, self.device), self.state.pp.exchange("pipeline send/recv"):
                 for i in range(0, len(batches), self.n_micro):
                     group = batches[i:i + self.n_micro]
-                    losses += self.pipe.run([b["tokens"] for b in group] if self.pipe.has_first_stage else None,
+                    losses += self.pipe.run([tuple(b[k] for k in keys) for b in group] if self.pipe.has_first_stage
+                                            else None,
                                             [b["targets"] for b in group] if self.pipe.has_last_stage else None,
                                             train=train)
         except RuntimeError as exc:  # a dead or stalled neighbour: say which stage waited on whom
@@ -121,8 +133,12 @@ class PipelineEngine(Engine):
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         for stage in self.stages:
             stage.eval()
+        # one schedule pass per step's worth of micro-batches, so each evaluated micro-batch is a training step's
+        # (a mean over its own target tokens: targets of different lengths, seq2seq pairs, make it matter)
+        step = self.cfg.parallel.grad_accum_steps(self.state.dp_size)
         try:
-            return self._run(batches, train=False)
+            return sum((self._run(batches[i:i + step], train=False) for i in range(0, len(batches), step)),
+                       torch.zeros((), device=self.device))
         finally:
             for stage in self.stages:
                 stage.train()

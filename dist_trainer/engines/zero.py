@@ -33,7 +33,7 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, load_start_weights, sharded_model, start_finetune
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
-from dist_trainer.model import Transformer
+from dist_trainer.model import Transformer, seq2seq_inputs
 from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.zero.config import validate_zero_config
@@ -103,7 +103,7 @@ class ZeroEngine(Engine):
         for i, batch in enumerate(batches):
             # No autocast: with bf16/fp16 DeepSpeed itself holds 16-bit params and fp32 master weights.
             with self.state.dp.exchange("deepspeed forward/backward"):  # DeepSpeed's collectives, for a hang report
-                loss = self.engine(batch["tokens"], batch["targets"])
+                loss = self.engine(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))
                 self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps, as DDP's loss / n
             if self.after_backward is not None:
                 self.after_backward()
@@ -122,7 +122,7 @@ class ZeroEngine(Engine):
         total = torch.zeros((), device=self.device)
         try:
             for batch in batches:  # stage 3: DeepSpeed's module hooks gather each layer's partitions
-                total += self.engine(batch["tokens"], batch["targets"]).float()
+                total += self.engine(batch["tokens"], batch["targets"], **seq2seq_inputs(batch)).float()
         finally:
             self.engine.train()
         return total

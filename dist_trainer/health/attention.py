@@ -164,6 +164,10 @@ def diagnose(checkpoint: str | Path, text: str, out: Path, data_path: str | Path
                          "text") from None
     out = output_dir(out, "--out")
     model, cfg = load_plain_model(checkpoint)
+    if cfg.model.encoder_decoder:
+        raise ValueError(f"{checkpoint} is an encoder-decoder (model.n_decoder_layers={cfg.model.n_decoder_layers}): "
+                         "`attention` maps one stack's self-attention over one text; its encoder, decoder and "
+                         "cross-attention maps are not drawn (yet)")
     tokenizer = load_tokenizer(Path(data_path or cfg.data.path))
     ids = tokenizer.encode(text).ids
     if not ids:

@@ -62,7 +62,7 @@ class HealthMonitor(StepHooks):
         self.cfg, self.h, self.engine, self.state, self.device = cfg, cfg.health, engine, state, device
         self.ckpt_root = ckpt_root
         self.signals = LayerSignals(cfg.model.n_layers, cfg.model.vocab_size, cfg.model.d_model,
-                                    self.h.embed_sample, device)
+                                    self.h.embed_sample, device, cfg.model.n_decoder_layers)
         self.noise = NoiseScale(self.h.noise_ema)
         self.spikes = SpikeDetector(self.h.spike_window, self.h.spike_threshold, self.h.spike_warmup)
         self.store = default_store() if state.world_size > 1 else None
@@ -87,8 +87,12 @@ class HealthMonitor(StepHooks):
         """A key that orders parameters as the full model does, across pipeline stages (embeddings, layers,
         the rest); within a rank, ``named_parameters`` order."""
         layer = layer_of(name)
-        if layer is None:
-            layer = -1 if name.split(".")[0] in FIRST_STAGE_MODULES else self.cfg.model.n_layers
+        top = name.split(".")[0]
+        if top == "dec_layers":  # an encoder-decoder's decoder layer j comes after the encoder's layers
+            layer = self.cfg.model.n_layers + 1 + int(name.split(".")[1])
+        elif layer is None:
+            last = self.cfg.model.n_layers + self.cfg.model.n_decoder_layers + 1
+            layer = -1 if top in FIRST_STAGE_MODULES else self.cfg.model.n_layers if top == "enc_norm" else last
         return (layer + 1) * 100_000 + i
 
     # ------------------------------------------------------------------ the step, in the loop's order

@@ -9,6 +9,10 @@ and final norms), ``embed`` (token, position and type embeddings), ``head`` (an 
 MLM transform and output bias), ``pooler``. An attention projection's weight also forms its own group
 (``layers.3.attn.q``), whose norm is the "attention projection norm".
 
+An encoder-decoder's decoder layers are ``dec_layers.{j}`` groups beside the encoder's ``layers.{i}``, with one more
+kind, ``cross_attn`` (the cross-attention's q/k/v/o, each projection a group of its own too); T5's relative tables
+and the decoder's position table are ``embed``, ``enc_norm`` a ``norm``.
+
 A mixture-of-experts layer's ``moe`` block (router, experts, shared expert; docs/moe.md) is that layer's
 feed-forward block: kind ``mlp`` (its gradients feed the layer's MLP gradient histogram). The routed experts of
 every layer also form the group ``experts`` (absent from a dense model's records), whose gradient norm the
@@ -20,32 +24,49 @@ from __future__ import annotations
 PREFIX = "health/"
 GROUP_SIGNALS = ("grad_norm", "param_norm", "update_ratio", "l1_change")  # per group, every record
 LAYER_KINDS = ("attn", "mlp", "norm")
+CROSS_KIND = "cross_attn"  # a decoder layer's cross-attention (encoder-decoder)
+STACKS = ("layers", "dec_layers")  # the layer stacks: one model's, or an encoder-decoder's encoder and decoder
 PROJECTIONS = ("q", "k", "v", "o")
 TOP_KINDS = {"tok_emb": "embed", "pos_emb": "embed", "type_emb": "embed", "emb_norm": "norm", "final_norm": "norm",
-             "head": "head", "mlm_transform": "head", "output_bias": "head", "pooler": "pooler"}
+             "head": "head", "mlm_transform": "head", "output_bias": "head", "pooler": "pooler",
+             "rel_emb": "embed", "dec_pos_emb": "embed", "dec_rel_emb": "embed", "enc_norm": "norm"}
 QUANTILES = (0.5, 0.9, 0.99)
 
 
-def group_names(n_layers: int) -> list[str]:
-    """Every group of a model with ``n_layers`` layers, in a fixed order (the same on every rank)."""
+def layer_names(n_layers: int, n_decoder_layers: int = 0) -> list[str]:
+    """Every layer of the model, in model order: ``layers.{i}``, then an encoder-decoder's ``dec_layers.{j}``."""
+    return [f"layers.{i}" for i in range(n_layers)] + [f"dec_layers.{j}" for j in range(n_decoder_layers)]
+
+
+def group_names(n_layers: int, n_decoder_layers: int = 0) -> list[str]:
+    """Every group of a model with ``n_layers`` layers (and an encoder-decoder's decoder layers), in a fixed order
+    (the same on every rank)."""
     names = []
-    for i in range(n_layers):
-        names += [f"layers.{i}.{k}" for k in LAYER_KINDS] + [f"layers.{i}"]
-        names += [f"layers.{i}.attn.{p}" for p in PROJECTIONS]
-    return names + ["embed", "head", "pooler", *LAYER_KINDS, "experts", "all"]
+    for layer in layer_names(n_layers, n_decoder_layers):
+        kinds = [*LAYER_KINDS, CROSS_KIND] if layer.startswith("dec_") else list(LAYER_KINDS)
+        names += [f"{layer}.{k}" for k in kinds] + [layer]
+        names += [f"{layer}.{k}.{p}" for k in kinds if k.endswith("attn") for p in PROJECTIONS]
+    return names + ["embed", "head", "pooler", *LAYER_KINDS, *([CROSS_KIND] if n_decoder_layers else []), "experts",
+                    "all"]
+
+
+def stack_layer(name: str) -> str | None:
+    """The layer a parameter name is in (``layers.3``, ``dec_layers.1``), None outside the layers."""
+    parts = name.split(".")
+    return f"{parts[0]}.{parts[1]}" if parts[0] in STACKS and len(parts) > 1 and parts[1].isdigit() else None
 
 
 def groups_of(name: str) -> list[str]:
     """The groups parameter ``name`` (the plain model's name) adds to."""
     parts = name.split(".")
-    if parts[0] == "layers" and len(parts) >= 3:
-        layer, module = f"layers.{parts[1]}", parts[2]
-        kind = "attn" if module == "attn" else "mlp" if module in ("mlp", "moe") else "norm"
+    if parts[0] in STACKS and len(parts) >= 3:
+        layer, module = f"{parts[0]}.{parts[1]}", parts[2]
+        kind = module if module in ("attn", CROSS_KIND) else "mlp" if module in ("mlp", "moe") else "norm"
         groups = [f"{layer}.{kind}", layer, kind, "all"]
         if is_routed_expert(name):
             groups.append("experts")
-        if module == "attn" and len(parts) == 5 and parts[4] == "weight" and parts[3][0] in PROJECTIONS:
-            groups.append(f"{layer}.attn.{parts[3][0]}")
+        if kind.endswith("attn") and len(parts) == 5 and parts[4] == "weight" and parts[3][0] in PROJECTIONS:
+            groups.append(f"{layer}.{kind}.{parts[3][0]}")
         return groups
     top = TOP_KINDS.get(parts[0])
     return [top, "all"] if top is not None else ["all"]
@@ -60,7 +81,7 @@ def is_routed_expert(name: str) -> bool:
 def is_mlp(name: str) -> bool:
     """A parameter of a layer's feed-forward block: its MLP, or its MoE block."""
     parts = name.split(".")
-    return len(parts) > 2 and parts[0] == "layers" and parts[2] in ("mlp", "moe")
+    return len(parts) > 2 and parts[0] in STACKS and parts[2] in ("mlp", "moe")
 
 
 def layer_of(name: str) -> int | None:
@@ -80,6 +101,7 @@ def signal_key(signal: str, group: str) -> str:
     return f"{PREFIX}{signal}/{group}"
 
 
-def quantile_key(layer: int, q: float | str) -> str:
+def quantile_key(layer: int | str, q: float | str) -> str:
+    """The key of an MLP gradient quantile of ``layer`` (an index of ``layers``, or a ``stack_layer`` name)."""
     label = q if isinstance(q, str) else f"p{round(q * 100):d}"
-    return f"{PREFIX}mlp_grad_abs/layers.{layer}/{label}"
+    return f"{PREFIX}mlp_grad_abs/{layer if isinstance(layer, str) else f'layers.{layer}'}/{label}"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_trainer.files import read_step_records
-from dist_trainer.health.names import GROUP_SIGNALS, LAYER_KINDS, PREFIX, quantile_key, signal_key
+from dist_trainer.health.names import CROSS_KIND, GROUP_SIGNALS, LAYER_KINDS, PREFIX, quantile_key, signal_key
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
@@ -77,9 +77,15 @@ def _line_figure(path: Path, title: str, records: list[dict[str, Any]], keys: di
     return path
 
 
+def _layers(records: list[dict[str, Any]], pattern: str) -> list[str]:
+    """The layers (``layers.i``, an encoder-decoder's ``dec_layers.j`` after them) the records hold keys of."""
+    found = {(m.group(1), int(m.group(2))) for r in records for k in r if (m := re.match(pattern, k))}
+    return [f"{stack}.{i}" for stack, i in sorted(found, key=lambda x: (x[0] == "dec_layers", x[1]))]
+
+
 def _layer_rows(records: list[dict[str, Any]]) -> list[str]:
-    layers = sorted({int(m.group(1)) for r in records for k in r if (m := re.match(r"health/\w+/layers\.(\d+)", k))})
-    return [f"layers.{i}.{kind}" for i in layers for kind in LAYER_KINDS] + ["embed"]
+    return [f"{layer}.{kind}" for layer in _layers(records, r"health/\w+/(layers|dec_layers)\.(\d+)")
+            for kind in (*LAYER_KINDS, *([CROSS_KIND] if layer.startswith("dec_") else []))] + ["embed"]
 
 
 def _heatmaps(path: Path, records: list[dict[str, Any]]) -> Path | None:
@@ -119,8 +125,7 @@ def _heatmaps(path: Path, records: list[dict[str, Any]]) -> Path | None:
 
 
 def _health_panels(path: Path, records: list[dict[str, Any]]) -> Path | None:
-    layers = sorted({int(m.group(1)) for r in records for k in r
-                     if (m := re.match(r"health/mlp_grad_abs/layers\.(\d+)/", k))})
+    layers = _layers(records, r"health/mlp_grad_abs/(layers|dec_layers)\.(\d+)/")
     panels: list[tuple[str, dict[str, str], bool]] = [
         ("gradient noise scale B_simple (sequences)", {f"{PREFIX}noise/b_simple": "EMA",
                                                         f"{PREFIX}noise/b_simple_raw": "this record"}, True),

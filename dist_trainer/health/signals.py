@@ -32,9 +32,10 @@ from dist_trainer.health.names import (
     group_names,
     groups_of,
     is_mlp,
-    layer_of,
+    layer_names,
     quantile_key,
     signal_key,
+    stack_layer,
 )
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
@@ -64,11 +65,14 @@ def embedding_sample(vocab_size: int, n: int) -> torch.Tensor:
 class LayerSignals:
     """One record's per-layer signals: ``record_grads`` before the update, ``finish`` after it."""
 
-    def __init__(self, n_layers: int, vocab_size: int, d_model: int, embed_sample: int, device: torch.device) -> None:
+    def __init__(self, n_layers: int, vocab_size: int, d_model: int, embed_sample: int, device: torch.device,
+                 n_decoder_layers: int = 0) -> None:
         self.device = device  # where the sums live and are reduced (pieces may sit elsewhere: offloaded ZeRO)
-        self.groups = group_names(n_layers)
+        self.groups = group_names(n_layers, n_decoder_layers)
         self.index = {g: i for i, g in enumerate(self.groups)}
-        self.n_layers, self.d_model = n_layers, d_model
+        self.layers = layer_names(n_layers, n_decoder_layers)  # the histograms' rows (an encoder-decoder's both stacks)
+        self.layer_row = {name: i for i, name in enumerate(self.layers)}
+        self.n_layers, self.d_model = len(self.layers), d_model
         self.rows = embedding_sample(vocab_size, embed_sample)
         self.reference: dict[str, torch.Tensor] | None = None  # values at the previous record (L1 change)
         self.before: dict[str, torch.Tensor] | None = None  # values just before this record's update
@@ -89,7 +93,7 @@ class LayerSignals:
                 continue
             g = piece.grad.float()
             sq[self._group_ids(piece.name)] += (torch.linalg.vector_norm(g).double() ** 2).to(device)
-            layer = layer_of(piece.name)
+            layer = self.layer_row.get(stack_layer(piece.name) or "")
             if layer is not None and is_mlp(piece.name):
                 mag = g.abs()
                 gmax[layer] = torch.maximum(gmax[layer], mag.max().to(device))
@@ -178,10 +182,11 @@ class LayerSignals:
             if total == 0:
                 continue
             cum = counts.cumsum(0)
+            name = self.layers[layer]
             for q in QUANTILES:
                 b = int(torch.searchsorted(cum, torch.tensor(q * total, dtype=cum.dtype, device=cum.device)))
-                out[quantile_key(layer, q)] = 10.0 ** (LOG_MIN + (min(b, N_BINS - 1) + 1) / BINS_PER_DECADE)
-            out[quantile_key(layer, "max")] = float(gmax[layer])
+                out[quantile_key(name, q)] = 10.0 ** (LOG_MIN + (min(b, N_BINS - 1) + 1) / BINS_PER_DECADE)
+            out[quantile_key(name, "max")] = float(gmax[layer])
         if rows.abs().sum() > 0 and len(rows) > 1:
             unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
             cos = unit @ unit.T

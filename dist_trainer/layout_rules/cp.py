@@ -18,6 +18,11 @@ def check_cp(model: ModelConfig, cp_size: int, cp_mode: str, *, tp_size: int = 1
     in ``cp_mode`` (parallel/cp/)."""
     if cp_size == 1:
         return
+    if model.encoder_decoder:
+        raise ValueError(f"parallel.cp_size={cp_size} with an encoder-decoder (model.n_decoder_layers="
+                         f"{model.n_decoder_layers}) is not supported: context parallelism splits one stack's "
+                         "sequence, while the decoder's cross-attention reads the whole encoder output and T5's "
+                         "relative position bias is a mask over all positions; use cp_size 1")
     chunks = 2 * cp_size if zigzag(model, cp_mode) else cp_size
     if seq_len is not None and seq_len % chunks:
         split = (f"2 x cp = {chunks} chunks (the zigzag split of a causal model under ring attention)"

@@ -4,6 +4,7 @@ a batch. Torch-free."""
 from __future__ import annotations
 
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, ModelConfig
+from dist_trainer.layout_rules.seq2seq import seq2seq_stage_counts
 from dist_trainer.model_shape import embedding_params, layer_param_counts, tail_params
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
@@ -17,8 +18,13 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
     remainder going to the middle stages first (the first and last also hold the embeddings and
     the head). ``params``: minimise the largest stage's parameter count, embeddings and head
     included (exact DP over the cut points; counts from model_shape.py, which equal the
-    model's). The trainer builds these stages and the planner prices them.
+    model's). The trainer builds these stages and the planner prices them. An encoder-decoder's split (over both
+    stacks, encoder stages first) is ``layout_rules/seq2seq.py``'s.
     """
+    if model.encoder_decoder:
+        if balance not in PP_BALANCES:
+            raise ValueError(f"parallel.pp_balance={balance!r} is not one of {', '.join(PP_BALANCES)}")
+        return seq2seq_stage_counts(model, num_stages, balance, stage_layers)
     n = model.n_layers
     if stage_layers is not None:
         counts = list(stage_layers)

@@ -13,8 +13,8 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
   no s x s matrix. The math kernel (CPU with attention dropout) saves the scaled q, k^T, v, the probabilities,
   and with dropout a mask and the dropped probabilities: the 5as/h family;
 * grouped kv heads are repeated before SDPA, so SDPA saves full-width k and v whatever n_kv_heads is;
-* ReLU saves its output (which is also the down projection's input); GELU saves its input; SwiGLU saves gate,
-  silu(gate), up and the product;
+* ReLU saves its output (which is also the down projection's input); GELU saves its input; SwiGLU (GEGLU) saves
+  gate, silu(gate) (gelu(gate)), up and the product;
 * dropout masks exist only when model.dropout > 0: 1 byte (bool) on CUDA, the activation dtype on CPU;
 * the loss keeps the fp32 log-softmax (4 bytes x V per token) and the int64 targets; the embedding keeps the
   int64 token ids. When backward starts the loss's gradients join them (8V bytes per token in one process):
@@ -129,7 +129,7 @@ class ActivationSpec:
         return 1.0 if self.sp_saves_gathered_input else self.rep
 
 
-def _norm(cfg: ModelConfig, spec: ActivationSpec, name: str, input_grad: bool = True,
+def norm_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, name: str, input_grad: bool = True,
           weight_grad: bool = True) -> list[SavedTensor]:
     """A norm's tensors: LayerNorm's one node keeps its input and statistics whenever it is in the graph; RMSNorm
     keeps its input and rsqrt for the input's gradient and the normalised product for the weight's."""
@@ -210,7 +210,7 @@ def layer_flow(cfg: ModelConfig, g: LayerGrads) -> dict[str, bool]:
     f["mid"] = g.input or f["attn_out"]  # the residual sum after attention
     f["up_proj"] = f["gate_proj"] = f["mid"] or ("mlp_norm" if pre else "attn_norm") in g.base  # the MLP's input
     up, gate = f["up_proj"] or g.trains("up_proj"), f["up_proj"] or g.trains("gate_proj")
-    f["up"], f["gate"] = up, gate and cfg.activation == "swiglu"
+    f["up"], f["gate"] = up, gate and cfg.gated
     f["down_proj"] = up or f["gate"]  # down's input
     f["mlp_out"] = f["down_proj"] or g.trains("down_proj")
     return f
@@ -221,7 +221,7 @@ def _mlp(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, flow: dict[str, 
     down = g.reads_input("down_proj")
     if cfg.activation == "relu":  # relu saves its output, which is also down_proj's input
         kept = {"relu_out": flow["up"] or down}
-    elif cfg.activation == "swiglu":  # silu keeps the gate; the product keeps each factor for the other's gradient
+    elif cfg.gated:  # silu (gelu) keeps the gate; the product keeps each factor for the other's gradient
         kept = {"gate_out": flow["gate"], "silu_out": flow["up"], "up_out": flow["gate"], "product": down}
     else:
         kept = {"up_out": flow["up"], "gelu_out": down}
@@ -234,7 +234,7 @@ def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTenso
     slots = E * cfg.expert_capacity(spec.seq_len) / spec.seq_len  # expert slots per token, padding included
     amp = spec.precision.startswith("amp")
     whole = dataclasses.replace(spec, tp_size=1, sequence_parallel=False)  # replicated on the TP ranks
-    copies = 2 if amp and cfg.activation == "swiglu" else 1  # autocast casts the input for up and gate apart
+    copies = 2 if amp and cfg.gated else 1  # autocast casts the input for up and gate apart
     out = [SavedTensor("moe.router_probs", 2 * E, 4),  # softmax for the routing and for the aux loss
            SavedTensor("moe.router_logits", E, 4), SavedTensor("moe.logsumexp", 2, 4),  # z-loss (and its square)
            SavedTensor("moe.top_k", k, 8), SavedTensor("moe.top_p", k + 1, 4), SavedTensor("moe.keep", k, 1),
@@ -268,7 +268,7 @@ def _linear_input(cfg: ModelConfig, spec: ActivationSpec, name: str, g: LayerGra
     """The input several column-parallel linears read, kept by those whose weight gradient reads it. Under autocast
     each linear casts its fp32 input to 16 bits on its own (only weights are cached), so q, k and v keep three
     copies of the same input, and SwiGLU's up and gate two."""
-    readers = [leaf for leaf in leaves if g.reads_input(leaf) and (leaf != "gate_proj" or cfg.activation == "swiglu")]
+    readers = [leaf for leaf in leaves if g.reads_input(leaf) and (leaf != "gate_proj" or cfg.gated)]
     copies = len(readers) if spec.precision.startswith("amp") else min(1, len(readers))
     return [SavedTensor(name, cfg.d_model * spec.lin_in * copies, spec.act)] if copies else []
 
@@ -312,11 +312,12 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
     ffn = _moe(cfg, spec, mlp_input, flow["mlp_out"]) if moe else [*mlp_input, *_mlp(cfg, spec, g, flow)]
     mlp = [*ffn, *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_out"])]
     if pre:
-        return [*_norm(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
-                *_norm(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp, *_adapters(cfg, spec, g, flow)]
+        return [*norm_saved_tensors(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
+                *norm_saved_tensors(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp,
+                *_adapters(cfg, spec, g, flow)]
     # post-norm: the layer input feeds q/k/v directly; each norm sees the residual sum
-    return [*attn, *_norm(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base), *mlp,
-            *_norm(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base),
+    return [*attn, *norm_saved_tensors(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base), *mlp,
+            *norm_saved_tensors(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base),
             *_adapters(cfg, spec, g, flow)]
 
 
@@ -331,7 +332,7 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
     kv = cfg.kv_heads * cfg.head_dim
     kv_local = kv // t if kv_sharded(cfg, t) else kv
     sizes = {"q_proj": h * h // t, "k_proj": h * kv_local, "v_proj": h * kv_local, "o_proj": h * h // t,
-             "up_proj": h * f // t, "gate_proj": h * f // t if cfg.activation == "swiglu" else 0,
+             "up_proj": h * f // t, "gate_proj": h * f // t if cfg.gated else 0,
              "down_proj": f * h // t}
     flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
     if moe:
@@ -364,7 +365,7 @@ def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec,
         out.append(SavedTensor("embedding.type_ids", 1, 8))
     tables = bool(trains & {"tok_emb", "pos_emb", "type_emb"})
     if cfg.norm_placement == "post":
-        out += _norm(cfg, spec, "emb_norm", tables, "emb_norm" in trains)
+        out += norm_saved_tensors(cfg, spec, "emb_norm", tables, "emb_norm" in trains)
     if cfg.dropout > 0 and (tables or "emb_norm" in trains):
         mask = 1 if spec.device == "cuda" else spec.residual  # the embedding sum is in the residual dtype
         out.append(SavedTensor("embedding.dropout_mask", cfg.d_model * spec.rep, mask))
@@ -380,7 +381,7 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool 
     (``model_names.TAIL_NAMES``), those that train (None: all; a tied head trains with the token embedding)."""
     trains = frozenset(TAIL_NAMES) if trains is None else trains
     pre = cfg.norm_placement == "pre"
-    out = _norm(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
+    out = norm_saved_tensors(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
     grad = input_grad or (pre and "final_norm" in trains)  # the head's (or the transform's) input requires grad
     if cfg.mlm_head:
         out += _mlm_transform(cfg, spec, grad, trains)
@@ -407,7 +408,7 @@ def _mlm_transform(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool, tra
     out = [SavedTensor("mlm_transform.dense.input", h, spec.act)] if dense_trains else []
     if through:
         out.append(SavedTensor("mlm_transform.activation", h, spec.act))
-    norm = _norm(cfg, spec, "mlm_transform.norm", through, "mlm_transform.norm" in trains)
+    norm = norm_saved_tensors(cfg, spec, "mlm_transform.norm", through, "mlm_transform.norm" in trains)
     if cfg.activation == "relu" and spec.act == 4 and through:
         norm = [x for x in norm if x.name != "mlm_transform.norm.input"]  # the same fp32 tensor as relu's output
     return out + norm

@@ -165,6 +165,12 @@ def _option_args(p: argparse.ArgumentParser) -> None:
                         "block scales)")
     p.add_argument("--attention-kernel", default="flash", choices=("flash", "math"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--target-len", type=int, default=None, metavar="N",
+                   help="an encoder-decoder's decoder length (default: span corruption's targets for --seq-len "
+                        "sources, or --seq-len with --pairs)")
+    p.add_argument("--pairs", action="store_true",
+                   help="an encoder-decoder trained on seq2seq pairs (padded sources, data.objective=seq2seq) "
+                        "rather than span corruption")
     p.add_argument("--cuda-context-gb", type=float, default=0.5)
     p.add_argument("--fragmentation", type=float, default=0.05)
 
@@ -188,7 +194,8 @@ def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
     opts = TrainingOptions(precision=args.precision, grad_dtype=args.grad_dtype, optimizer=args.optimizer,
                            attention_kernel=args.attention_kernel, device=args.device,
                            fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
-                           freeze=tuple(_freeze(args)), optim_state_dtype=args.optim_state_dtype)
+                           freeze=tuple(_freeze(args)), optim_state_dtype=args.optim_state_dtype,
+                           target_len=args.target_len, source_mask=args.pairs)
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
@@ -207,7 +214,9 @@ def run_params(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, "total": bd.total, "active": bd.active, "base_total": bd.base_total,
                           "trainable": trainable, "reduction": reduction, "weight_bytes": weights,
                           "per_layer": bd.layer_total,
-                          "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers, "breakdown": rows}, indent=2))
+                          "n_layers": bd.n_layers, "n_moe_layers": bd.n_moe_layers,
+                          "per_decoder_layer": bd.decoder_layer_total, "n_decoder_layers": bd.n_decoder_layers,
+                          "stacks": {k.strip(): v for k, v in bd.stacks().items()}, "breakdown": rows}, indent=2))
         return 0
     width = max(28, *(len(r["module"]) + 2 for r in rows))
     print(f"{'module':<{width}}{'each':>16}{'x':>6}{'total':>18}{'share':>9}{'active/token':>18}{'trainable':>18}")
@@ -215,7 +224,12 @@ def run_params(args: argparse.Namespace) -> int:
         print(f"{r['module']:<{width}}{r['per_instance']:>16,}{r['instances']:>6}{r['total']:>18,}{r['share']:>9.2%}"
               f"{r['active']:>18,}{r['trainable']:>18,}")
     if bd.n_layers:
-        print(f"{'one dense layer' if bd.n_moe_layers else 'one layer':<{width}}{bd.layer_total:>16,}")
+        one = "one dense layer" if bd.n_moe_layers else "one encoder layer" if bd.n_decoder_layers else "one layer"
+        print(f"{one:<{width}}{bd.layer_total:>16,}")
+    if bd.n_decoder_layers:
+        print(f"{'one decoder layer':<{width}}{bd.decoder_layer_total:>16,}")
+        for part, n in bd.stacks().items():
+            print(f"{part:<{width}}{'':>22}{n:>18,}{n / bd.total:>9.2%}")
     print(f"{'total':<{width}}{'':>22}{bd.total:>18,}{'':>9}{bd.active:>18,}{trainable:>18,}")
     if trainable != bd.total:
         print(f"trainable {trainable:,} of {bd.total:,} ({trainable / bd.total:.4%}); base model {bd.base_total:,}: "

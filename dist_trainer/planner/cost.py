@@ -75,6 +75,7 @@ from dist_trainer.planner.moe import (
     moe_layer_ids,
 )
 from dist_trainer.planner.rank_params import rank_params
+from dist_trainer.planner.seq2seq import target_length
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 # The work between the GEMMs, counted on our layer (model.py), per token, forward + backward (backward about twice
@@ -185,11 +186,13 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     n, t, p, m, v = (layout.world_size, layout.tp_size, layout.pp_size, layout.n_microbatches,
                      layout.pp_virtual_stages)
     model_f, hw_f = step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
-                               recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every)
+                               recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every,
+                               target_len=target_length(seq_len, options.target_len, options.source_mask)
+                               if cfg.n_decoder_layers else None)
     tokens = rank_tokens(layout, seq_len)  # a micro-batch's tokens on this rank (1/cp of each sequence under cp)
     layers = layout.layers_by_rank(cfg) if layers_by_rank is None else layers_by_rank
     most_layers = max(len(ids) for ids in layers)
-    imbalance = most_layers * p / cfg.n_layers  # the slowest stage sets the pace
+    imbalance = most_layers * p / (cfg.n_layers + cfg.n_decoder_layers)  # the slowest stage sets the pace
     rp = rank_params(cfg, tp_size=t, pp_size=p, pp_rank=0, stage_layers=layout.pp_stage_layers, virtual_stages=v,
                      balance=layout.pp_balance, ep_size=layout.ep_size) if n_params_rank is None else None
     n_rank = rp.total if rp is not None else n_params_rank

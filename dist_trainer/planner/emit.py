@@ -32,11 +32,20 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
     return {
         "model": fields,
         "parallel": parallel_config_dict(layout),
-        "data": {"seq_len": seq_len},
+        "data": {"seq_len": seq_len, **_seq2seq_data(model, options)},
         **({"optim": {"state_dtype": options.optim_state_dtype}} if options.optim_state_dtype != "fp32" else {}),
         "train": {"precision": TRAIN_PRECISION[options.precision],
                   **({"freeze": list(options.freeze)} if options.freeze else {})},
     }
+
+
+def _seq2seq_data(model: ModelConfig, options: TrainingOptions) -> dict[str, Any]:
+    """An encoder-decoder's data fields: span corruption (T5's pretraining) unless the plan is for seq2seq pairs
+    (padded sources), and the decoder's length when the plan names one."""
+    if not model.encoder_decoder:
+        return {}
+    target = {} if options.target_len is None else {"target_len": options.target_len}
+    return {"objective": "seq2seq" if options.source_mask else "span_corruption", **target}
 
 
 def deepspeed_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,

@@ -32,8 +32,16 @@ from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import layer_module_name, module_training, moe_module_names, trainable_expert_params
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES, TAIL_NAMES
-from dist_trainer.model_shape import embedding_params, layer_params, moe_block_params, tail_params
+from dist_trainer.model_names import DECODER_LAYER_MODULES, FIRST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES, TAIL_NAMES
+from dist_trainer.model_shape import (
+    decoder_first_params,
+    decoder_layer_params,
+    embedding_params,
+    encoder_last_params,
+    layer_params,
+    moe_block_params,
+    tail_params,
+)
 from dist_trainer.planner.params import lora_layer_params
 
 
@@ -114,11 +122,15 @@ def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: i
     (default: all) and of the tail (``last``; a tied head copy when pp_size > 1). A MoE layer's router and shared
     expert count whole, its experts those of ep rank ``ep_rank`` (``trainable_expert_params``)."""
     plan = module_training(cfg, freeze)
-    ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+    n_enc = cfg.n_layers
+    ids = range(n_enc + cfg.n_decoder_layers) if layer_ids is None else layer_ids
     base, adapters = layer_params(cfg, tp_size), lora_layer_params(cfg, tp_size)
     total = sum(base[leaf] * plan.get(layer_module_name(i, leaf), (False, False))[0]
                 + adapters[leaf] * plan.get(layer_module_name(i, leaf), (False, False))[1]
-                for i in ids for leaf in LAYER_MODULES)
+                for i in ids if i < n_enc for leaf in LAYER_MODULES)
+    if cfg.encoder_decoder:  # decoder layer j is global layer n_layers + j; the stack's modules beside its ends
+        total += _decoder_trainable(cfg, plan, tp_size, [i - n_enc for i in ids if i >= n_enc],
+                                    encoder_end=n_enc - 1 in ids, first=first)
     block = moe_block_params(cfg) if cfg.n_experts else {}
     total += sum(v * plan[f"layers.{i}.moe.{k}"][0] for i in ids if cfg.is_moe_layer(i)
                  for k, v in block.items() if v and not k.startswith("experts."))
@@ -129,6 +141,21 @@ def trainable_params(cfg: ModelConfig, freeze: Sequence[str] = (), *, tp_size: i
         for n, v in tail_params(cfg, tp_size, pp_size=pp_size).items():
             owner = "tok_emb" if n == "head" and cfg.tie_embeddings else n  # a tied head trains with the embedding
             total += v * plan.get(owner, (False, False))[0]
+    return total
+
+
+def _decoder_trainable(cfg: ModelConfig, plan: dict[str, tuple[bool, bool]], tp_size: int, decoder_ids: list[int],
+                       *, encoder_end: bool, first: bool) -> int:
+    """An encoder-decoder rank's trainable decoder-side parameters: its decoder layers, ``enc_norm`` with the
+    encoder's last layer, the decoder's position tables on the first stage (which embeds both stacks' inputs)."""
+    base, adapters = decoder_layer_params(cfg, tp_size), lora_layer_params(cfg, tp_size, decoder=True)
+    total = sum(base[k] * plan.get(layer_module_name(j, k, "dec_layers"), (False, False))[0]
+                + adapters[k] * plan.get(layer_module_name(j, k, "dec_layers"), (False, False))[1]
+                for j in decoder_ids for k in DECODER_LAYER_MODULES)
+    if encoder_end:
+        total += sum(v * plan.get(n, (False, False))[0] for n, v in encoder_last_params(cfg).items())
+    if first:
+        total += sum(v * plan.get(n, (False, False))[0] for n, v in decoder_first_params(cfg, tp_size).items())
     return total
 
 
@@ -146,5 +173,13 @@ def module_rows(cfg: ModelConfig, freeze: Sequence[str] = ()) -> dict[str, int]:
         subs = [k.replace("*", str(e)) for e in range(cfg.n_experts)] if k.startswith("experts.") else [k]
         names = [f"layers.{i}.moe.{sub}" for i in moe_ids for sub in subs]
         rows[f"layers.*.moe.{k}"] = v * sum(plan[n][0] for n in names) if v else 0
+    if cfg.encoder_decoder:
+        rows.update({n: v for n, v in encoder_last_params(cfg).items() if plan.get(n, (False, False))[0]})
+        rows.update({f"decoder.{n}": v for n, v in decoder_first_params(cfg).items() if plan.get(n, (False, False))[0]})
+        base, adapters = decoder_layer_params(cfg), lora_layer_params(cfg, decoder=True)
+        for k in DECODER_LAYER_MODULES:
+            names = [layer_module_name(j, k, "dec_layers") for j in range(cfg.n_decoder_layers)]
+            rows[f"dec_layers.*.{k}"] = base[k] * sum(plan.get(n, (False, False))[0] for n in names)
+            rows[f"dec_layers.*.{k}.lora"] = adapters[k] * sum(plan.get(n, (False, False))[1] for n in names)
     rows.update({n: v for n, v in tail_params(cfg).items() if plan.get(n, (False, False))[0]})
     return rows

@@ -15,6 +15,7 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.planner.activations import recomputed_layers
 from dist_trainer.planner.moe import dense_mlp_flops_per_token, moe_flops_per_token, moe_layer_ids
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights, matmul_params
+from dist_trainer.planner.seq2seq import seq2seq_step_flops
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
@@ -23,8 +24,13 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float
 
 
 def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: str = "none",
-               checkpoint_every: int = 1) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one optimizer step; they differ by the recomputed forwards."""
+               checkpoint_every: int = 1, target_len: int | None = None) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one optimizer step; they differ by the recomputed forwards. An
+    encoder-decoder reads ``seq_len`` source and ``target_len`` (default: seq_len) target tokens
+    (``planner/seq2seq.seq2seq_step_flops``)."""
+    if cfg.encoder_decoder:
+        return seq2seq_step_flops(cfg, seq_len=seq_len, target_len=target_len or seq_len, global_batch=global_batch,
+                                  recompute=recompute, checkpoint_every=checkpoint_every)
     tokens = global_batch * seq_len
     mm, attn = layer_forward_flops_per_token(cfg, seq_len)
     moe = moe_layer_ids(cfg)

@@ -31,6 +31,7 @@ from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.rank_params import RankParams, rank_params
+from dist_trainer.planner.seq2seq import seq2seq_stage_activations, target_length
 from dist_trainer.quant.sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -59,6 +60,9 @@ class TrainingOptions:
     freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
     # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: quant/sizes.py)
     optim_state_dtype: str = "fp32"
+    # an encoder-decoder's batch: the decoder's length (None: seq_len) and whether sources are padded (a mask)
+    target_len: int | None = None
+    source_mask: bool = False
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:
@@ -231,7 +235,10 @@ def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, o
 def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
                            pp_rank: int) -> dict[str, int]:
     """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
-    costs = layer_costs(cfg, activation_spec(layout, seq_len, options), grad_plan(cfg, options.freeze))
+    spec = activation_spec(layout, seq_len, options)
+    if cfg.encoder_decoder:
+        return seq2seq_activation_bytes(cfg, layout, spec, options, pp_rank, _in_flight(layout, pp_rank))
+    costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
                              tokens=rank_tokens(layout, seq_len), first=pp_rank == 0,
@@ -250,6 +257,19 @@ def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> a
 def rank_tokens(layout: Layout, seq_len: int) -> int:
     """Tokens of one micro-batch on one rank: its sequences, or its 1/cp of each under context parallelism."""
     return layout.micro_batch_size * seq_len // layout.cp_size
+
+
+def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.ActivationSpec, options: TrainingOptions,
+                             pp_rank: int, in_flight: float) -> dict[str, int]:
+    """``stage_activation_bytes`` of an encoder-decoder (``planner/seq2seq.py``): the source's and the target's
+    tokens, the rank's stages of either stack."""
+    ids = layout.rank_layer_ids(cfg, pp_rank)
+    return seq2seq_stage_activations(cfg, spec, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                     layer_ids=ids, batch=layout.micro_batch_size,
+                                     target_len=target_length(spec.seq_len, options.target_len, options.source_mask),
+                                     padded=options.source_mask,
+                                     first=pp_rank == 0, last=pp_rank == layout.pp_size - 1, in_flight=in_flight,
+                                     encoder_last=cfg.n_layers - 1 in ids)
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:

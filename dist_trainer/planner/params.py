@@ -8,6 +8,11 @@ Pipeline parallelism: the embeddings sit on the first stage, final norm + head (
 with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding as its head (Megatron
 keeps a word-embedding copy on the last stage and all-reduces its gradient with the first).
 
+Encoder-decoder (``model.n_decoder_layers`` > 0, ``model_seq2seq.py``): the encoder's layers are ``layers``, then
+``enc_norm``, the decoder's own position tables, and ``dec_layers`` (each a layer plus cross-attention: a norm and
+its own q/k/v/o); the token embedding is shared by both stacks and, tied, by the head. T5-small: 60,506,624 (shared
+embedding 16,449,536; encoder 18,880,512 + relative table 256 + final norm 512; decoder 25,175,040 + 256 + 512).
+
 Mixture of experts (``dist_trainer/model_moe.py``): a MoE layer has the dense layer's attention and norms, and in
 place of the MLP a router ``Linear(h, E, bias=False)``, E experts that are each the MLP, and an optional shared
 expert (an MLP n_shared_experts x d_ff wide). Per token only top_k experts run: the *active* count is the total
@@ -24,9 +29,12 @@ from dataclasses import dataclass, field
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
-from dist_trainer.model_names import LAYER_MODULES, MLP_LEAVES
+from dist_trainer.model_names import DECODER_LAYER_MODULES, LAYER_MODULES, MLP_LEAVES
 from dist_trainer.model_shape import (
+    decoder_first_params,
+    decoder_layer_params,
     embedding_params,
+    encoder_last_params,
     kv_sharded,
     layer_params,
     moe_block_params,
@@ -51,21 +59,30 @@ def lora_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, int,
             "down_proj": (f // t, h, t == 1, True)}
 
 
-def lora_layer_params(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """Adapter parameters of one layer on one TP rank, keyed like ``layer_params`` (0 where no adapter)."""
+def lora_layer_params(cfg: ModelConfig, tp_size: int = 1, decoder: bool = False) -> dict[str, int]:
+    """Adapter parameters of one layer on one TP rank, keyed like ``layer_params`` (``decoder``: like
+    ``decoder_layer_params``, cross-attention linears adapted as the self-attention's), 0 where no adapter."""
     targets = lora_target_leaves(cfg)
     shapes = lora_shapes(cfg, tp_size)
-    return {leaf: cfg.lora_rank * (shapes[leaf][0] + shapes[leaf][1]) if leaf in targets else 0
-            for leaf in LAYER_MODULES}
+
+    def count(key: str) -> int:
+        leaf = key.rpartition(".")[2]
+        return cfg.lora_rank * (shapes[leaf][0] + shapes[leaf][1]) if leaf in targets else 0
+
+    return {key: count(key) for key in (DECODER_LAYER_MODULES if decoder else LAYER_MODULES)}
 
 
-def lora_replicated_params(cfg: ModelConfig, tp_size: int) -> int:
-    """Adapter parameters of one layer that every TP rank keeps whole (A of column targets, B of row targets)."""
+def lora_replicated_params(cfg: ModelConfig, tp_size: int, decoder: bool = False) -> int:
+    """Adapter parameters of one layer that every TP rank keeps whole (A of column targets, B of row targets);
+    ``decoder``: an encoder-decoder's decoder layer, whose cross-attention linears are adapted as self-attention's."""
     if tp_size == 1:
         return 0
     shapes = lora_shapes(cfg, tp_size)
+    leaves = [*lora_target_leaves(cfg)]
+    if decoder:
+        leaves += [leaf for leaf in lora_target_leaves(cfg) if leaf in ("q_proj", "k_proj", "v_proj", "o_proj")]
     return sum(cfg.lora_rank * (shapes[leaf][0] * shapes[leaf][2] + shapes[leaf][1] * shapes[leaf][3])
-               for leaf in lora_target_leaves(cfg))
+               for leaf in leaves)
 
 
 @dataclass(frozen=True)
@@ -83,10 +100,21 @@ class ParamBreakdown:
     n_experts: int = 0
     top_k: int = 0
     adapters: dict[str, int] = field(default_factory=dict)  # per layer, by the linear they adapt
+    # an encoder-decoder (model.n_decoder_layers > 0): its encoder's last module, the decoder's position tables, one
+    # decoder layer (times n_decoder_layers) and its adapters; per_layer and n_layers are the encoder's
+    encoder_last: dict[str, int] = field(default_factory=dict)
+    decoder_first: dict[str, int] = field(default_factory=dict)
+    decoder_layer: dict[str, int] = field(default_factory=dict)
+    n_decoder_layers: int = 0
+    decoder_adapters: dict[str, int] = field(default_factory=dict)
 
     @property
     def layer_total(self) -> int:
         return sum(self.per_layer.values()) + sum(self.adapters.values())
+
+    @property
+    def decoder_layer_total(self) -> int:
+        return sum(self.decoder_layer.values()) + sum(self.decoder_adapters.values())
 
     @property
     def total(self) -> int:
@@ -96,6 +124,21 @@ class ParamBreakdown:
     def base_total(self) -> int:
         """The model without its adapters."""
         return self.total - sum(r[3] for r in self.rows() if r[0].endswith(".lora"))
+
+    def stacks(self) -> dict[str, int]:
+        """An encoder-decoder's totals by part: the shared token embedding, the encoder (its layers, position
+        table, final norm), the decoder (its layers, position tables, final norm), the cross-attention within the
+        decoder, an untied head; {} for one stack."""
+        if not self.n_decoder_layers:
+            return {}
+        rows = {r[0]: r[3] for r in self.rows()}
+        decoder = sum(v for k, v in rows.items() if k.startswith(("dec_layers.", "decoder.")) or k == "final_norm")
+        return {"shared token embedding": rows.get("embedding.tok_emb", 0),
+                "encoder": sum(v for k, v in rows.items() if k.startswith(("layers.", "embedding.")) or k == "enc_norm")
+                - rows.get("embedding.tok_emb", 0),
+                "decoder": decoder,
+                "  of which cross-attention": sum(v for k, v in rows.items() if ".cross_" in k),
+                "head (untied)": rows.get("head", 0)}
 
     @property
     def active(self) -> int:
@@ -118,6 +161,15 @@ class ParamBreakdown:
             n = n_moe * (self.n_experts if k.startswith("experts.") else 1)
             if v and n:
                 out.append((f"layers.*.moe.{k}", v, n, v * n))
+        out += [(k, v, 1, v) for k, v in self.encoder_last.items() if v]
+        out += [(f"decoder.{k}", v, 1, v) for k, v in self.decoder_first.items() if v]
+        n_dec = self.n_decoder_layers
+        for k, v in self.decoder_layer.items():
+            if v:
+                out.append((f"dec_layers.*.{k}", v, n_dec, v * n_dec))
+            a = self.decoder_adapters.get(k, 0)
+            if a:
+                out.append((f"dec_layers.*.{k}.lora", a, n_dec, a * n_dec))
         out += [(k, v, 1, v) for k, v in self.tail.items() if v]
         if not active:
             return out
@@ -129,9 +181,12 @@ def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
     """The whole model's counts (single rank); ``.total`` equals count_parameters(build_model(cfg))."""
     cfg.validate()
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    seq2seq = cfg.encoder_decoder
     return ParamBreakdown(embedding_params(cfg), layer_params(cfg), cfg.n_layers - n_moe, tail_params(cfg),
                           n_moe, moe_block_params(cfg) if n_moe else {}, cfg.n_experts, cfg.top_k,
-                          lora_layer_params(cfg))
+                          lora_layer_params(cfg), encoder_last_params(cfg), decoder_first_params(cfg),
+                          decoder_layer_params(cfg) if seq2seq else {}, cfg.n_decoder_layers,
+                          lora_layer_params(cfg, decoder=True) if seq2seq else {})
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -140,8 +195,8 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def mlp_matrices(cfg: ModelConfig) -> int:
-    """Weight matrices of one MLP: up, gate and down for SwiGLU, up and down otherwise."""
-    return 3 if cfg.activation == "swiglu" else 2
+    """Weight matrices of one MLP: up, gate and down when gated (SwiGLU, GEGLU), up and down otherwise."""
+    return 3 if cfg.gated else 2
 
 
 def mlp_weights(cfg: ModelConfig) -> int:

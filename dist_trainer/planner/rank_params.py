@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp, layers_per_stage, rank_layer_ids
 from dist_trainer.model_names import MLP_LEAVES
-from dist_trainer.model_shape import embedding_params, kv_sharded, layer_params, norm_params, tail_params
+from dist_trainer.model_shape import (
+    decoder_first_params,
+    decoder_layer_params,
+    embedding_params,
+    encoder_last_params,
+    kv_sharded,
+    layer_params,
+    norm_params,
+    tail_params,
+)
 from dist_trainer.planner.moe import largest_moe_module, moe_holdings, moe_layer_ids
 from dist_trainer.planner.params import lora_layer_params, lora_replicated_params
 
@@ -65,7 +74,8 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
         modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
         if tp_size > 1:
             replicated += emb["pos_emb"] + emb["type_emb"] + emb["emb_norm"]
-    ids = rank_layer_ids(counts, pp_rank, pp_size)
+    all_ids = rank_layer_ids(counts, pp_rank, pp_size)
+    ids = [i for i in all_ids if i < cfg.n_layers]  # an encoder-decoder's decoder layers: _decoder_holdings
     n_here, n_moe = len(ids), len(moe_layer_ids(cfg, ids))
     for name, v in one_layer.items():
         n = n_here - n_moe if name in MLP_LEAVES else n_here  # a MoE layer has ``moe`` for its MLP
@@ -80,6 +90,10 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
     modules.update(moe.modules)
     if tp_size > 1 and n_moe:  # the block is whole on every TP rank; the layer has no down_proj bias
         replicated += (rep_layer - int(cfg.bias) * cfg.d_model) * n_moe + moe.replicated
+    if cfg.encoder_decoder:
+        dec_modules, dec_replicated = _decoder_holdings(cfg, tp_size, all_ids, first=pp_rank == 0)
+        modules.update(dec_modules)
+        replicated += dec_replicated
     if pp_rank == pp_size - 1:
         tail = tail_params(cfg, tp_size, pp_size=pp_size)
         modules.update({k: v for k, v in tail.items() if v})
@@ -87,6 +101,34 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
             replicated += sum(v for k, v in tail.items() if k not in VOCAB_PARALLEL_TAIL)
     total = sum(modules.values())
     largest = max([*one_layer.values(), *embedding_params(cfg, tp_size).values(),
+                   *(decoder_layer_params(cfg, tp_size).values() if cfg.encoder_decoder else ()),
                    *tail_params(cfg, tp_size, pp_size=pp_size).values(), largest_moe_module(cfg) if n_moe else 0])
     return RankParams(modules=modules, sharded=total - replicated, replicated=replicated, largest_layer=largest,
                       expert=moe.expert)
+
+
+def _decoder_holdings(cfg: ModelConfig, tp_size: int, ids: Sequence[int], *, first: bool) -> tuple[dict[str, int], int]:
+    """(modules, replicated) of an encoder-decoder rank beyond its encoder layers: ``enc_norm`` with the encoder's
+    last layer, the decoder's position tables on the first stage (it embeds both stacks' inputs; a relative table is
+    split by head, a learned one whole), its decoder layers (norms, row-parallel biases and unsplit k/v whole on
+    every TP rank, for self- and cross-attention alike)."""
+    n_dec = sum(1 for i in ids if i >= cfg.n_layers)
+    modules: dict[str, int] = {}
+    replicated = 0
+    if cfg.n_layers - 1 in ids:
+        modules.update({k: v for k, v in encoder_last_params(cfg).items() if v})
+        replicated += sum(encoder_last_params(cfg).values()) if tp_size > 1 else 0
+    if first:
+        tables = decoder_first_params(cfg, tp_size)
+        modules.update({f"decoder.{k}": v for k, v in tables.items() if v})
+        replicated += tables["dec_pos_emb"] if tp_size > 1 else 0
+    layer = decoder_layer_params(cfg, tp_size)
+    modules.update({f"dec_layers.*.{k}": v * n_dec for k, v in layer.items() if v and n_dec})
+    adapters = lora_layer_params(cfg, tp_size, decoder=True)
+    modules.update({f"dec_layers.*.{k}.lora": v * n_dec for k, v in adapters.items() if v and n_dec})
+    if tp_size > 1:
+        per_layer = 3 * norm_params(cfg) + int(cfg.bias) * 3 * cfg.d_model  # norms, o (x2) and down biases
+        if not kv_sharded(cfg, tp_size):
+            per_layer += 2 * (layer["k_proj"] + layer["v_proj"])
+        replicated += (per_layer + lora_replicated_params(cfg, tp_size, decoder=True)) * n_dec
+    return modules, replicated

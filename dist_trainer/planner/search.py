@@ -43,6 +43,7 @@ from dist_trainer.planner.memory import (
     rank_memory,
     rank_tokens,
     rank_trainable,
+    seq2seq_activation_bytes,
 )
 from dist_trainer.planner.rank_params import RankParams
 from dist_trainer.quant.sizes import check_int8_layout
@@ -144,11 +145,15 @@ class _Planner:
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
-            acts = stage_activations(self.costs(layout),
-                                     mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                     layer_ids=layers[r],
-                                     tokens=rank_tokens(layout, self.seq_len), first=r == 0,
-                                     last=r == p - 1, in_flight=in_flight)
+            if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+                acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
+                                                self.options, r, in_flight)
+            else:
+                acts = stage_activations(self.costs(layout),
+                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                         layer_ids=layers[r],
+                                         tokens=rank_tokens(layout, self.seq_len), first=r == 0,
+                                         last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
             if worst is None or mem.device_total > worst.device_total:

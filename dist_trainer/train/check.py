@@ -19,6 +19,7 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.data.dataset import read_meta as read_data_meta
 from dist_trainer.data.dataset import split_samples
+from dist_trainer.data.objective import data_window
 from dist_trainer.layout_rules import Layout, check_nodes, fit_micro_batch, regime_of
 from dist_trainer.train.autolayout import AutoLayout, choose_layout
 from dist_trainer.train.prelaunch import check_layout
@@ -131,8 +132,9 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
     if (data / "meta.json").is_file():
         meta = read_data_meta(data)
         try:
-            n_train = split_samples(data, meta, "train", cfg.data.seq_len, cfg.model.vocab_size)
-            n_val = split_samples(data, meta, "val", cfg.data.seq_len) if cfg.train.eval_every else 0
+            window = data_window(cfg)  # span corruption reads longer raw windows than its inputs
+            n_train = split_samples(data, meta, "train", window, cfg.model.vocab_size)
+            n_val = split_samples(data, meta, "val", window) if cfg.train.eval_every else 0
             check_data_sizes(cfg, n_train, n_val)
         except ValueError as e:
             if data_required:

@@ -3,6 +3,11 @@ token for token with another tool (``dist-trainer generate --prompt-ids 1,2,3 --
 
 Work is bounded: the new tokens are capped where they would overflow the model's context (``max_seq_len``) unless a
 sliding window is asked for (then at most ``MAX_NEW_TOKENS``), and each token is handed on as it is generated.
+
+An encoder-decoder (``model.n_decoder_layers`` > 0) reads a ``source`` instead of a prompt: the source is encoded
+once, then the decoder runs one token at a time from ``model.decoder_start_id`` with a KV cache (each layer's
+self-attention keys and values appended per step; its cross-attention keys and values projected from the encoder
+output on the first step only: ``model_seq2seq.KVCache``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from tokenizers import Tokenizer
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config import Config
 from dist_trainer.model import Transformer
+from dist_trainer.model_seq2seq import new_caches
 
 MAX_NEW_TOKENS = 1_000_000  # with a sliding window, the stated bound on one call's work
 
@@ -94,23 +100,60 @@ def generate_steps(model: Transformer, prompt: list[int], max_new_tokens: int, t
     Each step sees the last ``max_seq_len`` tokens (``new_token_budget`` decides how many steps are asked)."""
     if not model.cfg.causal:
         raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
+    if model.cfg.encoder_decoder:
+        raise ValueError("an encoder-decoder model generates from a source (seq2seq_steps, --source), not a prompt")
     check_sampling(max_new_tokens, temperature, top_k, sliding_window=True)
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     stops = set(stop_ids or ())
     for _ in range(max_new_tokens):
         logits = model(ids[:, -model.cfg.max_seq_len:])[:, -1, :].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            scaled = logits / temperature
-            if top_k is not None and top_k < scaled.shape[-1]:
-                kth = torch.topk(scaled, top_k).values[:, -1:]
-                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator)
-        token = int(nxt)
-        yield token, float(torch.log_softmax(logits, -1)[0, token])
-        ids = torch.cat([ids, nxt.to(ids.device)], dim=1)
+        token, logprob = _choose(logits, temperature, top_k, generator)
+        yield token, logprob
+        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+        if token in stops:
+            return
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+            ) -> tuple[int, float]:
+    """The next token from (1, V) fp32 logits (greedy at temperature 0, else sampled from the top_k) and its
+    log-prob under the full softmax."""
+    if temperature == 0:
+        nxt = logits.argmax(-1, keepdim=True)
+    else:
+        scaled = logits / temperature
+        if top_k is not None and top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, top_k).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        nxt = torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator)
+    token = int(nxt)
+    return token, float(torch.log_softmax(logits, -1)[0, token])
+
+
+@torch.no_grad()
+def seq2seq_steps(model: Transformer, source: list[int], max_new_tokens: int, temperature: float = 0.8,
+                  top_k: int | None = 50, generator: torch.Generator | None = None,
+                  stop_ids: list[int] | None = None) -> Iterator[tuple[int, float]]:
+    """An encoder-decoder's (token, log-prob) after ``source``, one at a time: the source encoded once, the decoder
+    run from ``decoder_start_id`` one token per step over its KV caches (module docstring). At most max_seq_len - 1
+    new tokens (the decoder's positions hold the start token too); stops after a token of ``stop_ids``."""
+    cfg = model.cfg
+    if not cfg.encoder_decoder:
+        raise ValueError("seq2seq_steps needs an encoder-decoder model (model.n_decoder_layers > 0)")
+    if not 1 <= len(source) <= cfg.max_seq_len:
+        raise ValueError(f"the source holds {len(source)} tokens; the encoder takes 1 to model.max_seq_len="
+                         f"{cfg.max_seq_len}")
+    check_sampling(max_new_tokens, temperature, top_k)
+    device = next(model.parameters()).device
+    memory = model.encode(torch.tensor([source], dtype=torch.long, device=device))
+    assert model.dec_layers is not None
+    caches = new_caches(len(model.dec_layers))
+    token, stops = cfg.decoder_start_id, set(stop_ids or ())
+    for _ in range(min(max_new_tokens, cfg.max_seq_len - 1)):
+        hidden = model.decode(torch.tensor([[token]], dtype=torch.long, device=device), memory, caches=caches)
+        token, logprob = _choose(model.logits(hidden)[:, -1, :].float(), temperature, top_k, generator)
+        yield token, logprob
         if token in stops:
             return
 
@@ -217,56 +260,77 @@ class Generation:
     ids: list[int]  # the generated ids only
     logprobs: list[float]  # of each generated id, under the model's full softmax (fp32)
     notes: list[str]  # for the user: a capped length, how it ended
-    text: str | None = None  # a text prompt's: the prompt and the generated text, decoded
+    text: str | None = None  # a text prompt's: the prompt and the generated text, decoded (a source's: the output)
+    source: bool = False  # prompt_ids are an encoder-decoder's source
 
     def as_json(self) -> dict[str, Any]:
-        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "logprobs": self.logprobs}
+        return {"source_ids" if self.source else "prompt_ids": self.prompt_ids, "ids": self.ids,
+                "logprobs": self.logprobs}
 
 
 def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_ids: list[int] | None = None,
+             source: str | None = None, source_ids: list[int] | None = None,
              max_new_tokens: int = 100, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
              data_path: str | Path | None = None, sliding_window: bool = False, ignore_eos: bool = False,
              on_text: Callable[[str], Any] | None = None, on_note: Callable[[str], Any] | None = None) -> Generation:
     """Generate from a checkpoint, after a text ``prompt`` (encoded with ``prompt_tokenizer``) or ``prompt_ids``
     (no tokenizer needed; generation then stops at the EOS that the checkpoint folder's generation_config.json,
-    config.json or tokenizer names, if any). ``on_text`` receives the output as it is generated (a text prompt:
-    the prompt and the new text; ids: the new ids, comma-separated), ``on_note`` a capped length before the
-    first token. ``ignore_eos`` generates all ``max_new_tokens``."""
+    config.json or tokenizer names, if any); an encoder-decoder from a ``source`` text (encoded as a training
+    document: BOS if the tokenizer has one, the text, EOS) or ``source_ids`` instead. ``on_text`` receives the output
+    as it is generated (a text prompt: the prompt and the new text; a source: the new text; ids: the new ids,
+    comma-separated), ``on_note`` a capped length before the first token. ``ignore_eos`` generates all
+    ``max_new_tokens``."""
     from dist_trainer.data.tokenizer import stop_token_ids, vocab_extent
 
-    if (prompt is None) == (prompt_ids is None):
-        raise ValueError("give a text prompt (--prompt) or token ids (--prompt-ids), not both")
+    given = [x is not None for x in (prompt, prompt_ids, source, source_ids)]
+    if sum(given) != 1:
+        raise ValueError("give one of a text prompt (--prompt), prompt ids (--prompt-ids), a source text (--source) "
+                         "or source ids (--source-ids)")
     check_sampling(max_new_tokens, temperature, top_k, sliding_window)
-    if prompt is not None:
-        check_prompt_text(prompt)
+    text_in = prompt if prompt is not None else source
+    if text_in is not None:
+        check_prompt_text(text_in)
     model, cfg = load_plain_model(checkpoint_path)
+    seq2seq = source is not None or source_ids is not None
+    if seq2seq != cfg.model.encoder_decoder:
+        raise ValueError("this checkpoint is an encoder-decoder: give its input with --source or --source-ids"
+                         if cfg.model.encoder_decoder else
+                         "--source / --source-ids are for an encoder-decoder model; this checkpoint reads --prompt")
     if not model.cfg.causal:
         raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
+    if seq2seq and sliding_window:
+        raise ValueError("--sliding-window is for decoder-only models; an encoder-decoder's decoder starts afresh")
     tokenizer = None
-    if prompt_ids is None:
-        assert prompt is not None
+    ids_in = prompt_ids if prompt_ids is not None else source_ids
+    if ids_in is None:
+        assert text_in is not None
         tokenizer = prompt_tokenizer(checkpoint_path, cfg, data_path)
         if (size := vocab_extent(tokenizer.tokenizer)) > cfg.model.vocab_size:
             raise ValueError(f"the tokenizer {tokenizer.source} has {size} tokens but the model only "
                              f"{cfg.model.vocab_size}")
-        prompt_ids = tokenizer.encode(prompt)
+        ids_in = tokenizer.encode(text_in) + (tokenizer.stop_ids[:1] if seq2seq else [])
         stop_ids = tokenizer.stop_ids
     else:
-        check_prompt_ids(prompt_ids, cfg.model.vocab_size)
+        check_prompt_ids(ids_in, cfg.model.vocab_size)
         folder = Path(checkpoint_path)
         stop_ids = stop_token_ids(folder) if folder.is_dir() else []
     stop_ids = [] if ignore_eos else stop_ids
-    budget, cap = new_token_budget(len(prompt_ids), max_new_tokens, cfg.model.max_seq_len, sliding_window)
+    if seq2seq:  # the decoder's positions hold its start token and the new ones
+        budget, cap = new_token_budget(1, max_new_tokens, cfg.model.max_seq_len, False)
+    else:
+        budget, cap = new_token_budget(len(ids_in), max_new_tokens, cfg.model.max_seq_len, sliding_window)
     notes = [cap] if cap else []
     if cap and on_note is not None:
         on_note(cap)
     stream: TextStream | IdStream | None = None
     if on_text is not None:
-        stream = IdStream(on_text) if tokenizer is None else TextStream(tokenizer.tokenizer, prompt_ids, on_text)
+        stream = IdStream(on_text) if tokenizer is None else TextStream(tokenizer.tokenizer,
+                                                                         [] if seq2seq else ids_in, on_text)
     ids: list[int] = []
     logprobs: list[float] = []
     generator = torch.Generator().manual_seed(seed)
-    for token, logprob in generate_steps(model, prompt_ids, budget, temperature, top_k, generator, stop_ids):
+    steps = seq2seq_steps if seq2seq else generate_steps
+    for token, logprob in steps(model, ids_in, budget, temperature, top_k, generator, stop_ids):
         ids.append(token)
         logprobs.append(logprob)
         if stream is not None:
@@ -278,9 +342,12 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
     else:
         end = ("ran to the length asked" if ignore_eos or not stop_ids else
                f"no eos (ids {', '.join(map(str, stop_ids))}) within it")
-    notes.append(f"{len(ids)} new token(s) after a {len(prompt_ids)}-token prompt; {end}")
-    text = None if tokenizer is None else tokenizer.tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
-    return Generation(prompt_ids, ids, logprobs, notes, text)
+    what = "source" if seq2seq else "prompt"
+    notes.append(f"{len(ids)} new token(s) after a {len(ids_in)}-token {what}; {end}")
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.tokenizer.decode(([] if seq2seq else ids_in) + ids, skip_special_tokens=True)
+    return Generation(ids_in, ids, logprobs, notes, text, source=seq2seq)
 
 
 def generate_text(checkpoint_path: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,

@@ -34,7 +34,8 @@ def device_hardware(device: torch.device, configured: str | None = None) -> Hard
 def model_flops_per_step(cfg: Config) -> float:
     """Model FLOPs of one optimizer step (the planner's count: matmuls, attention, head; recomputation
     excluded, as MFU's definition wants: Chowdhery et al. 2022, appendix B)."""
-    return step_flops(cfg.model, seq_len=cfg.data.seq_len, global_batch=cfg.parallel.global_batch_size)[0]
+    return step_flops(cfg.model, seq_len=cfg.data.seq_len, global_batch=cfg.parallel.global_batch_size,
+                      target_len=cfg.data.decoder_len() if cfg.model.encoder_decoder else None)[0]
 
 
 def peak_flops(cfg: Config, device: torch.device) -> float:

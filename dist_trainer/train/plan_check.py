@@ -115,8 +115,11 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     precision = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[cfg.train.precision]
     # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
     kernel = "flash" if cfg.model.dropout == 0 else "math"
+    seq2seq = cfg.model.encoder_decoder  # the decoder's length, and whether the sources are padded
     return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
-                           freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype)
+                           freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype,
+                           target_len=cfg.data.decoder_len() if seq2seq else None,
+                           source_mask=seq2seq and cfg.data.objective == "seq2seq")
 
 
 def peak_resident_bytes() -> int:

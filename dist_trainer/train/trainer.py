@@ -27,8 +27,9 @@ import torch.distributed as dist
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import newest_readable
 from dist_trainer.config import Config
-from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset
+from dist_trainer.data.objective import make_batch, open_split
+from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.health.monitor import HealthMonitor
@@ -80,8 +81,8 @@ class Trainer:
         self.out_dir = Path(cfg.train.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         # Data is opened (and checked against the model) before the process group is created.
-        self.train_data = TokenDataset(cfg.data.path, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
-        self.val_data = TokenDataset(cfg.data.path, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
+        self.train_data = open_split(cfg, "train")  # windows of the token shards, or seq2seq pairs (data.objective)
+        self.val_data = open_split(cfg, "val")
         check_data_sizes(cfg, len(self.train_data), len(self.val_data))
         if self.device.type == "cuda":  # NCCL dumps its recent collectives on a timeout (before the group exists)
             enable_nccl_flight_recorder(self.out_dir)
@@ -137,9 +138,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _batch(self, data: TokenDataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
-        batch = collate(data, indices, causal=self.cfg.model.causal, step=step, seed=self.cfg.train.seed,
-                        mlm_probability=self.cfg.data.mlm_probability)
+    def _batch(self, data: TokenDataset | PairDataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
+        batch = make_batch(self.cfg, data, indices, step)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self, step: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 
 from dist_trainer.model import Attention, SDPAttention, Transformer
@@ -33,8 +34,14 @@ class RingAttention(nn.Module):
         self.sequence, self.causal = sequence, causal
         self.ring = RingLayout(sequence.group.size, sequence.zigzag)
 
-    def forward(self, q, k, v):  # noqa: ANN001, ANN201 - tensors, as SDPAttention.forward
+    def forward(self, q, k, v, mask=None):  # noqa: ANN001, ANN201 - tensors, as SDPAttention.forward
+        _no_mask(mask)
         return ring_attention(q, k, v, self.sequence.group, self.ring, self.causal)
+
+
+def _no_mask(mask: torch.Tensor | None) -> None:
+    if mask is not None:  # layout_rules.check_cp refuses the models that attend with a mask tensor
+        raise ValueError("context parallelism attends without an attention mask (no position bias or padding)")
 
 
 def apply_context_parallel(model: Transformer, state: ParallelState, mode: str) -> Transformer:

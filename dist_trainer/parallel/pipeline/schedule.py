@@ -47,27 +47,35 @@ SCHEDULES = {
 }
 
 
-def _embedding_group(state: ParallelState) -> AxisGroup | None:
-    """The (first stage, last stage) pair of this rank's pp line, for the tied-embedding grads.
+def _embedding_group(state: ParallelState, pp_ranks: list[int]) -> AxisGroup | None:
+    """The pp ranks of this rank's pp line that hold a copy of the token embedding (the first stage and, tied, the
+    last), for summing their gradients.
 
-    ``dist.new_group`` is collective over the world: every rank creates every pair, in the mesh's order of the pp
-    lines. pp_size 2 reuses the pp group itself.
+    ``dist.new_group`` is collective over the world: every rank creates every line's group, in the mesh's order
+    of the pp lines. A set that is the whole pp line reuses the pp group itself.
     """
     pp = state.pp_size
-    if pp == 1:
+    if len(pp_ranks) < 2:
         return None
-    if pp == 2:
+    if pp_ranks == list(range(pp)):
         return state.pp
-    mine = (state.pp.ranks[0], state.pp.ranks[-1])
+    mine = tuple(state.pp.ranks[p] for p in pp_ranks)
     group = None
     for line in state.mesh.lines("pp"):
-        pair = [line[0], line[-1]]
-        g = dist.new_group(pair)
-        if tuple(pair) == mine:
+        members = [line[p] for p in pp_ranks]
+        g = dist.new_group(members)
+        if tuple(members) == mine:
             group = g
-    if state.pp_rank not in (0, pp - 1):
+    if state.pp_rank not in pp_ranks:
         return None
-    return AxisGroup("pp", 2, 0 if state.pp_rank == 0 else 1, group, mine, state.counter)
+    return AxisGroup("pp", len(pp_ranks), pp_ranks.index(state.pp_rank), group, mine, state.counter)
+
+
+def token_embedding_ranks(stages: list[StageModule], pp_size: int) -> list[int]:
+    """The pp ranks whose stages hold a copy of the token embedding (stage s runs on pp rank s % pp_size): the first
+    stage, and the last when the head is tied (an encoder-decoder's too: its first stage embeds both stacks)."""
+    last = stages[0].num_stages - 1
+    return sorted({s % pp_size for s in (0, *([last] if stages[0].model.cfg.tie_embeddings else []))})
 
 
 @dataclass
@@ -93,31 +101,38 @@ class PipelineSchedule:
     def has_first_stage(self) -> bool:
         return any(s.is_first for s in self.stages)
 
-    def step(self, tokens: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+    def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
+             targets: torch.Tensor | None) -> torch.Tensor | None:
         """One training step over a whole batch, cut here into ``n_microbatches`` (for callers that hold one batch;
-        the trainer hands its sampler's micro-batches to ``run``). tokens are read on the first stage's rank,
-        targets on the last's; others may pass None."""
-        checks = ((tokens, self.has_first_stage, "tokens"), (targets, self.has_last_stage, "targets"))
+        the trainer hands its sampler's micro-batches to ``run``). ``inputs`` (the tokens, or a tuple: an
+        encoder-decoder's with its decoder ids and source mask) are read on the first stage's rank, targets on the
+        last's; others may pass None."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        checks = [*((t, self.has_first_stage, "inputs") for t in inputs or ()),
+                  (targets, self.has_last_stage, "targets")]
         for batch, needed, what in checks:
             if needed and batch is not None and batch.shape[0] % self.n_microbatches:
                 raise RuntimeError(
                     f"{what} batch of shape {tuple(batch.shape)}: dim 0 is not divisible by "
                     f"n_microbatches={self.n_microbatches}"
                 )
-        cut = (None if b is None else list(b.tensor_split(self.n_microbatches)) for b in (tokens, targets))
-        losses = self.run(*cut, train=True)
+        n = self.n_microbatches
+        per_mb = None if inputs is None else list(zip(*(t.tensor_split(n) for t in inputs), strict=True))
+        losses = self.run(per_mb, None if targets is None else list(targets.tensor_split(n)), train=True)
         return torch.stack(losses).mean() if losses else None
 
-    def run(self, tokens: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, *,
+    def run(self, inputs: list[tuple[torch.Tensor, ...]] | None, targets: list[torch.Tensor] | None, *,
             train: bool) -> list[torch.Tensor]:
         """One pass of the schedule over ``n_microbatches`` micro-batches as they are given (the sampler's: the
         batch is cut once), with backward when ``train``; the detached loss of each on the last stage's rank, else
-        []. tokens are read on the first stage's rank, targets on the last's.
+        []. Each micro-batch's inputs (its tokens; an encoder-decoder's with its decoder ids and source mask) are
+        read on the first stage's rank, targets on the last's.
 
         The library's ``step()``/``eval()`` take one whole batch and cut it again; this is their body without the
         cut (torch.distributed.pipelining's ``_step_microbatches``, the entry every schedule implements, after the
         per-step reset ``step()`` does: the stages' backward flag and runtime state)."""
-        for what, mbs, needed in (("tokens", tokens, self.has_first_stage), ("targets", targets, self.has_last_stage)):
+        for what, mbs, needed in (("inputs", inputs, self.has_first_stage), ("targets", targets, self.has_last_stage)):
             if needed and (mbs is None or len(mbs) != self.n_microbatches):
                 raise RuntimeError(f"the schedule runs n_microbatches={self.n_microbatches} micro-batches of "
                                    f"{what}, got {None if mbs is None else len(mbs)}")
@@ -129,7 +144,7 @@ class PipelineSchedule:
             for stage in self.pipeline_stages:
                 stage.has_backward = schedule._has_backward
                 stage.clear_runtime_states()
-            args = [(t,) for t in tokens] if self.has_first_stage and tokens is not None else None
+            args = list(inputs) if self.has_first_stage and inputs is not None else None
             # return_outputs=False: the library would otherwise keep every micro-batch's logits on the last stage
             # until the step ends and concatenate them into one (batch, seq, vocab) tensor nobody reads (issue 26)
             schedule._step_microbatches(args, None, targets if self.has_last_stage else None,
@@ -141,8 +156,8 @@ class PipelineSchedule:
     def finalize_grads(self) -> None:
         if self.embedding_group is None:
             return
-        # the embedding on the first stage, its head copy on the last: each rank holds one
-        owner = next(s for s in self.stages if s.is_first or s.is_last)
+        # the embedding on the first stage, its head copy on the last: each rank holds one (stages on one rank share it)
+        owner = next(s for s in self.stages if s.model.tok_emb is not None)
         weight = owner.model.tok_emb.weight
         if not weight.requires_grad:  # frozen (train.freeze names tok_emb on both stages, or LoRA): no gradient
             return
@@ -191,13 +206,12 @@ def build_schedule(stages: list[StageModule], state: ParallelState, n_microbatch
         schedule = cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     else:
         schedule = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    tied = stages[0].model.cfg.tie_embeddings
     for s in stages:
-        if tied and s.is_last and not s.is_first and not any(t.is_first for t in stages):
+        if s.model.tok_emb is not None and not any(t.is_first for t in stages):
             # the head copy is counted once (on stage 0) in the grad norm, as Megatron's
             # param_is_not_shared; marked here, after any TP rewrite replaced the Parameter
             set_attrs(s.model.tok_emb.weight, pp_shared_copy=True)
-    group = _embedding_group(state) if tied else None
+    group = _embedding_group(state, token_embedding_ranks(stages, state.pp_size))
     return PipelineSchedule(schedule, stages, pipeline_stages, n_microbatches, group)
 
 

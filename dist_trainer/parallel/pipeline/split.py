@@ -22,6 +22,10 @@ copies start equal (same draw); after backward ``PipelineSchedule.finalize_grads
 two gradients between the first and last stage, as Megatron's embedding group does
 (megatron/core/distributed/finalize_model_grads.py, ``_allreduce_word_embedding_grads``), so
 both copies take the same optimizer step and the loss equals the single model's.
+
+An encoder-decoder (issue 24; ``layout_rules/seq2seq.py``): encoder stages first, decoder stages after, each holding
+layers of one stack; the first stage also holds the decoder's position tables (it embeds both stacks' inputs), the last
+encoder stage ``enc_norm``; ``parallel/pipeline/seq2seq.py`` runs them.
 """
 
 from __future__ import annotations
@@ -33,9 +37,17 @@ from torch import nn
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import layers_per_stage
+from dist_trainer.layout_rules.seq2seq import encoder_stage_count
 from dist_trainer.model import Transformer, init_weights_
 from dist_trainer.model_moe import attach_aux_losses
-from dist_trainer.model_names import FIRST_STAGE_MODULES, LAST_STAGE_MODULES, LAST_STAGE_PARAMETERS
+from dist_trainer.model_names import (
+    DECODER_FIRST_MODULES,
+    ENCODER_LAST_MODULES,
+    FIRST_STAGE_MODULES,
+    LAST_STAGE_MODULES,
+    LAST_STAGE_PARAMETERS,
+)
+from dist_trainer.parallel.pipeline.seq2seq import seq2seq_stage_forward
 
 PLACEMENTS = ("loop", "v")
 
@@ -45,15 +57,18 @@ class StageModule(nn.Module):
 
     forward: (B, T) tokens on the first stage, else (B, T, C) hidden state -> (B, T, C)
     hidden state, or (B, T, V) logits on the last stage. ``model.layers[i]`` is global layer
-    ``first_layer + i`` (activation checkpointing and checkpoints use global indices).
+    ``first_layer + i`` (activation checkpointing and checkpoints use global indices). An encoder-decoder's stage
+    (``encoder_stages``: how many stages the encoder has) runs ``seq2seq.seq2seq_stage_forward`` (its tuples).
     """
 
-    def __init__(self, model: Transformer, stage_index: int, num_stages: int, first_layer: int) -> None:
+    def __init__(self, model: Transformer, stage_index: int, num_stages: int, first_layer: int,
+                 encoder_stages: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.first_layer = first_layer
+        self.encoder_stages = encoder_stages
 
     @property
     def is_first(self) -> bool:
@@ -65,14 +80,19 @@ class StageModule(nn.Module):
 
     @property
     def layer_ids(self) -> range:
-        return range(self.first_layer, self.first_layer + len(self.model.layers))
+        """Global indices of the stage's layers (an encoder-decoder's decoder layers after the encoder's)."""
+        return range(self.first_layer, self.first_layer + len(self.model.layers) + len(self.model.dec_layers or ()))
 
     def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
         """As ``Transformer.set_activation_checkpointing``, on global layer indices (``run_layers`` looks layers
         up by ``first_layer + i``, so every_k checkpoints the same layers as in the single model)."""
         self.model.set_activation_checkpointing(mode, every, self.first_layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.encoder_stages is not None:
+            out = seq2seq_stage_forward(self, *args)
+            return attach_aux_losses(self.model, out) if self.training and not isinstance(out, tuple) else out
+        (x,) = args
         if self.is_first:
             x = self.model.embed(x)
         x = self.model.run_layers(x, first_layer=self.first_layer)
@@ -145,6 +165,8 @@ def split_into_stages(
     counts = layers_per_stage(model_cfg, num_stages, balance, stage_layers)  # the planner prices the same split
     starts = [sum(counts[:s]) for s in range(num_stages)]
     mine = stage_placement(pp_size, virtual_stages, placement)[pp_rank]
+    seq2seq = model_cfg.encoder_decoder
+    k = encoder_stage_count(model_cfg, counts) if seq2seq else None  # stages 0..k-1 hold the encoder
 
     with torch.device("meta"):
         full = Transformer(model_cfg)
@@ -158,6 +180,14 @@ def split_into_stages(
         if last and full.head is None:  # a tied head: the last stage's own copy of the token embedding
             pieces[s]["tok_emb"] = full.tok_emb
         pieces[s]["layers"] = nn.ModuleList(full.layers[starts[s]:starts[s] + counts[s]])
+        if k is not None:  # encoder-decoder: the stack's ends, the decoder's embedding copy, its layers
+            assert full.dec_layers is not None
+            n_enc = model_cfg.n_layers
+            pieces[s].update({name: getattr(full, name) if s == k - 1 else None for name in ENCODER_LAST_MODULES})
+            pieces[s].update({name: getattr(full, name) if first else None for name in DECODER_FIRST_MODULES})
+            pieces[s]["layers"] = nn.ModuleList(full.layers[starts[s]:min(starts[s] + counts[s], n_enc)])
+            pieces[s]["dec_layers"] = nn.ModuleList(
+                full.dec_layers[max(starts[s] - n_enc, 0):max(starts[s] + counts[s] - n_enc, 0)])
     kept_roots = {id(m): m for p in pieces.values() for m in p.values() if m is not None}
     for m in kept_roots.values():
         m.to_empty(device="cpu")
@@ -181,6 +211,6 @@ def split_into_stages(
         if s == num_stages - 1:
             init_weights_(model, model_cfg)  # a Transformer's own parameters only (output_bias: zeros)
         model._init_buffers()  # rope / sinusoidal tables, recomputed on CPU
-        stages.append(StageModule(model, s, num_stages, starts[s]).to(device))
+        stages.append(StageModule(model, s, num_stages, starts[s], k).to(device))
     return stages
 

@@ -18,6 +18,13 @@ decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section
     loss                   vocab-parallel cross-entropy
     layers.*.moe           a mixture-of-experts block is replicated on every TP rank (router and experts whole,
                            as DeepSpeed-MoE without expert slicing); under SP it gathers the sequence first
+    An encoder-decoder's decoder layers (dec_layers.*) as the layers above, and between them:
+    dec_layers.*.cross_attn          enter the TP region for q over the decoder state and for k/v over the encoder
+                                     output (the memory): f, or under SP the all-gather of each
+    dec_layers.*.cross_attn.q_proj   column-parallel over the decoder state
+    dec_layers.*.cross_attn.k/v_proj column-parallel over the encoder output
+    dec_layers.*.cross_attn.o_proj   row-parallel
+    rel_emb, dec_rel_emb             T5's relative-position tables (buckets x heads): split by head, as the attention
 
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) adds: norms and dropout
 run on sequence shards (their parameters get partial gradients, summed by
@@ -90,6 +97,29 @@ class EnterRegion(Style):
         return module
 
 
+class EnterCrossRegion(Style):
+    """Cross-attention: ``f`` (or the SP all-gather) on the decoder state for q and on the ``memory`` (the encoder
+    output) for k and v. Each decoder layer enters the memory on its own, so each one's k/v gradient is summed over
+    TP (or reduce-scattered back to the memory's sequence shards) by its own ``f``."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            memory = enter_tp_region(kwargs["memory"], ctx.group, ctx.sequence_parallel)
+            return (enter_tp_region(args[0], ctx.group, ctx.sequence_parallel), *args[1:]), {**kwargs, "memory": memory}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class HeadSplit(Style):
+    """A relative-position table (buckets x heads): this rank's heads, the columns [r H/t, (r+1) H/t)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        assert isinstance(module, nn.Embedding), type(module)
+        module.weight = sharded_param(module.weight, 1, ctx.group)
+        return module
+
+
 class ScatterInputToSequence(Style):
     """SP: split the (replicated) embedding sum into sequence shards before this module."""
 
@@ -157,29 +187,41 @@ class SequenceSharded(Style):
 
 
 def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]]:
-    """The table: module-name pattern (``*`` = one name component) -> style."""
-    plan: list[tuple[str, Style]] = [
-        ("tok_emb", VocabEmbedding()),
-        ("layers.*.attn", EnterRegion()),
-        ("layers.*.attn.q_proj", Colwise()),
-        ("layers.*.attn.k_proj", KVColwise()),
-        ("layers.*.attn.v_proj", KVColwise()),
-        ("layers.*.attn.o_proj", Rowwise()),
-        ("layers.*.mlp", EnterRegion()),
-        ("layers.*.mlp.up_proj", Colwise()),
-        ("layers.*.mlp.gate_proj", Colwise()),
-        ("layers.*.mlp.down_proj", Rowwise()),
+    """The table: module-name pattern (``*`` = one name component) -> style. ``layers`` is an encoder-decoder's
+    encoder, ``dec_layers`` its decoder (whose ``cross_attn`` reads the encoder output)."""
+    plan: list[tuple[str, Style]] = [("tok_emb", VocabEmbedding()), ("rel_emb", HeadSplit()),
+                                     ("dec_rel_emb", HeadSplit())]
+    for stack in ("layers", "dec_layers"):
+        plan += [
+            (f"{stack}.*.attn", EnterRegion()),
+            (f"{stack}.*.attn.q_proj", Colwise()),
+            (f"{stack}.*.attn.k_proj", KVColwise()),
+            (f"{stack}.*.attn.v_proj", KVColwise()),
+            (f"{stack}.*.attn.o_proj", Rowwise()),
+            (f"{stack}.*.mlp", EnterRegion()),
+            (f"{stack}.*.mlp.up_proj", Colwise()),
+            (f"{stack}.*.mlp.gate_proj", Colwise()),
+            (f"{stack}.*.mlp.down_proj", Rowwise()),
+        ]
+    plan += [
+        ("dec_layers.*.cross_attn", EnterCrossRegion()),
+        ("dec_layers.*.cross_attn.q_proj", Colwise()),  # over the decoder state
+        ("dec_layers.*.cross_attn.k_proj", KVColwise()),  # over the encoder output
+        ("dec_layers.*.cross_attn.v_proj", KVColwise()),
+        ("dec_layers.*.cross_attn.o_proj", Rowwise()),
         ("head", Colwise()),  # entered by the bound logits(), after the final norm
         ("loss", VocabLoss()),
     ]
     if sequence_parallel:
-        plan += [(name, SequenceSharded()) for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "final_norm",
-                                                        "mlm_transform")]
+        plan += [(name, SequenceSharded()) for name in (
+            "layers.*.attn_norm", "layers.*.mlp_norm", "final_norm", "mlm_transform", "enc_norm",
+            "dec_layers.*.attn_norm", "dec_layers.*.cross_norm", "dec_layers.*.mlp_norm")]
         plan.append(("layers.*.moe", SequenceGathered()))
         if not _embed_reduce_scatter(cfg, sequence_parallel):
             # Positions / token types are added to the full sequence, then the sum is split
             # (Megatron-core's LanguageModelEmbedding does the same when it adds positions).
-            plan.append(("emb_norm" if cfg.norm_placement == "post" else "emb_drop", ScatterInputToSequence()))
+            post = cfg.norm_placement == "post" and not cfg.encoder_decoder  # an encoder-decoder has no emb_norm
+            plan.append(("emb_norm" if post else "emb_drop", ScatterInputToSequence()))
         if cfg.norm_placement == "post":
             plan.append(("emb_norm", SequenceSharded()))
     return plan
