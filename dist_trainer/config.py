@@ -10,25 +10,19 @@ before any process group is created (the world size is checked separately by
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from dist_trainer.config_fields import choice, name_list, positive
+from dist_trainer.config_model import ModelConfig
 from dist_trainer.data.span import span_lengths
-from dist_trainer.finetune import lora_target_leaves, training_plan
-from dist_trainer.model_shape import is_moe_layer
+from dist_trainer.finetune import training_plan
 from dist_trainer.quant.sizes import check_int8_base
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
 
-POS_EMBEDDINGS = ("learned", "sinusoidal", "rope", "relative")
-NORMS = ("layernorm", "rmsnorm")
-NORM_PLACEMENTS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu")  # a gate projection beside up: act(gate(x)) * up(x) (Shazeer 2020)
-ROPE_SCALINGS = ("none", "linear", "llama3")
 CHECKPOINTING = ("none", "selective", "every_k", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
@@ -40,254 +34,14 @@ OBJECTIVES = ("lm", "span_corruption", "seq2seq")
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
-BASE_WEIGHT_DTYPES = ("fp32", "int8")  # model.base_weight_dtype: frozen layer linears as parameters, or int8
 OPTIM_STATE_DTYPES = ("fp32", "bf16", "int8")  # optim.state_dtype: AdamW's two moments
-
-
-@dataclass
-class ModelConfig:
-    """The one model definition's shape. Presets live in configs/models/*.yaml."""
-
-    preset: str | None = None  # name of a configs/models/ preset used as the base (applied first)
-    vocab_size: int = 50257  # tokens in the vocabulary (TP pads internally when tp does not divide it)
-    d_model: int = 768  # hidden size h
-    n_layers: int = 12  # transformer blocks L
-    n_heads: int = 12  # attention (query) heads a
-    n_kv_heads: int | None = None  # key/value heads: None = n_heads (MHA), 1 = MQA, between = GQA
-    d_ff: int | None = None  # MLP inner size; None = 4 * d_model
-    max_seq_len: int = 1024  # longest sequence; sizes learned position tables and RoPE caches
-    # learned (GPT-2, BERT) | sinusoidal (fixed, Vaswani et al. 2017, section 3.5) | rope (Llama) | relative (T5: a
-    # learned bias per head and bucketed distance added to the attention scores; encoder-decoder models only)
-    pos_embedding: str = "learned"
-    rope_theta: float = 10000.0  # RoPE base frequency
-    # RoPE frequency scaling for contexts past the pretraining length (HF's rope_scaling / rope_parameters):
-    # none | linear (every inverse frequency / factor: position interpolation, Chen et al. 2023) | llama3 (Llama 3.1:
-    # wavelengths above original_max_seq_len / low_freq_factor are stretched by factor, those below
-    # original_max_seq_len / high_freq_factor kept, the band between interpolated smoothly)
-    rope_scaling: str = "none"
-    rope_scaling_factor: float = 1.0  # linear and llama3: the factor the (long-wavelength) frequencies are divided by
-    rope_low_freq_factor: float = 1.0  # llama3: original_max_seq_len / this is the longest wavelength kept unscaled..
-    rope_high_freq_factor: float = 4.0  # ..and original_max_seq_len / this the shortest scaled; must exceed low
-    rope_original_max_seq_len: int = 8192  # llama3: the context length the model was pretrained on
-    norm: str = "layernorm"  # layernorm (GPT-2, BERT) | rmsnorm (Llama)
-    norm_eps: float = 1e-5  # epsilon of every norm (BERT uses 1e-12, Llama 1e-5/1e-6)
-    norm_placement: str = "pre"  # pre (GPT-2, Llama: final norm) | post (BERT: embedding norm, none final)
-    # gelu | gelu_tanh | relu | swiglu (silu-gated: adds a gate projection) | geglu (gelu_tanh-gated: T5 v1.1's
-    # gated-gelu, gate = its wi_0, up = its wi_1)
-    activation: str = "gelu"
-    bias: bool = True  # biases in linears and layernorms (Llama: none)
-    tie_embeddings: bool = True  # output head shares the token-embedding weight
-    dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
-    causal: bool = True  # True: decoder, causal-LM objective; False: encoder, masked-LM objective
-    n_token_types: int = 0  # BERT segment embeddings (2); 0 = none
-    pooler: bool = False  # BERT pooler (dense + tanh on the first token); not used by the MLM loss
-    # BERT's masked-LM prediction head (BertForMaskedLM's cls.predictions): before the (tied) output projection,
-    # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
-    # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
-    mlm_head: bool = False
-    # Encoder-decoder (Vaswani et al. 2017; T5, Raffel et al. 2020; docs/seq2seq.md). 0: one stack, as above. > 0:
-    # n_layers encoder layers (bidirectional self-attention + MLP) then this many decoder layers (causal
-    # self-attention, cross-attention over the encoder output, MLP), one token embedding shared by both stacks
-    # (and by the head when tied); the objective is data.objective's (span_corruption or seq2seq), and
-    # model.causal stays true (it names the decoder-only objective otherwise)
-    n_decoder_layers: int = 0
-    rel_buckets: int = 32  # pos_embedding=relative: buckets per direction pair (T5: 32; half per side in the encoder)
-    rel_max_distance: int = 128  # pos_embedding=relative: distances from this on share the last bucket (T5: 128)
-    scale_embeddings: bool = False  # token embeddings * sqrt(d_model) (Vaswani et al. 2017, section 3.4)
-    scale_head_input: bool = False  # last hidden state * d_model**-0.5 before the head (T5 with a tied head)
-    attn_scale: bool = True  # attention scores / sqrt(head_dim); false: none (T5 folds it into q's initialisation)
-    decoder_start_id: int = 0  # encoder-decoder: the decoder's first input token (T5: its pad id 0)
-    init_std: float = 0.02  # std of normal init for every weight matrix and embedding
-    scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
-    # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
-    n_experts: int = 0  # routed experts per MoE layer, each the model's own MLP (Mixtral: 8)
-    top_k: int = 2  # experts per token; their gates are renormalised to sum to 1 (Mixtral)
-    capacity_factor: float = 1.25  # slots per expert and sequence = ceil(factor * top_k * seq_len / n_experts)
-    moe_every: int = 1  # layer i is MoE when i % moe_every == 0 (Megatron's moe_layer_freq); 1 = every layer
-    router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient alpha (Fedus et al. 2021, eq. 4)
-    router_z_loss: float = 0.001  # router z-loss coefficient c_z (Zoph et al. 2022, eq. 5)
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times wide
-    # LoRA (Hu et al. 2021, arXiv 2106.09685): every layer's target linears compute W0 x + (alpha / r) B A x with
-    # A (r x in) Kaiming-uniform and B (out x r) zero, so step 0 is the base model; the base weights are frozen.
-    lora_rank: int = 0  # r; 0 = no adapters
-    lora_alpha: float = 16.0  # the update is scaled by alpha / r (Hu et al. section 4.1: tune alpha once, vary r)
-    lora_dropout: float = 0.0  # dropout on the adapter's input only; the base path sees the undropped input
-    # the layers' linears that get adapters (model_names.LORA_TARGETS), or all_linear; q_proj,v_proj is the paper's
-    # choice (section 7.1). A comma-separated string is accepted too.
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    # Frozen base weights in 8 bits (docs/low_bit.md): int8 stores every frozen layer linear (LoRA's base, or one
-    # train.freeze covers) as int8 with an fp32 scale per output row and group of base_weight_group input columns,
-    # dequantised a block of rows at a time in forward and backward; fp32 keeps them as ordinary parameters.
-    base_weight_dtype: str = "fp32"
-    # input columns per scale (QLoRA's block of 64); a TP shard's input width must be a multiple of it, so each rank
-    # quantises its own shard exactly as the full matrix would be quantised and sliced
-    base_weight_group: int = 64
-
-    def __post_init__(self) -> None:
-        self.lora_targets = _name_list(self.lora_targets)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        return 4 * self.d_model if self.d_ff is None else self.d_ff
-
-    @property
-    def gated(self) -> bool:
-        """The MLP has a gate projection (swiglu, geglu)."""
-        return self.activation in GATED_ACTIVATIONS
-
-    @property
-    def encoder_decoder(self) -> bool:
-        return self.n_decoder_layers > 0
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether layer ``layer`` (0-based) is a mixture-of-experts layer: the model, the planner and the
-        pipeline split ask here."""
-        return is_moe_layer(self, layer)
-
-    def expert_capacity(self, seq_len: int) -> int:
-        """Slots of each expert per sequence: ceil(capacity_factor * top_k * seq_len / n_experts) (GShard's
-        expert capacity with one group per sequence, so it does not depend on the batch or the layout)."""
-        return max(1, math.ceil(self.capacity_factor * self.top_k * seq_len / self.n_experts))
-
-    def validate(self) -> None:
-        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
-        _choice(self, "pos_embedding", POS_EMBEDDINGS)
-        _choice(self, "norm", NORMS)
-        _choice(self, "norm_placement", NORM_PLACEMENTS)
-        _choice(self, "activation", ACTIVATIONS)
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
-                f"choose n_heads among the divisors of {self.d_model}"
-            )
-        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
-                f"n_kv_heads must be a divisor of {self.n_heads} (1 = MQA, {self.n_heads} = MHA)"
-            )
-        if self.pos_embedding == "rope" and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got d_model/n_heads = {self.head_dim}")
-        self._validate_rope_scaling()
-        if not isinstance(self.mlm_head, bool):
-            raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
-        if self.mlm_head and self.gated:
-            raise ValueError("model.mlm_head=true applies model.activation to one dense layer's output: it needs "
-                             f"gelu, gelu_tanh or relu, not the gated {self.activation}")
-        if self.pos_embedding == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        if self.ffn_dim < 1:
-            raise ValueError(f"model.d_ff={self.d_ff} must be positive")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if self.n_token_types < 0:
-            raise ValueError(f"model.n_token_types={self.n_token_types} must be >= 0")
-        if self.init_std <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
-        self._validate_moe()
-        self._validate_lora()
-        _choice(self, "base_weight_dtype", BASE_WEIGHT_DTYPES)
-        _positive(self, "base_weight_group")
-        self._validate_encoder_decoder()
-
-    def _validate_rope_scaling(self) -> None:
-        _choice(self, "rope_scaling", ROPE_SCALINGS)
-        if self.rope_scaling == "none":
-            return
-        if self.pos_embedding != "rope":
-            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} needs model.pos_embedding=rope, "
-                             f"got {self.pos_embedding!r}")
-        if not _is_number(self.rope_scaling_factor) or self.rope_scaling_factor < 1.0:
-            raise ValueError(f"model.rope_scaling_factor={self.rope_scaling_factor!r} must be a number >= 1 "
-                             f"(with model.rope_scaling={self.rope_scaling!r})")
-        if self.rope_scaling != "llama3":
-            return
-        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-        if not _is_number(low) or not _is_number(high) or not 0 < low < high:
-            raise ValueError(f"model.rope_low_freq_factor={low!r} and model.rope_high_freq_factor={high!r} must be "
-                             "numbers with 0 < low < high (Llama 3.1: 1 and 4)")
-        _positive(self, "rope_original_max_seq_len")
-
-    def _validate_encoder_decoder(self) -> None:
-        value = self.n_decoder_layers
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"model.n_decoder_layers={value!r} must be an integer >= 0 (0 = one stack)")
-        if not self.encoder_decoder:
-            if self.pos_embedding == "relative":
-                raise ValueError("model.pos_embedding=relative (T5's bias) is for encoder-decoder models: set "
-                                 "model.n_decoder_layers > 0, or use learned, sinusoidal or rope")
-            return
-        # one stack's features that an encoder-decoder does not have
-        refused = {"causal": (self.causal is not True, "the encoder is bidirectional and the decoder causal; "
-                              "data.objective picks the objective"),
-                   "n_token_types": (self.n_token_types != 0, "no segment embeddings"),
-                   "pooler": (self.pooler, "no pooler"), "mlm_head": (self.mlm_head, "no masked-LM head"),
-                   "n_experts": (self.n_experts != 0, "mixture-of-experts layers are for one stack"),
-                   "pos_embedding": (self.pos_embedding == "rope", "rope is not mapped onto cross-attention; use "
-                                     "relative, sinusoidal or learned")}
-        for name, (bad, why) in refused.items():
-            if bad:
-                raise ValueError(f"model.{name}={getattr(self, name)!r} with model.n_decoder_layers="
-                                 f"{self.n_decoder_layers}: {why}")
-        if not 0 <= self.decoder_start_id < self.vocab_size:
-            raise ValueError(f"model.decoder_start_id={self.decoder_start_id} is not a token id of "
-                             f"model.vocab_size={self.vocab_size}")
-        if self.pos_embedding == "relative":
-            _positive(self, "rel_buckets", "rel_max_distance")
-            if self.rel_buckets < 4 or self.rel_buckets % 2:
-                raise ValueError(f"model.rel_buckets={self.rel_buckets} must be even and >= 4 (the encoder splits "
-                                 "them between the two directions, each half exact then logarithmic)")
-            if self.rel_max_distance <= self.rel_buckets // 2:
-                raise ValueError(f"model.rel_max_distance={self.rel_max_distance} must exceed rel_buckets/2 = "
-                                 f"{self.rel_buckets // 2} (the distances the decoder counts exactly)")
-
-    def _validate_moe(self) -> None:
-        for name in ("n_experts", "n_shared_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"model.{name}={value!r} must be an integer >= 0")
-        if self.n_experts == 0:
-            if self.n_shared_experts:
-                raise ValueError(f"model.n_shared_experts={self.n_shared_experts} needs routed experts "
-                                 "(model.n_experts > 0)")
-            return
-        _positive(self, "top_k", "moe_every")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"model.capacity_factor={self.capacity_factor} must be > 0 "
-                             f"(>= n_experts / top_k = {self.n_experts / self.top_k:g} never drops a token)")
-        if self.router_aux_loss < 0 or self.router_z_loss < 0:
-            raise ValueError(f"model.router_aux_loss={self.router_aux_loss} and model.router_z_loss="
-                             f"{self.router_z_loss} must be >= 0")
-
-    def _validate_lora(self) -> None:
-        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
-            raise ValueError(f"model.lora_rank={self.lora_rank!r} must be an integer >= 0 (0 = no adapters)")
-        if not self.lora_rank:
-            return
-        if self.lora_alpha <= 0:
-            raise ValueError(f"model.lora_alpha={self.lora_alpha} must be > 0")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"model.lora_dropout={self.lora_dropout} must be in [0, 1)")
-        lora_target_leaves(self)  # ValueError naming unknown targets
-
-    @property
-    def lora_scaling(self) -> float:
-        """alpha / r: the factor of the low-rank update (Hu et al. 2021, section 4.1)."""
-        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
 
 @dataclass
 class ParallelConfig:
     """How the model is laid out over ranks. Degrees multiply to the world size."""
+
+    SECTION: ClassVar[str] = "parallel"
 
     tp_size: int = 1  # tensor-parallel degree (Megatron column/row split); a TP group stays in a node
     pp_size: int = 1  # pipeline stages
@@ -364,10 +118,10 @@ class ParallelConfig:
     def validate(self) -> None:
         """The fields that are not the layout's own (those are ``layout_rules.check_fields``, asked when the config
         is loaded and again when its Layout is built)."""
-        _choice(self, "layout", ("manual", "auto"))
+        choice(self, "layout", ("manual", "auto"))
         for name in ("auto_tp_size", "auto_max_tp_size", "auto_pp_size"):
             if getattr(self, name) is not None:
-                _positive(self, name)
+                positive(self, name)
         if self.auto_tp_size is not None and self.auto_max_tp_size is not None:
             raise ValueError(f"parallel.auto_tp_size={self.auto_tp_size} and parallel.auto_max_tp_size="
                              f"{self.auto_max_tp_size}: set one of them")
@@ -384,6 +138,8 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to min_lr."""
 
+    SECTION: ClassVar[str] = "optim"
+
     lr: float = 3e-4  # peak learning rate, reached after warmup_steps
     min_lr: float = 3e-5  # floor of the cosine decay
     warmup_steps: int = 10  # linear warmup from 0 to lr
@@ -398,7 +154,7 @@ class OptimConfig:
     state_dtype: str = "fp32"
 
     def validate(self) -> None:
-        _choice(self, "state_dtype", OPTIM_STATE_DTYPES)
+        choice(self, "state_dtype", OPTIM_STATE_DTYPES)
         # lr 0 is a run that changes no weight (a load-and-export round trip, a layout check): allowed
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim.lr={self.lr} must be >= 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
@@ -416,6 +172,8 @@ class OptimConfig:
 class DataConfig:
     """Token shards written by `dist-trainer prepare`."""
 
+    SECTION: ClassVar[str] = "data"
+
     path: str = "data/default"  # folder with meta.json, tokenizer.json and the train/val shards
     seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len); an encoder-decoder's source length
     mlm_probability: float = 0.15  # encoders: share of tokens selected for masked-LM (80/10/10 split)
@@ -429,15 +187,15 @@ class DataConfig:
     target_len: int | None = None
 
     def validate(self) -> None:
-        _positive(self, "seq_len")
+        positive(self, "seq_len")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"data.mlm_probability={self.mlm_probability} must be in (0, 1)")
-        _choice(self, "objective", OBJECTIVES)
+        choice(self, "objective", OBJECTIVES)
         if not 0.0 < self.noise_density < 1.0 or not self.mean_noise_span >= 1.0:
             raise ValueError(f"data.noise_density={self.noise_density} must be in (0, 1) and data.mean_noise_span="
                              f"{self.mean_noise_span} >= 1")
         if self.target_len is not None:
-            _positive(self, "target_len")
+            positive(self, "target_len")
         if self.objective == "span_corruption":
             exact = span_lengths(self.seq_len, self.noise_density, self.mean_noise_span)[1]
             if self.target_len is not None and self.target_len < exact:
@@ -458,17 +216,21 @@ class DataConfig:
 class WandbConfig:
     """Weights & Biases logging; offline by default so nothing leaves the machine."""
 
+    SECTION: ClassVar[str] = "wandb"
+
     mode: str = "offline"  # offline | online | disabled
     project: str = "dist_trainer"  # wandb project name
     run_name: str | None = None  # None = the output folder's name
 
     def validate(self) -> None:
-        _choice(self, "mode", ("offline", "online", "disabled"))
+        choice(self, "mode", ("offline", "online", "disabled"))
 
 
 @dataclass
 class TrainConfig:
     """The loop: steps, precision, logging, evaluation and checkpoints."""
+
+    SECTION: ClassVar[str] = "train"
 
     max_steps: int = 300  # optimizer steps
     seed: int = 1234  # seeds init, dropout and the data order
@@ -504,14 +266,14 @@ class TrainConfig:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
-        self.freeze = _name_list(self.freeze)
+        self.freeze = name_list(self.freeze)
 
     def validate(self) -> None:
-        _positive(self, "max_steps", "log_every", "eval_batches", "keep_checkpoints")
-        _choice(self, "precision", PRECISIONS)
-        _choice(self, "device", ("auto", "cpu", "cuda"))
+        positive(self, "max_steps", "log_every", "eval_batches", "keep_checkpoints")
+        choice(self, "precision", PRECISIONS)
+        choice(self, "device", ("auto", "cpu", "cuda"))
         if self.backend is not None:
-            _choice(self, "backend", ("gloo", "nccl"))
+            choice(self, "backend", ("gloo", "nccl"))
         if self.eval_every < 0 or self.save_every < 0:
             raise ValueError(
                 f"train.eval_every={self.eval_every} and train.save_every={self.save_every} must be >= 0"
@@ -531,6 +293,8 @@ class HealthConfig:
     spike detector watches the loss and the grad norm. Every ``every`` steps: the per-layer signals, the gradient
     noise scale, the per-rank step time and a progress record for the hang report (README, "Watching a run").
     """
+
+    SECTION: ClassVar[str] = "health"
 
     # the signals every `every` steps and the per-step gradient probes; false leaves only what is always on: the
     # non-finite guard and the spike detector (they read the loss and grad norm the loop has anyway)
@@ -552,9 +316,9 @@ class HealthConfig:
     hang_grace_s: float = 3.0  # after a collective times out, how long a rank waits for the others' reports
 
     def validate(self) -> None:
-        _positive(self, "every", "spike_window", "spike_warmup", "embed_sample")
-        _choice(self, "on_nonfinite", ("skip", "stop"))
-        _choice(self, "on_spike", HEALTH_POLICIES)
+        positive(self, "every", "spike_window", "spike_warmup", "embed_sample")
+        choice(self, "on_nonfinite", ("skip", "stop"))
+        choice(self, "on_spike", HEALTH_POLICIES)
         if not 2 <= self.spike_warmup <= self.spike_window:
             raise ValueError(f"health.spike_warmup={self.spike_warmup} must be between 2 and health.spike_window="
                              f"{self.spike_window}")
@@ -609,36 +373,3 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _name_list(value: Any) -> Any:
-    """A comma-separated string as a list of its stripped items (``q_proj,v_proj``); other values unchanged
-    (validate() names what is wrong with them)."""
-    if isinstance(value, str):
-        return [item.strip() for item in value.split(",") if item.strip()]
-    return value
-
-
-def _positive(obj: Any, *names: str) -> None:
-    section = _section_name(obj)
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{section}.{name}={value!r} must be a positive integer")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(obj, name)
-    if value not in choices:
-        raise ValueError(f"{_section_name(obj)}.{name}={value!r} is not one of {', '.join(choices)}")
-
-
-def _section_name(obj: Any) -> str:
-    for name, f in Config.__dataclass_fields__.items():
-        if f.default_factory is type(obj):
-            return name
-    return type(obj).__name__

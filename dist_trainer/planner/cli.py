@@ -13,8 +13,9 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.config import BASE_WEIGHT_DTYPES, CONFIG_ROOT, CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
+from dist_trainer.config import CONFIG_ROOT, CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
+from dist_trainer.config_model import BASE_WEIGHT_DTYPES
 from dist_trainer.files import make_executable, output_dir, refuse_nonempty
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.parallel.zero.config import OWNED_KEYS
