@@ -14,7 +14,7 @@ from dist_trainer.data.batch import collate, mask_tokens, sample_generator
 from dist_trainer.data.dataset import MASK_TOKEN, TokenDataset
 from dist_trainer.data.prepare import prepare
 from dist_trainer.data.sampler import GlobalBatchSampler
-from dist_trainer.model import IGNORE_INDEX
+from dist_trainer.model_blocks import IGNORE_INDEX
 
 # ------------------------------------------------------------------ sampler
 

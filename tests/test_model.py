@@ -9,7 +9,8 @@ import torch
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import model_config
-from dist_trainer.model import IGNORE_INDEX, Transformer, build_model, count_parameters
+from dist_trainer.model import Transformer, build_model, count_parameters
+from dist_trainer.model_blocks import IGNORE_INDEX
 
 # Published counts (REFERENCES.md; HF model cards): the model built on meta must equal them exactly.
 PUBLISHED = {

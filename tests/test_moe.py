@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import model_config
-from dist_trainer.model import Block, build_model, count_parameters
+from dist_trainer.model import build_model, count_parameters
+from dist_trainer.model_blocks import Block
 from dist_trainer.model_moe import MoE, combine, dispatch, load_balancing_loss, moe_layers, route, z_loss
 from dist_trainer.planner.params import count_params, param_breakdown
 

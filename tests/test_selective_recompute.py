@@ -23,7 +23,7 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def _curves(rank: int, world: int, data: Path, out: Path, parallel: dict) -> dict:
-    from dist_trainer.model import Attention
+    from dist_trainer.model_blocks import Attention
 
     sections = {"model": LLAMA, "optim": {"lr": 3e-3}, "parallel": parallel}
     trainer = Trainer(tiny_config(data, out, **sections), log=False)

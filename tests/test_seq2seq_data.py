@@ -16,7 +16,7 @@ from dist_trainer.data.objective import collate_pairs, make_batch, open_split
 from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.prepare import prepare
 from dist_trainer.data.span import corrupt, corrupted_lengths, noise_mask, sample_rng, span_lengths
-from dist_trainer.model import IGNORE_INDEX
+from dist_trainer.model_blocks import IGNORE_INDEX
 from tests.conftest import reversal_pairs
 from tests.helpers import TINY_VOCAB
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_trainer.config import ModelConfig, ParallelConfig
-from dist_trainer.model import IGNORE_INDEX, Transformer, build_model
+from dist_trainer.model import Transformer, build_model
+from dist_trainer.model_blocks import IGNORE_INDEX
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import clip_grad_norm_, finalize_tp_grads

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from dist_trainer.data.dataset import TokenDataset, special_id
-from dist_trainer.model import IGNORE_INDEX
+from dist_trainer.model_blocks import IGNORE_INDEX
 
 MASK_SHARE = 0.8  # of the selected positions: replaced by <|mask|> (Devlin et al. 2018, section 3.1)
 RANDOM_SHARE = 0.1  # replaced by a random token; the remaining 10% keep their token

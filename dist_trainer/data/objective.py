@@ -23,7 +23,7 @@ from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, load_tokenizer, special_id
 from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.span import corrupt, noise_mask, sample_rng, span_lengths
-from dist_trainer.model import IGNORE_INDEX
+from dist_trainer.model_blocks import IGNORE_INDEX
 
 SENTINEL = "<extra_id_{}>"  # as prepare.py writes them, as T5's tokenizer holds them
 

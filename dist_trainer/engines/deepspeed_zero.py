@@ -27,7 +27,7 @@ from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file
 from dist_trainer.config import Config
 from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
-from dist_trainer.model import set_attrs
+from dist_trainer.model_blocks import set_attrs
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
 from dist_trainer.optim_lowbit import build_adamw, canonical_states
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param

@@ -5,7 +5,7 @@ with 16-bit activations, 1-byte dropout masks and an attention that stores its s
 Our layer differs in ways that change the figure, so each saved tensor is listed here, per token of the
 micro-batch, with its dtype (checked against a saved-tensor-hook measurement in tests/test_planner_activations.py):
 
-* norms run in fp32 (model.py casts to fp32), so each norm keeps a 4-byte copy of its input (LayerNorm: + mean
+* norms run in fp32 (model_blocks.py casts to fp32), so each norm keeps a 4-byte copy of its input (LayerNorm: + mean
   and rstd, RMSNorm: + rsqrt and the normalised fp32 product), and the following linear keeps its own
   16-bit (or fp32) input;
 * ``F.scaled_dot_product_attention`` with a flash kernel (CUDA flash/efficient, and the CPU flash kernel
@@ -133,7 +133,7 @@ def norm_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, name: str, input_
           weight_grad: bool = True) -> list[SavedTensor]:
     """A norm's tensors: LayerNorm's one node keeps its input and statistics whenever it is in the graph; RMSNorm
     keeps its input and rsqrt for the input's gradient and the normalised product for the weight's."""
-    # model.py computes both norms in fp32: the saved input is an fp32 tensor in every precision.
+    # model_blocks.py computes both norms in fp32: the saved input is an fp32 tensor in every precision.
     x = SavedTensor(f"{name}.input", cfg.d_model * spec.rep, 4)
     if cfg.norm == "layernorm":
         return [x, SavedTensor(f"{name}.mean_rstd", 2 * spec.rep, 4)] if input_grad or weight_grad else []

@@ -17,7 +17,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from dist_trainer.model import Attention, SDPAttention, Transformer
+from dist_trainer.model import Transformer
+from dist_trainer.model_blocks import Attention, SDPAttention
 from dist_trainer.model_moe import moe_layers
 from dist_trainer.parallel.cp.loss import ContextParallelLoss
 from dist_trainer.parallel.cp.ring import RingLayout, ring_attention

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dist_trainer.model import IGNORE_INDEX
+from dist_trainer.model_blocks import IGNORE_INDEX
 from dist_trainer.parallel.cp.split import ContextParallelSequence
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dist_trainer.model import Sequence
+from dist_trainer.model_blocks import Sequence
 from dist_trainer.parallel.comm import AxisGroup
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_trainer.model import SDPAttention
+from dist_trainer.model_blocks import SDPAttention
 from dist_trainer.parallel.comm import AxisGroup
 
 

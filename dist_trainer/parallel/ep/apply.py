@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dist_trainer.model import set_attrs
+from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_moe import ExpertExchange, moe_layers
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.comms import all_to_all

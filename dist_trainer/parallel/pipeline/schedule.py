@@ -31,7 +31,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule  # the schedules' common base
 
 from dist_trainer.layout_rules import MULTI_STAGE_SCHEDULES, check_schedule
-from dist_trainer.model import set_attrs
+from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_moe import paused_router_stats
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.pipeline.replay import StageAction

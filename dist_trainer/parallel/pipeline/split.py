@@ -38,7 +38,8 @@ from torch import nn
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import layers_per_stage
 from dist_trainer.layout_rules.seq2seq import encoder_stage_count
-from dist_trainer.model import Transformer, init_weights_
+from dist_trainer.model import Transformer
+from dist_trainer.model_blocks import init_weights_
 from dist_trainer.model_moe import attach_aux_losses
 from dist_trainer.model_names import (
     DECODER_FIRST_MODULES,

@@ -46,7 +46,8 @@ from torch import nn
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp
-from dist_trainer.model import Transformer, set_attrs
+from dist_trainer.model import Transformer
+from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_shape import kv_sharded
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_trainer.model import IGNORE_INDEX, set_attrs
+from dist_trainer.model_blocks import IGNORE_INDEX, set_attrs
 from dist_trainer.model_lora import BaseProduct, LoRALinear, lora_delta
 from dist_trainer.model_shape import padded_vocab
 from dist_trainer.parallel.comm import AxisGroup

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_trainer.model import Transformer, init_weights_, set_attrs
+from dist_trainer.model import Transformer
+from dist_trainer.model_blocks import init_weights_, set_attrs
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import sum_partial_grads_in_backward
 
