@@ -3,6 +3,8 @@ a batch. Torch-free."""
 
 from __future__ import annotations
 
+import functools
+
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, ModelConfig
 from dist_trainer.layout_rules.seq2seq import seq2seq_stage_counts
 from dist_trainer.model_shape import embedding_params, layer_param_counts, tail_params
@@ -78,8 +80,13 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
 def rank_layer_ids(counts: list[int], pp_rank: int, pp_size: int) -> list[int]:
     """Global indices of the layers pipeline rank ``pp_rank`` holds, given the layers per stage ``counts``: its
     stages r, r + pp, ... (the loop placement of the interleaved schedule)."""
+    return list(_rank_layer_ids(tuple(counts), pp_rank, pp_size))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner's search asks it of thousands of layouts over a few stage splits
+def _rank_layer_ids(counts: tuple[int, ...], pp_rank: int, pp_size: int) -> tuple[int, ...]:
     starts = [sum(counts[:s]) for s in range(len(counts))]
-    return [i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s])]
+    return tuple(i for s in range(pp_rank, len(counts), pp_size) for i in range(starts[s], starts[s] + counts[s]))
 
 
 def check_schedule(pp_size: int, schedule_name: str, n_microbatches: int, batch_size: int,

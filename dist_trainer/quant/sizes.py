@@ -89,6 +89,8 @@ def int8_weights(cfg: ModelShape, freeze: Sequence[str], tp_size: int = 1,
                  layer_ids: Sequence[int] | None = None) -> tuple[int, int]:
     """(int8 weights, fp32 scales) of the quantised linears among layers ``layer_ids`` (default all) on one TP rank."""
     names = set(int8_modules(cfg, freeze))
+    if not names:  # no int8 base (the planner asks this of every candidate layout)
+        return 0, 0
     ids = range(cfg.n_layers) if layer_ids is None else layer_ids
     weights = scales = 0
     g = getattr(cfg, "base_weight_group", 64)
