@@ -113,13 +113,13 @@ for _family in ("gpt2", "llama"):
     LAYOUTS[f"{_family}:pp2"] = (_family, {"pp_size": 2, "pp_schedule": "1f1b", "micro_batch_size": 2})
     LAYOUTS[f"{_family}:tp2xpp2"] = (_family, {"tp_size": 2, "pp_size": 2, "micro_batch_size": 2})
     LAYOUTS[f"{_family}:zero3"] = (_family, {"zero_stage": 3, "micro_batch_size": 2})
+for _family in ("mixtral", "mistral", "bert"):
+    LAYOUTS[f"{_family}:tp2"] = (_family, {"tp_size": 2, "sequence_parallel": _family == "bert"})
+    LAYOUTS[f"{_family}:pp2"] = (_family, {"pp_size": 2, "micro_batch_size": 2})
+    LAYOUTS[f"{_family}:tp2xpp2"] = (_family, {"tp_size": 2, "pp_size": 2, "micro_batch_size": 2})
+    LAYOUTS[f"{_family}:zero3"] = (_family, {"zero_stage": 3, "micro_batch_size": 2})
 LAYOUTS["mixtral:ep2"] = ("mixtral", {"ep_size": 2, "micro_batch_size": 2})
-LAYOUTS["mixtral:tp2"] = ("mixtral", {"tp_size": 2})
-LAYOUTS["mistral:tp2xpp2"] = ("mistral", {"tp_size": 2, "pp_size": 2, "micro_batch_size": 2})
 LAYOUTS["llama3:tp2"] = ("llama3", {"tp_size": 2})
-LAYOUTS["bert:tp2"] = ("bert", {"tp_size": 2, "sequence_parallel": True})
-LAYOUTS["bert:pp2"] = ("bert", {"pp_size": 2, "micro_batch_size": 2})
-LAYOUTS["bert:zero3"] = ("bert", {"zero_stage": 3, "micro_batch_size": 2})
 
 
 # Another model's section (replaced by the folder's, each field named on stderr); the router losses off, so a
@@ -435,7 +435,7 @@ def test_export_never_overwrites_and_honours_the_umask(hf_folders: dict[str, Pat
     assert {oct(f.stat().st_mode & 0o777) for f in [*files, *native]} == {"0o644"}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "mixtral", "llama3"])
 def test_generate_greedy_json_equals_transformers_generate(family: str, hf_folders: dict[str, Path],
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """`generate --checkpoint DIR --prompt-ids ... --greedy --json`: the ids transformers' greedy generate gives
