@@ -38,6 +38,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _failed_ranks(procs: list[Any], out_dir: str, status: dict[int, str]) -> set[int]:
+    """Ranks that died (exited non-zero, no result) or reported an error; ``status`` caches each result's."""
+    for rank, p in enumerate(procs):
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        if rank not in status and os.path.exists(path):
+            with open(path, "rb") as f:
+                status[rank] = pickle.load(f)[0]
+        elif rank not in status and not p.is_alive() and p.exitcode not in (0, None):
+            status[rank] = "died"
+    return {rank for rank, s in status.items() if s != "ok"}
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
             out_dir: str, timeout: float, env: dict[str, str], backend: str = "gloo") -> None:
     os.environ.update(env)
@@ -83,13 +95,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
             p.start()
         failures: list[str] = []
         deadline = time.monotonic() + timeout + join_grace
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        why = f"still running after {timeout + join_grace:.0f}s"
+        failed: set[int] = set()
+        status: dict[int, str] = {}
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            if not failed and (failed := _failed_ranks(procs, out_dir, status)):
+                # a rank failed: the others get join_grace to report (their view of it), not the whole timeout
+                first = min(failed)
+                if time.monotonic() + join_grace < deadline:
+                    deadline, why = time.monotonic() + join_grace, f"still running {join_grace:.0f}s after rank " \
+                                                                   f"{first} failed"
         for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join()
-                failures.append(f"rank {rank}: still running after {timeout + join_grace:.0f}s; killed")
+                failures.append(f"rank {rank}: {why}; killed")
+            p.join()
         results: list[Any] = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")

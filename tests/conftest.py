@@ -17,6 +17,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".torchinductor"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``make test``) a test module is one unit of work, sent whole to one
+    worker, so its module-scoped fixtures (one multi-rank spawn for many parity cases) run once; a test that names
+    its own ``xdist_group`` (the documented commands, in three independent groups) keeps it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~300 kB of the stdlib's own source, tokenized with a 512-token BPE (a few seconds)."""

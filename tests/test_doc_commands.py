@@ -252,6 +252,15 @@ ALL = [c for doc in DOCS for c in doc_commands(doc)]
 RUNNABLE = [c for c in ALL if isinstance(rule_for(c), Run)]
 
 
+def group_of(command: DocCommand) -> str:
+    """Which of three independent sequences a command runs in, each in its own workspace (and, under
+    ``make test``'s pytest-xdist, possibly on its own worker): the benchmarks (they make their own inputs), the
+    guides (docs/launching.md, docs/planner.md), and the README's other commands in its order."""
+    if re.search(r"\bbenchmarks/", command.text):
+        return "benchmarks"
+    return "readme" if command.doc == "README.md" else "guides"
+
+
 def _shell(command: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (f"`{command}` exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
@@ -260,9 +269,19 @@ def _shell(command: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> 
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+def workspaces(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, str]]]:
+    """One workspace per command group (``group_of``), made when the group's first command runs."""
+    made: dict[str, tuple[Path, dict[str, str]]] = {}
+
+    def get(group: str) -> tuple[Path, dict[str, str]]:
+        if group not in made:
+            made[group] = _workspace(tmp_path_factory.mktemp(f"docs-{group}"))
+        return made[group]
+    return get
+
+
+def _workspace(ws: Path) -> tuple[Path, dict[str, str]]:
     """A folder that looks like a checkout, with the inputs the documents' commands name."""
-    ws = tmp_path_factory.mktemp("docs")
     for name in LINKED:
         (ws / name).symlink_to(ROOT / name)
     # `dist-trainer prepare --input corpus/ more.jsonl`: a folder of text and a JSONL file
@@ -294,9 +313,15 @@ def test_every_documented_command_is_run_or_says_why_not() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", RUNNABLE, ids=[c.where for c in RUNNABLE])
-def test_documented_command_runs(command: DocCommand, workspace: tuple[Path, dict[str, str]]) -> None:
-    ws, env = workspace
+@pytest.mark.parametrize("command", [pytest.param(c, id=c.where, marks=pytest.mark.xdist_group(f"docs-{group_of(c)}"))
+                                     for c in RUNNABLE])
+def test_documented_command_runs(command: DocCommand,
+                                 workspaces: Callable[[str], tuple[Path, dict[str, str]]]) -> None:
+    ws, env = workspaces(group_of(command))
+    if group_of(command) == "guides" and not (ws / "data" / "default" / "meta.json").is_file():
+        # the guides train on the README's default data (configs/runs/demo.yaml); its prepare line runs in the
+        # README's own workspace, so the guides' workspace prepares the same once
+        _shell(f"dist-trainer prepare --out data/default --vocab-size 4096 {PREPARE_SCALE}", ws, env)
     rule = rule_for(command)
     assert isinstance(rule, Run)
     line = f"{command.text} {rule.append}".strip()

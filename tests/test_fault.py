@@ -43,8 +43,10 @@ def test_peer_failure_is_a_clear_error_within_the_timeout(tiny_data: Path, tmp_p
                                                           parallel: dict, coordinates: str, peer: str,
                                                           collective: str) -> None:
     with pytest.raises(DistributedTestError) as err:
-        run_distributed(_trainer_with_fault, 2, (tiny_data, tmp_path, fault, parallel), timeout=20,
-                        join_grace=TIMEOUT_S)
+        # after the first rank fails the others get join_grace: a dead peer's survivor needs time to say so, a
+        # stalled rank has nothing to say
+        run_distributed(_trainer_with_fault, 2, (tiny_data, tmp_path, fault, parallel), timeout=30,
+                        join_grace=TIMEOUT_S if fault == "die" else 1.0)
     message = str(err.value)
     assert f"rank 0: RuntimeError: rank 0 (rank 0/2: {coordinates}" in message
     if parallel.get("pp_size"):  # the pipeline names the stage that waited on its neighbour
