@@ -38,13 +38,13 @@ demo: venv
 
 # -m "not image": tests/test_image.py builds and runs the Docker images (minutes, root); CI runs it after the suite
 # (.ci/run: make test-image). A later -m in PYTEST_ARGS overrides it.
-# TEST_WORKERS pytest-xdist workers (0: one process); --dist loadgroup keeps each test module on one worker
-# (tests/conftest.py: its module-scoped spawns run once) and splits the documented commands in three (test_doc_commands).
+# TEST_WORKERS pytest-xdist workers (0: one process); --dist loadfile keeps each test module on one worker (its
+# module-scoped spawns run once), handed out longest first (tests/conftest.py: LONGEST_FIRST).
 TEST_WORKERS ?= 2
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -m "not image" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not image" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The CPU image (docker/Dockerfile.cpu) without a Docker daemon or registry: buildah on a local Debian base, cached
 # in .image/; prints its size. `scripts/build_image.sh cuda` builds docker/Dockerfile without its CUDA parts.

@@ -21,6 +21,7 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,9 +254,10 @@ RUNNABLE = [c for c in ALL if isinstance(rule_for(c), Run)]
 
 
 def group_of(command: DocCommand) -> str:
-    """Which of three independent sequences a command runs in, each in its own workspace (and, under
-    ``make test``'s pytest-xdist, possibly on its own worker): the benchmarks (they make their own inputs), the
-    guides (docs/launching.md, docs/planner.md), and the README's other commands in its order."""
+    """Which of three independent sequences a command runs in, each in its own workspace and test module (so
+    ``make test``'s pytest-xdist workers can run them side by side): the benchmarks (they make their own inputs;
+    ``test_doc_benchmarks.py``), the guides (docs/launching.md, docs/planner.md; ``test_doc_guides.py``), and the
+    README's other commands in its order (here)."""
     if re.search(r"\bbenchmarks/", command.text):
         return "benchmarks"
     return "readme" if command.doc == "README.md" else "guides"
@@ -268,16 +270,15 @@ def _shell(command: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> 
     return proc
 
 
-@pytest.fixture(scope="module")
-def workspaces(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, str]]]:
-    """One workspace per command group (``group_of``), made when the group's first command runs."""
-    made: dict[str, tuple[Path, dict[str, str]]] = {}
+def workspace_fixture(group: str) -> Any:
+    """A module-scoped fixture: the workspace of one command group (``group_of``)."""
+    @pytest.fixture(scope="module")
+    def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+        return _workspace(tmp_path_factory.mktemp(f"docs-{group}"))
+    return workspace
 
-    def get(group: str) -> tuple[Path, dict[str, str]]:
-        if group not in made:
-            made[group] = _workspace(tmp_path_factory.mktemp(f"docs-{group}"))
-        return made[group]
-    return get
+
+workspace = workspace_fixture("readme")
 
 
 def _workspace(ws: Path) -> tuple[Path, dict[str, str]]:
@@ -312,12 +313,8 @@ def test_every_documented_command_is_run_or_says_why_not() -> None:
             print(f"not run: {c.where}: {c.text}\n    because {rule}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", [pytest.param(c, id=c.where, marks=pytest.mark.xdist_group(f"docs-{group_of(c)}"))
-                                     for c in RUNNABLE])
-def test_documented_command_runs(command: DocCommand,
-                                 workspaces: Callable[[str], tuple[Path, dict[str, str]]]) -> None:
-    ws, env = workspaces(group_of(command))
+def run_documented(command: DocCommand, ws: Path, env: dict[str, str]) -> None:
+    """Run one documented command in its group's workspace as its rule says; assert what the rule expects."""
     if group_of(command) == "guides" and not (ws / "data" / "default" / "meta.json").is_file():
         # the guides train on the README's default data (configs/runs/demo.yaml); its prepare line runs in the
         # README's own workspace, so the guides' workspace prepares the same once
@@ -337,3 +334,15 @@ def test_documented_command_runs(command: DocCommand,
         rule.then(ws, env)
     last = next((x for x in reversed(proc.stdout.splitlines()) if x.strip()), "")
     print(f"{command.where}: {command.text}\n    last output: {last}")
+
+
+def in_group(group: str) -> Any:
+    """``parametrize`` over the runnable commands of ``group``, each named by its document line."""
+    commands = [c for c in RUNNABLE if group_of(c) == group]
+    return pytest.mark.parametrize("command", commands, ids=[c.where for c in commands])
+
+
+@pytest.mark.slow
+@in_group("readme")
+def test_documented_command_runs(command: DocCommand, workspace: tuple[Path, dict[str, str]]) -> None:
+    run_documented(command, *workspace)

@@ -3,7 +3,7 @@
 Training runs attention through SDPA, whose fused kernels never hold the probabilities. For diagnostics only,
 ``explicit_attention`` swaps SDPA for its definition, softmax(q k^T / sqrt(d) + mask) v, computed in fp32
 with the probabilities kept: it replaces the one SDPA call of ``model_blocks.Attention.core`` for the duration of a
-``with`` block (``model.F`` is pointed at a copy of ``torch.nn.functional`` whose SDPA is explicit), so RoPE,
+``with`` block (``model_blocks.F`` is pointed at a copy of ``torch.nn.functional`` whose SDPA is explicit), so RoPE,
 grouped key/value heads and the causal mask go through the model's own code and model.py stays untouched.
 A test holds the explicit path's output equal to SDPA's.
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dist_trainer import model as model_module
+from dist_trainer import model_blocks as model_module
 from dist_trainer.model import Transformer
 
 THRESHOLDS = {"diagonal_mass_min": 0.5, "sparse_entropy_max": 0.3, "uniform_entropy_min": 0.9,
