@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, ModelConfig
+from dist_trainer.layout_rules.partition import min_max_split
 from dist_trainer.layout_rules.seq2seq import seq2seq_stage_counts
 from dist_trainer.model_shape import embedding_params, layer_param_counts, tail_params
 
@@ -58,23 +59,8 @@ def layers_per_stage(model: ModelConfig, num_stages: int, balance: str = "layers
     first = sum(embedding_params(model).values())
     tail = tail_params(model, pp_size=num_stages)
     last = sum(tail.values())
-    # best[s][k]: smallest max-stage cost placing the first k layers on stages 0..s-1
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, num_stages + 1):
-        extra_cost = (first if s == 1 else 0) + (last if s == num_stages else 0)
-        for k in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, k):
-                cost = max(best[s - 1][j], prefix[k] - prefix[j] + extra_cost)
-                if cost < best[s][k]:
-                    best[s][k], cut[s][k] = cost, j
-    counts, k = [], n
-    for s in range(num_stages, 0, -1):
-        counts.append(k - cut[s][k])
-        k = cut[s][k]
-    return counts[::-1]
+    return min_max_split(n, num_stages, lambda s, j, k: prefix[k] - prefix[j] + (first if s == 1 else 0)
+                         + (last if s == num_stages else 0))
 
 
 def rank_layer_ids(counts: list[int], pp_rank: int, pp_size: int) -> list[int]:

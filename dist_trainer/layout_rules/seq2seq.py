@@ -15,6 +15,7 @@ dynamic programme over the cut points, a cut forced at the stacks' boundary).
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules.partition import min_max_split
 from dist_trainer.model_shape import (
     decoder_first_params,
     embedding_params,
@@ -55,26 +56,9 @@ def seq2seq_stage_counts(model: ModelConfig, num_stages: int, balance: str,
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    def cost(j: int, k: int) -> int:  # layers [j, k) as one stage
-        return prefix[k] - prefix[j] + starts.get(j, 0) + ends.get(k, 0)
-
-    inf = float("inf")
-    best: list[list[float]] = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, num_stages + 1):
-        for k in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, k):
-                if j < n_enc < k:  # a stage across the stacks' boundary
-                    continue
-                worst = max(best[s - 1][j], cost(j, k))
-                if worst < best[s][k]:
-                    best[s][k], cut[s][k] = worst, j
-    counts, k = [], n
-    for s in range(num_stages, 0, -1):
-        counts.append(k - cut[s][k])
-        k = cut[s][k]
-    return counts[::-1]
+    def cost(s: int, j: int, k: int) -> float:  # layers [j, k) as one stage; none across the stacks' boundary
+        return float("inf") if j < n_enc < k else prefix[k] - prefix[j] + starts.get(j, 0) + ends.get(k, 0)
+    return min_max_split(n, num_stages, cost)
 
 
 def encoder_stage_count(model: ModelConfig, counts: list[int]) -> int:
