@@ -24,7 +24,7 @@ from dist_trainer.config import ModelConfig  # noqa: E402
 from dist_trainer.planner.cost import estimate_step_time  # noqa: E402
 from dist_trainer.planner.hardware import get_hardware  # noqa: E402
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions, predict_rank_memory  # noqa: E402
-from dist_trainer.planner.search import describe, plan_layouts  # noqa: E402
+from dist_trainer.planner.search import plan_layouts  # noqa: E402
 
 V, S = 51200, 2048
 # (params B, heads, hidden, layers, t, p, GPUs, batch, achieved TFLOP/s per GPU, micro-batch b, virtual stages v)
@@ -72,7 +72,7 @@ def row_report(row: tuple, hardware: str) -> dict:
     def pick(x: object) -> dict | None:
         if x is None:
             return None
-        return {"layout": describe(x.layout), "t": x.layout.tp_size, "p": x.layout.pp_size,  # type: ignore[attr-defined]
+        return {"layout": x.layout.describe(), "t": x.layout.tp_size, "p": x.layout.pp_size,  # type: ignore[attr-defined]
                 "step_s": x.time.total, "gib": x.memory.device_total / GiB}  # type: ignore[attr-defined]
 
     return {"params_b": size, "paper": {"t": t, "p": p, "d": d, "b": micro, "v": v, "measured_step_s": measured,

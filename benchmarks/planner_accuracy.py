@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dist_trainer.config import ModelConfig  # noqa: E402
 from dist_trainer.planner.activations import ActivationSpec, loss_backward_bytes_per_token  # noqa: E402
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions, stage_activation_bytes  # noqa: E402
-from dist_trainer.planner.search import describe, plan_layouts  # noqa: E402
+from dist_trainer.planner.search import plan_layouts  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 from tests.planner_measure import loss_backward_per_logit, measure_saved_bytes  # noqa: E402
 from tests.planner_regime_measure import (  # noqa: E402
@@ -139,8 +139,8 @@ def main() -> None:
     print(f"\nsearch, 1.0T parameters on 3072 A100-80GB: {res.n_considered} layouts, {len(res.layouts)} fit, "
           f"{elapsed:.2f} s")
     if best is not None:
-        print(f"best: {describe(best.layout)}: {best.memory.device_total / GiB:.1f} GiB, step {best.time.total:.1f} s, "
-              f"MFU {best.time.mfu:.1%}")
+        print(f"best: {best.layout.describe()}: {best.memory.device_total / GiB:.1f} GiB, "
+              f"step {best.time.total:.1f} s, MFU {best.time.mfu:.1%}")
 
 
 if __name__ == "__main__":

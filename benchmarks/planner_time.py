@@ -31,7 +31,7 @@ from dist_trainer.layout_rules import layout_of  # noqa: E402
 from dist_trainer.planner.cost import estimate_step_time  # noqa: E402
 from dist_trainer.planner.hardware import HardwareProfile  # noqa: E402
 from dist_trainer.planner.memory import GiB, TrainingOptions  # noqa: E402
-from dist_trainer.planner.search import PlannedLayout, describe, plan_layouts  # noqa: E402
+from dist_trainer.planner.search import PlannedLayout, plan_layouts  # noqa: E402
 from dist_trainer.testing import run_distributed  # noqa: E402
 
 WORLD = 4
@@ -180,7 +180,7 @@ def _verify(k: int, profile: HardwareProfile, data: Path, root: Path, best_measu
     picked = next((t for t in trials if t.ok), None)
     if picked is not None and picked.step_s is not None:
         best = min(best_measured, *(t.step_s for t in trials if t.step_s is not None))
-        print(json.dumps({"verify_pick": describe(picked.planned.layout), "measured_s": picked.step_s,
+        print(json.dumps({"verify_pick": picked.planned.layout.describe(), "measured_s": picked.step_s,
                           "best_measured_s": best, "ratio_to_best": picked.step_s / best}))
 
 

@@ -80,6 +80,11 @@ class ParallelConfig:
     hardware: str | None = None  # planner hardware profile (A100-80GB, H100-80GB, cpu, ...) for auto and MFU
     timeout_s: float = 600.0  # collective timeout: a dead or stalled peer fails the job after this
 
+    @property
+    def sample_split(self) -> int:
+        """Over how many ranks holding the same parameters each sample is split (``Layout.sample_split``)."""
+        return self.cp_size
+
     def grad_accum_steps(self, dp_size: int) -> int:
         """Micro-batches each DP rank runs per optimizer step."""
         return self.global_batch_size // (self.micro_batch_size * dp_size)

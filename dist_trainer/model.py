@@ -90,7 +90,7 @@ class Transformer(nn.Module):
         # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
         # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
         # all-gather), generation gathers the vocabulary shards of the logits, the pooler gathers SP's shards.
-        self.sequence = Sequence()  # context parallelism's split of the tokens (embed)
+        self.sequence = Sequence()  # which tokens of each sequence this rank holds (embed)
         self.head_input: nn.Module = nn.Identity()
         self.full_logits: nn.Module = nn.Identity()
         self.pool_input: nn.Module = nn.Identity()
@@ -158,8 +158,8 @@ class Transformer(nn.Module):
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, *, decoder: bool = False,
               start: int = 0) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) input of the first layer (of the decoder stack with ``decoder``; ``start``:
-        the position of the first token, during generation; under context parallelism: of this rank's tokens,
-        ``sequence.shard``, at their global positions)."""
+        the position of the first token, during generation; where the sequence is split over ranks: of this rank's
+        tokens, ``sequence.shard``, at their global positions)."""
         if start + tokens.shape[1] > self.cfg.max_seq_len:
             raise RuntimeError(f"sequence length {start + tokens.shape[1]} exceeds model.max_seq_len="
                                f"{self.cfg.max_seq_len}")

@@ -67,10 +67,10 @@ def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: in
 
 
 class Sequence(nn.Module):
-    """Which part of each sequence this rank holds: all of it, in order, in one process. The declared seam of
-    context parallelism, which swaps in its split (``parallel/cp``): ``shard`` keeps this rank's tokens of a whole
-    (B, T, ...) tensor, ``rows`` the rows of a per-position table (learned or sinusoidal positions, RoPE's cos and
-    sin) for its ``t`` tokens."""
+    """Which part of each sequence this rank holds: all of it, in order, in one process. The declared seam of a
+    layout that splits sequences over ranks, which swaps in its split (docs/architecture.md, "Model"): ``shard``
+    keeps this rank's tokens of a whole (B, T, ...) tensor, ``rows`` the rows of a per-position table (learned or
+    sinusoidal positions, RoPE's cos and sin) for its ``t`` tokens."""
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -81,8 +81,8 @@ class Sequence(nn.Module):
 
 class SDPAttention(nn.Module):
     """The attention core after RoPE: the GQA repeat and SDPA over (B, H, T, D) heads, with an optional SDPA mask
-    (a position bias, padding: ``model_seq2seq.attention_mask``) and score scale (None: 1/sqrt(head_dim)). Context
-    parallelism swaps in ring or all-to-all attention here (``parallel/cp``)."""
+    (a position bias, padding: ``model_seq2seq.attention_mask``) and score scale (None: 1/sqrt(head_dim)). A layout
+    that splits sequences swaps in an attention over every rank's tokens here (docs/architecture.md, "Model")."""
 
     def __init__(self, causal: bool, dropout: float, scale: float | None = None) -> None:
         super().__init__()
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         self.o_proj = build_linear(cfg, "o_proj", cfg.d_model, cfg.d_model)
         set_attrs(self.o_proj, residual_out=True)  # scaled init (GPT-2 paper, section 2.3)
         self.recompute_core = False  # set by Transformer.set_activation_checkpointing("selective")
-        # the seams context parallelism fills: the positions of this rank's tokens, the attention over all of them
+        # the seams a sequence split fills: the positions of this rank's tokens, the attention over all of them
         self.sequence = Sequence()
         self.attend: nn.Module = SDPAttention(self.causal, cfg.dropout, self.scale)
 

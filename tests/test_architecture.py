@@ -11,12 +11,15 @@ functions alike: a lazy import is still a dependency), then:
 - the ZeRO stages are written once (``config.ZERO_STAGES``);
 - the torch-free modules (config, layout rules, the planner) load without torch;
 - every regime ``layout_rules`` names has one engine, and the model builds modules under model_names' names;
-- no module imports ``transformers`` (a test-only dependency).
+- no module imports ``transformers`` (a test-only dependency);
+- one Layout class, no method replaced on a live object, and context parallelism named only in its own folder
+  and the files of its rules and its price (issue 22).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,3 +253,24 @@ def test_no_method_is_replaced_on_a_live_object() -> None:
                  for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.Attribute) and node.attr == "MethodType")
     assert bad == [], bad
+
+
+# Issue 22: an axis is its name, its rules, its pricing and its mechanism; everything else follows from the name
+# (the mesh, the replica group the updates reduce over, checkpoints' layout record, the plan check's traffic).
+# Context parallelism is named by these files outside its own folder, parallel/cp/; a file added here is one
+# more place the next axis would have to touch.
+CP_FILES = {
+    "config.py",  # parallel.cp_size / cp_mode, the fields a user sets
+    "layout_rules/__init__.py", "layout_rules/layout.py", "layout_rules/check.py",  # the Layout field, MESH_AXES
+    "layout_rules/cp.py",  # its rules (new)
+    "parallel/state.py", "parallel/parallelize.py",  # a typed accessor; its step in the one order
+    "planner/cp.py",  # its traffic and overlap (new)
+    "planner/activations.py", "planner/cost.py", "planner/search.py", "planner/cli.py",  # its price and search
+}
+CP_NAMED = re.compile(r"\bcp\b|cp_size|cp_mode|dp_cp|context.parallel|parallel[/.]cp", re.IGNORECASE)
+
+
+def test_context_parallelism_is_named_only_in_its_folder_and_its_rule_and_price_files() -> None:
+    naming = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+              if not path.is_relative_to(PACKAGE / "parallel" / "cp") and CP_NAMED.search(path.read_text())}
+    assert naming == CP_FILES, (sorted(naming - CP_FILES), sorted(CP_FILES - naming))

@@ -18,7 +18,7 @@ from dist_trainer.planner.hardware import get_hardware
 from dist_trainer.planner.memory import GiB, TrainingOptions, predict_rank_memory
 from dist_trainer.planner.params import count_params
 from dist_trainer.planner.scale import max_model, scale_model
-from dist_trainer.planner.search import describe, plan_layouts
+from dist_trainer.planner.search import plan_layouts
 
 
 def test_every_returned_layout_is_valid_and_fits() -> None:
@@ -300,13 +300,13 @@ def test_a_128k_sequence_plans_context_parallelism_that_passes_the_check(tmp_pat
     res = plan_layouts(model, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=131072,
                        global_batch=64, hardware="H100-80GB", top_k=3)
     best = res.best
-    assert best is not None and best.layout.cp_size > 1, [describe(p.layout) for p in res.layouts]
+    assert best is not None and best.layout.cp_size > 1, [p.layout.describe() for p in res.layouts]
     assert "cp" in best.time.axes and best.time.axes["cp"].bytes > 0
     without = plan_layouts(model, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=131072,
                            global_batch=64, hardware="H100-80GB", max_cp_size=1).best
     # without cp only full recomputation of TP x SP shards fits: slower than splitting the sequence
     assert without is not None and without.layout.activation_checkpointing == "full"
-    assert best.time.total < without.time.total, (describe(best.layout), describe(without.layout))
+    assert best.time.total < without.time.total, (best.layout.describe(), without.layout.describe())
     cfg = config_from_dict(run_config_dict(model, best.layout, seq_len=131072,
                                            options=TrainingOptions())).validate()
     report = check_run(cfg, 64, gpus_per_node=8, device_type="cuda", data_required=False)

@@ -37,6 +37,7 @@ from dist_trainer.checkpoint.publish import (
     rng_file,
     save_checkpoint,
 )
+from dist_trainer.layout_rules import saved_replicas
 from dist_trainer.optim_lowbit import canonical_states, load_adamw_state
 from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards
 
@@ -146,7 +147,7 @@ def read_coordinate(path: Path, meta: dict[str, Any], tp_rank: int, pp_rank: int
     from dist_trainer.checkpoint.deepspeed_files import consolidate, mp_rank  # DeepSpeed only for ZeRO checkpoints
 
     layout = meta["layout"]
-    partitions = layout["dp"] * layout.get("cp", 1)  # DeepSpeed partitions over dp x cp (parallel/zero/deepspeed)
+    partitions = saved_replicas(layout)  # DeepSpeed partitions over the replicas (parallel/zero/deepspeed)
     weights, optim = consolidate(zero_ds_dir(path, meta), mp_rank(tp_rank, pp_rank, layout["tp"]), partitions,
                                  int(meta["zero_stage"]))
     return weights, {**optim, "param_groups": None}

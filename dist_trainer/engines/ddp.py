@@ -49,7 +49,7 @@ class DataParallelEngine(Engine):
                                   clip=lambda max_norm: clip_grad_norm_(self.model, max_norm, state))
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        dp = self.state.dp_cp  # the replicas: dp, and the cp ranks that hold the same parameters
+        dp = self.state.replicas  # the ranks holding the same parameters (layout_rules.REPLICA_AXES)
         if dp.size == 1:
             return model
         # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads); int8

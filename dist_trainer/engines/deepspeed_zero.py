@@ -135,7 +135,7 @@ class DeepSpeedZero:
             # with weights_only=False, so they are not shipped: `dist-trainer export` reads these files safely
             for script in RECOVERY_SCRIPTS:
                 (folder / script).unlink(missing_ok=True)
-        if self.state.dp_cp.rank == 0 and self.state.tp_rank == 0:
+        if self.state.replicas.rank == 0 and self.state.tp_rank == 0:
             write_specs(folder, self.state.pp_rank, tp_shard_specs(self.module))
         return {"zero_stage": self.stage, "zero_offload": self.offload, "deepspeed_tag": DS_TAG}
 
@@ -151,13 +151,12 @@ class DeepSpeedZero:
         """
         layout, s = meta["layout"], self.state
         saved_dtype = meta.get("config", {}).get("optim", {}).get("state_dtype", "fp32")
-        if ("deepspeed_tag" in meta and (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1)) ==
-                (s.tp_size, s.pp_size, s.dp_size, s.cp.size)
+        if ("deepspeed_tag" in meta and all(layout.get(axis, 1) == n for axis, n in s.mesh.shape.items())
                 and meta.get("zero_stage") == self.stage and bool(meta.get("zero_offload")) == self.offload
                 and saved_dtype == self.cfg.optim.state_dtype):
             ds_dir = folder / meta["deepspeed_tag"]
             model_states = load_deepspeed_file(model_file(ds_dir, self.engine.mpu.get_model_parallel_rank(),
-                                                          self.stage, s.dp_cp.rank))
+                                                          self.stage, s.replicas.rank))
             if self._same_partitioning(model_states["param_shapes"]):
                 self._load_native(ds_dir, model_states)
                 return
@@ -203,11 +202,11 @@ class DeepSpeedZero:
         (deepspeed/runtime/engine.py _load_checkpoint, _get_all_zero_checkpoint_state_dicts): the module's weights
         (ZeRO-1/2), then this rank's optimizer partition, the other ranks' entries left None as DeepSpeed leaves
         them; the files read by ``load_deepspeed_file`` (weights_only) instead of DeepSpeed's unpickler."""
-        mp, dp = self.engine.mpu.get_model_parallel_rank(), self.state.dp_cp.rank  # DeepSpeed's data-parallel rank
+        mp, dp = self.engine.mpu.get_model_parallel_rank(), self.state.replicas.rank  # DeepSpeed's data-parallel rank
         if self.stage < 3:  # ZeRO-3's saved module holds empty partitions: its weights come from the fp32 ones
             self.module.load_state_dict(model_states["module"], strict=True)
         own = load_deepspeed_file(optim_file(ds_dir, dp, mp))["optimizer_state_dict"]
-        partitions: list[dict[str, Any] | None] = [None] * self.state.dp_cp.size
+        partitions: list[dict[str, Any] | None] = [None] * self.state.replicas.size
         partitions[dp] = own
         self.optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
         for key in ("global_steps", "global_samples", "skipped_steps"):

@@ -99,7 +99,7 @@ class DenseUpdate:
         self.tp_modules = list(tp_modules) or [model]
 
     def after_backward(self) -> None:
-        replicas = self.state.dp_cp  # dp, and the cp ranks holding the same parameters
+        replicas = self.state.replicas  # the ranks holding the same parameters (layout_rules.REPLICA_AXES)
         if self.reduce_over_dp and replicas.size > 1:  # the mean over them, as DDP's, in one flat all-reduce
             grads, _ = split_expert_grads(list(self.model.parameters()))  # experts: over edp, in step()
             replicas.all_reduce_flat_(grads, divide_by=replicas.size)
@@ -131,7 +131,7 @@ class DenseUpdate:
     def save(self, folder: Path) -> dict[str, Any]:
         """One writer per (tp, pp, ep) coordinate (the first rank of each edp group) saves weights and optimizer
         state by name; dp replicas hold the same state."""
-        if self.state.edp.rank == 0 and self.state.cp.rank == 0:  # cp ranks hold the same parameters too
+        if self.state.replica_coordinate(expert=True)[0] == 0:  # the first of the ranks holding these experts
             optim_state = optimizer_state_by_name(self.model, self.optimizer)
             if self.scaler is not None:
                 optim_state["scaler"] = self.scaler.state_dict()

@@ -281,9 +281,10 @@ class HealthMonitor(StepHooks):
         brings their tokens), so no rank sees one micro-batch's expert gradient; every other parameter's gradient
         on a rank is its own micro-batch's, in every layout."""
         calls = max(Counter(i for i, _ in self._norms).values(), default=0)  # micro-batches each parameter saw
-        # fp16: the loss scale is in every gradient; context parallelism: each cp rank sees its tokens' share of a
-        # micro-batch's gradient, never the whole (the noise scale is left out of its records)
-        if calls == 0 or self.cfg.train.precision == "fp16" or self.state.cp.size > 1:
+        # fp16: the loss scale is in every gradient; a layout that splits each sample over replicas (sample_split):
+        # each rank sees its tokens' share of a micro-batch's gradient, never the whole (the noise scale is left out
+        # of its records)
+        if calls == 0 or self.cfg.train.precision == "fp16" or self.state.layout.sample_split > 1:
             return torch.zeros(1, dtype=torch.float64, device=self.device), None
         scale = float(calls) if self.micro_scaled else 1.0
         sq = torch.zeros((), dtype=torch.float64, device=self.device)

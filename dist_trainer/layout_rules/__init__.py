@@ -4,7 +4,8 @@ The planner's search asks it which layouts to rank and the trainer's pre-launch 
 before any process group exists; both get the same answer (``tests/test_layout_rules.py`` holds them to it).
 
     layout.py       Layout (frozen, its fields checked as it is built), layout_of (a run config on a world -> its
-                    Layout), MESH_AXES (the mesh's axes in order), regime_of
+                    Layout), MESH_AXES (the mesh's axes in order), REPLICA_AXES (those holding the same
+                    parameters), saved_layout (what a checkpoint records of it), regime_of
     tp.py           check_tp, check_sequence_parallel, divisors
     pipeline.py     layers_per_stage (the stage split), check_schedule
     compile.py      check_compile: which layouts take train.compile (COMPILE_REFUSED says why not)
@@ -34,16 +35,18 @@ from dist_trainer.layout_rules.composition import (
     check_precision,
     expert_groups,
 )
-from dist_trainer.layout_rules.cp import check_cp, zigzag
 from dist_trainer.layout_rules.layout import (
     MESH_AXES,
     REGIMES,
+    REPLICA_AXES,
     Layout,
     check_fields,
     layout_of,
     mesh_shape,
     needs_process_group,
     regime_of,
+    saved_layout,
+    saved_replicas,
 )
 from dist_trainer.layout_rules.low_bit import check_low_bit
 from dist_trainer.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, check_schedule, layers_per_stage, rank_layer_ids
@@ -51,9 +54,9 @@ from dist_trainer.layout_rules.tp import check_sequence_parallel, check_tp, divi
 
 __all__ = [
     "COMPILE_REFUSED", "check_compile",
-    "Layout", "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "ZERO_WITH_PIPELINE_REFUSED", "check_composition",
-    "check_cp", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_low_bit", "check_nodes",
+    "Layout", "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "REPLICA_AXES", "ZERO_WITH_PIPELINE_REFUSED",
+    "check_composition", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_low_bit", "check_nodes",
     "check_offload", "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp",
     "divisors", "expert_groups", "fit_micro_batch", "layers_per_stage", "layout_of", "mesh_shape",
-    "needs_process_group", "rank_layer_ids", "regime_of", "zigzag",
+    "needs_process_group", "rank_layer_ids", "regime_of", "saved_layout", "saved_replicas",
 ]

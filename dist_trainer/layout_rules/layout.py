@@ -4,6 +4,7 @@ conversion from a run config (``layout_of``), the mesh's axes and the regime a l
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,13 @@ from dist_trainer.layout_rules.pipeline import check_schedule, layers_per_stage,
 from dist_trainer.layout_rules.tp import check_sequence_parallel
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
+
+# The rank grid's axes, outermost first (parallel/mesh.py builds ``arange(world).view(*sizes)``): tp innermost, so
+# a TP group is consecutive ranks and stays inside a node; then cp (its ring next), pp, dp (Megatron's order).
+MESH_AXES = ("dp", "pp", "cp", "tp")
+# The axes whose ranks hold the same parameters, dp first: the mesh flattens them into one ``replicas`` group, over
+# which gradients are averaged and ZeRO partitions (cp ranks see other tokens of the same samples).
+REPLICA_AXES = ("dp", "cp")
 
 
 @dataclass(frozen=True)
@@ -57,14 +65,48 @@ class Layout:
             object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
         check_fields(self)
 
+    def size(self, axis: str) -> int:
+        """The degree of a mesh axis (``MESH_AXES``) or of ep."""
+        return int(getattr(self, f"{axis}_size"))
+
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.cp_size * self.dp_size
+        return math.prod(self.size(a) for a in MESH_AXES)
 
     @property
     def replicas(self) -> int:
-        """The ranks holding the same parameters: dp x cp (gradients are averaged and ZeRO partitions over them)."""
-        return self.dp_size * self.cp_size
+        """The ranks holding the same parameters (``REPLICA_AXES``): gradients are averaged and ZeRO partitions over
+        them."""
+        return math.prod(self.size(a) for a in REPLICA_AXES)
+
+    @property
+    def sample_split(self) -> int:
+        """Over how many of the replicas each sample is split (the replica axes after dp cut a sequence's tokens):
+        DeepSpeed counts each share as one of its samples."""
+        return self.replicas // self.dp_size
+
+    def rank_tokens(self, seq_len: int) -> int:
+        """Tokens of one micro-batch on one rank: its sequences, or its share of each when they are split."""
+        return self.micro_batch_size * seq_len // self.sample_split
+
+    def degrees(self) -> str:
+        """The degrees and the ZeRO stage, e.g. ``tp=2 pp=1 dp=4 zero=1`` (ep and cp where > 1)."""
+        s = f"tp={self.tp_size} pp={self.pp_size} dp={self.dp_size}"
+        if self.ep_size > 1:
+            s += f" ep={self.ep_size}"
+        if self.cp_size > 1:
+            s += f" cp={self.cp_size}({self.cp_mode})"
+        return s + f" zero={self.zero_stage}{'+offload' if self.zero_offload else ''}"
+
+    def describe(self) -> str:
+        """One line: the degrees and every choice (the planner's tables, ``launch.sh``)."""
+        ck = self.activation_checkpointing + (f"/{self.checkpoint_every}" if self.activation_checkpointing ==
+                                              "every_k" else "")
+        s = f"{self.degrees()} mb={self.micro_batch_size} m={self.n_microbatches} ckpt={ck}"
+        s += " sp" if self.sequence_parallel else ""
+        if self.pp_size > 1:
+            s += f" {self.pp_schedule}" + (f"(v={self.pp_virtual_stages})" if self.pp_virtual_stages > 1 else "")
+        return s
 
     @property
     def global_batch_size(self) -> int:
@@ -159,11 +201,16 @@ def needs_process_group(parallel: Layout | ParallelConfig) -> bool:
     return parallel.zero_stage > 0
 
 
-# The rank grid's axes, outermost first (parallel/mesh.py builds ``arange(world).view(*sizes)``): tp innermost, so
-# a TP group is consecutive ranks and stays inside a node; then cp (its ring next), pp, dp (Megatron's order).
-MESH_AXES = ("dp", "pp", "cp", "tp")
-
-
 def mesh_shape(layout: Layout) -> dict[str, int]:
     """Axis -> size, in ``MESH_AXES`` order: the layout's ``<axis>_size`` for each."""
-    return {axis: getattr(layout, f"{axis}_size") for axis in MESH_AXES}
+    return {axis: layout.size(axis) for axis in MESH_AXES}
+
+
+def saved_layout(layout: Layout) -> dict[str, int]:
+    """What a checkpoint records of its layout (``meta.json``'s "layout"): every mesh axis's degree, ep, the world."""
+    return {**mesh_shape(layout), "ep": layout.ep_size, "world": layout.world_size}
+
+
+def saved_replicas(saved: dict[str, int]) -> int:
+    """The replicas of a checkpoint's layout (``saved_layout``; an axis it does not name had one rank)."""
+    return math.prod(saved.get(a, 1) for a in REPLICA_AXES)

@@ -137,9 +137,9 @@ class RingShift:
 
 @dataclass
 class AxisGroup:
-    """One axis of the (dp, pp, tp) grid from this rank's point of view."""
+    """One axis of the rank grid from this rank's point of view."""
 
-    axis: str  # a mesh axis ("dp", "pp", "cp", "tp"), "ep"/"edp" (inside dp) or "dp_cp" (dp x cp, flattened)
+    axis: str  # a mesh axis (layout_rules.MESH_AXES), "ep"/"edp" (inside dp) or "replicas" (REPLICA_AXES, flattened)
     size: int  # ranks along this axis
     rank: int  # this rank's coordinate on the axis
     group: dist.ProcessGroup | None  # None when size == 1 (no process group needed)

@@ -1,12 +1,12 @@
-"""The ranks as one named grid, built once: ``grid = arange(world).view(dp, pp, tp)``.
+"""The ranks as one named grid, built once: ``grid = arange(world).view(*MESH_AXES sizes)``.
 
 The axes and their order are ``layout_rules.MESH_AXES`` (outermost first, tp innermost so a TP group is
 consecutive ranks inside a node); each axis's size is the Layout's ``<axis>_size``. A rank's coordinates are read
 off the grid, and its groups are the grid's lines through it, made by ``torch.distributed.device_mesh`` (one
 ``init_device_mesh`` call, every group with the run's collective timeout). Expert parallelism lives inside dp:
 the dp axis unflattened into (edp, ep), ep fastest (``layout_rules.expert_groups``); and the ranks that hold the
-same parameters are dp x cp flattened (``dp_cp``). A new axis is a new name in ``MESH_AXES`` and its rule in
-``layout_rules``.
+same parameters are the ``REPLICA_AXES`` flattened (``replicas``). A new axis is a new name in ``MESH_AXES`` (and
+in ``REPLICA_AXES`` when its ranks hold the same parameters) and its rule in ``layout_rules``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dist_trainer.layout_rules import Layout, expert_groups, mesh_shape
+from dist_trainer.layout_rules import REPLICA_AXES, Layout, expert_groups, mesh_shape
 
 
 @dataclass
@@ -75,8 +75,8 @@ def build_mesh(layout: Layout, world_size: int, rank: int, timeout_s: float) -> 
     grid = torch.arange(world_size).view(*shape.values())
     mesh = Mesh(tuple(shape), grid, rank)
     if world_size == 1:
-        mesh.groups = dict.fromkeys((*shape, "ep", "edp", "dp_cp"))
-        mesh.extra_lines.update(ep=(rank,), edp=(rank,), dp_cp=(rank,))
+        mesh.groups = dict.fromkeys((*shape, "ep", "edp", "replicas"))
+        mesh.extra_lines.update(ep=(rank,), edp=(rank,), replicas=(rank,))
         return mesh
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     options = _options(device_type, timedelta(seconds=timeout_s))
@@ -86,7 +86,7 @@ def build_mesh(layout: Layout, world_size: int, rank: int, timeout_s: float) -> 
     mesh.device_mesh = device_mesh
     mesh.groups = {a: device_mesh.get_group(a) if n > 1 else None for a, n in shape.items()}
     _expert_axes(mesh, layout.ep_size, backend, options)
-    _data_axis(mesh, backend, options)
+    _replica_axis(mesh, backend, options)
     return mesh
 
 
@@ -118,16 +118,17 @@ def _expert_axes(mesh: Mesh, ep_size: int, backend: str, options: Backend.Option
     mesh.groups.update(ep=sub.get_group("ep"), edp=sub.get_group("edp") if dp_size > ep_size else None)
 
 
-def _data_axis(mesh: Mesh, backend: str, options: Backend.Options) -> None:
-    """dp_cp: the ranks holding the same parameters (dp x cp, flattened), over which gradients are averaged and
-    ZeRO partitions; dp itself when cp is 1."""
+def _replica_axis(mesh: Mesh, backend: str, options: Backend.Options) -> None:
+    """replicas: the ranks holding the same parameters (the ``REPLICA_AXES`` flattened), over which gradients are
+    averaged and ZeRO partitions; dp's own group when the others have one rank."""
     shape = mesh.shape
-    if shape.get("cp", 1) == 1:
-        mesh.groups["dp_cp"], mesh.extra_lines["dp_cp"] = mesh.groups["dp"], mesh.line("dp")
+    axes = tuple(a for a in REPLICA_AXES if shape.get(a, 1) > 1 or a == "dp")
+    if len(axes) == 1:
+        mesh.groups["replicas"], mesh.extra_lines["replicas"] = mesh.groups["dp"], mesh.line("dp")
         return
     assert mesh.device_mesh is not None
     at = mesh.coordinates()
-    index = tuple(slice(None) if name in ("dp", "cp") else at[name] for name in mesh.names)
-    mesh.extra_lines["dp_cp"] = tuple(int(r) for r in mesh.grid[index].flatten())
-    flat = mesh.device_mesh["dp", "cp"]._flatten("dp_cp", backend_override=(backend, options))  # torchtitan's way
-    mesh.groups["dp_cp"] = flat.get_group()
+    index = tuple(slice(None) if name in axes else at[name] for name in mesh.names)
+    mesh.extra_lines["replicas"] = tuple(int(r) for r in mesh.grid[index].flatten())
+    flat = mesh.device_mesh[axes]._flatten("replicas", backend_override=(backend, options))  # torchtitan's way
+    mesh.groups["replicas"] = flat.get_group()

@@ -65,11 +65,8 @@ def dense_pieces(model: nn.Module, state: ParallelState) -> list[Piece]:
         numel, start = tp_shard_extent(p, state)
         flat = p.detach().reshape(-1)[:numel]
         grad = None if p.grad is None else p.grad.detach().reshape(-1)[:numel]
-        # the replicas that hold it: dp x cp (dp_cp), or for an expert its edp group x cp
-        if getattr(p, "ep_expert", False):
-            rank, size = state.edp.rank * state.cp.size + state.cp.rank, state.edp.size * state.cp.size
-        else:
-            rank, size = state.dp_cp.rank, state.dp_cp.size
+        # the replicas that hold it: the replica axes, or for an expert its edp group and the replica axes after dp
+        rank, size = state.replica_coordinate(expert=getattr(p, "ep_expert", False))
         lo, hi = numel * rank // size, numel * (rank + 1) // size
         pieces.append(Piece(name, flat[lo:hi], None if grad is None else grad[lo:hi],
                             None if start is None else start + lo))

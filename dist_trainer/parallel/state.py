@@ -1,8 +1,9 @@
 """ParallelState: this rank's place in the mesh (``parallel/mesh.py``) and one counted ``AxisGroup`` per axis.
 
 Built once per run from the Layout and passed explicitly to whatever needs a group: there are no module globals.
-The axes are the mesh's (``layout_rules.MESH_AXES``: dp, pp, tp) plus ep and edp inside dp for expert
-parallelism (one-rank axes, edp being dp itself, when ep_size is 1); every axis is made in the same loop.
+The axes are the mesh's (``layout_rules.MESH_AXES``) plus ep and edp inside dp for expert parallelism (one-rank
+axes, edp being dp itself, when ep_size is 1) and ``replicas``, the ranks holding the same parameters (the
+``REPLICA_AXES`` flattened; dp itself when the others have one rank); every axis is made in the same loop.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from dist_trainer.config import ParallelConfig
-from dist_trainer.layout_rules import MESH_AXES, Layout, layout_of
+from dist_trainer.layout_rules import MESH_AXES, REPLICA_AXES, Layout, layout_of
 from dist_trainer.parallel.comm import AxisGroup, CommCounter
 from dist_trainer.parallel.mesh import Mesh, build_mesh
 
 EXPERT_AXES = ("ep", "edp")  # inside dp (layout_rules.expert_groups)
-AXES = (*MESH_AXES, *EXPERT_AXES, "dp_cp")  # dp_cp: the ranks holding the same parameters (dp x cp, flattened)
+AXES = (*MESH_AXES, *EXPERT_AXES, "replicas")
 
 
 class _Axis:
@@ -50,7 +51,7 @@ class ParallelState:
     pp = _Axis()
     cp = _Axis()
     tp = _Axis()
-    dp_cp = _Axis()
+    replicas = _Axis()
     ep = _Axis()
     edp = _Axis()
 
@@ -81,6 +82,22 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self.dp.rank
+
+    @property
+    def expert_replicas(self) -> list[AxisGroup]:
+        """The axes whose ranks hold the same experts: edp, then the replica axes after dp (an expert's gradient is
+        averaged over each in turn)."""
+        return [self.edp, *(self.axes[a] for a in REPLICA_AXES[1:])]
+
+    def replica_coordinate(self, expert: bool = False) -> tuple[int, int]:
+        """(index, count) of this rank among the replicas of a dense parameter, or of an expert's (``expert``):
+        the mixed-radix index over ``expert_replicas``, outermost first, for experts."""
+        if not expert:
+            return self.replicas.rank, self.replicas.size
+        index, count = 0, 1
+        for axis in self.expert_replicas:
+            index, count = index * axis.size + axis.rank, count * axis.size
+        return index, count
 
     def describe(self) -> str:
         return f"rank {self.rank}/{self.world_size}: {self.describe_rank(self.rank)}"
@@ -123,7 +140,7 @@ class ParallelState:
         counter = CommCounter()
         axes: dict[str, AxisGroup] = {}
         for axis in AXES:
-            if axis == "dp_cp" and layout.cp_size == 1:  # the same ranks as dp: one axis, counted as dp
+            if axis == "replicas" and layout.replicas == layout.dp_size:  # dp's ranks: one axis, counted as dp
                 axes[axis] = axes["dp"]
                 continue
             ranks = mesh.line(axis)

@@ -34,7 +34,7 @@ from dist_trainer.planner.memory import (
 )
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
-from dist_trainer.planner.search import MIN_CP_TOKENS, PlannedLayout, describe, plan_layouts
+from dist_trainer.planner.search import MIN_CP_TOKENS, PlannedLayout, plan_layouts
 from dist_trainer.quant.sizes import check_int8_base, int8_weights
 
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
@@ -269,7 +269,7 @@ def run_memory(args: argparse.Namespace) -> int:
         print(json.dumps({"layout": layout.__dict__, "stages": [s.to_dict() for s in stages],
                           "host_per_node": node, "host_memory_bytes": budget, "host_fits": node <= budget}, indent=2))
         return 0
-    print(describe(layout))
+    print(layout.describe())
     for s in stages:
         print(f"stage {s.pp_rank}: " + _memory_line(s))
         for k, v in s.detail.items():
@@ -311,7 +311,7 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             for r in rows:
                 what = ("nothing fits" if r.planned is None
-                        else f"{r.n_params / 1e9:.1f}B  ({describe(r.planned.layout)})")
+                        else f"{r.n_params / 1e9:.1f}B  ({r.planned.layout.describe()})")
                 print(f"ZeRO-{r.zero_stage}: {what}")
             print(f"searched in {time.perf_counter() - start:.2f} s")
         return 0
@@ -326,7 +326,7 @@ def run_plan(args: argparse.Namespace) -> int:
               f"and {res.host_memory_bytes / GiB:,.0f} GiB of host memory per node ({res.seconds:.2f} s)")
         for i, p in enumerate(top, 1):
             host = f"; host {p.host_per_node / GiB:,.1f} GiB per node" if p.host_per_node else ""
-            print(f"{i}. {describe(p.layout)}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
+            print(f"{i}. {p.layout.describe()}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
                   f"compute {p.time.compute:.3f} s  bubble {p.time.bubble:.3f} s\n   "
                   + _memory_line(p.memory) + host)
             for axis, a in p.time.axes.items():
@@ -381,7 +381,8 @@ def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int
     cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str((out / "run.yaml").resolve()),
                          launch_dir=str(LAUNCH_DIR))
     # extra arguments are the trainer's overrides: `bash plan/launch.sh --train.max_steps=100`
-    (out / "launch.sh").write_text(f"#!/usr/bin/env bash\n# {describe(best.layout)}\nset -euo pipefail\n{cmd} \"$@\"\n")
+    (out / "launch.sh").write_text(
+        f"#!/usr/bin/env bash\n# {best.layout.describe()}\nset -euo pipefail\n{cmd} \"$@\"\n")
     make_executable(out / "launch.sh")
     return [out / name for name in ("run.yaml", "ds_config.json", "launch.sh")
             if name != "ds_config.json" or ds is not None]

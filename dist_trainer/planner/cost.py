@@ -64,7 +64,6 @@ from dist_trainer.planner.memory import (
     Layout,
     TrainingOptions,
     rank_expert_trainable,
-    rank_tokens,
     rank_trainable,
 )
 from dist_trainer.planner.moe import (
@@ -189,7 +188,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
                                recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every,
                                target_len=target_length(seq_len, options.target_len, options.source_mask)
                                if cfg.n_decoder_layers else None)
-    tokens = rank_tokens(layout, seq_len)  # a micro-batch's tokens on this rank (1/cp of each sequence under cp)
+    tokens = layout.rank_tokens(seq_len)  # a micro-batch's tokens on this rank (its share of each where split)
     layers = layout.layers_by_rank(cfg) if layers_by_rank is None else layers_by_rank
     most_layers = max(len(ids) for ids in layers)
     imbalance = most_layers * p / (cfg.n_layers + cfg.n_decoder_layers)  # the slowest stage sets the pace
@@ -207,8 +206,8 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     else:
         expert_trainable = rank_expert_trainable(cfg, layout, rp, options, 0) if rp is not None else expert
     compute = hw_f / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
-    whole = t * layout.cp_size  # the ranks that compute each MoE block whole (TP's and cp's replicas)
-    if whole > 1 and cfg.n_experts:  # the MoE blocks are whole on every TP and cp rank: that many times their share
+    whole = t * layout.sample_split  # the ranks that compute each MoE block whole (TP's, and a split sample's)
+    if whole > 1 and cfg.n_experts:  # the MoE blocks are whole on each of them: that many times their share
         _, moe_hw = moe_flops_per_token(cfg, seq_len)
         block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
         compute += block * (whole - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens,
@@ -253,7 +252,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
                               f"the {critical} transfers on the schedule's critical path are exposed")
     if layout.replicas > 1:
         link = inter if n > gpus_per_node else intra
-        replicas = layout if layout.cp_size == 1 else replace(layout, dp_size=layout.replicas)  # dp x cp average
+        replicas = layout if layout.sample_split == 1 else replace(layout, dp_size=layout.replicas)  # their average
         axes["dp"] = _dp_time(replicas, options, n_rank - expert, trainable - expert_trainable, backward_one,
                               compute, link)
         axes.update(_expert_axes(cfg, layout, options, expert, expert_trainable, backward_one, compute, link,
@@ -327,6 +326,22 @@ def _ep_exchange(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
     recomputed = len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, ids))
     return len(ids), recomputed, 2 if options.precision in ("bf16", "fp16") else 4, \
         4 if options.precision == "fp32" else 2
+
+
+def counted_traffic(cfg: ModelConfig, layout: Layout, options: TrainingOptions, *, seq_len: int,
+                    pp_rank: int) -> dict[str, tuple[str, str | None, int]]:
+    """The traffic the planner counts exactly, for every run's plan check (``train/plan_check.py``): figure ->
+    (axis, op or None for all of the axis's, bytes that pipeline rank hands to it in one step's forward and
+    backward, as its ``AxisGroup`` counts them). One entry per axis of more than one rank that is priced so."""
+    ids = layout.rank_layer_ids(cfg, pp_rank)
+    out: dict[str, tuple[str, str | None, int]] = {}
+    if layout.ep_size > 1 and cfg.n_experts:
+        out["ep_traffic"] = ("ep", "all_to_all", ep_counted_bytes(cfg, layout, options, seq_len=seq_len,
+                                                                  layer_ids=ids))
+    if layout.cp_size > 1:
+        out["cp_traffic"] = ("cp", None, cp_counted_bytes(cfg, layout, seq_len=seq_len, precision=options.precision,
+                                                          layer_ids=ids, last_stage=pp_rank == layout.pp_size - 1))
+    return out
 
 
 def ep_counted_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, *, seq_len: int,

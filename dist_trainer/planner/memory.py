@@ -22,7 +22,7 @@ states, DeepSpeed's partitions and step buffers and DDP's buckets exist for the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from dist_trainer.config import OPTIM_STATE_DTYPES, ModelConfig
 from dist_trainer.finetune import trainable_expert_params
@@ -241,22 +241,20 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
     costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
-                             tokens=rank_tokens(layout, seq_len), first=pp_rank == 0,
+                             tokens=layout.rank_tokens(seq_len), first=pp_rank == 0,
                              last=pp_rank == layout.pp_size - 1,
                              in_flight=_in_flight(layout, pp_rank))
 
 
 def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> act.ActivationSpec:
-    """What decides one rank's saved tensors under ``layout``: its TP shard, SP, its cp split, precision, kernel."""
-    return act.ActivationSpec(seq_len=seq_len, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
-                              precision=options.precision, attention_kernel=options.attention_kernel,
+    """What decides one rank's saved tensors under ``layout``: every layout field the spec declares (its TP shard,
+    SP, how the sequence is split, ...), the precision and the kernel."""
+    return act.ActivationSpec(seq_len=seq_len, precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
-                              ep_size=layout.ep_size, cp_size=layout.cp_size, cp_mode=layout.cp_mode)
+                              **{name: getattr(layout, name) for name in _SPEC_LAYOUT_FIELDS})
 
 
-def rank_tokens(layout: Layout, seq_len: int) -> int:
-    """Tokens of one micro-batch on one rank: its sequences, or its 1/cp of each under context parallelism."""
-    return layout.micro_batch_size * seq_len // layout.cp_size
+_SPEC_LAYOUT_FIELDS = sorted({f.name for f in fields(act.ActivationSpec)} & {f.name for f in fields(Layout)})
 
 
 def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.ActivationSpec, options: TrainingOptions,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from dist_trainer.config import ZERO_STAGES, ModelConfig
 from dist_trainer.planner.hardware import HardwareProfile
@@ -48,13 +49,12 @@ def max_model(base: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_
               global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
               options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
               offload: bool = False, k_max: int = 4096, zero_stages: tuple[int, ...] = ZERO_STAGES,
-              tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
-              host_memory_bytes: int | None = None, max_cp_size: int | None = None) -> list[MaxModel]:
+              tp_size: int | None = None, **limits: Any) -> list[MaxModel]:
     """For each of ``zero_stages``: the largest scaled ``base`` with a layout that fits, by bisection on the scale.
 
     Stage s may use any allowed stage up to s (a stage-s run with dp = 1 is a stage-0 run); the layout says which.
-    ``offload``: stages 1-3 use only offload layouts. The search limits (tp, pp, cp, host memory per node) are
-    ``plan_layouts``'s.
+    ``offload``: stages 1-3 use only offload layouts. ``tp_size`` and the other search ``limits`` (max_tp_size,
+    pp_size, host memory per node, ...) are ``plan_layouts``'s.
     """
 
     def best(k: int, stage: int) -> PlannedLayout | None:
@@ -63,8 +63,7 @@ def max_model(base: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_
                            seq_len=seq_len, global_batch=global_batch, hardware=hardware, options=options,
                            overheads=overheads, zero_stages=tuple(z for z in zero_stages if z <= stage),
                            allow_offload=offload, checkpointing=("full",), pp_schedules=("1f1b",), tp_size=tp_size,
-                           max_tp_size=max_tp_size, pp_size=pp_size, host_memory_bytes=host_memory_bytes,
-                           max_cp_size=max_cp_size)
+                           **limits)
         fitting = [p for p in res.layouts if p.layout.zero_offload or not offload or p.layout.zero_stage == 0]
         return min(fitting, key=lambda p: p.memory.device_total) if fitting else None
 

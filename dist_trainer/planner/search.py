@@ -41,7 +41,6 @@ from dist_trainer.planner.memory import (
     node_host_bytes,
     rank_expert_trainable,
     rank_memory,
-    rank_tokens,
     rank_trainable,
     seq2seq_activation_bytes,
 )
@@ -152,7 +151,7 @@ class _Planner:
                 acts = stage_activations(self.costs(layout),
                                          mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                                          layer_ids=layers[r],
-                                         tokens=rank_tokens(layout, self.seq_len), first=r == 0,
+                                         tokens=layout.rank_tokens(self.seq_len), first=r == 0,
                                          last=r == p - 1, in_flight=in_flight)
             mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
                               options=self.options, overheads=self.overheads, pp_rank=r)
@@ -406,29 +405,14 @@ def _nothing_fits_notes(closest: PlannedLayout | None, host_short: list[PlannedL
     notes = []
     if closest is not None:
         over = closest.memory.device_total - memory
-        notes.append(f"nothing fits in {memory / 2**30:.1f} GiB; closest: {describe(closest.layout)} needs "
+        notes.append(f"nothing fits in {memory / 2**30:.1f} GiB; closest: {closest.layout.describe()} needs "
                      f"{closest.memory.device_total / 2**30:.1f} GiB, over by {over / 2**30:.1f} GiB")
     if host_short:
         least = min(host_short, key=lambda p: p.host_per_node)
         notes.append(f"{len(host_short)} offload layouts fit the GPU memory but not the host memory of "
                      f"{host_memory / 2**30:,.0f} GiB per node (--host-memory-gb); the least needs "
-                     f"{least.host_per_node / 2**30:,.0f} GiB per node: {describe(least.layout)}")
+                     f"{least.host_per_node / 2**30:,.0f} GiB per node: {least.layout.describe()}")
     if closest is None and not host_short:
         why = skipped.summary() or "the constraints exclude every layout"
         notes.append(f"no valid layout for {n_gpus} GPUs ({gpus_per_node} per node): {why}")
     return notes
-
-
-def describe(layout: Layout) -> str:
-    ck = layout.activation_checkpointing + (f"/{layout.checkpoint_every}" if layout.activation_checkpointing ==
-                                            "every_k" else "")
-    s = (f"tp={layout.tp_size} pp={layout.pp_size} dp={layout.dp_size} zero={layout.zero_stage}"
-         f"{'+offload' if layout.zero_offload else ''} mb={layout.micro_batch_size} m={layout.n_microbatches} "
-         f"ckpt={ck}{' sp' if layout.sequence_parallel else ''}")
-    if layout.pp_size > 1:
-        s += f" {layout.pp_schedule}" + (f"(v={layout.pp_virtual_stages})" if layout.pp_virtual_stages > 1 else "")
-    if layout.ep_size > 1:
-        s += f" ep={layout.ep_size}"
-    if layout.cp_size > 1:
-        s += f" cp={layout.cp_size}({layout.cp_mode})"
-    return s

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dist_trainer.files import read_step_records
-from dist_trainer.planner.search import PlannedLayout, describe
+from dist_trainer.planner.search import PlannedLayout
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ def report(trials: list[Trial]) -> str:
             assert t.step_s is not None
             peak = f"{t.peak_bytes / 2**30:>8.3f}" if t.peak_bytes is not None else f"{'':>8}"
             lines.append(f"{i:>2}  {pred:>11.3f}  {t.step_s:>10.3f}  {t.step_s / pred:>6.2f}  {mem:>8.3f}  {peak}  "
-                         f"{describe(t.planned.layout)}")
+                         f"{t.planned.layout.describe()}")
         else:
             tail = (t.error or "").strip().splitlines()[-1:] or [""]
             lines.append(f"{i:>2}  {pred:>11.3f}  {'failed':>10}  {'':>6}  {mem:>8.3f}  {'':>8}  "
-                         f"{describe(t.planned.layout)}: {tail[0]}")
+                         f"{t.planned.layout.describe()}: {tail[0]}")
     return "\n".join(lines)

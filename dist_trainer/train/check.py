@@ -148,9 +148,6 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
         notes.append(f"data not checked: {data} holds no meta.json here (the vocabulary and split sizes are checked "
                      "when the run opens it)")
     p = cfg.parallel
-    head = (f"ok: {world_size} ranks ({per_node} per node, {device_type}) run tp={p.tp_size} pp={p.pp_size} "
-            f"dp={launch.layout.dp_size}{f' ep={p.ep_size}' if p.ep_size > 1 else ''}"
-            f"{f' cp={p.cp_size} ({p.cp_mode})' if p.cp_size > 1 else ''} "
-            f"zero={p.zero_stage}{'+offload' if p.zero_offload else ''} "
+    head = (f"ok: {world_size} ranks ({per_node} per node, {device_type}) run {launch.layout.degrees()} "
             f"({regime_of(p)} regime), micro-batch {p.micro_batch_size}, global batch {p.global_batch_size}")
     return [head, *notes]

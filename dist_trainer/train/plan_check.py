@@ -8,8 +8,9 @@ Measured on every rank at step ``CHECK_STEP`` (the second: AdamW's states exist,
                    judged: it also holds the allocator's free lists and the libraries' first-use pages, 2.6x the
                    prediction in the demo's 1.4M-parameter run)
     step_time      the median of steps ``CHECK_STEP`` .. ``CHECK_STEP + TIMED_STEPS - 1``
-    ep_traffic     under expert parallelism: the bytes handed to the ep all-to-alls during that step's
-                   ``forward_backward`` (``comm_bytes/ep/all_to_all``), against ``cost.ep_counted_bytes``
+    *_traffic      for each axis whose traffic the planner counts exactly (``cost.counted_traffic`` names them, e.g.
+                   ``ep_traffic``, the all-to-alls of expert parallelism): the bytes handed to it during that step's
+                   ``forward_backward``, as its ``AxisGroup`` counted them (``comm_bytes/<axis>/...``)
 
 Predicted for this rank's pipeline stage (and, under expert parallelism, the experts of its ep rank: frozen ones
 train on some ep ranks only): ``planner.memory.predict_rank_memory`` and ``estimate_step_time`` with
@@ -36,17 +37,22 @@ import torch.distributed as dist
 from dist_trainer.config import Config
 from dist_trainer.files import atomic_write_text
 from dist_trainer.layout_rules import Layout
-from dist_trainer.planner.cost import ep_counted_bytes, estimate_step_time
-from dist_trainer.planner.cp import cp_counted_bytes
+from dist_trainer.parallel.comm import CommCounter
+from dist_trainer.planner.cost import counted_traffic, estimate_step_time
 from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, predict_rank_memory
 from dist_trainer.train.metrics import device_hardware
 
 CHECK_STEP = 1  # 0-based: the second step
 TIMED_STEPS = 3
 # |measured / predicted - 1| above which a warning is written (docs/planner.md, "Measured accuracy"): model states
-# are counted exactly; saved activations within a few percent; resident memory and step time much less so.
-ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "ep_traffic": 0.01,
-            "cp_traffic": 0.01}
+# are counted exactly; saved activations within a few percent; resident memory and step time much less so; an
+# axis's traffic (every "<axis>_traffic" figure) is counted exactly.
+ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "traffic": 0.01}
+
+
+def accuracy(figure: str) -> float:
+    """The documented accuracy of a plan-check figure (``ACCURACY``; every axis's traffic alike)."""
+    return ACCURACY["traffic" if figure.endswith("_traffic") else figure]
 
 
 class SavedPeak:
@@ -156,15 +162,17 @@ class PlanCheck:
             yield
         self.measured["activations"] = tracker.peak
 
-    def after_backward(self, step: int, owned: dict[str, int], ep_traffic: int = 0, cp_traffic: int = 0) -> None:
-        """After the check step's ``forward_backward``: the bytes it owns, and what it handed to the ep all-to-alls
-        and to the cp axis."""
+    def after_backward(self, step: int, owned: dict[str, int], counter: CommCounter) -> None:
+        """After the check step's ``forward_backward``: the bytes it owns, and what it handed to each axis whose
+        traffic the planner counts (``counter``: this step's, reset at its start)."""
         if not self.done and step == CHECK_STEP:
             self.measured["model_states"] = sum(owned.values())
-            if self.layout.ep_size > 1:
-                self.measured["ep_traffic"] = ep_traffic
-            if self.layout.cp_size > 1:
-                self.measured["cp_traffic"] = cp_traffic
+            for figure, (axis, op, _) in self._traffic().items():
+                self.measured[figure] = counter.bytes[(op, axis)] if op else counter.axis_bytes(axis)
+
+    def _traffic(self) -> dict[str, tuple[str, str | None, int]]:
+        return counted_traffic(self.cfg.model, self.layout, self.options, seq_len=self.cfg.data.seq_len,
+                               pp_rank=self.pp_rank)
 
     def after_step(self, step: int, seconds: float) -> dict[str, float]:
         """The record entries once the check is complete (empty until then); writes plan_check.json."""
@@ -201,13 +209,7 @@ class PlanCheck:
                                gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
         device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
-                "step_time": t.total,
-                "ep_traffic": ep_counted_bytes(self.cfg.model, self.layout, self.options, seq_len=self.cfg.data.seq_len,
-                                               layer_ids=self.layout.rank_layer_ids(self.cfg.model, self.pp_rank)),
-                "cp_traffic": cp_counted_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len,
-                                               precision=self.options.precision,
-                                               layer_ids=self.layout.rank_layer_ids(self.cfg.model, self.pp_rank),
-                                               last_stage=self.pp_rank == self.layout.pp_size - 1)}
+                "step_time": t.total, **{figure: b for figure, (_, _, b) in self._traffic().items()}}
 
     def _row(self, predicted: dict[str, float]) -> dict[str, Any]:
         figures = {}
@@ -218,7 +220,7 @@ class PlanCheck:
             ratio = got / pred if pred else float("nan")
             judged = self._judged(key)
             figures[key] = {"predicted": pred, "measured": got, "ratio": ratio,
-                            "ok": abs(ratio - 1) <= ACCURACY[key] if judged else None}
+                            "ok": abs(ratio - 1) <= accuracy(key) if judged else None}
         return {"rank": self.rank, "pp_rank": self.pp_rank, "figures": figures}
 
     def _judged(self, key: str) -> bool:
@@ -242,10 +244,10 @@ class PlanCheck:
     def oom_report(self, exc: BaseException) -> str:
         """What to print on a CUDA out-of-memory error: the planner's breakdown for this rank, CUDA's own numbers,
         and the planner's fastest layout that fits this device (or how far the closest misses)."""
-        from dist_trainer.planner.search import describe, plan_layouts
+        from dist_trainer.planner.search import plan_layouts
 
         cfg, mem = self.cfg, self._memory()
-        lines = [f"CUDA out of memory on pipeline stage {self.pp_rank} of {describe(self.layout)}: "
+        lines = [f"CUDA out of memory on pipeline stage {self.pp_rank} of {self.layout.describe()}: "
                  f"{str(exc).splitlines()[0]}",
                  f"the planner expected {mem.device_total / GiB:.2f} GiB per rank: params {mem.params / GiB:.2f}, "
                  f"grads {mem.grads / GiB:.2f}, optimizer {mem.optimizer / GiB:.2f}, activations "
@@ -263,7 +265,7 @@ class PlanCheck:
                            gpu_memory_bytes=total, seq_len=cfg.data.seq_len,
                            global_batch=cfg.parallel.global_batch_size, hardware=self.hardware, options=self.options)
         if res.best is not None:
-            lines.append(f"the planner's fastest layout that fits: {describe(res.best.layout)} "
+            lines.append(f"the planner's fastest layout that fits: {res.best.layout.describe()} "
                          f"({res.best.memory.device_total / GiB:.2f} GiB; dist-trainer plan prints it with --out)")
         else:
             lines.extend(res.notes)

@@ -33,7 +33,7 @@ from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.health.monitor import HealthMonitor
-from dist_trainer.layout_rules import needs_process_group
+from dist_trainer.layout_rules import needs_process_group, saved_layout
 from dist_trainer.model import count_parameters
 from dist_trainer.model_lora import count_trainable
 from dist_trainer.model_moe import reset_router_stats
@@ -149,12 +149,10 @@ class Trainer:
         with self.plan_check.watch(step, _state_tensors(self.engine.model)):
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
-            self.plan_check.after_backward(step, self.engine.owned_state_bytes(),
-                                           self.state.counter.bytes[("all_to_all", "ep")],
-                                           self.state.counter.axis_bytes("cp"))
+            self.plan_check.after_backward(step, self.engine.owned_state_bytes(), self.state.counter)
         local_loss = loss_sum / len(batches)
         # the mean loss before the update: the health guard judges the step by it (and by the grad norm)
-        mean_loss = float(self.state.dp_cp.all_reduce(local_loss.clone()) / self.state.dp_cp.size)
+        mean_loss = float(self.state.replicas.all_reduce(local_loss.clone()) / self.state.replicas.size)
         self.health.loss_ready(local_loss, mean_loss)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.engine.optimizer_step(lr)
@@ -170,7 +168,7 @@ class Trainer:
             raise RuntimeError("evaluate() needs train.eval_every > 0 (no eval set was built)")
         batches = [self._batch(self.val_data, indices, 0) for indices in self.val_sampler.micro_batches(0)]
         total = self.engine.eval_loss(batches)
-        return float(self.state.dp_cp.all_reduce(total / len(batches)) / self.state.dp_cp.size)
+        return float(self.state.replicas.all_reduce(total / len(batches)) / self.state.replicas.size)
 
     # ------------------------------------------------------------------ loop
 
@@ -307,8 +305,7 @@ class Trainer:
         self.health.check_finite_state()  # never a checkpoint of non-finite state (issue 16)
         meta = {
             "config": cfg.to_dict(),
-            "layout": {"tp": self.state.tp_size, "pp": self.state.pp_size, "dp": self.layout.dp_size,
-                       "ep": self.state.ep_size, "cp": self.layout.cp_size, "world": self.env.world_size},
+            "layout": saved_layout(self.layout),
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
                      **data_order(cfg, self.train_data.meta)},
             "regime": self.engine.name,

@@ -28,9 +28,11 @@ def split_expert_grads(params: list[nn.Parameter]) -> tuple[list[torch.Tensor], 
 
 
 def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
-    """Sum the expert gradients over edp (one flat all-reduce) and divide by dp_size. No-op at ep_size 1."""
+    """Sum the expert gradients over edp (one flat all-reduce) and divide by dp_size, then average them over the
+    replica axes after dp (their ranks saw other tokens of the same samples). No-op at ep_size 1."""
     if state.ep.size == 1:
         return
     _, grads = split_expert_grads(list(model.parameters()))
     state.edp.all_reduce_flat_(grads, divide_by=state.dp_size)
-    state.cp.all_reduce_flat_(grads, divide_by=state.cp.size)  # cp ranks saw other tokens of the same sequences
+    for axis in state.expert_replicas[1:]:
+        axis.all_reduce_flat_(grads, divide_by=axis.size)

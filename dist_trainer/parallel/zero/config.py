@@ -68,9 +68,9 @@ def owned_values(cfg: Config, dp_size: int) -> dict[str, Any]:
     """The DeepSpeed keys our Config decides, as DeepSpeed spells them."""
     p, o = cfg.parallel, cfg.optim
     return {
-        # DeepSpeed's data-parallel group is dp x cp (parallel/zero/deepspeed.py): each cp rank's share of a sequence
-        # counts as one of its samples, so its batch is the global batch times cp
-        "train_batch_size": p.global_batch_size * p.cp_size,
+        # DeepSpeed's data-parallel group is the replicas (parallel/zero/deepspeed.py): where a sample is split over
+        # several of them, each share counts as one of its samples
+        "train_batch_size": p.global_batch_size * p.sample_split,
         "train_micro_batch_size_per_gpu": p.micro_batch_size,
         "gradient_accumulation_steps": p.grad_accum_steps(dp_size),
         "gradient_clipping": o.grad_clip,

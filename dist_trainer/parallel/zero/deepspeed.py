@@ -41,9 +41,10 @@ def quiet_deepspeed() -> None:
 class DeepSpeedMpu:
     """DeepSpeed's model-parallel-unit protocol (Megatron's ``mpu``) over our ParallelState.
 
-    - data parallel: the ranks holding the same parameters, dp x cp (dp_cp; dp when cp is 1). ZeRO partitions over
-      them, and only over them (ZeRO-3's partitions of a TP shard never cross TP ranks).
-    - model parallel: every rank with the same dp and cp index (the tp x pp block of the mesh). ZeRO sums the squared
+    - data parallel: the ranks holding the same parameters (``state.replicas``: the replica axes flattened, dp
+      alone when the others have one rank). ZeRO partitions over them, and only over them (ZeRO-3's partitions
+      of a TP shard never cross TP ranks).
+    - model parallel: every rank with the same replica index (the tp x pp block of the mesh). ZeRO sums the squared
       gradient norm over dp and then over this group (deepspeed/runtime/zero/stage_1_and_2.py:2693-2695,
       stage3.py:2472), so every stage and every TP shard counts. Its rank, ``pp_rank * tp_size + tp_rank``, is
       the ``mp_rank_XX`` of DeepSpeed's checkpoint file names: one per (tp, pp) coordinate.
@@ -62,13 +63,13 @@ class DeepSpeedMpu:
         self.state = state
         self.mp_size = state.tp_size * state.pp_size
         self._alone: dist.ProcessGroup | None = None
-        if 1 in (state.dp_cp.size, state.tp_size, self.mp_size):
+        if 1 in (state.replicas.size, state.tp_size, self.mp_size):
             for r in range(state.world_size):
                 group = dist.new_group([r])
                 if r == state.rank:
                     self._alone = group
         self._mp_group: dist.ProcessGroup | None = state.tp.group if state.pp_size == 1 else None
-        if state.pp_size > 1:  # one tp x pp block per (dp, cp) index, pp-major as get_model_parallel_rank
+        if state.pp_size > 1:  # one tp x pp block per replica index, pp-major as get_model_parallel_rank
             for ranks in state.mesh.lines("pp", "tp"):
                 group = dist.new_group(list(ranks))
                 if state.rank in ranks:
@@ -80,13 +81,13 @@ class DeepSpeedMpu:
         return group
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self._or_alone(self.state.dp_cp.group, self.state.dp_cp.size, "dp x cp")
+        return self._or_alone(self.state.replicas.group, self.state.replicas.size, "replicas")
 
     def get_data_parallel_rank(self) -> int:
-        return self.state.dp_cp.rank
+        return self.state.replicas.rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.state.dp_cp.size
+        return self.state.replicas.size
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
         return self._or_alone(self._mp_group, self.mp_size, "tp x pp")
