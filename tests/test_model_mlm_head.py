@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,16 +199,23 @@ def test_zero3_builds_the_seeds_weights_and_trains_as_one_process(tiny_data, tmp
     """zero.Init partitions the model's own output_bias too, the per-module replay gives build_model's draw, and
     the Trainer's ZeRO-3 losses are the single process's (the bias is gathered with the model's own forward)."""
     from tests.helpers import assert_same_curves
-    from tests.test_zero_parity import DS_ENV, _curves, _stage3_weights
+    from tests.test_zero_parity import DS_ENV, _curves
 
-    out = run_distributed(_stage3_weights, 2, (tiny_data, tmp_path / "init", {"mlm_head": True}), env=DS_ENV)
-    for r in out:
-        assert r["max_diff"] == 0.0
-        got, expected = r["groups"]
-        assert got == expected and "output_bias" in got[1]  # a bias: no weight decay
     sections = {"model": {"mlm_head": True}, "train": {"max_steps": 4, "eval_every": 2, "save_every": 2}}
     single = _curves(0, 1, tiny_data, tmp_path / "single", sections)
-    zero = run_distributed(_curves, 2, (tiny_data, tmp_path / "zero3", {**sections, "parallel": {"zero_stage": 3}}),
-                           env=DS_ENV)
+    out = run_distributed(_zero3_weights_then_curves, 2, (tiny_data, tmp_path, sections), env=DS_ENV)
+    for r in out:
+        assert r["weights"]["max_diff"] == 0.0
+        got, expected = r["weights"]["groups"]
+        assert got == expected and "output_bias" in got[1]  # a bias: no weight decay
+    zero = [r["curves"] for r in out]
     assert zero[0] == zero[1]
     assert_same_curves(zero[0], single, what="zero3 mlm_head")
+
+
+def _zero3_weights_then_curves(rank: int, world_size: int, data: Path, root: Path, sections: dict) -> dict:
+    """ZeRO-3's partitioned build of the MLM model against build_model's, then its training run, in one spawn."""
+    from tests.test_zero_parity import _curves, _stage3_weights
+
+    return {"weights": _stage3_weights(rank, world_size, data, root / "init", {"mlm_head": True}),
+            "curves": _curves(rank, world_size, data, root / "zero3", {**sections, "parallel": {"zero_stage": 3}})}

@@ -14,7 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
@@ -87,26 +89,32 @@ def _check(name: str, got: dict, ref: dict, parallel: dict, world: int, frozen_m
     assert expected > 0 and counted == want, (name, counted, want)
 
 
-def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, tmp_path: Path) -> None:
-    single = _run(0, tiny_data, tmp_path / "single", {})
+# The parity layouts on 2 and on 4 ranks, and the resume cases of the checkpoint test at 4 ranks (ep4, ep2 x pp2,
+# ep2 x tp2) and 2 (zero2 x ep2): one spawn per world size (_two_ranks, _four_ranks).
+TWO = {"ep2": {"ep_size": 2}, "zero2_ep2": {"ep_size": 2, "zero_stage": 2},
+       "zero1_ep2": {"ep_size": 2, "zero_stage": 1},
+       "zero2_offload_ep2": {"ep_size": 2, "zero_stage": 2, "zero_offload": True}}
+FOUR = {"ep2_tp2_sp": {"ep_size": 2, "tp_size": 2, "sequence_parallel": True},
+        "ep2_pp2": {"ep_size": 2, "pp_size": 2},
+        "ep2_dp4_recompute": {"ep_size": 2, "activation_checkpointing": "full"},
+        "zero2_ep2_tp2_sp": {"ep_size": 2, "zero_stage": 2, "tp_size": 2, "sequence_parallel": True},
+        "zero1_ep2_pp2": {"ep_size": 2, "zero_stage": 1, "pp_size": 2}}
+RESUME_FOUR = {"ep4": {"ep_size": 4}, "ep2_pp2": {"ep_size": 2, "pp_size": 2}, "ep2_tp2": {"ep_size": 2, "tp_size": 2}}
+RESUME_TWO = {"zero2_ep2": {"ep_size": 2, "zero_stage": 2}}
+RESUMED = ("ep1", *RESUME_FOUR, *RESUME_TWO)  # each starts from a copy of the ep=2 run's step-3 checkpoint
+
+
+def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, spawns: dict[str, Any]) -> None:
+    single = _run(0, tiny_data, spawns["root"] / "single", {})
     drops = [v for step in _routing(single).values() for k, v in step.items() if k.endswith("dropped_frac")]
     assert max(drops) > 0.05, drops  # capacity drops happen in every comparison below
     for step in _routing(single).values():  # every token of the global batch routed top_k times, in every layer
         loads = [v for k, v in step.items() if k.endswith("tokens_per_expert")]
         assert len(loads) == 2 and all(sum(x) == GLOBAL_BATCH * TINY_SEQ * 2 for x in loads), step
-    two = {"ep2": {"ep_size": 2}, "zero2_ep2": {"ep_size": 2, "zero_stage": 2},
-           "zero1_ep2": {"ep_size": 2, "zero_stage": 1},
-           "zero2_offload_ep2": {"ep_size": 2, "zero_stage": 2, "zero_offload": True}}
-    four = {"ep2_tp2_sp": {"ep_size": 2, "tp_size": 2, "sequence_parallel": True},
-            "ep2_pp2": {"ep_size": 2, "pp_size": 2},
-            "ep2_dp4_recompute": {"ep_size": 2, "activation_checkpointing": "full"},
-            "zero2_ep2_tp2_sp": {"ep_size": 2, "zero_stage": 2, "tp_size": 2, "sequence_parallel": True},
-            "zero1_ep2_pp2": {"ep_size": 2, "zero_stage": 1, "pp_size": 2}}
-    results = {**run_distributed(_layouts, 2, (tiny_data, tmp_path, two))[0],
-               **run_distributed(_layouts, 4, (tiny_data, tmp_path, four))[0]}
-    for name, parallel in two.items():
+    results = {**spawns["two"]["layouts"], **spawns["four"]["layouts"]}
+    for name, parallel in TWO.items():
         _check(name, results[name], single, parallel, world=2)
-    for name, parallel in four.items():
+    for name, parallel in FOUR.items():
         _check(name, results[name], single, parallel, world=4)
 
 
@@ -127,20 +135,46 @@ def _resume_many(rank: int, world: int, data: Path, root: Path, cases: dict[str,
     return {name: _resume_at(rank, world, data, root / name, parallel) for name, parallel in cases.items()}
 
 
+STEP3 = Path("checkpoints") / "step_00000003"
+
+
+def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
+    """The parity layouts on 2 ranks; the checkpoint test's ep=2 reference (saving at step 3), whose step-3
+    checkpoint rank 0 then copies into each resume case's folder (``RESUMED``); the ZeRO-2 resume."""
+    layouts = _layouts(rank, world, data, root / "layouts", TWO)
+    reference = _save_then_continue(rank, world, data, root / "run")
+    if rank == 0:
+        for name in RESUMED:
+            shutil.copytree(root / "run" / STEP3, root / "resume" / name / STEP3)
+    dist.barrier()
+    return {"layouts": layouts, "reference": reference,
+            "resumed": _resume_many(rank, world, data, root / "resume", RESUME_TWO)}
+
+
+def _four_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
+    return {"layouts": _layouts(rank, world, data, root / "layouts", FOUR),
+            "resumed": _resume_many(rank, world, data, root / "resume", RESUME_FOUR)}
+
+
+@pytest.fixture(scope="module")
+def spawns(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The 2-rank spawn (``_two_ranks``), then the 4-rank one (``_four_ranks``: it resumes from the
+    checkpoint the 2-rank reference saved)."""
+    root = tmp_path_factory.mktemp("moe")
+    two = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)[0]
+    four = run_distributed(_four_ranks, 4, (tiny_data, root), timeout=600)[0]
+    return {"root": root, "two": two, "four": four}
+
+
 def test_checkpoint_saved_at_ep2_resumes_at_ep1_ep4_with_tp_stages_and_under_zero(tiny_data: Path,
-                                                                                 tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    reference = run_distributed(_save_then_continue, 2, (tiny_data, run))[0]
-    step3 = run / "checkpoints" / "step_00000003"
+                                                                                 spawns: dict[str, Any]) -> None:
+    root = spawns["root"]
+    run, reference = root / "run", spawns["two"]["reference"]
+    step3 = run / STEP3
     assert (step3 / "model_tp00_pp00_ep01.pt").is_file()  # ep rank 1 wrote its own experts
-    four = {"ep4": {"ep_size": 4}, "ep2_pp2": {"ep_size": 2, "pp_size": 2}, "ep2_tp2": {"ep_size": 2, "tp_size": 2}}
-    two = {"zero2_ep2": {"ep_size": 2, "zero_stage": 2}}
-    for name in ("ep1", *four, *two):
-        (tmp_path / name / "checkpoints").mkdir(parents=True)
-        shutil.copytree(step3, tmp_path / name / "checkpoints" / step3.name)
-    resumed = {"ep1": _resume_at(0, 1, tiny_data, tmp_path / "ep1", {}),
-               **run_distributed(_resume_many, 4, (tiny_data, tmp_path, four))[0],
-               **run_distributed(_resume_many, 2, (tiny_data, tmp_path, two))[0]}
+    resumed = {"ep1": _resume_at(0, 1, tiny_data, root / "resume" / "ep1", {}),
+               **spawns["four"]["resumed"], **spawns["two"]["resumed"]}
+    assert sorted(resumed) == sorted(RESUMED)
     for name, result in resumed.items():
         got = [result.losses[3], result.losses[4], result.eval_losses[5]]
         want = [reference.losses[3], reference.losses[4], reference.eval_losses[5]]
@@ -150,6 +184,6 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_ep4_with_tp_stages_and_under_zer
     model, _ = load_plain_model(step3)
     assert sorted(model.layers[1].moe.experts) == ["0", "1", "2", "3"]
     ref5, _ = load_plain_model(run / "checkpoints" / "step_00000005")
-    zero5, _ = load_plain_model(tmp_path / "zero2_ep2" / "checkpoints" / "step_00000005")
+    zero5, _ = load_plain_model(root / "resume" / "zero2_ep2" / "checkpoints" / "step_00000005")
     for (name, a), b in zip(ref5.named_parameters(), zero5.parameters()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name

@@ -46,13 +46,22 @@ def test_one_process(reference: dict, tiny_data: Path, tmp_path: Path) -> None:
     assert_same_curves(got, reference, what="selective, one process")
 
 
-@pytest.mark.parametrize(("name", "parallel"), [
-    ("tp2-sp", {"tp_size": 2, "sequence_parallel": True}),
-    ("pp2", {"pp_size": 2}),
-    ("zero3", {"zero_stage": 3}),
-])
-def test_two_ranks(name: str, parallel: dict, reference: dict, tiny_data: Path, tmp_path: Path) -> None:
-    runs = run_distributed(_curves, 2, (tiny_data, tmp_path, {**parallel, "activation_checkpointing": "selective"}),
-                           env=DS_ENV)
+TWO_RANKS = {"tp2-sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2}, "zero3": {"zero_stage": 3}}
+
+
+def _layouts(rank: int, world: int, data: Path, root: Path) -> dict[str, dict]:
+    """Each 2-rank layout with selective recomputation, one after the other in one spawn."""
+    return {name: _curves(rank, world, data, root / name, {**parallel, "activation_checkpointing": "selective"})
+            for name, parallel in TWO_RANKS.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    return run_distributed(_layouts, 2, (tiny_data, tmp_path_factory.mktemp("two")), env=DS_ENV, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_two_ranks(name: str, reference: dict, two_ranks: list[dict[str, dict]]) -> None:
+    runs = [rank[name] for rank in two_ranks]
     assert all(run["recomputed_cores"] and all(run["recomputed_cores"]) for run in runs)  # this rank's layers
     assert_same_curves(runs[-1], reference, what=f"selective, {name}")  # the last rank: the pipeline's loss

@@ -22,14 +22,19 @@ def _train_curves(rank: int, world_size: int, data: Path, out: Path, sections: d
     return curves(Trainer(tiny_config(data, out, **sections)).train())
 
 
+def _both_curves(rank: int, world_size: int, data: Path, root: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """Several runs one after the other in one spawn, each in its own folder."""
+    return {name: _train_curves(rank, world_size, data, root / name, sections) for name, sections in cases.items()}
+
+
 def test_ddp_two_ranks_equals_one_process(tiny_data: Path, tmp_path: Path) -> None:
     """Same global batch of 8: one process (2 micro-batches of 4) vs 2 DDP ranks, with and without
     accumulation on each rank. fp32, 10 steps, evaluation every 5 and checkpoints on: training and eval
     losses within relative 1e-5."""
     single = _train_curves(0, 1, tiny_data, tmp_path / "single", {})
-    ddp = run_distributed(_train_curves, 2, (tiny_data, tmp_path / "ddp", {}))
-    ddp_accum = run_distributed(_train_curves, 2, (tiny_data, tmp_path / "ddp_accum",
-                                                   {"parallel": {"micro_batch_size": 2}}))
+    both = run_distributed(_both_curves, 2, (tiny_data, tmp_path, {"ddp": {},
+                                                                  "ddp_accum": {"parallel": {"micro_batch_size": 2}}}))
+    ddp, ddp_accum = [r["ddp"] for r in both], [r["ddp_accum"] for r in both]
     assert len(single["losses"]) == 10 and single["losses"][9] < single["losses"][0]
     assert sorted(single["eval"]) == [0, 5, 10] and single["eval"][10] < single["eval"][0]
     assert ddp[0] == ddp[1]  # every rank reports the same (dp-averaged) losses

@@ -8,7 +8,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+import torch.distributed as dist
 import yaml
 
 from dist_trainer.checkpoint.plain import load_plain_model
@@ -26,14 +29,40 @@ def _run(rank: int, world: int, data: Path, out: Path, sections: dict) -> dict:
     return curves(Trainer(tiny_config(data, out, **sections)).train())
 
 
-def test_trainer_tp_and_tp_dp_match_single_process(tiny_data: Path, tmp_path: Path) -> None:
+SECTIONS: dict[str, Any] = {"model": LLAMA, "optim": {"lr": 3e-3}}
+STEP3 = Path("checkpoints") / "step_00000003"
+
+
+def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
+    """tp=2 with sequence parallelism; then the checkpoint test's tp=2 reference, whose step-3 checkpoint (the
+    run also saves its final step 5) rank 0 copies for the tp=1 and tp=4 resumes."""
+    tp2_sp = _run(rank, world, data, root / "tp2", {**SECTIONS, "parallel": {"tp_size": 2, "sequence_parallel": True}})
+    reference = _save_then_continue(rank, world, data, root / "run", 2)
+    if rank == 0:
+        for name in ("tp1", "tp4"):
+            shutil.copytree(root / "run" / STEP3, root / name / STEP3)
+    dist.barrier()
+    return {"tp2_sp": tp2_sp, "reference": reference}
+
+
+def _four_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
+    return {"tp2_dp2": _run(rank, world, data, root / "tp2dp2", {**SECTIONS, "parallel": {"tp_size": 2}}),
+            "at_tp4": _resume_at(rank, world, data, root / "tp4", 4)}
+
+
+@pytest.fixture(scope="module")
+def spawns(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One spawn of 2 ranks, then one of 4 (its tp=4 resume reads the 2-rank run's checkpoint)."""
+    root = tmp_path_factory.mktemp("tp")
+    two = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)[0]
+    four = run_distributed(_four_ranks, 4, (tiny_data, root), timeout=600)[0]
+    return {"root": root, **two, **four}
+
+
+def test_trainer_tp_and_tp_dp_match_single_process(tiny_data: Path, tmp_path: Path, spawns: dict[str, Any]) -> None:
     """Training and eval losses (evaluation every 5 steps, checkpoints on) equal one process's."""
-    sections = {"model": LLAMA, "optim": {"lr": 3e-3}}
-    single = _run(0, 1, tiny_data, tmp_path / "single", sections)
-    tp2_sp = run_distributed(_run, 2, (tiny_data, tmp_path / "tp2", {
-        **sections, "parallel": {"tp_size": 2, "sequence_parallel": True}}))[0]
-    tp2_dp2 = run_distributed(_run, 4, (tiny_data, tmp_path / "tp2dp2", {
-        **sections, "parallel": {"tp_size": 2}}))[0]
+    single = _run(0, 1, tiny_data, tmp_path / "single", SECTIONS)
+    tp2_sp, tp2_dp2 = spawns["tp2_sp"], spawns["tp2_dp2"]
     assert_same_curves(tp2_sp, single, what="tp2+sp")
     assert_same_curves(tp2_dp2, single, what="tp2 x dp2")
 
@@ -53,20 +82,13 @@ def _resume_at(rank: int, world: int, data: Path, out: Path, tp: int) -> dict[in
     return trainer.train().losses
 
 
-def test_checkpoint_saved_at_tp2_resumes_at_tp1_and_tp4(tiny_data: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    reference = run_distributed(_save_then_continue, 2, (tiny_data, run, 2))[0]
-    # keep only the step-3 checkpoint (the run also saved its final step 5)
-    for name in ("tp1", "tp4"):
-        target = tmp_path / name
-        (target / "checkpoints").mkdir(parents=True)
-        shutil.copytree(run / "checkpoints" / "step_00000003", target / "checkpoints" / "step_00000003")
-    at_tp1 = _resume_at(0, 1, tiny_data, tmp_path / "tp1", 1)
-    at_tp4 = run_distributed(_resume_at, 4, (tiny_data, tmp_path / "tp4", 4))[0]
+def test_checkpoint_saved_at_tp2_resumes_at_tp1_and_tp4(tiny_data: Path, spawns: dict[str, Any]) -> None:
+    root, reference, at_tp4 = spawns["root"], spawns["reference"], spawns["at_tp4"]
+    at_tp1 = _resume_at(0, 1, tiny_data, root / "tp1", 1)
     assert relative_diff([at_tp1[3], at_tp1[4]], [reference[3], reference[4]]) <= 1e-5
     assert relative_diff([at_tp4[3], at_tp4[4]], [reference[3], reference[4]]) <= 1e-5
     # the tp=2 checkpoint also loads as one plain model (generation / export)
-    model, _ = load_plain_model(tmp_path / "tp1" / "checkpoints" / "step_00000003")
+    model, _ = load_plain_model(root / "tp1" / STEP3)
     assert model.head.weight.shape == (512, 32)
 
 

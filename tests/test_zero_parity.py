@@ -29,27 +29,48 @@ def single(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _curves(0, 1, tiny_data, tmp_path_factory.mktemp("single"), {})
 
 
+# Every 2-rank run of this module but the offloaded ones, in one spawn (each engine replaces DeepSpeed's global
+# state, as in test_zero_tp_pp.py): the stages, stage 3 with recomputation, stage 2 with accumulation.
+TWO_RANKS = {**{f"zero{stage}": {"parallel": {"zero_stage": stage}} for stage in (1, 2, 3)},
+             "zero3+recompute": {"parallel": {"zero_stage": 3, "activation_checkpointing": "full"}},
+             # 2 micro-batches of 2 per rank: DeepSpeed's gradient_accumulation_steps is the Trainer's count
+             "zero2+accumulation": {"parallel": {"zero_stage": 2, "micro_batch_size": 2}}}
+OFFLOAD = {f"zero{stage}+offload": {"parallel": {"zero_stage": stage, "zero_offload": True}} for stage in (2, 3)}
+
+
+def _cases(rank: int, world_size: int, data: Path, root: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """Several runs one after the other in one spawn, each in its own folder."""
+    return {name: _curves(rank, world_size, data, root / name.replace("+", "_"), sections)
+            for name, sections in cases.items()}
+
+
+def _two_rank_runs(rank: int, world_size: int, data: Path, root: Path) -> dict[str, dict]:
+    return {**_cases(rank, world_size, data, root, TWO_RANKS),
+            "stage3_weights": _stage3_weights(rank, world_size, data, root / "stage3_weights")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    return run_distributed(_two_rank_runs, 2, (tiny_data, tmp_path_factory.mktemp("two")), env=DS_ENV, timeout=600)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_losses_equal_single_process(stage: int, single: dict, tiny_data: Path, tmp_path: Path) -> None:
-    zero = run_distributed(_curves, 2, (tiny_data, tmp_path, {"parallel": {"zero_stage": stage}}), env=DS_ENV)
+def test_zero_losses_equal_single_process(stage: int, single: dict, two_ranks: list[dict[str, dict]]) -> None:
+    zero = [r[f"zero{stage}"] for r in two_ranks]
     assert zero[0] == zero[1]
     assert single["losses"][9] < single["losses"][0]
     assert_same_curves(zero[0], single, what=f"zero{stage}")
 
 
-def test_zero3_with_activation_checkpointing_equals_single_process(single: dict, tiny_data: Path,
-                                                                  tmp_path: Path) -> None:
+def test_zero3_with_activation_checkpointing_equals_single_process(single: dict,
+                                                                  two_ranks: list[dict[str, dict]]) -> None:
     """Recomputation re-gathers the partitioned params through DeepSpeed's module hooks."""
-    sections = {"parallel": {"zero_stage": 3, "activation_checkpointing": "full"}}
-    zero = run_distributed(_curves, 2, (tiny_data, tmp_path, sections), env=DS_ENV)
-    assert_same_curves(zero[0], single, what="zero3+recompute")
+    assert_same_curves(two_ranks[0]["zero3+recompute"], single, what="zero3+recompute")
 
 
-def test_zero_accumulation_equals_single_process(single: dict, tiny_data: Path, tmp_path: Path) -> None:
+def test_zero_accumulation_equals_single_process(single: dict, two_ranks: list[dict[str, dict]]) -> None:
     """2 micro-batches of 2 per rank: DeepSpeed's gradient_accumulation_steps is the Trainer's count."""
-    zero = run_distributed(_curves, 2, (tiny_data, tmp_path, {"parallel": {"zero_stage": 2, "micro_batch_size": 2}}),
-                           env=DS_ENV)
-    assert_same_curves(zero[0], single, what="zero2+accumulation")
+    assert_same_curves(two_ranks[0]["zero2+accumulation"], single, what="zero2+accumulation")
 
 
 def test_zero3_on_three_ranks_with_and_without_evaluation(tiny_data: Path, tmp_path: Path) -> None:
@@ -58,12 +79,12 @@ def test_zero3_on_three_ranks_with_and_without_evaluation(tiny_data: Path, tmp_p
     sections = {"parallel": {"global_batch_size": 12, "micro_batch_size": 2},
                 "train": {"max_steps": 4, "eval_every": 2, "save_every": 2}}
     ref = _curves(0, 1, tiny_data, tmp_path / "single", sections)
-    on = run_distributed(_curves, 3, (tiny_data, tmp_path / "on", {**sections, "parallel": {
-        **sections["parallel"], "zero_stage": 3}}), env=DS_ENV)[0]
+    zero3 = {**sections["parallel"], "zero_stage": 3}
+    cases = {"on": {**sections, "parallel": zero3},
+             "off": {"parallel": zero3, "train": {**sections["train"], "eval_every": 0}}}
+    got = run_distributed(_cases, 3, (tiny_data, tmp_path, cases), env=DS_ENV)[0]  # both runs, one spawn
+    on, off = got["on"], got["off"]
     assert_same_curves(on, ref, what="zero3 dp3, eval on")
-    off = run_distributed(_curves, 3, (tiny_data, tmp_path / "off", {
-        "parallel": {**sections["parallel"], "zero_stage": 3}, "train": {**sections["train"], "eval_every": 0}}),
-        env=DS_ENV)[0]
     assert off["eval"] == {} and off["losses"] == on["losses"]
 
 
@@ -113,22 +134,26 @@ def _stage3_weights(rank: int, world_size: int, data: Path, out: Path, model: di
     return {"max_diff": max(diffs.values()), "partition": partition, "full": full, "groups": (got, expected)}
 
 
-def test_stage3_is_built_partitioned_with_the_seeds_weights(tiny_data: Path, tmp_path: Path) -> None:
+def test_stage3_is_built_partitioned_with_the_seeds_weights(two_ranks: list[dict[str, dict]]) -> None:
     """zero.Init + the per-module replay of reset_parameters give build_model's weights bit for bit,
     and each rank holds about half of them."""
-    out = run_distributed(_stage3_weights, 2, (tiny_data, tmp_path), env=DS_ENV)
-    for r in out:
+    for r in (ranks["stage3_weights"] for ranks in two_ranks):
         assert r["max_diff"] == 0.0
         got, expected = r["groups"]
         assert got == expected and len(got[0]) > 0 and len(got[1]) > 0
         assert r["partition"] * 2 >= r["full"] and r["partition"] <= r["full"] // 2 + 64  # padding per tensor
 
 
+@pytest.fixture(scope="module")
+def offload(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    """Both offloaded stages in one spawn."""
+    return run_distributed(_cases, 2, (tiny_data, tmp_path_factory.mktemp("offload"), OFFLOAD), env=DS_ENV,
+                           timeout=600)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_offload_losses_equal_single_process(stage: int, single: dict, tiny_data: Path, tmp_path: Path) -> None:
+def test_zero_offload_losses_equal_single_process(stage: int, single: dict, offload: list[dict[str, dict]]) -> None:
     """Optimizer partitions (stage 3: and parameters) on the host, stepped by DeepSpeedCPUAdam in AdamW mode (its
     op is JIT-built once into TORCH_EXTENSIONS_DIR, ~2 min on 2 cores; later runs reuse it)."""
-    zero = run_distributed(_curves, 2, (tiny_data, tmp_path, {"parallel": {"zero_stage": stage, "zero_offload": True}}),
-                           env=DS_ENV)
-    assert_same_curves(zero[0], single, what=f"zero{stage}+offload")
+    assert_same_curves(offload[0][f"zero{stage}+offload"], single, what=f"zero{stage}+offload")
