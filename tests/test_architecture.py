@@ -263,7 +263,7 @@ CP_FILES = {
     "config.py",  # parallel.cp_size / cp_mode, the fields a user sets
     "layout_rules/__init__.py", "layout_rules/layout.py", "layout_rules/check.py",  # the Layout field, MESH_AXES
     "layout_rules/cp.py",  # its rules (new)
-    "parallel/state.py", "parallel/parallelize.py",  # a typed accessor; its step in the one order
+    "parallel/parallelize.py",  # its step in the one order
     "planner/cp.py",  # its traffic and overlap (new)
     "planner/activations.py", "planner/cost.py", "planner/search.py", "planner/cli.py",  # its price and search
 }

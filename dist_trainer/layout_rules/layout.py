@@ -24,10 +24,10 @@ REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine pe
 
 # The rank grid's axes, outermost first (parallel/mesh.py builds ``arange(world).view(*sizes)``): tp innermost, so
 # a TP group is consecutive ranks and stays inside a node; then cp (its ring next), pp, dp (Megatron's order).
-MESH_AXES = ("dp", "pp", "cp", "tp")
+MESH_AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 # The axes whose ranks hold the same parameters, dp first: the mesh flattens them into one ``replicas`` group, over
 # which gradients are averaged and ZeRO partitions (cp ranks see other tokens of the same samples).
-REPLICA_AXES = ("dp", "cp")
+REPLICA_AXES: tuple[str, ...] = ("dp", "cp")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ AXES = (*MESH_AXES, *EXPERT_AXES, "replicas")
 
 
 class _Axis:
-    """``state.<axis>``: that axis's AxisGroup in ``state.axes`` (a new axis is one line in ParallelState)."""
+    """``state.<axis>``: that axis's AxisGroup in ``state.axes``, for the axes the whole package uses; an axis only
+    its own mechanism uses is ``state.axes[name]`` (a new axis needs no line here)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -49,7 +50,6 @@ class ParallelState:
 
     dp = _Axis()
     pp = _Axis()
-    cp = _Axis()
     tp = _Axis()
     replicas = _Axis()
     ep = _Axis()

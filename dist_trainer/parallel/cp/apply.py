@@ -46,8 +46,8 @@ def _no_mask(mask: torch.Tensor | None) -> None:
 
 
 def apply_context_parallel(model: Transformer, state: ParallelState, mode: str) -> Transformer:
-    """Fill ``model``'s sequence seams for this rank of ``state.cp`` (ring or all_to_all ``mode``); return it."""
-    group = state.cp
+    """Fill ``model``'s sequence seams for this rank of the cp axis (ring or all_to_all ``mode``); return it."""
+    group = state.axes["cp"]
     if group.size == 1:
         return model
     causal = model.cfg.causal
