@@ -59,8 +59,11 @@ def _failed_ranks(procs: list[Any], out_dir: str, status: dict[int, str]) -> set
     return {rank for rank, s in status.items() if s != "ok"}
 
 
-def _context(fresh: bool) -> Any:
-    if fresh:
+def rank_context(fresh: bool) -> Any:
+    """The multiprocessing context the ranks start from: the preloaded forkserver, or spawn."""
+    # the forkserver listens on a Unix socket under the temp dir (pymp-*/listener-*, ~35 characters more), whose
+    # path must fit in 107 bytes: under a deeper TMPDIR the ranks are spawned instead
+    if fresh or len(os.fsencode(tempfile.gettempdir())) + 40 > 107:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
@@ -105,7 +108,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
     after the start is killed and reported. ``env`` is added to this process's environment for the ranks;
     ``fresh``: spawn new interpreters instead of forking the preloaded server.
     """
-    ctx = _context(fresh)
+    ctx = rank_context(fresh)
     port = free_port()
     environ = {**os.environ, **(env or {}), _CWD: os.getcwd()}
     with tempfile.TemporaryDirectory(prefix="dist_test_") as out_dir:
