@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,20 @@ def tiny_config(data_path: Path, out_dir: Path, **sections: dict) -> Config:
     for name, fields in sections.items():
         tree.setdefault(name, {}).update(fields)
     return config_from_dict(tree).validate()
+
+
+STEP3 = Path("checkpoints") / "step_00000003"  # the step a multi-case spawn's reference run saves for its resumes
+
+
+def share_checkpoint(rank: int, run: Path, runs: list[Path], step: Path = STEP3) -> None:
+    """Inside one multi-rank spawn: rank 0 copies ``run``'s checkpoint ``step`` into each of ``runs`` (the resume
+    cases that start from it), and every rank waits until it has."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        for target in runs:
+            shutil.copytree(run / step, target / step)
+    dist.barrier()
 
 
 def relative_diff(a: list[float], b: list[float]) -> float:

@@ -10,19 +10,17 @@ bytes of the planner's closed form.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer, TrainResult
-from tests.helpers import TINY_SEQ, assert_same_curves, curves, relative_diff, tiny_config
+from tests.helpers import STEP3, TINY_SEQ, assert_same_curves, curves, relative_diff, share_checkpoint, tiny_config
 
 # A Mixtral in miniature with a shared expert; capacity factor 1 and large router-loss coefficients, so tokens
 # are dropped and the router losses are a visible part of the loss.
@@ -135,7 +133,6 @@ def _resume_many(rank: int, world: int, data: Path, root: Path, cases: dict[str,
     return {name: _resume_at(rank, world, data, root / name, parallel) for name, parallel in cases.items()}
 
 
-STEP3 = Path("checkpoints") / "step_00000003"
 
 
 def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
@@ -143,10 +140,7 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
     checkpoint rank 0 then copies into each resume case's folder (``RESUMED``); the ZeRO-2 resume."""
     layouts = _layouts(rank, world, data, root / "layouts", TWO)
     reference = _save_then_continue(rank, world, data, root / "run")
-    if rank == 0:
-        for name in RESUMED:
-            shutil.copytree(root / "run" / STEP3, root / "resume" / name / STEP3)
-    dist.barrier()
+    share_checkpoint(rank, root / "run", [root / "resume" / name for name in RESUMED])
     return {"layouts": layouts, "reference": reference,
             "resumed": _resume_many(rank, world, data, root / "resume", RESUME_TWO)}
 

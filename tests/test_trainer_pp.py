@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
+from tests.helpers import STEP3, assert_same_curves, curves, relative_diff, share_checkpoint, tiny_config
 
 DEEP = {"n_layers": 4}
 
@@ -90,7 +88,6 @@ def _resume(rank: int, world: int, data: Path, out: Path, parallel: dict) -> dic
     return trainer.train().losses
 
 
-STEP3 = Path("checkpoints") / "step_00000003"
 
 
 def _two_rank_runs(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
@@ -98,10 +95,7 @@ def _two_rank_runs(rank: int, world: int, data: Path, root: Path) -> dict[str, A
     pp=1 and tp=2 resumes, and the tp=2 resume."""
     out: dict[str, Any] = _layouts(rank, world, data, root, {n: p for n, p in PARITY.items() if _world(n) == 2})
     out["pp2_reference"] = _save(rank, world, data, root / "pp2", {"pp_size": 2})
-    if rank == 0:
-        for name in ("pp1", "tp2"):
-            shutil.copytree(root / "pp2" / STEP3, root / name / STEP3)
-    dist.barrier()
+    share_checkpoint(rank, root / "pp2", [root / "pp1", root / "tp2"])
     out["at_tp2"] = _resume(rank, world, data, root / "tp2", {"tp_size": 2})
     out["root"] = root
     return out

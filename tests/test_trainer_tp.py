@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 import yaml
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import assert_same_curves, curves, relative_diff, tiny_config
+from tests.helpers import STEP3, assert_same_curves, curves, relative_diff, share_checkpoint, tiny_config
 
 # A Llama-style tiny model: GQA (2 kv heads), swiglu, rope, rmsnorm, untied, no bias; a vocabulary
 # of 512 is divisible by 2 and 4, so the padded-vocab path is covered by the layer tests instead.
@@ -30,7 +28,6 @@ def _run(rank: int, world: int, data: Path, out: Path, sections: dict) -> dict:
 
 
 SECTIONS: dict[str, Any] = {"model": LLAMA, "optim": {"lr": 3e-3}}
-STEP3 = Path("checkpoints") / "step_00000003"
 
 
 def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
@@ -38,10 +35,7 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
     run also saves its final step 5) rank 0 copies for the tp=1 and tp=4 resumes."""
     tp2_sp = _run(rank, world, data, root / "tp2", {**SECTIONS, "parallel": {"tp_size": 2, "sequence_parallel": True}})
     reference = _save_then_continue(rank, world, data, root / "run", 2)
-    if rank == 0:
-        for name in ("tp1", "tp4"):
-            shutil.copytree(root / "run" / STEP3, root / name / STEP3)
-    dist.barrier()
+    share_checkpoint(rank, root / "run", [root / "tp1", root / "tp4"])
     return {"tp2_sp": tp2_sp, "reference": reference}
 
 
