@@ -13,7 +13,11 @@ from dist_trainer.model_shape import is_moe_layer
 
 POS_EMBEDDINGS = ("learned", "sinusoidal", "rope", "relative")
 NORMS = ("layernorm", "rmsnorm")
-NORM_PLACEMENTS = ("pre", "post")
+# pre (GPT-2, Llama) | post (BERT: after each residual add) | post_branch (OLMo 2: attn_norm / mlp_norm normalise the
+# branch output before its residual add) | sandwich (Gemma 2/3: attn_norm / mlp_norm before the branch and
+# attn_post_norm / mlp_post_norm after it, before the add). Every placement but post ends with final_norm.
+NORM_PLACEMENTS = ("pre", "post", "post_branch", "sandwich")
+QK_NORMS = ("none", "head", "full")  # model.qk_norm
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # a gate projection beside up: act(gate(x)) * up(x) (Shazeer 2020)
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -54,6 +58,41 @@ class ModelConfig:
     # gated-gelu, gate = its wi_0, up = its wi_1)
     activation: str = "gelu"
     bias: bool = True  # biases in linears and layernorms (Llama: none)
+    # Biases per projection group; None follows model.bias. Qwen2: q/k/v biases without an output bias; Llama and
+    # Granite's attention_bias sets both attention groups, mlp_bias the MLP's (and every expert's) linears.
+    attn_qkv_bias: bool | None = None  # q_proj, k_proj, v_proj
+    attn_out_bias: bool | None = None  # o_proj
+    mlp_bias: bool | None = None  # up_proj, gate_proj, down_proj
+    # Width of one attention head; None = d_model / n_heads. Qwen3 and Gemma set it apart from d_model: q is
+    # n_heads * head_dim wide, k and v kv_heads * head_dim, o_proj maps n_heads * head_dim back to d_model.
+    attn_head_dim: int | None = None
+    # RMSNorm on q and k after their projections, before RoPE: none | head (over each head's head_dim, one weight
+    # shared by the heads: Qwen3, Gemma 3) | full (over all n_heads * head_dim features of q, and of k: OLMo 2).
+    # Modules layers.{i}.attn.q_norm and .k_norm.
+    qk_norm: str = "none"
+    # RMSNorm multiplies by (norm_weight_offset + weight): Gemma stores its norm weights around 0 and uses 1 here
+    # (weights then initialise to 0). Applies to every RMSNorm of the model, q/k norms included.
+    norm_weight_offset: float = 0.0
+    embedding_multiplier: float = 1.0  # token embeddings times this (Granite's embedding_multiplier)
+    residual_multiplier: float = 1.0  # each branch output times this before its residual add (Granite)
+    # The multiplier of q.k in attention; None: 1/sqrt(head_dim) (1 when attn_scale is false). Granite's
+    # attention_multiplier; Gemma 2/3's query_pre_attn_scalar ** -0.5
+    attn_score_scale: float | None = None
+    logits_divisor: float = 1.0  # the head's logits divided by this (Granite's logits_scaling)
+    # Soft-capping (Gemma 2): x -> c * tanh(x / c); 0 = none. attn_softcap on the attention scores (after the
+    # scale, before the mask), final_softcap on the head's logits.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # Sliding-window attention (Mistral v0.1, StarCoder2, Gemma 2/3 local layers): query i attends to keys j with
+    # i - sliding_window < j <= i; 0 = full causal attention.
+    sliding_window: int = 0
+    # Which layers slide: 0 = every layer; k > 0 = every layer but each k-th ((i + 1) % k == 0 is global: Gemma 2
+    # uses 2, Gemma 3 uses 6)
+    sliding_window_pattern: int = 0
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, unscaled; None = rope_theta (Gemma 3)
+    # GPT-NeoX's parallel residual: x + attn(attn_norm(x)) + mlp(mlp_norm(x)), both branches read the block input
+    parallel_residual: bool = False
+    rotary_fraction: float = 1.0  # fraction of each head's dims RoPE rotates, the rest pass (GPT-NeoX rotary_pct)
     tie_embeddings: bool = True  # output head shares the token-embedding weight
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
     causal: bool = True  # True: decoder, causal-LM objective; False: encoder, masked-LM objective
@@ -106,7 +145,28 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_model // self.n_heads if self.attn_head_dim is None else self.attn_head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q (and of o_proj's input): n_heads * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (even): head_dim * rotary_fraction."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    def linear_bias(self, group: str) -> bool:
+        """Whether the linears of ``group`` (qkv, out, mlp) have biases."""
+        own = {"qkv": self.attn_qkv_bias, "out": self.attn_out_bias, "mlp": self.mlp_bias}[group]
+        return self.bias if own is None else own
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) attends within model.sliding_window (the rule's one home)."""
+        if not self.sliding_window:
+            return False
+        return self.sliding_window_pattern == 0 or (layer + 1) % self.sliding_window_pattern != 0
 
     @property
     def kv_heads(self) -> int:
@@ -141,7 +201,7 @@ class ModelConfig:
         choice(self, "norm", NORMS)
         choice(self, "norm_placement", NORM_PLACEMENTS)
         choice(self, "activation", ACTIVATIONS)
-        if self.d_model % self.n_heads:
+        if self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 f"choose n_heads among the divisors of {self.d_model}"
@@ -153,6 +213,7 @@ class ModelConfig:
             )
         if self.pos_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got d_model/n_heads = {self.head_dim}")
+        self._validate_family_features()
         self._validate_rope_scaling()
         if not isinstance(self.mlm_head, bool):
             raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
@@ -174,6 +235,61 @@ class ModelConfig:
         choice(self, "base_weight_dtype", BASE_WEIGHT_DTYPES)
         positive(self, "base_weight_group")
         self._validate_encoder_decoder()
+
+    def _validate_family_features(self) -> None:
+        """The fields the open model families add (biases per group, head_dim, QK-norm, multipliers, soft-caps,
+        sliding windows, parallel residual, partial rotary)."""
+        choice(self, "qk_norm", QK_NORMS)
+        for name in ("attn_qkv_bias", "attn_out_bias", "mlp_bias"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"model.{name}={value!r} must be true, false or null (null follows model.bias)")
+        for name in ("parallel_residual",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        if self.attn_head_dim is not None:
+            value = self.attn_head_dim
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.attn_head_dim={value!r} must be a positive integer or null "
+                                 f"(null = d_model / n_heads)")
+        if self.qk_norm != "none" and self.norm != "rmsnorm":
+            raise ValueError(f"model.qk_norm={self.qk_norm!r} is an RMSNorm; it needs model.norm=rmsnorm, got "
+                             f"{self.norm!r}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_divisor"):
+            value = getattr(self, name)
+            if not is_number(value) or not value > 0:
+                raise ValueError(f"model.{name}={value!r} must be a number > 0 (1 = none)")
+        if self.attn_score_scale is not None and (not is_number(self.attn_score_scale)
+                                                  or not self.attn_score_scale > 0):
+            raise ValueError(f"model.attn_score_scale={self.attn_score_scale!r} must be a number > 0 or null")
+        for name in ("norm_weight_offset", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if not is_number(value) or value < 0:
+                raise ValueError(f"model.{name}={value!r} must be a number >= 0 (0 = none)")
+        for name in ("sliding_window", "sliding_window_pattern"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"model.{name}={value!r} must be an integer >= 0 (0 = none / every layer)")
+        if self.sliding_window and not self.causal:
+            raise ValueError(f"model.sliding_window={self.sliding_window} needs a causal model (model.causal=true)")
+        if self.rope_local_theta is not None and (self.pos_embedding != "rope" or not self.sliding_window
+                                                  or not is_number(self.rope_local_theta)
+                                                  or not self.rope_local_theta > 0):
+            raise ValueError(f"model.rope_local_theta={self.rope_local_theta!r} is the RoPE base of sliding layers: "
+                             "a number > 0, with model.pos_embedding=rope and model.sliding_window > 0")
+        if not is_number(self.rotary_fraction) or not 0 < self.rotary_fraction <= 1:
+            raise ValueError(f"model.rotary_fraction={self.rotary_fraction!r} must be in (0, 1]")
+        if self.rotary_fraction != 1.0 and (self.pos_embedding != "rope" or self.rotary_dim % 2
+                                            or self.rotary_dim < 2):
+            raise ValueError(f"model.rotary_fraction={self.rotary_fraction} rotates {self.rotary_dim} of "
+                             f"head_dim={self.head_dim} dims: it needs model.pos_embedding=rope and an even "
+                             "count >= 2")
+        if self.parallel_residual and self.norm_placement != "pre":
+            raise ValueError(f"model.parallel_residual=true reads both branches off the block input: it needs "
+                             f"model.norm_placement=pre, got {self.norm_placement!r}")
+        if self.encoder_decoder and self.norm_placement in ("post_branch", "sandwich"):
+            raise ValueError(f"model.norm_placement={self.norm_placement!r} is for one stack, not with "
+                             f"model.n_decoder_layers={self.n_decoder_layers}")
 
     def _validate_rope_scaling(self) -> None:
         choice(self, "rope_scaling", ROPE_SCALINGS)
