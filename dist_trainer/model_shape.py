@@ -3,7 +3,7 @@
 Closed forms read off the module definitions in ``model.py`` and ``model_moe.py``, per module, on one TP rank:
 ``nn.Linear(i, o, bias)`` holds ``i*o (+ o)``, ``nn.Embedding(n, h)`` ``n*h``, a LayerNorm ``h (+ h)``, an RMSNorm
 ``h``; RoPE and sinusoidal positions are buffers. Attention is ``n_heads * head_dim`` wide (``q_dim``), which need not
-be ``d_model`` (Qwen3, Gemma); biases are per group (``cfg.linear_bias``: qkv, out, mlp). Megatron-LM's TP (Shoeybi
+be ``d_model``; biases are per group (``cfg.linear_bias``: qkv, out, mlp). Megatron-LM's TP (Shoeybi
 et al. 2019, section 3): q/k/v and MLP up/gate column-parallel (their biases split with their rows), o/down
 row-parallel (biases replicated), the token embedding, an untied head and the MLM output bias vocab-parallel over a
 vocabulary padded up to a multiple of tp; k/v are split when tp divides the kv heads, replicated otherwise. QK-norm
@@ -182,7 +182,8 @@ def mlp_params(cfg: ModelShape, width: int, tp_size: int = 1) -> dict[str, int]:
 
 
 def post_norm_params(cfg: ModelShape) -> int:
-    """``attn_post_norm`` and ``mlp_post_norm`` each (sandwich placement: Gemma 2/3's norms after each branch)."""
+    """``attn_post_norm`` and ``mlp_post_norm`` each (sandwich placement: the norms after each branch, before its
+    residual add)."""
     return norm_params(cfg) if cfg.norm_placement == "sandwich" else 0
 
 
