@@ -184,3 +184,55 @@ def test_tp_rank_count_matches_hf_shapes_sliced(preset: str, tp: int) -> None:
     if cfg.tie_embeddings:
         assert "lm_head.weight" not in dict(model.named_parameters())
     assert rank_params(cfg, tp_size=tp).total == expected
+
+
+def test_matmul_weights_are_the_linears_of_the_transformers_layer() -> None:
+    # the FLOPs' 2 per matmul weight: q/k/v/o and the MLP's weights, at head_dim 256 on a 3584-wide model (Gemma 2)
+    from dist_trainer.planner.params import layer_matmul_weights
+
+    for preset in sorted(PUBLISHED):
+        config_cls, model_cls, published, _ = PUBLISHED[preset]
+        config = getattr(transformers, config_cls)(**{**published, "num_hidden_layers": 1})
+        with torch.device("meta"):
+            layer = getattr(transformers, model_cls)(config).model.layers[0]
+        linears = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        assert layer_matmul_weights(model_config(preset)) == linears, preset
+
+
+def test_sliding_layers_count_the_window_share_of_causal_attention() -> None:
+    from dist_trainer.planner.flops import attention_keys_per_query, step_flops
+
+    s = 40
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    causal = int((j <= i).sum())
+    for w in (1, 7, 39, 40, 64):
+        cfg = model_config("tiny", sliding_window=w, sliding_window_pattern=2, pos_embedding="rope")
+        window = int(((j <= i) & (j > i - w)).sum())  # the model's rule: i - W < j <= i
+        assert attention_keys_per_query(cfg, s, 0) == pytest.approx(s * window / causal)  # a sliding layer
+        assert attention_keys_per_query(cfg, s, 1) == s  # a global one: Megatron's full count
+    assert attention_keys_per_query(model_config("tiny", sliding_window=s), s, 0) == s  # W >= s keeps it all
+    # one step: the sliding layers' attention shrinks by their share, nothing else moves
+    dense = model_config("tiny", pos_embedding="rope")
+    slid = model_config("tiny", pos_embedding="rope", sliding_window=8, sliding_window_pattern=3)
+    sliding = [k for k in range(slid.n_layers) if slid.is_sliding_layer(k)]
+    cut = sum(4.0 * slid.q_dim * (s - attention_keys_per_query(slid, s, k)) for k in sliding)
+    batch = 3
+    assert step_flops(dense, seq_len=s, global_batch=batch)[0] - step_flops(slid, seq_len=s, global_batch=batch)[0] \
+        == pytest.approx(3.0 * cut * batch * s)
+
+
+def test_flops_count_head_dim_and_not_norms_caps_or_biases() -> None:
+    from dist_trainer.planner.flops import step_flops
+
+    s, batch = 32, 2
+    base = model_config("tiny", norm="rmsnorm", pos_embedding="rope", bias=False)
+    h, L = base.d_model, base.n_layers  # the head's 2 V h per token is the same in all three
+    wide = model_config("tiny", norm="rmsnorm", pos_embedding="rope", bias=False, attn_head_dim=2 * base.head_dim)
+    # q and o grow to 2h wide, k and v to twice the kv width; scores and weighted sum run over q_dim = 2h
+    extra_weights = 2 * h * h + 2 * h * base.kv_heads * base.head_dim
+    extra = 3.0 * batch * s * L * (2.0 * extra_weights + 4.0 * s * h)
+    assert step_flops(wide, seq_len=s, global_batch=batch)[0] - step_flops(base, seq_len=s, global_batch=batch)[0] \
+        == pytest.approx(extra)
+    capped = model_config("tiny", norm="rmsnorm", pos_embedding="rope", bias=False, qk_norm="full",
+                          norm_placement="sandwich", attn_softcap=50.0, final_softcap=30.0, attn_qkv_bias=True)
+    assert step_flops(capped, seq_len=s, global_batch=batch) == step_flops(base, seq_len=s, global_batch=batch)
