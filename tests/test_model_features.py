@@ -323,6 +323,16 @@ def test_norm_placements_and_post_norms_are_named_and_initialised() -> None:
     assert "layers.0.attn_post_norm.weight" not in {n for n, _ in full.named_parameters()}
 
 
+def test_biases_follow_their_projection_group_in_experts_too() -> None:
+    """attn_qkv_bias / attn_out_bias / mlp_bias pick the linears with biases, every expert's MLP included."""
+    model = build_model(_ours(attn_qkv_bias=True, mlp_bias=True, n_experts=2, top_k=1, n_shared_experts=1), seed=0)
+    biased = {n.removesuffix(".bias") for n, _ in model.named_parameters() if n.endswith(".bias")}
+    layer = {n.removeprefix("layers.0.") for n in biased if n.startswith("layers.0.")}
+    assert layer == {"attn.q_proj", "attn.k_proj", "attn.v_proj",
+                     *(f"moe.{e}.{leaf}" for e in ("experts.0", "experts.1", "shared_expert")
+                       for leaf in ("up_proj", "gate_proj", "down_proj"))}
+
+
 # ---- generation ---------------------------------------------------------------------------------------------
 
 
