@@ -119,3 +119,53 @@ def test_the_note_names_every_field_a_preset_set(mixtral: Path, capsys: pytest.C
         assert f"{field}={value!r} (preset tiny-moe) -> " in note, (field, note)
     assert cfg.model.router_z_loss == 0.002 and "router_z_loss" not in note  # the run's own choice
     assert cfg.model.router_aux_loss == json.loads((mixtral / "config.json").read_text())["router_aux_loss_coef"]
+
+
+def test_a_refused_export_writes_nothing(mixtral: Path, tmp_path: Path) -> None:
+    """Refused before (a missing source) or after (monkeypatched failure while writing) its folder exists: the
+    folders the export created are gone; a folder that was there stays, with what it held and nothing more."""
+    from dist_trainer.train.export import export_checkpoint
+
+    nested = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(ValueError):
+        export_checkpoint(tmp_path / "no-such-run", nested)
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match="--dtype"):  # refused by export_hf, once --out exists
+        export_checkpoint(mixtral, nested, dtype="fp8")
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError):
+        export_checkpoint(tmp_path / "no-such-run", nested, fmt="native")
+    assert not (tmp_path / "new").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError):
+        export_checkpoint(mixtral, empty, dtype="fp8")
+    assert empty.is_dir() and not any(empty.iterdir())
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="not empty"):
+        export_checkpoint(mixtral, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_an_export_that_fails_while_writing_leaves_nothing(mixtral: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from dist_trainer.checkpoint import hf_export
+    from dist_trainer.train.export import export_checkpoint
+
+    def fail(*_: Any) -> list[Path]:
+        raise ValueError("disk full")
+
+    monkeypatch.setattr(hf_export, "copy_tokenizer", fail)  # after the weights are written
+    with pytest.raises(ValueError, match="disk full"):
+        export_checkpoint(mixtral, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="disk full"):
+        export_checkpoint(mixtral, mine, force=True)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    monkeypatch.undo()
+    assert (export_checkpoint(mixtral, tmp_path / "out")[0]).is_file()  # the same export, not refused, writes
