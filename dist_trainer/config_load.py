@@ -31,15 +31,24 @@ FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "l
 def hf_model_fields(path: str | Path) -> dict[str, Any]:
     """ModelConfig fields of a Hugging Face folder (or its config.json): its config, and its tensor names (which
     say whether a BERT folder has a pooler or a masked-LM head)."""
-    from dist_trainer.checkpoint.hf_config import model_fields_from_hf, read_hf_config
+    from dist_trainer.checkpoint.hf_config import hf_family, model_fields_from_hf, read_hf_config
 
     folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
-    names = None
+    files = None
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
         from dist_trainer.checkpoint.hf_files import safetensors_index
 
-        names = set(safetensors_index(folder))
-    return model_fields_from_hf(read_hf_config(folder), str(folder / "config.json"), names)
+        files = safetensors_index(folder)
+    names = None if files is None else set(files)
+    hf = read_hf_config(folder)
+    fields = model_fields_from_hf(hf, str(folder / "config.json"), names)
+    if files is not None:  # a tensor no parameter reads is refused here too: counts and plans hold every one
+        from dist_trainer.checkpoint.hf_files import check_all_read
+        from dist_trainer.checkpoint.hf_names import read_plan
+
+        plan = read_plan(hf_family(hf, str(folder / "config.json")), fields, set(files))
+        check_all_read(folder, files, {r.hf_name for r in plan.values()})
+    return fields
 
 
 # ...but beside a Hugging Face folder the experts' capacity is the folder's routing (Mixtral: dropless): a capacity
