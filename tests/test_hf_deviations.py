@@ -267,3 +267,10 @@ def test_a_head_the_model_cannot_hold_is_refused_by_name(tmp_path_factory: pytes
                                              "refused rather than dropped"):
             action()
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_as_a_preset_alone_keeps_the_runs_capacity(mixtral: Path) -> None:
+    """``model.preset=DIR`` without its weights (the seed draws them): the capacity is a training choice there."""
+    cfg = load_config(None, [f"--model.preset={mixtral}", "--model.capacity_factor=1.25", "--data.seq_len=32"])
+    assert cfg.model.capacity_factor == 1.25 and cfg.model.n_experts == 4
+    assert load_config(None, [f"--model.preset={mixtral}", "--data.seq_len=32"]).model.capacity_factor == 2.0
