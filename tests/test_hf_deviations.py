@@ -274,3 +274,44 @@ def test_a_folder_as_a_preset_alone_keeps_the_runs_capacity(mixtral: Path) -> No
     cfg = load_config(None, [f"--model.preset={mixtral}", "--model.capacity_factor=1.25", "--data.seq_len=32"])
     assert cfg.model.capacity_factor == 1.25 and cfg.model.n_experts == 4
     assert load_config(None, [f"--model.preset={mixtral}", "--data.seq_len=32"]).model.capacity_factor == 2.0
+
+
+BERT_LAYOUTS = {"tp2": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2, "micro_batch_size": 2},
+                "zero3": {"zero_stage": 3, "micro_batch_size": 2}}
+
+
+def _bert_run(data: Path, out: Path, folder: Path, parallel: dict[str, Any]) -> dict[str, Any]:
+    from tests.helpers import curves
+
+    cfg = tiny_config(data, out, model={"preset": "tiny"}, optim={"lr": 0.0, "min_lr": 0.0, "warmup_steps": 0},
+                      parallel={"micro_batch_size": 4, **parallel, "global_batch_size": 8},
+                      train={"init_from": str(folder), "max_steps": 1, "eval_every": 1, "save_every": 1})
+    return curves(Trainer(cfg, log=False).train())
+
+
+def _bert_layouts(rank: int, world_size: int, data: Path, root: Path, folder: Path) -> dict[str, Any]:
+    return {name: _bert_run(data, root / name, folder, parallel) for name, parallel in BERT_LAYOUTS.items()}
+
+
+def test_the_next_sentence_head_in_every_layout(bert_pretraining: Path, data: Path, tmp_path: Path) -> None:
+    """tp=2 with SP, pp=2 and ZeRO-3 runs from the BertForPreTraining folder: one process's losses, and each
+    checkpoint exports the next-sentence head as loaded (a BertForPreTraining transformers loads whole)."""
+    from safetensors.torch import load_file
+
+    from dist_trainer.testing import run_distributed
+    from dist_trainer.train.export import export_checkpoint
+    from tests.helpers import assert_same_curves
+
+    ref = _bert_run(data, tmp_path / "ref", bert_pretraining, {})
+    results = run_distributed(_bert_layouts, 2, (data, tmp_path, bert_pretraining), env={"DS_ACCELERATOR": "cpu"},
+                              timeout=600)
+    before = {k: v for f in bert_pretraining.glob("*.safetensors") for k, v in load_file(f).items()}
+    for name in BERT_LAYOUTS:
+        assert_same_curves(results[0][name], ref, what=name)
+        out = tmp_path / f"{name}-export"
+        export_checkpoint(tmp_path / name, out)
+        _, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        after = load_file(out / "model.safetensors")
+        for tensor in ("cls.seq_relationship.weight", "cls.seq_relationship.bias", "bert.pooler.dense.weight"):
+            assert torch.equal(after[tensor], before[tensor]), (name, tensor)
