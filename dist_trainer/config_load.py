@@ -31,43 +31,53 @@ FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "l
 def hf_model_fields(path: str | Path) -> dict[str, Any]:
     """ModelConfig fields of a Hugging Face folder (or its config.json): its config, and its tensor names (which
     say whether a BERT folder has a pooler or a masked-LM head)."""
-    from dist_trainer.checkpoint.hf_config import model_fields_from_hf, read_hf_config
+    from dist_trainer.checkpoint.hf_config import hf_family, model_fields_from_hf, read_hf_config
 
     folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
-    names = None
+    files = None
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
         from dist_trainer.checkpoint.hf_files import safetensors_index
 
-        names = set(safetensors_index(folder))
-    return model_fields_from_hf(read_hf_config(folder), str(folder / "config.json"), names)
+        files = safetensors_index(folder)
+    names = None if files is None else set(files)
+    hf = read_hf_config(folder)
+    fields = model_fields_from_hf(hf, str(folder / "config.json"), names)
+    if files is not None:  # a tensor no parameter reads is refused here too: counts and plans hold every one
+        from dist_trainer.checkpoint.hf_files import check_all_read
+        from dist_trainer.checkpoint.hf_names import read_plan
+
+        plan = read_plan(hf_family(hf, str(folder / "config.json")), fields, set(files))
+        check_all_read(folder, files, {r.hf_name for r in plan.values()})
+    return fields
 
 
-# ...but beside a Hugging Face folder the experts' capacity is the folder's routing (Mixtral: dropless): a capacity
-# below it drops tokens the folder's model never drops, so it is replaced like every field that changes the maths
+# ...but a run that starts from a Hugging Face folder's weights has the folder's routing (Mixtral: dropless): a
+# capacity below it drops tokens the folder's model never drops, so it is replaced like every field that changes the
+# maths (a folder as a preset alone, weights drawn by the seed, keeps the run's capacity: a training choice there)
 HF_FREE_MODEL_FIELDS = tuple(f for f in FREE_MODEL_FIELDS if f != "capacity_factor")
 
 
 def _folder_implies(hf: dict[str, Any]) -> dict[str, Any]:
     """Every ModelConfig field a folder's model computes with: its mapped fields, ModelConfig's defaults for the
     rest (a family that maps no ``qk_norm`` computes without one, whatever a preset beside it says)."""
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-                for f in dataclasses.fields(ModelConfig) if f.name != "preset"}
+    defaults = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k != "preset"}
     return {**defaults, **hf}
 
 
 def _model_from_hf(model_fields: dict[str, Any], folder: str, preset: dict[str, Any] | None = None,
-                   preset_name: str | None = None) -> dict[str, Any]:
+                   preset_name: str | None = None, free_fields: tuple[str, ...] = HF_FREE_MODEL_FIELDS
+                   ) -> dict[str, Any]:
     """A run's model section when it starts from a Hugging Face folder: the folder's fields win over a preset's
     (``preset``, the fields of ``preset_name``) and over the run config's model section (``model_fields``), every
     replaced value named on stderr, so a run config written for another model still runs and computes exactly the
-    folder's model. Only the run's own ``HF_FREE_MODEL_FIELDS`` (dropout, LoRA, router loss weights, ...: no
-    weight's meaning) are kept from the model section; a preset's are replaced where the folder sets them."""
+    folder's model. Only the run's own ``free_fields`` (dropout, LoRA, router loss weights, ...: no weight's
+    meaning) are kept from the model section; a preset's are replaced where the folder sets them."""
     hf = hf_model_fields(folder)
     implied = _folder_implies(hf)
     replaced: dict[str, tuple[str, Any, Any]] = {}
     for source, fields, own in ((f"preset {preset_name}", preset or {}, False), ("run config", model_fields, True)):
         for k, v in fields.items():
-            free = k in HF_FREE_MODEL_FIELDS
+            free = k in free_fields
             if k == "preset" or k not in implied or (free and (own or k not in hf)) or v == implied[k] or \
                     (not own and k in model_fields):  # the run config's value is the one the user wrote
                 continue
@@ -79,8 +89,8 @@ def _model_from_hf(model_fields: dict[str, Any], folder: str, preset: dict[str, 
               f"(source: value -> folder's): " + ", ".join(f"{k}={a!r} ({s}) -> {b!r}"
                                                           for k, (s, a, b) in sorted(replaced.items())),
               file=sys.stderr)
-    kept = {k: v for k, v in (preset or {}).items() if k in HF_FREE_MODEL_FIELDS and k not in hf}
-    kept.update({k: v for k, v in model_fields.items() if k in HF_FREE_MODEL_FIELDS})
+    kept = {k: v for k, v in (preset or {}).items() if k in free_fields and k not in hf}
+    kept.update({k: v for k, v in model_fields.items() if k in free_fields})
     return {**hf, **kept, "preset": folder}
 
 
@@ -163,7 +173,7 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
                                       load_preset(str(preset)) if preset else None, preset)
     elif model_fields.get("preset") and is_hf_folder(str(model_fields["preset"])):
         model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"},
-                                      str(model_fields["preset"]))
+                                      str(model_fields["preset"]), free_fields=FREE_MODEL_FIELDS)
     elif model_fields.get("preset"):
         model_fields = {**load_preset(model_fields["preset"]), **model_fields}
     built = {}

@@ -4,6 +4,9 @@ nothing. Against ``transformers`` itself (a test-only dependency), single-proces
 - a Mixtral folder beside a preset (``model.preset=tiny-moe``, capacity_factor 1.25) or a model section that sets
   ``capacity_factor``: the run's model has the folder's dropless capacity, no expert slot is dropped at step 1, the
   step-1 loss is transformers', and the note on stderr names every replaced field;
+- a BERT folder saved as ``BertForPreTraining`` keeps its next-sentence head (``cls.seq_relationship``): loaded with
+  transformers' logits, counted by ``params``, trained on (it gets no gradient from the MLM loss) or frozen, and
+  exported as ``BertForPreTraining``; a head the model cannot hold (a classifier) is refused by name, never dropped;
 - a refused ``export`` leaves no ``--out`` folder behind (and never removes one that was there).
 """
 
@@ -169,3 +172,146 @@ def test_an_export_that_fails_while_writing_leaves_nothing(mixtral: Path, tmp_pa
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     monkeypatch.undo()
     assert (export_checkpoint(mixtral, tmp_path / "out")[0]).is_file()  # the same export, not refused, writes
+
+
+def _bert(tmp_path_factory: pytest.TempPathFactory, cls: Any, name: str) -> Path:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     max_position_embeddings=64, intermediate_size=64, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    folder = tmp_path_factory.mktemp("hf") / name
+    cls(config).save_pretrained(folder, max_shard_size="40KB")
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert_pretraining(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _bert(tmp_path_factory, transformers.BertForPreTraining, "bert_pretraining")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+def _check_against(ours: Any, folder: Path) -> None:
+    """Our masked-LM logits and next-sentence logits are transformers' BertForPreTraining's (tokens with segments)."""
+    theirs = transformers.BertForPreTraining.from_pretrained(folder).eval()
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    types = (torch.arange(24) >= 10).long().expand(2, 24)
+    with torch.no_grad():
+        want = theirs(tokens, token_type_ids=types)
+        hidden = ours.hidden_states(tokens, types)
+        assert _close(ours.logits(hidden), want.prediction_logits)
+        assert _close(ours.next_sentence(hidden), want.seq_relationship_logits)
+
+
+def test_a_pretraining_bert_folder_keeps_its_next_sentence_head(bert_pretraining: Path) -> None:
+    from dist_trainer.checkpoint.plain import load_plain_model
+    from dist_trainer.config_load import model_config
+    from dist_trainer.model import count_parameters
+    from dist_trainer.planner.params import count_params, param_breakdown
+
+    ours, cfg = load_plain_model(bert_pretraining)
+    assert cfg.model.nsp_head and cfg.model.pooler and cfg.model.mlm_head
+    _check_against(ours, bert_pretraining)
+    want = transformers.BertForPreTraining.from_pretrained(bert_pretraining).num_parameters()
+    assert count_parameters(ours) == want
+    assert count_params(model_config(str(bert_pretraining))) == want  # `params` counts the head's 2 x 32 + 2
+    assert param_breakdown(model_config(str(bert_pretraining))).tail["nsp_head"] == 2 * 32 + 2
+
+
+def test_a_run_trains_on_it_and_exports_it_as_bert_for_pretraining(bert_pretraining: Path, data: Path,
+                                                                     tmp_path: Path) -> None:
+    """Two steps from the folder at lr > 0: the MLM loss gives the next-sentence head no gradient, so it is exported
+    as loaded while the rest moved; the export is a BertForPreTraining that transformers loads with no missing or
+    unexpected key and that computes what our run's model computes. Frozen, it is accepted too."""
+    from safetensors.torch import load_file
+
+    from dist_trainer.checkpoint.plain import load_plain_model
+    from dist_trainer.train.export import export_checkpoint
+
+    cfg = tiny_config(data, tmp_path / "run", model={"preset": "tiny"}, optim={"lr": 1e-2, "warmup_steps": 0},
+                      train={"init_from": str(bert_pretraining), "max_steps": 2, "eval_every": 2, "save_every": 2})
+    Trainer(cfg, log=False).train()
+    out = tmp_path / "export"
+    export_checkpoint(tmp_path / "run", out)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForPreTraining"]
+    _, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    before = {k: v for f in bert_pretraining.glob("*.safetensors") for k, v in load_file(f).items()}
+    after = load_file(out / "model.safetensors")
+    for name in ("cls.seq_relationship.weight", "cls.seq_relationship.bias"):
+        assert torch.equal(after[name], before[name]), name
+    assert not torch.equal(after["bert.pooler.dense.weight"], before["bert.pooler.dense.weight"]) or \
+        not torch.equal(after["cls.predictions.bias"], before["cls.predictions.bias"])  # the run did train
+    ours, _ = load_plain_model(tmp_path / "run")
+    _check_against(ours, out)
+    frozen = tiny_config(data, tmp_path / "frozen", model={"preset": "tiny"},
+                         train={"init_from": str(bert_pretraining), "freeze": ["nsp_head", "pooler"]})
+    trainer = Trainer(frozen, log=False)
+    assert not any(p.requires_grad for n, p in trainer.engine.model.named_parameters() if "nsp_head" in n)
+
+
+def test_a_head_the_model_cannot_hold_is_refused_by_name(tmp_path_factory: pytest.TempPathFactory,
+                                                         tmp_path: Path) -> None:
+    from dist_trainer.checkpoint.plain import load_plain_model
+    from dist_trainer.config_load import model_config
+    from dist_trainer.train.export import export_checkpoint
+
+    folder = _bert(tmp_path_factory, transformers.BertForSequenceClassification, "bert_classifier")
+    for action in (lambda: load_plain_model(folder), lambda: model_config(str(folder)),
+                   lambda: export_checkpoint(folder, tmp_path / "out")):
+        with pytest.raises(ValueError, match=r"tensors no parameter of this model reads: classifier\.bias, "
+                                             r"classifier\.weight; a head or module this model cannot hold is "
+                                             "refused rather than dropped"):
+            action()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_as_a_preset_alone_keeps_the_runs_capacity(mixtral: Path) -> None:
+    """``model.preset=DIR`` without its weights (the seed draws them): the capacity is a training choice there."""
+    cfg = load_config(None, [f"--model.preset={mixtral}", "--model.capacity_factor=1.25", "--data.seq_len=32"])
+    assert cfg.model.capacity_factor == 1.25 and cfg.model.n_experts == 4
+    assert load_config(None, [f"--model.preset={mixtral}", "--data.seq_len=32"]).model.capacity_factor == 2.0
+
+
+BERT_LAYOUTS = {"tp2": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2, "micro_batch_size": 2},
+                "zero3": {"zero_stage": 3, "micro_batch_size": 2}}
+
+
+def _bert_run(data: Path, out: Path, folder: Path, parallel: dict[str, Any]) -> dict[str, Any]:
+    from tests.helpers import curves
+
+    cfg = tiny_config(data, out, model={"preset": "tiny"}, optim={"lr": 0.0, "min_lr": 0.0, "warmup_steps": 0},
+                      parallel={"micro_batch_size": 4, **parallel, "global_batch_size": 8},
+                      train={"init_from": str(folder), "max_steps": 1, "eval_every": 1, "save_every": 1})
+    return curves(Trainer(cfg, log=False).train())
+
+
+def _bert_layouts(rank: int, world_size: int, data: Path, root: Path, folder: Path) -> dict[str, Any]:
+    return {name: _bert_run(data, root / name, folder, parallel) for name, parallel in BERT_LAYOUTS.items()}
+
+
+def test_the_next_sentence_head_in_every_layout(bert_pretraining: Path, data: Path, tmp_path: Path) -> None:
+    """tp=2 with SP, pp=2 and ZeRO-3 runs from the BertForPreTraining folder: one process's losses, and each
+    checkpoint exports the next-sentence head as loaded (a BertForPreTraining transformers loads whole)."""
+    from safetensors.torch import load_file
+
+    from dist_trainer.testing import run_distributed
+    from dist_trainer.train.export import export_checkpoint
+    from tests.helpers import assert_same_curves
+
+    ref = _bert_run(data, tmp_path / "ref", bert_pretraining, {})
+    results = run_distributed(_bert_layouts, 2, (data, tmp_path, bert_pretraining), env={"DS_ACCELERATOR": "cpu"},
+                              timeout=600)
+    before = {k: v for f in bert_pretraining.glob("*.safetensors") for k, v in load_file(f).items()}
+    for name in BERT_LAYOUTS:
+        assert_same_curves(results[0][name], ref, what=name)
+        out = tmp_path / f"{name}-export"
+        export_checkpoint(tmp_path / name, out)
+        _, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+        after = load_file(out / "model.safetensors")
+        for tensor in ("cls.seq_relationship.weight", "cls.seq_relationship.bias", "bert.pooler.dense.weight"):
+            assert torch.equal(after[tensor], before[tensor]), (name, tensor)
