@@ -66,7 +66,7 @@ def _present(cfg: ModelShape, name: str) -> bool:
         "emb_norm": cfg.norm_placement == "post" and not cfg.encoder_decoder,
         "final_norm": cfg.norm_placement != "post", "q_norm": cfg.qk_norm != "none", "k_norm": cfg.qk_norm != "none",
         "attn_post_norm": cfg.norm_placement == "sandwich", "mlp_post_norm": cfg.norm_placement == "sandwich",
-        "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "gate_proj": cfg.gated,
+        "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "nsp_head": cfg.nsp_head, "gate_proj": cfg.gated,
         "mlm_transform.dense": cfg.mlm_head, "mlm_transform.norm": cfg.mlm_head, "output_bias": cfg.mlm_head,
         "enc_norm": pre, "dec_pos_emb": cfg.pos_embedding == "learned", "dec_rel_emb": relative,
     }.get(name, True)
@@ -215,7 +215,8 @@ def module_training(cfg: ModelShape, freeze: Sequence[str] = ()) -> dict[str, tu
     """``training_plan`` (module -> (base trains, adapter trains)), cached for the planner search's many calls by
     the fields that decide which modules exist (the ``ModelShape`` fields ``module_names`` reads)."""
     key = (cfg.n_layers, cfg.n_decoder_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
-           cfg.qk_norm, cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets),
+           cfg.qk_norm, cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.nsp_head, cfg.lora_rank,
+           tuple(cfg.lora_targets),
            cfg.n_experts, cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
     if key not in _PLANS:
         if len(_PLANS) >= 64:

@@ -15,7 +15,7 @@ LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", 
                  "mlp_norm", "up_proj", "gate_proj", "down_proj", "mlp_post_norm")
 # after the layers (the last pipeline stage): the Transformer's attributes, in module order; ``output_bias`` (BERT's
 # decoder bias, model.mlm_head) is a parameter the Transformer holds itself, the others are modules
-LAST_STAGE_MODULES = ("final_norm", "mlm_transform", "head", "output_bias", "pooler")
+LAST_STAGE_MODULES = ("final_norm", "mlm_transform", "head", "output_bias", "pooler", "nsp_head")
 LAST_STAGE_PARAMETERS = ("output_bias",)  # of LAST_STAGE_MODULES, the parameters (no module under that name)
 MLM_TRANSFORM_LEAVES = ("dense", "norm")  # mlm_transform's modules (BERT's BertPredictionHeadTransform)
 # the last stage's parameterised names (what a freeze pattern matches, the planner's tail counts), module order

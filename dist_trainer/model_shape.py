@@ -40,6 +40,7 @@ class ModelShape(Protocol):
     tie_embeddings: bool
     pooler: bool
     mlm_head: bool
+    nsp_head: bool
     lora_rank: int
     lora_targets: list[str]
     n_experts: int
@@ -245,7 +246,8 @@ def layer_param_counts(cfg: ModelShape) -> list[int]:
 
 def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[str, int]:
     """Parameters of the last-stage modules (``model_names.TAIL_NAMES``): final norm, the MLM transform, head
-    (untied, or a tied copy when pp > 1), the MLM output bias (vocab-parallel like the head's rows), pooler.
+    (untied, or a tied copy when pp > 1), the MLM output bias (vocab-parallel like the head's rows), pooler, the
+    next-sentence head (``model.nsp_head``).
 
     Every placement but post-norm ends with a final norm; an untied head is ``Linear(h, V, bias=False)``; BERT's
     masked-LM head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm and
@@ -260,4 +262,5 @@ def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[
         "head": head_rows * cfg.d_model if has_head else 0,
         "output_bias": head_rows if cfg.mlm_head else 0,
         "pooler": dense if cfg.pooler else 0,
+        "nsp_head": 2 * cfg.d_model + 2 if cfg.nsp_head else 0,  # Linear(h, 2) with its bias, whatever model.bias
     }

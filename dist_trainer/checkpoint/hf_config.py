@@ -181,7 +181,8 @@ def _bert(hf: dict[str, Any], where: str, weight_names: set[str] | None) -> dict
             "dropout": _dropout(hf, where, ("hidden_dropout_prob", "attention_probs_dropout_prob")),
             "causal": False, "n_token_types": int(hf.get("type_vocab_size", 2)),
             "pooler": any(n.endswith("pooler.dense.weight") for n in names),
-            "mlm_head": any(n.startswith("cls.predictions.transform.") for n in names)}
+            "mlm_head": any(n.startswith("cls.predictions.transform.") for n in names),
+            "nsp_head": "cls.seq_relationship.weight" in names}  # BertForPreTraining's next-sentence head
 
 
 def _t5(hf: dict[str, Any], where: str, weight_names: set[str] | None) -> dict[str, Any]:
@@ -283,7 +284,9 @@ def hf_config_from_model(model: dict[str, Any], dtype: str) -> dict[str, Any]:
                 "scale_decoder_outputs": bool(model.get("scale_head_input")),
                 "decoder_start_token_id": model.get("decoder_start_id", 0), "n_positions": model["max_seq_len"]}
     if family == "bert":
-        arch = "BertForMaskedLM" if model.get("mlm_head") else "BertModel"
+        arch = {(True, True): "BertForPreTraining", (False, True): "BertForNextSentencePrediction",
+                (True, False): "BertForMaskedLM"}.get((bool(model.get("mlm_head")), bool(model.get("nsp_head"))),
+                                                      "BertModel")
         return {**common, "architectures": [arch], "hidden_size": d, "num_hidden_layers": model["n_layers"],
                 "num_attention_heads": heads, "intermediate_size": d_ff,
                 "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[model["activation"]],

@@ -126,6 +126,9 @@ def _bert(m: dict[str, Any], p: str, hf_names: set[str]) -> dict[str, Recipe]:
         w, b = _norm_names(hf_names, f"{t}LayerNorm")
         out["mlm_transform.norm.weight"], out["mlm_transform.norm.bias"] = Recipe(w), Recipe(b)
         out["output_bias"] = Recipe("cls.predictions.bias")
+    if m.get("nsp_head"):  # BertForPreTraining's (and BertForNextSentencePrediction's) next-sentence head
+        out["nsp_head.weight"], out["nsp_head.bias"] = Recipe("cls.seq_relationship.weight"), \
+            Recipe("cls.seq_relationship.bias")
     return out
 
 
@@ -173,10 +176,11 @@ def read_plan(family: str, model: dict[str, Any], hf_names: set[str]) -> dict[st
 
 def write_plan(family: str, model: dict[str, Any]) -> dict[str, list[tuple[str, Recipe]]]:
     """{HF tensor name: [(our name, Recipe), ...]} for an export: the task model's names (``GPT2LMHeadModel``,
-    ``*ForCausalLM``, ``BertForMaskedLM`` when the model has the MLM head, else ``BertModel``); a fused HF tensor
+    ``*ForCausalLM``, ``BertForMaskedLM`` when the model has the MLM head, ``BertForPreTraining`` with the
+    next-sentence head too, else ``BertModel``); a fused HF tensor
     lists each of its parts in order."""
     if family == "bert":
-        plan = _bert(model, "bert." if model.get("mlm_head") else "", set())
+        plan = _bert(model, "bert." if model.get("mlm_head") or model.get("nsp_head") else "", set())
     else:
         plan = read_plan(family, model, set())
     out: dict[str, list[tuple[str, Recipe]]] = {}

@@ -20,7 +20,13 @@ from typing import Any, Protocol
 import torch
 
 from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
-from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_header, safetensors_index
+from dist_trainer.checkpoint.hf_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    check_all_read,
+    safetensors_header,
+    safetensors_index,
+)
 from dist_trainer.checkpoint.hf_names import read_plan
 from dist_trainer.quant.int8 import read_dequantized
 
@@ -106,6 +112,7 @@ class HFSource:
             raise ValueError(f"{self.folder}: tensor {missing[0]!r} (one of {len(missing)} the "
                              f"{self.family} config.json implies) is in none of the folder's files")
         self._check_files()
+        check_all_read(self.folder, self.files.files, {r.hf_name for r in self.plan.values()})
 
     def _check_files(self) -> None:
         """Every tensor the index names is in its file, and every shape is the one config.json implies: a
