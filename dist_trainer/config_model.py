@@ -102,6 +102,10 @@ class ModelConfig:
     # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
     # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
     mlm_head: bool = False
+    # BERT's next-sentence head (BertForPreTraining's cls.seq_relationship): Linear(h, 2) on the pooled output, so it
+    # needs model.pooler. Loaded, exported and counted; the MLM loss gives it no gradient (it stays as loaded
+    # unless a loss of its own is added: frozen or trained, it changes only what Transformer.next_sentence returns)
+    nsp_head: bool = False
     # Encoder-decoder (Vaswani et al. 2017; T5, Raffel et al. 2020; docs/seq2seq.md). 0: one stack, as above. > 0:
     # n_layers encoder layers (bidirectional self-attention + MLP) then this many decoder layers (causal
     # self-attention, cross-attention over the encoder output, MLP), one token embedding shared by both stacks
@@ -217,6 +221,10 @@ class ModelConfig:
         self._validate_rope_scaling()
         if not isinstance(self.mlm_head, bool):
             raise ValueError(f"model.mlm_head={self.mlm_head!r} must be true or false")
+        if not isinstance(self.nsp_head, bool):
+            raise ValueError(f"model.nsp_head={self.nsp_head!r} must be true or false")
+        if self.nsp_head and not self.pooler:
+            raise ValueError("model.nsp_head=true reads the pooled first token: it needs model.pooler=true")
         if self.mlm_head and self.gated:
             raise ValueError("model.mlm_head=true applies model.activation to one dense layer's output: it needs "
                              f"gelu, gelu_tanh or relu, not the gated {self.activation}")
@@ -323,6 +331,7 @@ class ModelConfig:
                               "data.objective picks the objective"),
                    "n_token_types": (self.n_token_types != 0, "no segment embeddings"),
                    "pooler": (self.pooler, "no pooler"), "mlm_head": (self.mlm_head, "no masked-LM head"),
+                   "nsp_head": (self.nsp_head, "no next-sentence head"),
                    "n_experts": (self.n_experts != 0, "mixture-of-experts layers are for one stack"),
                    "pos_embedding": (self.pos_embedding == "rope", "rope is not mapped onto cross-attention; use "
                                      "relative, sinusoidal or learned")}

@@ -99,6 +99,7 @@ class Transformer(nn.Module):
         # BERT's decoder bias (cls.predictions.bias): on the model, beside a head that may be the tied embedding
         self.register_parameter("output_bias", nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.mlm_head else None)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
+        self.nsp_head = nn.Linear(cfg.d_model, 2) if cfg.nsp_head else None  # BERT's cls.seq_relationship
         self.loss: nn.Module = LMLoss()
         # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
         # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
@@ -184,7 +185,7 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         x = self.tok_emb(tokens)
         if self.cfg.scale_embeddings:  # Vaswani et al. 2017, section 3.4; the factor in x's dtype, as Gemma's
-            x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype)
+            x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype, device=x.device)
         if self.cfg.embedding_multiplier != 1.0:  # Granite
             x = x * self.cfg.embedding_multiplier
         pos_emb = self.dec_pos_emb if decoder else self.pos_emb
@@ -305,6 +306,13 @@ class Transformer(nn.Module):
         if self.pooler is None:
             raise RuntimeError("this model has no pooler (model.pooler=false)")
         return torch.tanh(self.pooler(self.pool_input(hidden)[:, 0]))
+
+    def next_sentence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """BERT's next-sentence logits (B, 2) from the last hidden state: ``nsp_head(pool(hidden))`` (index 0: the
+        second segment follows the first). Not part of the MLM loss."""
+        if self.nsp_head is None:
+            raise RuntimeError("this model has no next-sentence head (model.nsp_head=false)")
+        return self.nsp_head(self.pool(hidden))
 
     def forward(
         self,

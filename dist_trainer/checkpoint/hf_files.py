@@ -7,12 +7,38 @@ weights (``pytorch_model.bin``) are refused unread, since unpickling can run cod
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _REFUSED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+# Tensors a folder may hold that no recipe reads and that change nothing, as transformers skips them on load:
+# buffers older versions saved (causal masks, rotary frequencies, position and token-type ids) and tied copies of a
+# weight that is read (the output layer and per-stack embeddings of a tied model, the masked-LM decoder and its bias)
+_NOT_WEIGHTS = re.compile(r"(^|\.)(attn\.(bias|masked_bias)|rotary_emb\.inv_freq|embeddings\.(position_ids|"
+                          r"token_type_ids))$")
+_TIED_COPIES = re.compile(r"^(lm_head\.weight|(encoder|decoder)\.embed_tokens\.weight|"
+                          r"cls\.predictions\.decoder\.(weight|bias))$")
+
+
+def check_all_read(folder: Path, files: dict[str, Path], read: set[str]) -> None:
+    """ValueError naming the tensors of a folder (``files``: ``safetensors_index``'s) that no parameter of the model
+    reads (``read``: the HF names its recipes read), but for buffers and tied copies: a head or module the model
+    cannot hold is refused by name, never dropped (a sequence-classification ``classifier``, say). An int8 export's
+    ``<tensor>_scale`` is read with its tensor. A name the index lists in a file that lacks it is named as such."""
+    unread = sorted(n for n in files if n not in read and not _NOT_WEIGHTS.search(n) and not _TIED_COPIES.match(n)
+                    and not (n.endswith("_scale") and n.removesuffix("_scale") in read))
+    for name in unread:
+        if name not in safetensors_header(files[name]):
+            raise ValueError(f"{folder}: {INDEX_FILE} names tensor {name!r} in {files[name].name}, which does not "
+                             "hold it")
+    if unread:
+        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        raise ValueError(f"{folder}: the folder holds tensors no parameter of this model reads: {shown}; a head or "
+                         "module this model cannot hold is refused rather than dropped (save the model without it, "
+                         "e.g. as its base *Model or its LM / pre-training class)")
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:

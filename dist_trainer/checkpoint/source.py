@@ -21,7 +21,13 @@ from typing import Any, Protocol
 import torch
 
 from dist_trainer.checkpoint.hf_config import is_hf_folder, read_hf_config
-from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_header, safetensors_index
+from dist_trainer.checkpoint.hf_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    check_all_read,
+    safetensors_header,
+    safetensors_index,
+)
 from dist_trainer.families import family, model_fields
 from dist_trainer.quant.int8 import read_dequantized
 
@@ -108,6 +114,7 @@ class HFSource:
             raise ValueError(f"{self.folder}: tensor {missing[0]!r} (one of {len(missing)} the "
                              f"{self.family.model_type} config.json implies) is in none of the folder's files")
         self._check_files()
+        check_all_read(self.folder, self.files.files, {r.hf_name for r in self.plan.values()})
 
     def _check_files(self) -> None:
         """Every tensor the index names is in its file, and every shape is the one config.json implies: a

@@ -36,7 +36,8 @@ def to_model(hf: dict[str, Any], where: str, tensor_names: set[str]) -> dict[str
             "dropout": one_dropout(hf, where, ("hidden_dropout_prob", "attention_probs_dropout_prob")),
             "causal": False, "n_token_types": int(hf.get("type_vocab_size", 2)),
             "pooler": any(n.endswith("pooler.dense.weight") for n in tensor_names),
-            "mlm_head": any(n.startswith("cls.predictions.transform.") for n in tensor_names)}
+            "mlm_head": any(n.startswith("cls.predictions.transform.") for n in tensor_names),
+            "nsp_head": "cls.seq_relationship.weight" in tensor_names}  # BertForPreTraining's next-sentence head
 
 
 def _norm_names(hf_names: set[str], base: str) -> tuple[str, str]:
@@ -73,6 +74,9 @@ def _plan(m: dict[str, Any], p: str, hf_names: set[str]) -> dict[str, Recipe]:
         w, b = _norm_names(hf_names, f"{t}LayerNorm")
         out["mlm_transform.norm.weight"], out["mlm_transform.norm.bias"] = Recipe(w), Recipe(b)
         out["output_bias"] = Recipe("cls.predictions.bias")
+    if m.get("nsp_head"):  # BertForPreTraining's (and BertForNextSentencePrediction's) next-sentence head
+        out["nsp_head.weight"] = Recipe("cls.seq_relationship.weight")
+        out["nsp_head.bias"] = Recipe("cls.seq_relationship.bias")
     return out
 
 
@@ -81,18 +85,26 @@ def read_plan(m: dict[str, Any], tensor_names: set[str]) -> dict[str, Recipe]:
 
 
 def write_plan(m: dict[str, Any]) -> dict[str, Recipe]:
-    """``BertForMaskedLM``'s names when the model has the MLM head, else ``BertModel``'s."""
-    return _plan(m, "bert." if m.get("mlm_head") else "", set())
+    """A task model's names (``bert.`` prefixed) when the model has the MLM or the next-sentence head, else
+    ``BertModel``'s."""
+    return _plan(m, "bert." if m.get("mlm_head") or m.get("nsp_head") else "", set())
 
 
 def misses(m: dict[str, Any]) -> list[str]:
     return need(m, causal=False, norm_placement="post", norm="layernorm", pos_embedding="learned", bias=True,
                 n_experts=0, tie_embeddings=True) + \
-        unmapped(m, {"causal", "n_token_types", "pooler", "mlm_head", "n_experts"}, MODEL_TYPE)
+        unmapped(m, {"causal", "n_token_types", "pooler", "mlm_head", "nsp_head", "n_experts"}, MODEL_TYPE)
+
+
+def _architecture(m: dict[str, Any]) -> str:
+    """The task model holding exactly this model's heads."""
+    heads = (bool(m.get("mlm_head")), bool(m.get("nsp_head")))
+    return {(True, True): "BertForPreTraining", (False, True): "BertForNextSentencePrediction",
+            (True, False): "BertForMaskedLM"}.get(heads, "BertModel")
 
 
 def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
-    return {"architectures": ["BertForMaskedLM" if m.get("mlm_head") else "BertModel"], "hidden_size": m["d_model"],
+    return {"architectures": [_architecture(m)], "hidden_size": m["d_model"],
             "num_hidden_layers": m["n_layers"], "num_attention_heads": m["n_heads"],
             "intermediate_size": m.get("d_ff") or 4 * m["d_model"], "hidden_act": _ACT_HF[m["activation"]],
             "max_position_embeddings": m["max_seq_len"], "type_vocab_size": m["n_token_types"] or 2,

@@ -29,6 +29,7 @@ STACKS = ("layers", "dec_layers")  # the layer stacks: one model's, or an encode
 PROJECTIONS = ("q", "k", "v", "o")
 TOP_KINDS = {"tok_emb": "embed", "pos_emb": "embed", "type_emb": "embed", "emb_norm": "norm", "final_norm": "norm",
              "head": "head", "mlm_transform": "head", "output_bias": "head", "pooler": "pooler",
+             "nsp_head": "pooler",  # BERT's next-sentence head reads the pooler's output: one group
              "rel_emb": "embed", "dec_pos_emb": "embed", "dec_rel_emb": "embed", "enc_norm": "norm"}
 QUANTILES = (0.5, 0.9, 0.99)
 

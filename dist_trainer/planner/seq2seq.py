@@ -130,6 +130,8 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
                         if cfg.dropout > 0 else 0)
         if relative:
             saved += (S * S + T * T) * 8  # the bucket ids of the two tables' lookups
+        if cfg.scale_embeddings:  # each stack's embedding times a 0-d sqrt(d_model), which mul keeps
+            saved += 2 * spec.residual
     # masks handed to torch.utils.checkpoint (a recomputed layer, a recomputed attention core) are kept once per
     # stack: the float biases (the encoder's with the padding folded in), the bool source mask (a view of the batch's)
     encoder_kept = any(i < n_enc and (i in redone or selective) for i in layer_ids)
@@ -193,12 +195,12 @@ def seq2seq_step_flops(cfg: ModelConfig, *, seq_len: int, target_len: int, globa
                        recompute: str = "none", checkpoint_every: int = 1) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one step of an encoder-decoder: the encoder's layers on S tokens, the
     decoder's (self-attention, cross-attention, MLP) and the head on T tokens; recomputation adds its forwards."""
-    S, T, h = seq_len, target_len, cfg.d_model
+    S, T, h, q = seq_len, target_len, cfg.d_model, cfg.q_dim  # q: the attention's width, n_heads * head_dim
     layer = 2.0 * layer_matmul_weights(cfg)
     kv = 2 * h * cfg.kv_heads * cfg.head_dim
-    encoder = layer + 4.0 * S * h  # per source token
+    encoder = layer + 4.0 * S * q  # per source token
     # per target token: a layer on T, cross q and o, the cross-attention core over S keys; k/v per source token
-    decoder = layer + 4.0 * T * h + 2.0 * 2 * h * h + 4.0 * S * h
+    decoder = layer + 4.0 * T * q + 2.0 * 2 * h * q + 4.0 * S * q
     cross_kv = 2.0 * kv
     forward = (cfg.n_layers * encoder * S + cfg.n_decoder_layers * (decoder * T + cross_kv * S)
                + 2.0 * head_matmul_weights(cfg) * T)
@@ -208,5 +210,5 @@ def seq2seq_step_flops(cfg: ModelConfig, *, seq_len: int, target_len: int, globa
         redone = act.recomputed_layers(recompute, checkpoint_every, range(cfg.n_layers + cfg.n_decoder_layers))
         extra = sum(encoder * S if i < cfg.n_layers else decoder * T + cross_kv * S for i in redone)
     elif recompute == "selective":
-        extra = cfg.n_layers * 4.0 * S * h * S + cfg.n_decoder_layers * (4.0 * T * h + 4.0 * S * h) * T
+        extra = cfg.n_layers * 4.0 * S * q * S + cfg.n_decoder_layers * (4.0 * T * q + 4.0 * S * q) * T
     return model, model + extra * global_batch
