@@ -7,8 +7,9 @@ name (``parallel/tp/apply.py``), split ``layers`` into stages
 
 Module names (the TP plan refers to them):
   tok_emb, pos_emb, type_emb, emb_norm,
-  layers.{i}.attn_norm, layers.{i}.attn.{q,k,v,o}_proj,
-  layers.{i}.mlp_norm, layers.{i}.mlp.{up,gate,down}_proj,
+  layers.{i}.attn_norm, layers.{i}.attn.{q,k,v,o}_proj, layers.{i}.attn.{q,k}_norm (model.qk_norm),
+  layers.{i}.attn_post_norm (model.norm_placement=sandwich),
+  layers.{i}.mlp_norm, layers.{i}.mlp.{up,gate,down}_proj, layers.{i}.mlp_post_norm (sandwich),
   final_norm, mlm_transform.{dense,norm} and output_bias (a parameter of the model itself; model.mlm_head),
   head (absent when tied), pooler, loss
 A mixture-of-experts layer (``model.n_experts`` > 0, ``model_moe.py``) holds ``layers.{i}.moe.{router,
@@ -31,11 +32,21 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_blocks import MLP, Attention, Block, LMLoss, MLMTransform, Sequence, build_norm, init_weights_
+from dist_trainer.model_blocks import (
+    MLP,
+    Attention,
+    Block,
+    LMLoss,
+    MLMTransform,
+    Sequence,
+    build_norm,
+    init_weights_,
+    softcap,
+)
 from dist_trainer.model_lora import LoRALinear, is_adapter
 from dist_trainer.model_moe import add_aux_losses
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
-from dist_trainer.model_seq2seq import DecoderBlock, LayerCache, attention_mask
+from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
 
 SEQ2SEQ_INPUTS = ("decoder_tokens", "source_mask")  # an encoder-decoder batch's inputs beside tokens and targets
 
@@ -59,6 +70,8 @@ class Transformer(nn.Module):
     # buffers, registered by _init_buffers for the position embedding in use
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    rope_local_cos: torch.Tensor  # model.rope_local_theta: the sliding layers' own table
+    rope_local_sin: torch.Tensor
     pos_table: torch.Tensor
     output_bias: nn.Parameter | None  # registered in __init__ (None without model.mlm_head)
 
@@ -121,6 +134,10 @@ class Transformer(nn.Module):
             cos, sin = rope_cache(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+            if cfg.rope_local_theta is not None:
+                cos, sin = rope_cache(cfg, local=True)
+                self.register_buffer("rope_local_cos", cos, persistent=False)
+                self.register_buffer("rope_local_sin", sin, persistent=False)
         elif cfg.pos_embedding == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False)
 
@@ -166,8 +183,10 @@ class Transformer(nn.Module):
         tokens = self.sequence.shard(tokens)
         T = tokens.shape[1]
         x = self.tok_emb(tokens)
-        if self.cfg.scale_embeddings:  # Vaswani et al. 2017, section 3.4
-            x = x * math.sqrt(self.cfg.d_model)
+        if self.cfg.scale_embeddings:  # Vaswani et al. 2017, section 3.4; the factor in x's dtype, as Gemma's
+            x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * self.cfg.embedding_multiplier
         pos_emb = self.dec_pos_emb if decoder else self.pos_emb
         if pos_emb is not None:
             x = x + self.sequence.rows(pos_emb.weight[start:], T)
@@ -180,8 +199,14 @@ class Transformer(nn.Module):
             x = self.emb_norm(x)
         return self.emb_drop(x)
 
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return (self.rope_cos, self.rope_sin) if self.cfg.pos_embedding == "rope" else None
+    def rope(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE (cos, sin) tables global layer ``layer`` reads: a sliding layer its own local table when
+        model.rope_local_theta gives one (Gemma 3), every other layer the global table; None without RoPE."""
+        if self.cfg.pos_embedding != "rope":
+            return None
+        if layer is not None and self.cfg.rope_local_theta is not None and self.cfg.is_sliding_layer(layer):
+            return self.rope_local_cos, self.rope_local_sin
+        return self.rope_cos, self.rope_sin
 
     def position_bias(self, decoder: bool, q_len: int, k_len: int | None = None, offset: int = 0
                       ) -> torch.Tensor | None:
@@ -190,12 +215,16 @@ class Transformer(nn.Module):
         table = self.dec_rel_emb if decoder else self.rel_emb
         return None if table is None else table(q_len, q_len if k_len is None else k_len, offset)
 
-    def run_layers(self, x: torch.Tensor, first_layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, first_layer: int = 0, mask: torch.Tensor | None = None,
+                   caches: list[KVCache] | None = None) -> torch.Tensor:
         """The (encoder) stack's layers, ``layers[i]`` being global layer ``first_layer + i``; ``mask``: an SDPA mask
-        for their self-attention (``model_seq2seq.attention_mask``)."""
-        rope = self.rope()
-        for i, layer in enumerate(self.layers, start=first_layer):
-            if i in self.checkpointed and torch.is_grad_enabled():
+        for their self-attention (``model_seq2seq.attention_mask``); ``caches``: one KVCache per layer during
+        generation (``x`` then follows the caches' length of earlier tokens)."""
+        for j, layer in enumerate(self.layers):
+            i, rope = first_layer + j, self.rope(first_layer + j)
+            if caches is not None:
+                x = layer(x, rope, mask, caches[j])
+            elif i in self.checkpointed and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, mask, use_reentrant=False)
             else:
                 x = layer(x, rope, mask)
@@ -264,8 +293,12 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C) last hidden state -> (B, T, V) logits (``pre_head``, then the head; under TP this rank's
-        vocabulary shard, which ``loss`` consumes)."""
-        return F.linear(self.head_input(self.pre_head(x)), self.output_weight(), self.output_bias)
+        vocabulary shard, which ``loss`` consumes), divided by model.logits_divisor (Granite) and soft-capped by
+        model.final_softcap (Gemma 2): both elementwise, so a vocabulary shard is treated as the whole."""
+        logits = F.linear(self.head_input(self.pre_head(x)), self.output_weight(), self.output_bias)
+        if self.cfg.logits_divisor != 1.0:
+            logits = logits / self.cfg.logits_divisor
+        return softcap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """BERT pooler: tanh(dense(first token)). Not part of the MLM loss."""

@@ -20,8 +20,10 @@ from torch import nn
 from dist_trainer.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The head_dim/2 inverse frequencies theta^(-2i/d) (Su et al. 2021), scaled as ``cfg.rope_scaling`` asks.
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary_dim/2 inverse frequencies theta^(-2i/d) (Su et al. 2021; d = ``cfg.rotary_dim``, the head_dim
+    unless partial rotary), scaled as ``cfg.rope_scaling`` asks. ``local``: the sliding layers' table, base
+    ``cfg.rope_local_theta`` and never scaled (Gemma 3's rope_local_base_freq).
 
     Computed in fp32 with Hugging Face's operations in its order (transformers' modeling_rope_utils: the default,
     ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters``), so the tables equal
@@ -29,8 +31,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     computes them in fp32. A float64 table differs from them by the fp32 rounding of the angle: cos and sin up
     to 2.8e-4 apart over 4096 positions at head_dim 128, theta 5e5 (5e-7 over 16).
     """
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    d = cfg.rotary_dim
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if local:
+        return inv_freq
     if cfg.rope_scaling == "linear":  # position interpolation: positions / factor, applied to the frequencies instead
         return inv_freq / cfg.rope_scaling_factor
     if cfg.rope_scaling == "llama3":
@@ -47,16 +52,21 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_cache(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (seq_len or max_seq_len, head_dim/2) for rotary embeddings, fp32 as transformers computes
+def rope_cache(cfg: ModelConfig, seq_len: int | None = None, local: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (seq_len or max_seq_len, rotary_dim/2) for rotary embeddings, fp32 as transformers computes
     them (``rope_inv_freq``): angle = float(position) * inv_freq, rounded to fp32, then its cos and sin."""
     positions = torch.arange(cfg.max_seq_len if seq_len is None else seq_len).float()
-    angles = positions[:, None] * rope_inv_freq(cfg)
+    angles = positions[:, None] * rope_inv_freq(cfg, local)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, H, T, D) by the position's angle; in fp32."""
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, H, T, D) by the position's angle; in fp32. Tables narrower than
+    D/2 (partial rotary, GPT-NeoX) rotate the first 2 * width dims of each head and pass the rest unchanged."""
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     xf = x.float().unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
