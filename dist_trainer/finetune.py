@@ -54,23 +54,19 @@ def layer_module_name(layer: int, leaf: str, stack: str = "layers") -> str:
     """``layers.{i}.attn.q_proj`` for leaf ``q_proj``: the full name of a layer module (norms sit on the layer);
     ``stack`` ``dec_layers`` for an encoder-decoder's decoder layer, whose cross-attention modules are named under
     the layer already (``cross_attn.q_proj``, ``cross_norm``)."""
-    parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm") else \
+    parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") else \
         "mlp." if leaf in ("up_proj", "gate_proj", "down_proj") else ""
     return f"{stack}.{layer}.{parent}{leaf}"
 
 
 def _present(cfg: ModelShape, name: str) -> bool:
-    # every placement but post (BERT: the embedding normalised, each layer ending normalised) ends with final_norm
-    relative, post = cfg.pos_embedding == "relative", cfg.norm_placement == "post"
+    relative, pre = cfg.pos_embedding == "relative", cfg.norm_placement == "pre"
     return {
         "pos_emb": cfg.pos_embedding == "learned", "type_emb": cfg.n_token_types > 0, "rel_emb": relative,
-        "emb_norm": post and not cfg.encoder_decoder, "final_norm": not post,
+        "emb_norm": not pre and not cfg.encoder_decoder, "final_norm": pre,
         "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "gate_proj": cfg.gated,
         "mlm_transform.dense": cfg.mlm_head, "mlm_transform.norm": cfg.mlm_head, "output_bias": cfg.mlm_head,
-        "enc_norm": not post, "dec_pos_emb": cfg.pos_embedding == "learned", "dec_rel_emb": relative,
-        # the open families' norms (model.qk_norm; Gemma's sandwich placement): norms like the others
-        "q_norm": getattr(cfg, "qk_norm", "none") != "none", "k_norm": getattr(cfg, "qk_norm", "none") != "none",
-        "attn_post_norm": cfg.norm_placement == "sandwich", "mlp_post_norm": cfg.norm_placement == "sandwich",
+        "enc_norm": pre, "dec_pos_emb": cfg.pos_embedding == "learned", "dec_rel_emb": relative,
     }.get(name, True)
 
 
@@ -216,8 +212,7 @@ _PLANS: dict[tuple, dict[str, tuple[bool, bool]]] = {}  # module_training's cach
 def module_training(cfg: ModelShape, freeze: Sequence[str] = ()) -> dict[str, tuple[bool, bool]]:
     """``training_plan`` (module -> (base trains, adapter trains)), cached for the planner search's many calls by
     the fields that decide which modules exist (the ``ModelShape`` fields ``module_names`` reads)."""
-    key = (cfg.n_layers, cfg.n_decoder_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement,
-           getattr(cfg, "qk_norm", "none"), cfg.activation,
+    key = (cfg.n_layers, cfg.n_decoder_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
            cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts,
            cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
     if key not in _PLANS:
