@@ -33,6 +33,8 @@ from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import merge_tp_shards, tp_shard_specs
+from dist_trainer.quant.modules import int8_layers, quantize_base_weights_
+from dist_trainer.quant.sizes import int8_weights, linear_shape
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, assert_same_curves, curves, tiny_config
@@ -155,3 +157,16 @@ def test_qk_norm_over_the_full_width_needs_k_split_by_heads() -> None:
     with pytest.raises(ValueError, match=r"model.qk_norm='full'.*n_kv_heads=1 is not divisible by "
                                          r"parallel.tp_size=2"):
         check_tp(ModelConfig(**{**vars(cfg), "n_kv_heads": 1}), 2)
+
+
+def test_int8_base_of_a_model_whose_attention_is_wider_than_d_model() -> None:
+    """q is n_heads * head_dim = 64 wide against d_model 32: the int8 sizes the planner and the layout check read
+    (per TP rank) are those of the buffers the model holds, biased linears included."""
+    cfg = ModelConfig(**{**vars(model_config("qwen2")), **LORA_INT8})
+    model = build_model(cfg, seed=5)
+    assert quantize_base_weights_(model, cfg, [])
+    held = sum(m.weight.numel() for _, m in int8_layers(model))
+    scales = sum(m.weight_scale.numel() for _, m in int8_layers(model))
+    assert (held, scales) == int8_weights(cfg, [])
+    assert linear_shape(cfg, "o_proj", 2) == (32, 32) and linear_shape(cfg, "q_proj", 2) == (32, 32)
+    assert model.layers[0].attn.q_proj.bias is not None and model.layers[0].attn.o_proj.bias is None
