@@ -4,8 +4,9 @@ Torch-free: the monitor writes these keys and ``dist-trainer report`` reads them
 
 A parameter belongs to its layer's module kind, its layer, the kind over all layers and ``all``:
 ``layers.3.mlp.up_proj.weight`` -> ``layers.3.mlp``, ``layers.3``, ``mlp``, ``all``. Module kinds: ``attn``
-(q/k/v/o projections), ``mlp`` (up/gate/down), ``norm`` (the layer's two norms; at the top the embedding
-and final norms), ``embed`` (token, position and type embeddings), ``head`` (an untied output head; BERT's
+(q/k/v/o projections), ``mlp`` (up/gate/down), ``norm`` (the layer's norms, wherever placed: attn_norm,
+mlp_norm, Gemma's attn_post_norm / mlp_post_norm, and the QK-norms attn.q_norm / attn.k_norm; at the top the
+embedding and final norms), ``embed`` (token, position and type embeddings), ``head`` (an untied output head; BERT's
 MLM transform and output bias), ``pooler``. An attention projection's weight also forms its own group
 (``layers.3.attn.q``), whose norm is the "attention projection norm".
 
@@ -27,6 +28,8 @@ LAYER_KINDS = ("attn", "mlp", "norm")
 CROSS_KIND = "cross_attn"  # a decoder layer's cross-attention (encoder-decoder)
 STACKS = ("layers", "dec_layers")  # the layer stacks: one model's, or an encoder-decoder's encoder and decoder
 PROJECTIONS = ("q", "k", "v", "o")
+PROJ_MODULES = tuple(f"{p}_proj" for p in PROJECTIONS)  # the attention's linears, each its projection group
+QK_NORMS = ("q_norm", "k_norm")  # model.qk_norm's norms under the attention: kind ``norm``
 TOP_KINDS = {"tok_emb": "embed", "pos_emb": "embed", "type_emb": "embed", "emb_norm": "norm", "final_norm": "norm",
              "head": "head", "mlm_transform": "head", "output_bias": "head", "pooler": "pooler",
              "rel_emb": "embed", "dec_pos_emb": "embed", "dec_rel_emb": "embed", "enc_norm": "norm"}
@@ -62,10 +65,12 @@ def groups_of(name: str) -> list[str]:
     if parts[0] in STACKS and len(parts) >= 3:
         layer, module = f"{parts[0]}.{parts[1]}", parts[2]
         kind = module if module in ("attn", CROSS_KIND) else "mlp" if module in ("mlp", "moe") else "norm"
+        if kind.endswith("attn") and len(parts) > 3 and parts[3] in QK_NORMS:
+            kind = "norm"  # a QK-norm is a norm inside the attention, not one of its projections
         groups = [f"{layer}.{kind}", layer, kind, "all"]
         if is_routed_expert(name):
             groups.append("experts")
-        if kind.endswith("attn") and len(parts) == 5 and parts[4] == "weight" and parts[3][0] in PROJECTIONS:
+        if kind.endswith("attn") and len(parts) == 5 and parts[4] == "weight" and parts[3] in PROJ_MODULES:
             groups.append(f"{layer}.{kind}.{parts[3][0]}")
         return groups
     top = TOP_KINDS.get(parts[0])

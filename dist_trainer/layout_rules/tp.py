@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import padded_vocab
+from dist_trainer.model_shape import kv_sharded, padded_vocab
 
 
 def divisors(n: int) -> list[int]:
@@ -27,7 +27,9 @@ def check_tp(model: ModelConfig, tp_size: int) -> None:
 
     Query heads and the MLP width are split, so tp divides them; k/v heads never fail (when tp
     does not divide n_kv_heads they are replicated); the vocabulary is padded to a multiple of
-    tp, and every rank's shard must hold real rows.
+    tp, and every rank's shard must hold real rows. Heads are whole on a rank (q is n_heads * head_dim wide,
+    whatever d_model is), so the per-head options (QK-norm per head, sliding windows, soft-capping) split with them;
+    a QK-norm over k's full width (model.qk_norm=full) needs k split by heads too.
     """
     if tp_size < 1:
         raise ValueError(f"parallel.tp_size={tp_size} must be >= 1")
@@ -40,6 +42,13 @@ def check_tp(model: ModelConfig, tp_size: int) -> None:
         raise ValueError(
             f"the MLP width (model.d_ff={model.ffn_dim}) is not divisible by parallel.tp_size={tp_size}; "
             f"valid tp_size: {[d for d in divisors(model.ffn_dim) if model.n_heads % d == 0]}"
+        )
+    if model.qk_norm == "full" and not kv_sharded(model, tp_size):
+        raise ValueError(
+            f"model.qk_norm='full' normalises k over all its {model.kv_heads} heads' features, split over TP with "
+            f"the heads, but model.n_kv_heads={model.kv_heads} is not divisible by parallel.tp_size={tp_size} (k/v "
+            f"would be replicated, each rank holding copies of its query heads' kv heads); valid tp_size: "
+            f"{[d for d in divisors(model.kv_heads) if model.n_heads % d == 0 and model.ffn_dim % d == 0]}"
         )
     local_vocab = padded_vocab(model.vocab_size, tp_size) // tp_size
     if (tp_size - 1) * local_vocab >= model.vocab_size:

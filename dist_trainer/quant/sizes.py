@@ -32,9 +32,9 @@ def linear_shape(cfg: ModelShape, leaf: str, tp_size: int = 1) -> tuple[int, int
     """(output rows, input columns) of a layer linear on one TP rank (column-parallel: rows split; row-parallel:
     columns split; k/v replicated when tp does not divide the kv heads)."""
     h, t, f = cfg.d_model, tp_size, cfg.ffn_dim
-    kv = cfg.kv_heads * cfg.head_dim
-    shapes = {"q_proj": (h // t, h), "k_proj": (kv // t if kv_sharded(cfg, t) else kv, h),
-              "v_proj": (kv // t if kv_sharded(cfg, t) else kv, h), "o_proj": (h, h // t),
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim  # head_dim need not be d_model / n_heads
+    shapes = {"q_proj": (q // t, h), "k_proj": (kv // t if kv_sharded(cfg, t) else kv, h),
+              "v_proj": (kv // t if kv_sharded(cfg, t) else kv, h), "o_proj": (h, q // t),
               "up_proj": (f // t, h), "gate_proj": (f // t, h), "down_proj": (h, f // t)}
     return shapes[leaf]
 

@@ -12,6 +12,7 @@ comes first), before recomputation. A no-op at cp_size 1.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -21,23 +22,26 @@ from dist_trainer.model import Transformer
 from dist_trainer.model_blocks import Attention, SDPAttention
 from dist_trainer.model_moe import moe_layers
 from dist_trainer.parallel.cp.loss import ContextParallelLoss
-from dist_trainer.parallel.cp.ring import RingLayout, ring_attention
+from dist_trainer.parallel.cp.ring import RingLayout, Scores, ring_attention
 from dist_trainer.parallel.cp.split import ContextParallelSequence, gather_sequence, keep_local
 from dist_trainer.parallel.cp.ulysses import UlyssesAttention
 from dist_trainer.parallel.state import ParallelState
 
 
 class RingAttention(nn.Module):
-    """The model's ``attend`` seam under ring context parallelism."""
+    """The model's ``attend`` seam under ring context parallelism: the options of the core it replaces (score
+    scale, causality, sliding window, soft-cap) applied blockwise."""
 
-    def __init__(self, sequence: ContextParallelSequence, causal: bool) -> None:
+    def __init__(self, sequence: ContextParallelSequence, core: SDPAttention, head_dim: int) -> None:
         super().__init__()
-        self.sequence, self.causal = sequence, causal
+        self.sequence = sequence
         self.ring = RingLayout(sequence.group.size, sequence.zigzag)
+        scale = 1.0 / math.sqrt(head_dim) if core.scale is None else core.scale
+        self.scores = Scores(scale, core.causal, getattr(core, "window", 0), getattr(core, "softcap", 0.0))
 
     def forward(self, q, k, v, mask=None):  # noqa: ANN001, ANN201 - tensors, as SDPAttention.forward
         _no_mask(mask)
-        return ring_attention(q, k, v, self.sequence.group, self.ring, self.causal)
+        return ring_attention(q, k, v, self.sequence.group, self.ring, self.scores)
 
 
 def _no_mask(mask: torch.Tensor | None) -> None:
@@ -57,8 +61,8 @@ def apply_context_parallel(model: Transformer, state: ParallelState, mode: str) 
         if isinstance(module, Attention):
             module.sequence = sequence
             assert isinstance(module.attend, SDPAttention), "context parallelism replaces the plain attention core"
-            module.attend = RingAttention(sequence, causal) if mode == "ring" else UlyssesAttention(module.attend,
-                                                                                                    group)
+            module.attend = RingAttention(sequence, module.attend, module.head_dim) if mode == "ring" \
+                else UlyssesAttention(module.attend, group)
     model.loss = ContextParallelLoss(model.loss, sequence)
     for layer in moe_layers(model):  # after TP's SP hooks: gather tp, then cp; keep cp's part, then tp's
         layer.register_forward_pre_hook(lambda _, args, seq=sequence: (gather_sequence(args[0], seq), *args[1:]))

@@ -9,6 +9,9 @@ decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section
     layers.*.attn.q_proj   column-parallel: heads split across ranks
     layers.*.attn.k/v_proj column-parallel when tp divides n_kv_heads, else replicated
     layers.*.attn.o_proj   row-parallel: g (or SP reduce-scatter), bias added once
+    layers.*.attn.q_norm   QK-norm (model.qk_norm), and k_norm: per head ("head": one weight every head shares,
+                           replicated, each rank's gradient a partial sum over its heads), or over the full width
+                           ("full": the weight split with the projection's rows, the sum of squares summed over TP)
     layers.*.mlp           enter the TP region once for up and gate
     layers.*.mlp.up/gate   column-parallel
     layers.*.mlp.down_proj row-parallel
@@ -62,6 +65,7 @@ from dist_trainer.parallel.tp.layers import (
     ColumnParallelLinear,
     ReplicatedKVLinear,
     RowParallelLinear,
+    SplitRMSNorm,
     VocabParallelEmbedding,
     VocabParallelLoss,
     mark_partial_grad,
@@ -178,6 +182,21 @@ class SequenceGathered(Style):
         return module
 
 
+class QKNorm(Style):
+    """q_norm / k_norm after column-parallel q / k (model.qk_norm): "head" normalises each of this rank's heads with
+    the one weight all heads share, so the weight stays whole and its gradient covers this rank's heads only
+    (summed over TP by ``finalize_tp_grads``); "full" normalises over all heads' features, so the weight is split
+    with the heads and the sum of squares is summed over TP (``SplitRMSNorm``). ``check_tp`` refuses "full" where k/v
+    are replicated (a rank would not hold k's whole width in order)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        if ctx.cfg.qk_norm == "full":
+            return SplitRMSNorm(module, ctx.group, ctx.cfg.norm_weight_offset)
+        for p in module.parameters():
+            mark_partial_grad(p, ctx.group)
+        return module
+
+
 class SequenceSharded(Style):
     """SP: the module runs on a sequence shard, so its parameters' gradients are partial."""
 
@@ -199,6 +218,8 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]
             (f"{stack}.*.attn.k_proj", KVColwise()),
             (f"{stack}.*.attn.v_proj", KVColwise()),
             (f"{stack}.*.attn.o_proj", Rowwise()),
+            (f"{stack}.*.attn.q_norm", QKNorm()),
+            (f"{stack}.*.attn.k_norm", QKNorm()),
             (f"{stack}.*.mlp", EnterRegion()),
             (f"{stack}.*.mlp.up_proj", Colwise()),
             (f"{stack}.*.mlp.gate_proj", Colwise()),
@@ -210,12 +231,17 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]
         ("dec_layers.*.cross_attn.k_proj", KVColwise()),  # over the encoder output
         ("dec_layers.*.cross_attn.v_proj", KVColwise()),
         ("dec_layers.*.cross_attn.o_proj", Rowwise()),
+        ("dec_layers.*.cross_attn.q_norm", QKNorm()),
+        ("dec_layers.*.cross_attn.k_norm", QKNorm()),
         ("head", Colwise()),  # entered by the bound logits(), after the final norm
         ("loss", VocabLoss()),
     ]
     if sequence_parallel:
+        # every norm between the TP regions, wherever it is placed (before a branch, after it: post_branch and
+        # sandwich's attn_post_norm / mlp_post_norm, both branches' under parallel_residual)
         plan += [(name, SequenceSharded()) for name in (
-            "layers.*.attn_norm", "layers.*.mlp_norm", "final_norm", "mlm_transform", "enc_norm",
+            "layers.*.attn_norm", "layers.*.mlp_norm", "layers.*.attn_post_norm", "layers.*.mlp_post_norm",
+            "final_norm", "mlm_transform", "enc_norm",
             "dec_layers.*.attn_norm", "dec_layers.*.cross_norm", "dec_layers.*.mlp_norm")]
         plan.append(("layers.*.moe", SequenceGathered()))
         if not _embed_reduce_scatter(cfg, sequence_parallel):

@@ -61,6 +61,21 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    """A statistic every TP rank needs whole (the sum of squares of a norm over split features): forward
+    all-reduce (sum), backward all-reduce (sum). Each rank's output depends on the total, so the gradient of the
+    total is the sum of what every rank's output sends back, and each rank's own part receives all of it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.group.all_reduce(grad.contiguous().clone()), None
+
+
 class _GatherFromSequence(torch.autograd.Function):
     """SP entry: forward all-gather along the sequence dim, backward reduce-scatter along it."""
 
@@ -137,6 +152,11 @@ def copy_to_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """``g`` (Megatron section 3): all-reduce forward, identity backward."""
     return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def sum_over_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """The sum of every TP rank's ``x`` on each rank: all-reduce forward, all-reduce backward."""
+    return x if group.size == 1 else _SumOverTP.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:

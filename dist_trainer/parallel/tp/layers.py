@@ -43,6 +43,7 @@ from dist_trainer.parallel.tp.comms import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
+    sum_over_tp,
 )
 
 
@@ -217,6 +218,33 @@ class ReplicatedKVLinear(BaseProduct, nn.Module):
 
     def extra_repr(self) -> str:
         return f"kv heads [{self.kv_lo}, {self.kv_hi}) -> {len(self.head_index)} local query heads"
+
+
+class SplitRMSNorm(nn.Module):
+    """An RMSNorm over features that TP splits (OLMo 2's QK-norm over all of q's, or k's, features): this rank
+    keeps its features' slice of the weight (the heads' columns of the projection it follows) and normalises by
+    the root mean square over the full width, its sum of squares summed over TP (``sum_over_tp``: an all-reduce
+    whose backward is an all-reduce too, every rank's output depending on the total). Computed in fp32 as the
+    model's RMSNorm, weights times (offset + weight) (model.norm_weight_offset)."""
+
+    def __init__(self, norm: nn.Module, group: AxisGroup, offset: float) -> None:
+        super().__init__()
+        weight = norm.weight
+        assert isinstance(weight, nn.Parameter), type(norm)
+        if weight.shape[0] % group.size:
+            raise ValueError(f"SplitRMSNorm: {weight.shape[0]} features do not split over tp_size={group.size}")
+        self.group, self.offset, self.full_size = group, offset, weight.shape[0]
+        self.eps = float(norm.eps)  # type: ignore[arg-type]  # the model's RMSNorm
+        self.weight = sharded_param(weight, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        total = sum_over_tp(xf.pow(2).sum(-1, keepdim=True), self.group)
+        xf = xf * torch.rsqrt(total / self.full_size + self.eps)
+        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"full={self.full_size} (local {self.weight.shape[0]}), tp={self.group.size}, offset={self.offset}"
 
 
 class VocabParallelEmbedding(nn.Module):
