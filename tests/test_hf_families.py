@@ -18,6 +18,7 @@ Refusals (MoE families, RoPE types, sliding-window layer patterns no field expre
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -94,8 +95,9 @@ def fam_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
+@functools.cache
 def _reference(folder: Path) -> Any:
-    """transformers' model of ``folder`` in fp32 (a bf16 folder's weights cast up, as ours are)."""
+    """transformers' model of ``folder`` in fp32 (a bf16 folder's weights cast up, as ours are); loaded once."""
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     return getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32).eval()
 
