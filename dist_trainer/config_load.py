@@ -31,7 +31,8 @@ FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "l
 def hf_model_fields(path: str | Path) -> dict[str, Any]:
     """ModelConfig fields of a Hugging Face folder (or its config.json): its config, and its tensor names (which
     say whether a BERT folder has a pooler or a masked-LM head)."""
-    from dist_trainer.checkpoint.hf_config import model_fields_from_hf, read_hf_config
+    from dist_trainer.checkpoint.hf_config import read_hf_config
+    from dist_trainer.families import model_fields
 
     folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
     names = None
@@ -39,7 +40,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
         from dist_trainer.checkpoint.hf_files import safetensors_index
 
         names = set(safetensors_index(folder))
-    return model_fields_from_hf(read_hf_config(folder), str(folder / "config.json"), names)
+    return model_fields(read_hf_config(folder), str(folder / "config.json"), names)
 
 
 def _model_from_hf(model_fields: dict[str, Any], folder: str) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def _model_from_hf(model_fields: dict[str, Any], folder: str) -> dict[str, Any]:
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
     """The fields of a model preset: a name in configs/models/, a YAML path, or a Hugging Face folder (or its
-    config.json), whose config is mapped by ``checkpoint/hf_config.py``."""
+    config.json), whose config is mapped by its family (``families/``)."""
     path = Path(name_or_path)
     if is_hf_folder(path):
         return hf_model_fields(path)

@@ -319,13 +319,14 @@ BAD_FOLDERS = {
     "tensor in another file than the index says": (_misplaced_tensor, "does not hold it"),
     "pickle": (_pickled, "not read"),
 }
-BAD_CONFIGS = {
-    "sliding_window": ({"sliding_window": 4096}, "sliding_window: 4096"),
+BAD_CONFIGS = {  # on the llama folder, but those named in BAD_CONFIG_FOLDERS
+    "sliding_window": ({"sliding_window": 4096}, "sliding_window: 4096"),  # Mistral's key: Llama has no window
     "rope type": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-    "attention_bias": ({"attention_bias": True}, "attention_bias: true"),
+    "attention_bias": ({"attention_bias": True}, "attention_bias: true"),  # transformers' Mistral has no biases
     "hidden_act": ({"hidden_act": "gelu"}, 'hidden_act: "gelu"'),
     "model_type": ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
 }
+BAD_CONFIG_FOLDERS = {"attention_bias": "mistral"}
 
 
 @pytest.mark.parametrize("case", list(BAD_FOLDERS))
@@ -345,7 +346,7 @@ def test_a_config_key_that_changes_the_maths_is_mapped_or_refused(case: str, hf_
                                                                  tmp_path: Path) -> None:
     from dist_trainer.config_load import load_config
 
-    folder = _copy(hf_folders["mistral" if case == "sliding_window" else "llama"], tmp_path / "bad")
+    folder = _copy(hf_folders[BAD_CONFIG_FOLDERS.get(case, "llama")], tmp_path / "bad")
     changes, message = BAD_CONFIGS[case]
     _edit_json(folder / "config.json", **changes)
     for action in (lambda: load_plain_model(folder),

@@ -3,7 +3,7 @@
 The shards are planned from the tensors' shapes alone (``--max-shard-size``, in file order), then each
 safetensors file is written as its format says (an 8-byte header length, the JSON header, the raw bytes in
 header order): every HF tensor is made from the source's full tensors (a fused GPT-2 ``c_attn`` from three),
-converted (``hf_names``' conventions, inverted), cast to ``--dtype``, written, and dropped, so the exporting
+converted (its family's recipes, ``families/``, inverted), cast to ``--dtype``, written, and dropped, so the exporting
 process holds one tensor beyond what it writes, whatever the model's size. ``model.safetensors.index.json``
 lists the shards when there are several; ``config.json``, ``generation_config.json`` and the tokenizer files
 sit beside them. A LoRA checkpoint's adapters are either folded in (the source merges them) or written alone as a
@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.hf_config import family_of, hf_config_from_model
 from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE
-from dist_trainer.checkpoint.hf_names import Recipe, write_plan
 from dist_trainer.checkpoint.source import WeightSource, rotate_half_rope_rows
+from dist_trainer.families import Recipe, family_for_model
 from dist_trainer.quant.int8 import quantize_per_channel
 
 DTYPES = {"fp32": (torch.float32, "F32", "float32"), "bf16": (torch.bfloat16, "BF16", "bfloat16"),
@@ -50,14 +49,24 @@ def parse_size(text: str, setting: str = "--max-shard-size") -> int:
 
 
 def _to_hf(parts: list[tuple[str, Recipe]], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """One HF tensor from our full tensors (``hf_names``' recipes inverted)."""
+    """One HF tensor from our full tensors (the recipes inverted: each part's rows put back where they came
+    from, a fused tensor's blocks one after the other or interleaved by period)."""
     tensors = []
-    for ours, r in sorted(parts, key=lambda pr: pr[1].offset or 0):
+    for ours, r in parts:
         t = read(ours)
         if r.rope_head_dim:
-            t = rotate_half_rope_rows(t, r.rope_head_dim)
-        tensors.append(t)
-    t = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+            t = rotate_half_rope_rows(t, r.rope_head_dim, r.rope_dims)
+        tensors.append((r, t))
+    if len(tensors) == 1 and not tensors[0][0].fused:
+        t = tensors[0][1]
+    else:
+        first = tensors[0][1]
+        t = first.new_empty((sum(x.shape[0] for _, x in tensors), *first.shape[1:]))
+        for r, x in tensors:
+            done = 0
+            for a, b in r.hf_row_ranges(0, x.shape[0]):
+                t[a:b] = x[done: done + b - a]
+                done += b - a
     return (t.t() if parts[0][1].transpose else t).contiguous()
 
 
@@ -147,18 +156,18 @@ def export_hf(source: WeightSource, model: dict[str, Any], out: Path, dtype: str
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
-    family = family_of(model)  # ValueError naming what no HF family computes, before anything is written
-    plan = write_plan(family, model)
+    family = family_for_model(model)  # ValueError naming what no HF family computes, before anything is written
+    plan = family.export_plan(model)
     missing = sorted(ours for parts in plan.values() for ours, _ in parts if ours not in source.names())
     if missing:
-        raise ValueError(f"export: {source.where} lacks {missing[:5]} of its {family} model")
+        raise ValueError(f"export: {source.where} lacks {missing[:5]} of its {family.model_type} model")
     entries = [(hf, _hf_shape(parts, source.shape)) for hf, parts in plan.items()]
     make: Callable[[str], torch.Tensor] = lambda hf: _to_hf(plan[hf], source.read)  # noqa: E731
     other: dict[str, tuple[torch.dtype, str, str]] = {}
     if quantize == "int8":
         entries, make, other = _int8_entries(plan, entries, make)
     written = write_weights(out, entries, make, dtype, max_bytes, other=other)
-    config = hf_config_from_model(model, DTYPES[dtype][2])
+    config = family.export_config(model, DTYPES[dtype][2])
     config["dtype"] = DTYPES[dtype][2]
     if quantize == "int8":
         config["quantization_config"] = INT8_QUANT_CONFIG
@@ -244,8 +253,8 @@ def export_peft_adapter(source: Any, model: dict[str, Any], out: Path, base: str
     B rows in rotate_half order) and ``adapter_config.json``. ``source``: a ``CheckpointSource``."""
     if not model.get("lora_rank"):
         raise ValueError(f"--adapter: {source.where} has no LoRA adapters (model.lora_rank=0)")
-    family = family_of({**model, "lora_rank": 0})
-    plan = write_plan(family, model)
+    family = family_for_model({**model, "lora_rank": 0})
+    plan = family.export_plan(model)
     recipes = {ours: r for parts in plan.values() for ours, r in parts}
     entries: list[tuple[str, tuple[int, ...]]] = []
     makers: dict[str, Callable[[], torch.Tensor]] = {}
@@ -253,9 +262,9 @@ def export_peft_adapter(source: Any, model: dict[str, Any], out: Path, base: str
     for name in sorted(source.adapter_names()):
         module, _, kind = name.rpartition(".")
         r = recipes[f"{module}.weight"]
-        if r.offset is not None:
-            raise ValueError(f"--adapter: {module} is part of the fused {r.hf_name} in {family}; PEFT cannot hold "
-                             "its adapter apart: export the merged model instead (no --adapter)")
+        if r.fused:
+            raise ValueError(f"--adapter: {module} is part of the fused {r.hf_name} in {family.model_type}; PEFT "
+                             "cannot hold its adapter apart: export the merged model instead (no --adapter)")
         hf_module = r.hf_name.removesuffix(".weight")
         targets.add(hf_module.rpartition(".")[2])
         key = f"base_model.model.{hf_module}.{kind}.weight"
@@ -263,12 +272,14 @@ def export_peft_adapter(source: Any, model: dict[str, Any], out: Path, base: str
 
         def make(name: str = name, r: Recipe = r, kind: str = kind) -> torch.Tensor:
             t = source.read_raw(name)
-            return rotate_half_rope_rows(t, r.rope_head_dim) if kind == "lora_B" and r.rope_head_dim else t
+            if kind == "lora_B" and r.rope_head_dim:
+                return rotate_half_rope_rows(t, r.rope_head_dim, r.rope_dims)
+            return t
         makers[key] = make
     written = write_weights(out, entries, lambda k: makers[k](), dtype, 2**62, single="adapter_model.safetensors")
-    config = {"peft_type": "LORA", "task_type": "FEATURE_EXTRACTION" if family == "bert" else "CAUSAL_LM",
+    config = {"peft_type": "LORA", "task_type": family.peft_task_type,
               "r": model["lora_rank"], "lora_alpha": model["lora_alpha"], "lora_dropout": model["lora_dropout"],
               "target_modules": sorted(targets), "bias": "none", "base_model_name_or_path": base,
-              "fan_in_fan_out": family == "gpt2", "inference_mode": True}
+              "fan_in_fan_out": family.fan_in_fan_out, "inference_mode": True}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return [*written, out / "adapter_config.json"]

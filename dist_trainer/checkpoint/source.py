@@ -3,7 +3,8 @@
 ``open_source(path)`` gives a ``WeightSource`` keyed by this model's parameter names whatever the files hold:
 
 - ``HFSource``: a Hugging Face folder (``config.json``, ``model.safetensors`` or shards listed by
-  ``model.safetensors.index.json``), through ``hf_names``' recipes (transposes, fused q/k/v, RoPE row order);
+  ``model.safetensors.index.json``), through its family's recipes (``families/``: transposes, fused or
+  interleaved q/k/v, RoPE row order);
 - ``SafetensorsSource``: this project's ``--format native`` export (``model.safetensors`` under our names);
 - ``CheckpointSource`` (``checkpoint_source.py``): a checkpoint of any layout, its shard files memory-mapped.
 
@@ -19,9 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
-from dist_trainer.checkpoint.hf_config import hf_family, is_hf_folder, model_fields_from_hf, read_hf_config
+from dist_trainer.checkpoint.hf_config import is_hf_folder, read_hf_config
 from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, safetensors_header, safetensors_index
-from dist_trainer.checkpoint.hf_names import read_plan
+from dist_trainer.families import family, model_fields
 from dist_trainer.quant.int8 import read_dequantized
 
 
@@ -96,15 +97,16 @@ class HFSource:
         self.folder = Path(folder)
         self.where = str(self.folder)
         self.hf = read_hf_config(self.folder)
-        self.family = hf_family(self.hf, str(self.folder / "config.json"))
+        where = str(self.folder / "config.json")
+        self.family = family(self.hf.get("model_type"), where)
         self.files = SafetensorsFiles(safetensors_index(self.folder), self.where)
         hf_names = set(self.files.files)
-        self.model = model_fields_from_hf(self.hf, str(self.folder / "config.json"), hf_names)
-        self.plan = read_plan(self.family, self.model, hf_names)
+        self.model = model_fields(self.hf, where, hf_names)
+        self.plan = self.family.read_plan(self.model, hf_names)
         missing = sorted(r.hf_name for r in self.plan.values() if r.hf_name not in hf_names)
         if missing:
             raise ValueError(f"{self.folder}: tensor {missing[0]!r} (one of {len(missing)} the "
-                             f"{self.family} config.json implies) is in none of the folder's files")
+                             f"{self.family.model_type} config.json implies) is in none of the folder's files")
         self._check_files()
 
     def _check_files(self) -> None:
@@ -127,7 +129,7 @@ class HFSource:
                 raise ValueError(f"{self.folder}: tensor {r.hf_name!r} in {self.files.files[r.hf_name].name} has "
                                  f"shape {list(self.files.shape(r.hf_name))}, which disagrees with config.json "
                                  f"(it implies {list(want[name][::-1] if r.transpose else want[name])} for "
-                                 f"{'part of ' if r.offset is not None else ''}it)")
+                                 f"{'part of ' if r.fused else ''}it)")
 
     def names(self) -> set[str]:
         return set(self.plan)
@@ -137,14 +139,12 @@ class HFSource:
         shape = self.files.shape(r.hf_name)
         if r.transpose:
             shape = shape[::-1]
-        if r.offset is not None:
-            assert r.rows is not None
-            shape = (r.rows, *shape[1:])
-        return tuple(shape)
+        return (r.our_rows(shape[0]), *shape[1:])
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """A slice of our tensor ``name``, converted from the HF one; possibly a strided view of the memory-mapped
-        file (the caller copies it where it keeps it: one copy of the bytes, not two)."""
+        file (the caller copies it where it keeps it: one copy of the bytes, not two). Only the HF rows that hold
+        the slice are read: of a fused tensor, our block (of an interleaved one, each block's part)."""
         r = self.plan[name]
         full = self.shape(name)
         if dim is None:
@@ -154,31 +154,49 @@ class HFSource:
         if hd and dim == 0 and (start % hd or stop % hd):  # the permutation is within heads: read whole ones
             lo, hi = start // hd * hd, -(-stop // hd) * hd
             return self.read(name, 0, lo, hi)[start - lo: stop - lo]
-        hf_dim = (len(full) - 1 - dim) if r.transpose else dim
-        if r.offset is not None and dim == 0:  # a fused tensor: our rows are a block of the (transposed) HF rows
-            t = self.files.read(r.hf_name, hf_dim, r.offset + start, r.offset + stop)
-        elif r.offset is not None:  # columns of our block: the whole block's rows, those columns
+        ndim = len(full)
+        row_dim = ndim - 1 if r.transpose else 0  # the HF dim of our rows
+        hf_dim = (ndim - 1 - dim) if r.transpose else dim
+        if dim == 0:  # our rows: the HF row ranges that hold them
+            pieces = [self.files.read(r.hf_name, row_dim, a, b) for a, b in r.hf_row_ranges(start, stop)]
+        else:  # some columns of all our rows: those columns, then our rows' ranges of them
             t = self.files.read(r.hf_name, hf_dim, start, stop)
-            return _sliced(t.t() if r.transpose else t, t.ndim, 0, r.offset, r.offset + full[0])
-        else:
-            t = self.files.read(r.hf_name, hf_dim, start, stop)
+            ranges = r.hf_row_ranges(0, full[0])
+            pieces = [t if not r.fused else _sliced(t, ndim, row_dim, a, b) for a, b in ranges]
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=row_dim)
         if r.transpose:
             t = t.t()
-        if r.rope_head_dim:
-            t = interleave_rope_rows(t, r.rope_head_dim)
+        if hd:
+            t = interleave_rope_rows(t, hd, r.rope_dims)
         return t  # a view where it can be (a column slice, a transpose): the caller's copy is the only one
 
 
-def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """q/k rows of whole heads from rotate_half order (pairs i, i + D/2) to adjacent pairs (2i, 2i + 1)."""
+def _permute_rope(w: torch.Tensor, head_dim: int, rope_dims: int, to_hf: bool) -> torch.Tensor:
+    """Within each head of ``head_dim`` rows, the first ``rope_dims`` (0: all) from rotate_half order (pairs i,
+    i + R/2) to adjacent pairs (2i, 2i + 1), or back (``to_hf``); the rest unchanged."""
     rest = w.shape[1:]
-    return w.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape)
+    r = rope_dims or head_dim
+    heads = w.reshape(-1, head_dim, *rest)
+    rot = heads[:, :r]
+    if to_hf:
+        rot = rot.reshape(-1, r // 2, 2, *rest).transpose(1, 2)
+    else:
+        rot = rot.reshape(-1, 2, r // 2, *rest).transpose(1, 2)
+    rot = rot.reshape(-1, r, *rest)
+    if r == head_dim:
+        return rot.reshape(w.shape)
+    return torch.cat([rot, heads[:, r:]], dim=1).reshape(w.shape)
 
 
-def rotate_half_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+def interleave_rope_rows(w: torch.Tensor, head_dim: int, rope_dims: int = 0) -> torch.Tensor:
+    """q/k rows of whole heads from rotate_half order to adjacent pairs (``Recipe``: the first ``rope_dims`` rows
+    of each head; 0 = all)."""
+    return _permute_rope(w, head_dim, rope_dims, to_hf=False)
+
+
+def rotate_half_rope_rows(w: torch.Tensor, head_dim: int, rope_dims: int = 0) -> torch.Tensor:
     """The inverse of ``interleave_rope_rows``: our q/k rows back to Hugging Face's order."""
-    rest = w.shape[1:]
-    return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+    return _permute_rope(w, head_dim, rope_dims, to_hf=True)
 
 
 class SafetensorsSource:

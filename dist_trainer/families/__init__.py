@@ -1,0 +1,59 @@
+"""Model families: one module each, found by the ``model_type`` of a Hugging Face config.json (torch-free).
+
+A family (``base.Family``) maps its config.json into ModelConfig fields and back, names its tensors both ways
+(``recipe.Recipe``) and says which ModelConfig fields it cannot hold (``misses``). ``checkpoint/`` reads and writes
+folders through these alone: no module outside this folder names a family (``tests/test_architecture.py``).
+Adding one: its module here, its line in ``FAMILIES``, its presets (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dist_trainer.families import bert, gpt2, llama, mistral, mixtral, t5
+from dist_trainer.families.base import Family, Fields
+from dist_trainer.families.common import MATHS_DEFAULTS
+from dist_trainer.families.recipe import Recipe
+
+__all__ = ["FAMILIES", "Family", "Recipe", "family", "family_for_model", "model_fields"]
+
+# model_type -> Family; the order is export's preference: a model two families compute exports as the first
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    gpt2.FAMILY,
+    llama.FAMILY,
+    mistral.FAMILY,
+    mixtral.FAMILY,
+    bert.FAMILY,
+    t5.FAMILY,
+)}
+# mixture-of-experts families with shared experts or their own routing: another issue
+MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+def family(model_type: Any, where: str = "config.json") -> Family:
+    """The family of a config.json's ``model_type``; ValueError naming it and the supported ones."""
+    if model_type in MOE_ELSEWHERE:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported: mixture-of-experts families "
+                         f"({', '.join(MOE_ELSEWHERE)}) are another issue; supported: {', '.join(FAMILIES)}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def model_fields(hf: dict[str, Any], where: str = "config.json", tensor_names: set[str] | None = None) -> Fields:
+    """ModelConfig fields of a config.json (``tensor_names``: the folder's tensor names, which say whether a BERT
+    folder has a pooler and a masked-LM head, a T5 one an untied head): every maths field stated, those the family
+    leaves out at their defaults. ValueError naming the first key that cannot be mapped."""
+    return {**MATHS_DEFAULTS, **family(hf.get("model_type"), where).to_model(hf, where, tensor_names or set())}
+
+
+def family_for_model(model: Fields) -> Family:
+    """The first family (registry order) that computes exactly what ModelConfig fields ``model`` compute;
+    ValueError naming what the closest family lacks (export then needs ``--format native``)."""
+    missed = {name: f.misses(model) for name, f in FAMILIES.items()}
+    for name, why in missed.items():
+        if not why:
+            return FAMILIES[name]
+    closest = min(missed, key=lambda name: len(missed[name]))
+    raise ValueError(f"this model is no Hugging Face family's; the closest, {closest}, lacks "
+                     f"{'; '.join(missed[closest])}; export it with --format native")
