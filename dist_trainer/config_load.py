@@ -64,8 +64,8 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     path = Path(name_or_path)
     if is_hf_folder(path):
         return hf_model_fields(path)
-    if not path.suffix:
-        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.suffix or (not path.is_file() and (PRESET_DIR / f"{name_or_path}.yaml").is_file()):
+        path = PRESET_DIR / f"{name_or_path}.yaml"  # a preset name with a dot in it (a version number)
     if not path.is_file():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
         raise ValueError(f"model preset {name_or_path!r} not found; known presets: {', '.join(known)}")

@@ -54,7 +54,7 @@ def layer_module_name(layer: int, leaf: str, stack: str = "layers") -> str:
     """``layers.{i}.attn.q_proj`` for leaf ``q_proj``: the full name of a layer module (norms sit on the layer);
     ``stack`` ``dec_layers`` for an encoder-decoder's decoder layer, whose cross-attention modules are named under
     the layer already (``cross_attn.q_proj``, ``cross_norm``)."""
-    parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") else \
+    parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm") else \
         "mlp." if leaf in ("up_proj", "gate_proj", "down_proj") else ""
     return f"{stack}.{layer}.{parent}{leaf}"
 
@@ -63,7 +63,9 @@ def _present(cfg: ModelShape, name: str) -> bool:
     relative, pre = cfg.pos_embedding == "relative", cfg.norm_placement == "pre"
     return {
         "pos_emb": cfg.pos_embedding == "learned", "type_emb": cfg.n_token_types > 0, "rel_emb": relative,
-        "emb_norm": not pre and not cfg.encoder_decoder, "final_norm": pre,
+        "emb_norm": cfg.norm_placement == "post" and not cfg.encoder_decoder,
+        "final_norm": cfg.norm_placement != "post", "q_norm": cfg.qk_norm != "none", "k_norm": cfg.qk_norm != "none",
+        "attn_post_norm": cfg.norm_placement == "sandwich", "mlp_post_norm": cfg.norm_placement == "sandwich",
         "head": not cfg.tie_embeddings, "pooler": cfg.pooler, "gate_proj": cfg.gated,
         "mlm_transform.dense": cfg.mlm_head, "mlm_transform.norm": cfg.mlm_head, "output_bias": cfg.mlm_head,
         "enc_norm": pre, "dec_pos_emb": cfg.pos_embedding == "learned", "dec_rel_emb": relative,
@@ -213,8 +215,8 @@ def module_training(cfg: ModelShape, freeze: Sequence[str] = ()) -> dict[str, tu
     """``training_plan`` (module -> (base trains, adapter trains)), cached for the planner search's many calls by
     the fields that decide which modules exist (the ``ModelShape`` fields ``module_names`` reads)."""
     key = (cfg.n_layers, cfg.n_decoder_layers, cfg.pos_embedding, cfg.n_token_types, cfg.norm_placement, cfg.activation,
-           cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets), cfg.n_experts,
-           cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
+           cfg.qk_norm, cfg.tie_embeddings, cfg.pooler, cfg.mlm_head, cfg.lora_rank, tuple(cfg.lora_targets),
+           cfg.n_experts, cfg.moe_every, cfg.n_shared_experts, tuple(freeze))
     if key not in _PLANS:
         if len(_PLANS) >= 64:
             del _PLANS[next(iter(_PLANS))]  # the oldest: a bounded cache, as the search sees few models

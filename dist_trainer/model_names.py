@@ -9,8 +9,10 @@ from __future__ import annotations
 # before the layers (the first pipeline stage); rel_emb: T5's relative-position table (pos_embedding=relative)
 FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "rel_emb", "emb_norm")
 EMBEDDING_TABLES = FIRST_STAGE_MODULES[:3]  # the lookup tables (freeze preset `embeddings`), not rel_emb, emb_norm
-LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "up_proj", "gate_proj",
-                 "down_proj")  # one transformer block's parameterised modules (leaf names)
+# one transformer block's parameterised modules (leaf names): q_norm / k_norm (model.qk_norm) sit in ``attn``,
+# attn_post_norm / mlp_post_norm (norm_placement sandwich) on the layer, after their branch
+LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "attn_post_norm",
+                 "mlp_norm", "up_proj", "gate_proj", "down_proj", "mlp_post_norm")
 # after the layers (the last pipeline stage): the Transformer's attributes, in module order; ``output_bias`` (BERT's
 # decoder bias, model.mlm_head) is a parameter the Transformer holds itself, the others are modules
 LAST_STAGE_MODULES = ("final_norm", "mlm_transform", "head", "output_bias", "pooler")
@@ -31,4 +33,5 @@ DECODER_FIRST_MODULES = ("dec_pos_emb", "dec_rel_emb")  # the decoder's tables (
 # embeds both stacks' inputs)
 CROSS_ATTENTION_MODULES = ("cross_norm", "cross_attn.q_proj", "cross_attn.k_proj", "cross_attn.v_proj",
                            "cross_attn.o_proj")  # a decoder layer's, by their names under the layer
-DECODER_LAYER_MODULES = LAYER_MODULES[:5] + CROSS_ATTENTION_MODULES + LAYER_MODULES[5:]  # module order
+_MLP_FROM = LAYER_MODULES.index("mlp_norm")
+DECODER_LAYER_MODULES = LAYER_MODULES[:_MLP_FROM] + CROSS_ATTENTION_MODULES + LAYER_MODULES[_MLP_FROM:]  # module order

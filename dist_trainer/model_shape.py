@@ -2,10 +2,14 @@
 
 Closed forms read off the module definitions in ``model.py`` and ``model_moe.py``, per module, on one TP rank:
 ``nn.Linear(i, o, bias)`` holds ``i*o (+ o)``, ``nn.Embedding(n, h)`` ``n*h``, a LayerNorm ``h (+ h)``, an RMSNorm
-``h``; RoPE and sinusoidal positions are buffers. Megatron-LM's TP (Shoeybi et al. 2019, section 3): q/k/v and MLP
-up/gate column-parallel, o/down row-parallel (biases replicated), the token embedding, an untied head and the MLM
-output bias vocab-parallel over a vocabulary padded up to a multiple of tp; k/v are split when tp divides the kv
-heads, replicated otherwise. A MoE layer holds a router, n_experts MLPs and an optional shared expert in place of
+``h``; RoPE and sinusoidal positions are buffers. Attention is ``n_heads * head_dim`` wide (``q_dim``), which need not
+be ``d_model``; biases are per group (``cfg.linear_bias``: qkv, out, mlp). Megatron-LM's TP (Shoeybi
+et al. 2019, section 3): q/k/v and MLP up/gate column-parallel (their biases split with their rows), o/down
+row-parallel (biases replicated), the token embedding, an untied head and the MLM output bias vocab-parallel over a
+vocabulary padded up to a multiple of tp; k/v are split when tp divides the kv heads, replicated otherwise. QK-norm
+``head`` (one RMSNorm(head_dim) shared by the heads) is replicated; ``full`` (over all of q's, and k's, features) is
+split with q's columns, and with k's when k is split (replicated with it otherwise). Every norm but a QK-norm is
+replicated. A MoE layer holds a router, n_experts MLPs and an optional shared expert in place of
 the MLP, never split by TP. The TP layers (``parallel/tp``), the pipeline split (``layout_rules``) and the planner's
 counts (``planner/params.py``) read these, so they cannot drift apart.
 """
@@ -30,6 +34,7 @@ class ModelShape(Protocol):
     n_token_types: int
     norm: str
     norm_placement: str
+    qk_norm: str
     activation: str
     bias: bool
     tie_embeddings: bool
@@ -45,6 +50,11 @@ class ModelShape(Protocol):
 
     @property
     def head_dim(self) -> int: ...
+
+    @property
+    def q_dim(self) -> int: ...
+
+    def linear_bias(self, group: str) -> bool: ...
 
     @property
     def kv_heads(self) -> int: ...
@@ -75,10 +85,24 @@ def kv_sharded(cfg: ModelShape, tp_size: int) -> bool:
     return cfg.kv_heads % tp_size == 0
 
 
-def norm_params(cfg: ModelShape) -> int:
+def norm_params(cfg: ModelShape, width: int | None = None) -> int:
+    """A norm over ``width`` features (default d_model): RMSNorm a weight, LayerNorm a weight and, with model.bias,
+    a bias."""
+    n = cfg.d_model if width is None else width
     if cfg.norm == "rmsnorm":
-        return cfg.d_model  # RMSNorm: weight only
-    return cfg.d_model * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
+        return n  # RMSNorm: weight only
+    return n * (2 if cfg.bias else 1)  # LayerNorm(bias=cfg.bias)
+
+
+def has_final_norm(cfg: ModelShape) -> bool:
+    """Every placement but post-norm (BERT: the last residual add is normalised in the layer) ends with final_norm."""
+    return cfg.norm_placement != "post"
+
+
+def kv_local_dim(cfg: ModelShape, tp_size: int = 1) -> int:
+    """Width of k (and of v) on one TP rank: kv_heads * head_dim, split when tp divides the kv heads."""
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    return kv_dim // tp_size if kv_sharded(cfg, tp_size) else kv_dim
 
 
 def token_embedding_params(cfg: ModelShape, tp_size: int = 1) -> int:
@@ -120,28 +144,73 @@ def decoder_first_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
 
 
 def attention_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
-    """One attention block on one TP rank: q/k/v column-parallel (k/v split when tp divides the kv heads),
-    o row-parallel with its bias replicated, added after the all-reduce."""
-    h, t, bias = cfg.d_model, tp_size, int(cfg.bias)
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    kv_local = kv_dim // t if kv_sharded(cfg, t) else kv_dim
-    return {"q_proj": h * (h // t) + bias * (h // t), "k_proj": h * kv_local + bias * kv_local,
-            "v_proj": h * kv_local + bias * kv_local, "o_proj": (h // t) * h + bias * h}
+    """One attention block's projections on one TP rank: q/k/v column-parallel (k/v split when tp divides the kv
+    heads) with their biases (model.attn_qkv_bias), o row-parallel (q_dim -> d_model) with its bias
+    (model.attn_out_bias) replicated, added after the all-reduce."""
+    h, qkv_bias, out_bias = cfg.d_model, int(cfg.linear_bias("qkv")), int(cfg.linear_bias("out"))
+    q_local, kv_local = cfg.q_dim // tp_size, kv_local_dim(cfg, tp_size)
+    return {"q_proj": h * q_local + qkv_bias * q_local, "k_proj": h * kv_local + qkv_bias * kv_local,
+            "v_proj": h * kv_local + qkv_bias * kv_local, "o_proj": q_local * h + out_bias * h}
+
+
+def qk_norm_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
+    """``attn.q_norm`` and ``attn.k_norm`` on one TP rank (RMSNorms, model.qk_norm): ``head`` one head_dim weight
+    each, shared by the heads (whole on every rank); ``full`` q_dim and kv_heads * head_dim weights, split as q's and
+    k's columns are."""
+    if cfg.qk_norm == "none":
+        return {"q_norm": 0, "k_norm": 0}
+    if cfg.qk_norm == "head":
+        return {"q_norm": cfg.head_dim, "k_norm": cfg.head_dim}
+    return {"q_norm": cfg.q_dim // tp_size, "k_norm": kv_local_dim(cfg, tp_size)}
+
+
+def qk_norm_replicated(cfg: ModelShape, tp_size: int) -> int:
+    """Of ``qk_norm_params``, what every TP rank holds whole: head norms, and full k_norm when k is replicated."""
+    if tp_size == 1 or cfg.qk_norm == "none":
+        return 0
+    if cfg.qk_norm == "head":
+        return 2 * cfg.head_dim
+    return 0 if kv_sharded(cfg, tp_size) else cfg.kv_heads * cfg.head_dim
 
 
 def mlp_params(cfg: ModelShape, width: int, tp_size: int = 1) -> dict[str, int]:
     """An MLP of ``width`` inner features on one TP rank: up and gate column-parallel, down row-parallel (its bias
     replicated, added after the all-reduce)."""
-    h, bias, f = cfg.d_model, int(cfg.bias), width // tp_size
+    h, bias, f = cfg.d_model, int(cfg.linear_bias("mlp")), width // tp_size
     return {"up_proj": h * f + bias * f, "gate_proj": (h * f + bias * f) if cfg.gated else 0,
             "down_proj": f * h + bias * h}
 
 
+def post_norm_params(cfg: ModelShape) -> int:
+    """``attn_post_norm`` and ``mlp_post_norm`` each (sandwich placement: the norms after each branch, before its
+    residual add)."""
+    return norm_params(cfg) if cfg.norm_placement == "sandwich" else 0
+
+
 def layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
-    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``); an
-    encoder-decoder's encoder layer."""
-    return {"attn_norm": norm_params(cfg), **attention_params(cfg, tp_size), "mlp_norm": norm_params(cfg),
-            **mlp_params(cfg, cfg.ffn_dim, tp_size)}
+    """Parameters of one (dense) transformer layer on one TP rank (tp validated by ``layout_rules.check_tp``), keyed
+    as ``model_names.LAYER_MODULES``; an encoder-decoder's encoder layer. Every placement has attn_norm and mlp_norm
+    (post_branch applies them to the branch outputs, parallel_residual both to the block input); sandwich adds the
+    two post-branch norms."""
+    post = post_norm_params(cfg)
+    return {"attn_norm": norm_params(cfg), **attention_params(cfg, tp_size), **qk_norm_params(cfg, tp_size),
+            "attn_post_norm": post, "mlp_norm": norm_params(cfg), **mlp_params(cfg, cfg.ffn_dim, tp_size),
+            "mlp_post_norm": post}
+
+
+def layer_replicated_params(cfg: ModelShape, tp_size: int, *, mlp: bool = True) -> int:
+    """Of ``layer_params``, what every TP rank holds whole: the norms (QK-norms as ``qk_norm_replicated``), the
+    row-parallel biases (o's; down's when ``mlp``, a dense layer's MLP) and k/v when tp does not divide the kv heads.
+    0 at tp=1."""
+    if tp_size == 1:
+        return 0
+    layer = layer_params(cfg, tp_size)
+    out = layer["attn_norm"] + layer["mlp_norm"] + layer["attn_post_norm"] + layer["mlp_post_norm"]
+    out += qk_norm_replicated(cfg, tp_size) + int(cfg.linear_bias("out")) * cfg.d_model
+    out += int(cfg.linear_bias("mlp")) * cfg.d_model if mlp else 0
+    if not kv_sharded(cfg, tp_size):
+        out += layer["k_proj"] + layer["v_proj"]
+    return out
 
 
 def decoder_layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
@@ -149,10 +218,10 @@ def decoder_layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     modules with cross-attention (its norm, q over the decoder state, k/v over the encoder output, o) between
     self-attention and the MLP, split as self-attention is."""
     layer = layer_params(cfg, tp_size)
-    cross = [norm_params(cfg), *attention_params(cfg, tp_size).values()]
-    keys = list(layer)
-    return {**{k: layer[k] for k in keys[:5]}, **dict(zip(CROSS_ATTENTION_MODULES, cross)),
-            **{k: layer[k] for k in keys[5:]}}
+    cross = dict(zip(CROSS_ATTENTION_MODULES, [norm_params(cfg), *attention_params(cfg, tp_size).values()],
+                     strict=True))
+    mlp_from = list(layer).index("mlp_norm")
+    return {**dict(list(layer.items())[:mlp_from]), **cross, **dict(list(layer.items())[mlp_from:])}
 
 
 def moe_block_params(cfg: ModelShape) -> dict[str, int]:
@@ -178,13 +247,14 @@ def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[
     """Parameters of the last-stage modules (``model_names.TAIL_NAMES``): final norm, the MLM transform, head
     (untied, or a tied copy when pp > 1), the MLM output bias (vocab-parallel like the head's rows), pooler.
 
-    Only a pre-norm model ends with a final norm; an untied head is ``Linear(h, V, bias=False)``; BERT's masked-LM
-    head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm and ``output_bias``."""
+    Every placement but post-norm ends with a final norm; an untied head is ``Linear(h, V, bias=False)``; BERT's
+    masked-LM head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm and
+    ``output_bias``."""
     head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
     has_head = not cfg.tie_embeddings or pp_size > 1
     dense = cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model  # a Linear(h, h, bias=model.bias)
     return {
-        "final_norm": norm_params(cfg) if cfg.norm_placement == "pre" else 0,  # the decoder's, in an encoder-decoder
+        "final_norm": norm_params(cfg) if has_final_norm(cfg) else 0,  # the decoder's, in an encoder-decoder
         "mlm_transform.dense": dense if cfg.mlm_head else 0,
         "mlm_transform.norm": norm_params(cfg) if cfg.mlm_head else 0,
         "head": head_rows * cfg.d_model if has_head else 0,

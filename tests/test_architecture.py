@@ -188,7 +188,8 @@ def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
         own = {name for name, _ in model.named_parameters(recurse=False)}
         assert {n for n in names if getattr(model, n) is not None} <= {n for n, _ in model.named_children()} | own
         leaves = {name.split(".")[-1] for name, m in model.layers[0].named_modules() if list(m.parameters(False))}
-        assert leaves == set(LAYER_MODULES) - (set() if cfg.activation == "swiglu" else {"gate_proj"})
+        # the leaves this config builds (gate_proj when gated, q/k norms with model.qk_norm, post norms when sandwich)
+        assert leaves == {leaf for leaf in LAYER_MODULES if layer_params(cfg)[leaf]}
         # the planner's per-module counts are keyed by the same names
         assert tuple(embedding_params(cfg)) == FIRST_STAGE_MODULES
         assert tuple(layer_params(cfg)) == LAYER_MODULES

@@ -1,9 +1,14 @@
 """FLOPs of a training step and the pipeline bubble: how much work a layout does, before any time is put on it.
 
 * FLOPs: 2 per matmul weight per token forward, 4 backward (6 Psi per token, Kaplan et al. 2020), plus the
-  attention scores and weighted sum, 2 * 2 * s * h per layer and token forward, counted in full as Megatron
-  does (Narayanan et al. 2021, eq. 3; Korthikanti et al. 2022, appendix A: 72 B s L h^2 (1 + s/(6h) +
-  V/(12 h L)) for a GPT layer with d_ff = 4h); recomputation adds the recomputed forwards.
+  attention scores and weighted sum, 2 * 2 * s * q_dim per layer and token forward (q_dim = n_heads * head_dim,
+  h unless model.attn_head_dim sets it apart), counted in full as Megatron does (Narayanan et al. 2021, eq. 3;
+  Korthikanti et al. 2022, appendix A: 72 B s L h^2 (1 + s/(6h) + V/(12 h L)) for a GPT layer with d_ff = 4h);
+  recomputation adds the recomputed forwards. Norms, soft-caps, RoPE and masks are not matmuls and not counted.
+* Sliding-window layers (``cfg.is_sliding_layer``, window W < s): query i sees min(i + 1, W) keys instead of the
+  i + 1 of causal attention, so such a layer's score and weighted-sum FLOPs are the global count times
+  sum_i min(i + 1, W) / sum_i (i + 1) (the causal work the window keeps, on the same full-count convention;
+  W >= s keeps it all, as a global layer). The matmul weights are the same in every layer.
 * Bubble: (p - 1)/(m + p - 1) of the step for GPipe/1F1B, (p - 1)/v in units of one micro-batch for
   interleaved 1F1B (Narayanan et al. 2021, section 2.2), a third of 1F1B's for zero bubble (ZB-H1,
   Qi et al. 2023, section 3).
@@ -18,9 +23,29 @@ from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weight
 from dist_trainer.planner.seq2seq import seq2seq_step_flops
 
 
-def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """(matmul, attention) forward FLOPs of one layer per token."""
-    return 2.0 * layer_matmul_weights(cfg), 4.0 * seq_len * cfg.d_model
+def attention_keys_per_query(cfg: ModelConfig, seq_len: int, layer: int) -> float:
+    """Keys per query layer ``layer``'s scores are counted over: seq_len (Megatron's full count), cut for a sliding
+    layer by the share of the causal work its window keeps (module docstring)."""
+    s, w = seq_len, cfg.sliding_window
+    if not cfg.is_sliding_layer(layer) or w >= s:
+        return float(s)
+    kept = w * (w + 1) / 2 + (s - w) * w  # sum over queries i < s of min(i + 1, W)
+    return s * kept / (s * (s + 1) / 2)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> float:
+    """Forward FLOPs of layer ``layer``'s scores (q.k) and weighted sum (p.v) per token: 2 x 2 x keys x q_dim."""
+    return 4.0 * attention_keys_per_query(cfg, seq_len, layer) * cfg.q_dim
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:
+    """(matmul, attention) forward FLOPs of layer ``layer`` per token; None: the mean over the model's layers (their
+    attention differs when some slide)."""
+    if layer is None:
+        attn = sum(attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)) / cfg.n_layers
+    else:
+        attn = attention_flops_per_token(cfg, seq_len, layer)
+    return 2.0 * layer_matmul_weights(cfg), attn
 
 
 def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: str = "none",
@@ -32,21 +57,22 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
         return seq2seq_step_flops(cfg, seq_len=seq_len, target_len=target_len or seq_len, global_batch=global_batch,
                                   recompute=recompute, checkpoint_every=checkpoint_every)
     tokens = global_batch * seq_len
-    mm, attn = layer_forward_flops_per_token(cfg, seq_len)
+    mm = 2.0 * layer_matmul_weights(cfg)
+    attn = [attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)]
     moe = moe_layer_ids(cfg)
     moe_model, moe_hw = moe_flops_per_token(cfg, seq_len) if moe else (0.0, 0.0)
     moe_model -= dense_mlp_flops_per_token(cfg) if moe else 0.0  # a MoE layer's extra over a dense one
     moe_hw -= dense_mlp_flops_per_token(cfg) if moe else 0.0
-    forward = cfg.n_layers * (mm + attn) + 2.0 * head_matmul_weights(cfg) + len(moe) * moe_model
+    forward = cfg.n_layers * mm + sum(attn) + 2.0 * head_matmul_weights(cfg) + len(moe) * moe_model
     model = 3.0 * forward * tokens
     padding = 3.0 * len(moe) * (moe_hw - moe_model) * tokens  # the experts' empty slots, computed all the same
     if recompute in ("full", "every_k"):
         redone = recomputed_layers(recompute, checkpoint_every, range(cfg.n_layers))
-        extra = len(redone) * (mm + attn) + len(set(redone) & set(moe)) * moe_hw
+        extra = sum(mm + attn[i] for i in redone) + len(set(redone) & set(moe)) * moe_hw
     elif recompute == "selective":
         # only the attention core runs again: QK^T and AV, 4 s h per token and layer (Korthikanti et al. 2022,
         # appendix A: "2Bs^2h + 2Bs^2h"; their eq. 8 adds 12 B L s^2 h, three times this; see docs/planner.md)
-        extra = cfg.n_layers * attn
+        extra = sum(attn)
     else:
         extra = 0.0
     return model, model + padding + extra * tokens

@@ -35,6 +35,7 @@ from dist_trainer.model_shape import (
     decoder_layer_params,
     embedding_params,
     encoder_last_params,
+    kv_local_dim,
     kv_sharded,
     layer_params,
     moe_block_params,
@@ -49,12 +50,11 @@ def expert_params(cfg: ModelConfig) -> int:
 
 def lora_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, int, bool, bool]]:
     """Per layer linear leaf: (A's input columns, B's output rows, A whole, B whole) on one TP rank."""
-    h, t, f = cfg.d_model, tp_size, cfg.ffn_dim
-    kv = cfg.kv_heads * cfg.head_dim
+    h, t, f, q = cfg.d_model, tp_size, cfg.ffn_dim, cfg.q_dim
     split = kv_sharded(cfg, t)
-    kv_local = kv // t if split else kv
-    return {"q_proj": (h, h // t, True, t == 1), "k_proj": (h, kv_local, True, t == 1 or not split),
-            "v_proj": (h, kv_local, True, t == 1 or not split), "o_proj": (h // t, h, t == 1, True),
+    kv_local = kv_local_dim(cfg, t)
+    return {"q_proj": (h, q // t, True, t == 1), "k_proj": (h, kv_local, True, t == 1 or not split),
+            "v_proj": (h, kv_local, True, t == 1 or not split), "o_proj": (q // t, h, t == 1, True),
             "up_proj": (h, f // t, True, t == 1), "gate_proj": (h, f // t, True, t == 1),
             "down_proj": (f // t, h, t == 1, True)}
 
@@ -205,9 +205,9 @@ def mlp_weights(cfg: ModelConfig) -> int:
 
 
 def layer_matmul_weights(cfg: ModelConfig) -> int:
-    """Matmul weights of one dense layer: q and o (h x h), k and v (h x kv heads' width), the MLP."""
+    """Matmul weights of one dense layer: q and o (h x n_heads * head_dim), k and v (h x kv heads' width), the MLP."""
     h = cfg.d_model
-    return 2 * h * h + 2 * h * cfg.kv_heads * cfg.head_dim + mlp_weights(cfg)
+    return 2 * h * cfg.q_dim + 2 * h * cfg.kv_heads * cfg.head_dim + mlp_weights(cfg)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -23,6 +23,7 @@ from dist_trainer.model_shape import (
     encoder_last_params,
     kv_sharded,
     layer_params,
+    layer_replicated_params,
     norm_params,
     tail_params,
 )
@@ -64,11 +65,7 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
     modules: dict[str, int] = {}
     replicated = 0
     one_layer = layer_params(cfg, tp_size)
-    rep_layer = 2 * norm_params(cfg) + int(cfg.bias) * 2 * cfg.d_model  # norms + row-parallel biases
-    if tp_size > 1 and not kv_sharded(cfg, tp_size):
-        rep_layer += one_layer["k_proj"] + one_layer["v_proj"]
-    if tp_size == 1:
-        rep_layer = 0
+    rep_layer = layer_replicated_params(cfg, tp_size)  # norms, row-parallel biases, unsplit k/v
     if pp_rank == 0:
         emb = embedding_params(cfg, tp_size)
         modules.update({f"embedding.{k}": v for k, v in emb.items() if v})
@@ -89,7 +86,7 @@ def rank_params(cfg: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, pp_rank
     moe = moe_holdings(cfg, n_moe, ep_size)
     modules.update(moe.modules)
     if tp_size > 1 and n_moe:  # the block is whole on every TP rank; the layer has no down_proj bias
-        replicated += (rep_layer - int(cfg.bias) * cfg.d_model) * n_moe + moe.replicated
+        replicated += layer_replicated_params(cfg, tp_size, mlp=False) * n_moe + moe.replicated
     if cfg.encoder_decoder:
         dec_modules, dec_replicated = _decoder_holdings(cfg, tp_size, all_ids, first=pp_rank == 0)
         modules.update(dec_modules)
@@ -127,8 +124,10 @@ def _decoder_holdings(cfg: ModelConfig, tp_size: int, ids: Sequence[int], *, fir
     adapters = lora_layer_params(cfg, tp_size, decoder=True)
     modules.update({f"dec_layers.*.{k}.lora": v * n_dec for k, v in adapters.items() if v and n_dec})
     if tp_size > 1:
-        per_layer = 3 * norm_params(cfg) + int(cfg.bias) * 3 * cfg.d_model  # norms, o (x2) and down biases
+        # the self-attention layer's, and cross-attention's norm, o bias and unsplit k/v
+        per_layer = layer_replicated_params(cfg, tp_size) + norm_params(cfg)
+        per_layer += int(cfg.linear_bias("out")) * cfg.d_model
         if not kv_sharded(cfg, tp_size):
-            per_layer += 2 * (layer["k_proj"] + layer["v_proj"])
+            per_layer += layer["cross_attn.k_proj"] + layer["cross_attn.v_proj"]
         replicated += (per_layer + lora_replicated_params(cfg, tp_size, decoder=True)) * n_dec
     return modules, replicated

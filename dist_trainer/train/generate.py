@@ -3,6 +3,9 @@ token for token with another tool (``dist-trainer generate --prompt-ids 1,2,3 --
 
 Work is bounded: the new tokens are capped where they would overflow the model's context (``max_seq_len``) unless a
 sliding window is asked for (then at most ``MAX_NEW_TOKENS``), and each token is handed on as it is generated.
+A decoder-only model keeps each layer's keys and values (``model_seq2seq.KVCache``, RoPE applied before caching) when
+the whole generation fits its context and it has no MoE layers; a layer with ``model.sliding_window`` masks the cached
+keys older than its window, as in training (``model_blocks.SDPAttention``).
 
 An encoder-decoder (``model.n_decoder_layers`` > 0) reads a ``source`` instead of a prompt: the source is encoded
 once, then the decoder runs one token at a time from ``model.decoder_start_id`` with a KV cache (each layer's
@@ -24,7 +27,7 @@ from tokenizers import Tokenizer
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config import Config
 from dist_trainer.model import Transformer
-from dist_trainer.model_seq2seq import new_caches
+from dist_trainer.model_seq2seq import KVCache, new_caches
 
 MAX_NEW_TOKENS = 1_000_000  # with a sliding window, the stated bound on one call's work
 
@@ -106,13 +109,29 @@ def generate_steps(model: Transformer, prompt: list[int], max_new_tokens: int, t
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     stops = set(stop_ids or ())
+    # Keys and values are cached when every token keeps its position (the whole generation fits the context) and
+    # a token's computation does not depend on the others' (a MoE layer's expert capacity grows with the sequence):
+    # each step then runs its new tokens only, a sliding layer masking the cached keys older than its window.
+    cached = not model.cfg.n_experts and len(prompt) + max_new_tokens <= model.cfg.max_seq_len
+    caches = [KVCache() for _ in model.layers] if cached else None
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.cfg.max_seq_len:])[:, -1, :].float()
+        logits = _next_logits(model, ids, caches)
         token, logprob = _choose(logits, temperature, top_k, generator)
         yield token, logprob
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
         if token in stops:
             return
+
+
+def _next_logits(model: Transformer, ids: torch.Tensor, caches: list[KVCache] | None) -> torch.Tensor:
+    """(1, V) fp32 logits of the token after ``ids`` (1, T): the layers run over their KV caches and the ids they
+    have not seen yet (prefill: the whole prompt), or, without caches, the full forward over the last max_seq_len
+    ids (positions restart where the context slides)."""
+    if caches is None:
+        return model(ids[:, -model.cfg.max_seq_len:])[:, -1, :].float()
+    start = caches[0].length
+    hidden = model.run_layers(model.embed(ids[:, start:], start=start), caches=caches)
+    return model.full_logits(model.logits(hidden[:, -1:]))[:, -1, :].float()
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
