@@ -69,4 +69,5 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     return sandwich_keys(m)
 
 
-FAMILY = Family(MODEL_TYPE, "Gemma2ForCausalLM", to_model, sandwich_recipes, misses, to_hf)
+FAMILY = Family(MODEL_TYPE, "Gemma2ForCausalLM", to_model, sandwich_recipes, misses, to_hf,
+                presets=("gemma-2-9b",))

@@ -64,4 +64,4 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {**keys, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
 
 
-FAMILY = Family(MODEL_TYPE, "Gemma3ForCausalLM", to_model, read_plan, misses, to_hf)
+FAMILY = Family(MODEL_TYPE, "Gemma3ForCausalLM", to_model, read_plan, misses, to_hf, presets=("gemma-3-1b",))

@@ -45,4 +45,4 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {k: v for k, v in llama.hf_keys(m).items() if k != "mlp_bias"}
 
 
-FAMILY = Family(MODEL_TYPE, "Olmo2ForCausalLM", to_model, read_plan, misses, to_hf)
+FAMILY = Family(MODEL_TYPE, "Olmo2ForCausalLM", to_model, read_plan, misses, to_hf, presets=("olmo-2-7b",))

@@ -36,7 +36,7 @@ def qwen_window_keys(m: dict[str, Any]) -> dict[str, Any]:
 def to_model(hf: dict[str, Any], where: str, tensor_names: set[str]) -> dict[str, Any]:
     # Qwen2's attention always has q/k/v biases and no others: attention_bias / mlp_bias keys change nothing
     out = llama.fields({k: v for k, v in hf.items() if k not in ("attention_bias", "mlp_bias")}, where)
-    return {**out, "attn_qkv_bias": True, "attn_out_bias": False, **qwen_windows(hf, where)}
+    return {**out, "attn_qkv_bias": True, **qwen_windows(hf, where)}  # o and the MLP follow bias: none
 
 
 def misses(m: dict[str, Any]) -> list[str]:
@@ -48,4 +48,4 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {**keys, **qwen_window_keys(m)}
 
 
-FAMILY = Family(MODEL_TYPE, "Qwen2ForCausalLM", to_model, llama.read_plan, misses, to_hf)
+FAMILY = Family(MODEL_TYPE, "Qwen2ForCausalLM", to_model, llama.read_plan, misses, to_hf, presets=("qwen2.5-7b",))

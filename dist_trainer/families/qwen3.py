@@ -21,7 +21,8 @@ MODEL_TYPE = "qwen3"
 
 def to_model(hf: dict[str, Any], where: str, tensor_names: set[str]) -> dict[str, Any]:
     out = llama.fields({"head_dim": 128, **{k: v for k, v in hf.items() if k != "mlp_bias"}}, where)
-    return {**out, "qk_norm": "head", **qwen_windows(hf, where)}
+    # head_dim is a key of Qwen3's own (128 by default): stated even where it is hidden_size / heads
+    return {**out, "attn_head_dim": int(hf.get("head_dim", 128)), "qk_norm": "head", **qwen_windows(hf, where)}
 
 
 def qk_norm_recipes(m: dict[str, Any], h: str, o: str) -> dict[str, Recipe]:
@@ -48,4 +49,4 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {**{k: v for k, v in llama.hf_keys(m).items() if k != "mlp_bias"}, **qwen_window_keys(m)}
 
 
-FAMILY = Family(MODEL_TYPE, "Qwen3ForCausalLM", to_model, read_plan, misses, to_hf)
+FAMILY = Family(MODEL_TYPE, "Qwen3ForCausalLM", to_model, read_plan, misses, to_hf, presets=("qwen3-8b",))
