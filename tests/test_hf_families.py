@@ -135,7 +135,7 @@ def test_one_process_gives_transformers_logits_and_greedy_ids(family: str, fam_f
 LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {}
 for _family in FAMILIES:
     LAYOUTS[f"{_family}:tp2"] = (_family, {"tp_size": 2, "sequence_parallel": True})
-    LAYOUTS[f"{_family}:pp2"] = (_family, {"pp_size": 2, "micro_batch_size": 2})
+    LAYOUTS[f"{_family}:pp2"] = (_family, {"pp_size": 2, "pp_schedule": "1f1b", "micro_batch_size": 2})
     LAYOUTS[f"{_family}:cp2"] = (_family, {"cp_size": 2})
     LAYOUTS[f"{_family}:zero3"] = (_family, {"zero_stage": 3, "micro_batch_size": 2})
 
@@ -194,6 +194,7 @@ def test_every_layout_gives_the_single_process_losses(family: str, layout_runs: 
         assert "refused" not in got, (name, got["refused"])
         assert all(r[name]["losses"] == got["losses"] for r in results), name
         assert_same_curves(got, ref, what=name)
+        assert got["engine"] == {"pp2": "pp[1f1b]+dp", "zero3": "zero3"}.get(name.split(":")[1], got["engine"])
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in REFUSED])
@@ -270,3 +271,28 @@ def test_qwen2_window_on_every_layer_is_mapped(fam_folders: dict[str, Path], tmp
     tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert _close(ours(tokens), _reference(folder)(tokens).logits)
+
+
+LEGACY = {  # transformers 4's keys for what transformers 5 writes under rope_parameters / layer_types
+    "gemma3_text": ({"rope_theta": 1e6, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 2},
+                    ("rope_parameters", "layer_types")),
+    "gpt_neox": ({"rotary_pct": 0.5, "rotary_emb_base": 10000.0}, ("rope_parameters",)),
+    "phi3": ({"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, ("rope_parameters",)),
+}
+
+
+@pytest.mark.parametrize("family", list(LEGACY))
+def test_transformers_4_keys_map_to_the_same_model(family: str, fam_folders: dict[str, Path], tmp_path: Path) -> None:
+    """The published folders' keys (Gemma 3's rope_local_base_freq and sliding_window_pattern, Pythia's rotary_pct
+    and rotary_emb_base, Phi-3's partial_rotary_factor): the same fields, and transformers' logits."""
+    from dist_trainer.checkpoint.plain import export_model_fields
+
+    folder = _copy(fam_folders[family], tmp_path / "legacy")
+    keys, dropped = LEGACY[family]
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**{k: v for k, v in config.items() if k not in dropped}, **keys}))
+    assert export_model_fields(folder) == export_model_fields(fam_folders[family])
+    ours, _ = load_plain_model(folder)
+    tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert _close(ours(tokens), _reference(folder)(tokens).logits), family
