@@ -177,3 +177,58 @@ def test_export_finds_the_family_or_names_what_it_lacks(change: dict, family_nam
     with pytest.raises(ValueError, match="export it with --format native") as info:
         family_for_model(model)
     assert named in str(info.value)
+
+
+def _hf_model(kind: str) -> torch.nn.Module:
+    """A tiny transformers model with every parameter drawn (transformers initialises biases to zero, which would
+    hide a bias read from the wrong rows)."""
+    import transformers  # the dev extra's parity reference (never imported by dist_trainer/)
+
+    small = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 40, "max_position_embeddings": 64, "head_dim": 12}
+    if kind == "llama":  # biases everywhere and a head_dim of its own (12, not 32 / 4)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, attention_bias=True, mlp_bias=True))
+    else:  # a window shorter than the sequence
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=5))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_llama_with_biases_and_head_dim_and_mistral_with_a_window_give_transformers_logits(
+        kind: str, tmp_path: Path) -> None:
+    """Loaded from the folder, ours gives transformers' logits (1e-5) and greedy ids; the HF export is the input
+    tensor for tensor (the recipes inverted) and reads back into transformers with its logits."""
+    import transformers
+
+    from dist_trainer.checkpoint.plain import load_plain_model
+    from dist_trainer.train.export import export_checkpoint
+    from dist_trainer.train.generate import sample
+
+    theirs = _hf_model(kind)
+    theirs.save_pretrained(tmp_path / "in", max_shard_size="20KB")
+    ours, cfg = load_plain_model(tmp_path / "in")
+    assert cfg.model.head_dim == 12
+    assert (cfg.model.attn_qkv_bias, cfg.model.mlp_bias, cfg.model.sliding_window) == \
+        ((True, True, 0) if kind == "llama" else (None, None, 5))
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = theirs(tokens).logits, ours(tokens)
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), kind
+    prompt = tokens[:1, :4]
+    ids = sample(ours, prompt, max_new_tokens=12, temperature=0.0)
+    ref = theirs.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0,
+                          eos_token_id=None)
+    assert ids.tolist() == ref.tolist(), kind
+    export_checkpoint(tmp_path / "in", tmp_path / "out")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert (config.model_type, config.head_dim) == (kind, 12)
+    back, info = type(theirs).from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert theirs.state_dict().keys() == back.state_dict().keys()
+    assert all(torch.equal(theirs.state_dict()[k], v) for k, v in back.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(back.eval()(tokens).logits, want)
