@@ -184,7 +184,7 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         x = self.tok_emb(tokens)
         if self.cfg.scale_embeddings:  # Vaswani et al. 2017, section 3.4; the factor in x's dtype, as Gemma's
-            x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype)
+            x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype, device=x.device)
         if self.cfg.embedding_multiplier != 1.0:  # Granite
             x = x * self.cfg.embedding_multiplier
         pos_emb = self.dec_pos_emb if decoder else self.pos_emb

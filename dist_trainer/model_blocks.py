@@ -162,8 +162,11 @@ class Attention(nn.Module):
     ``memory`` (the encoder output) is given: queries from ``x``, keys and values from ``memory``.
 
     Head counts are read off the projection widths at run time, so a TP rank whose
-    q/k/v projections hold a slice of the heads runs unchanged. ``mask``: an SDPA ``attn_mask`` (a position bias,
-    padding; ``model_seq2seq.attention_mask``); ``cache``: a ``model_seq2seq.KVCache`` during generation.
+    q/k/v projections hold a slice of the heads runs unchanged. q is n_heads * head_dim wide (``cfg.q_dim``, which
+    o_proj maps back to d_model), k and v kv_heads * head_dim. ``mask``: an SDPA ``attn_mask`` (a position bias,
+    padding; ``model_seq2seq.attention_mask``); ``cache``: a ``model_seq2seq.KVCache`` during generation (with RoPE,
+    keys are cached rotated, at their positions). ``window``: this layer's sliding window (0: none), handed to the
+    ``attend`` seam with the score scale and ``model.attn_softcap``.
     """
 
     def __init__(self, cfg: ModelConfig, causal: bool | None = None, window: int = 0) -> None:

@@ -323,15 +323,26 @@ def test_norm_placements_and_post_norms_are_named_and_initialised() -> None:
     assert "layers.0.attn_post_norm.weight" not in {n for n, _ in full.named_parameters()}
 
 
+def test_biases_follow_their_projection_group_in_experts_too() -> None:
+    """attn_qkv_bias / attn_out_bias / mlp_bias pick the linears with biases, every expert's MLP included."""
+    model = build_model(_ours(attn_qkv_bias=True, mlp_bias=True, n_experts=2, top_k=1, n_shared_experts=1), seed=0)
+    biased = {n.removesuffix(".bias") for n, _ in model.named_parameters() if n.endswith(".bias")}
+    layer = {n.removeprefix("layers.0.") for n in biased if n.startswith("layers.0.")}
+    assert layer == {"attn.q_proj", "attn.k_proj", "attn.v_proj",
+                     *(f"moe.{e}.{leaf}" for e in ("experts.0", "experts.1", "shared_expert")
+                       for leaf in ("up_proj", "gate_proj", "down_proj"))}
+
+
 # ---- generation ---------------------------------------------------------------------------------------------
 
 
-def _cached_logits(model: Transformer, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits of ``tokens`` computed as generation does: ``prefill`` tokens at once, then one at a time over the
-    layers' KV caches."""
+def _cached_logits(model: Transformer, tokens: torch.Tensor, chunks: tuple[int, ...]) -> torch.Tensor:
+    """Logits of ``tokens`` computed as generation does, over the layers' KV caches: ``chunks`` tokens at a time
+    (prefill, then a chunk after cached keys), then one at a time."""
     caches = [KVCache() for _ in model.layers]
     out, start = [], 0
-    for chunk in (tokens[:, :prefill], *tokens[:, prefill:].split(1, dim=1)):
+    rest = tokens.shape[1] - sum(chunks)
+    for chunk in tokens.split([*chunks, *[1] * rest], dim=1):
         hidden = model.run_layers(model.embed(chunk, start=start), caches=caches)
         out.append(model.logits(hidden))
         start += chunk.shape[1]
@@ -341,18 +352,36 @@ def _cached_logits(model: Transformer, tokens: torch.Tensor, prefill: int) -> to
 @pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gemma3", "gpt_neox"])
 def test_kv_cached_decoding_equals_the_full_forward(family: str) -> None:
     """A decode step masks the cached keys older than the window (and prefill its own), at the cached keys'
-    positions (RoPE applied before caching; partial rotary too)."""
+    positions (RoPE applied before caching; partial rotary too); a chunk of several tokens after cached keys is
+    causal among its own."""
     _, cfg, weights = CASES[family][0]()
     ours = build_model(cfg, seed=0).eval()
     _load_(ours, weights)
     tokens = _tokens(cfg.vocab_size)
     with torch.no_grad():
         full = ours(tokens)
-        torch.testing.assert_close(_cached_logits(ours, tokens, prefill=7), full, **TOL)
+        torch.testing.assert_close(_cached_logits(ours, tokens, (7, 4)), full, **TOL)
         if cfg.sliding_window:  # the window is what the cache must honour: a cache without it differs
             for layer in ours.layers:
                 layer.attn.attend.window = 0
-            assert (_cached_logits(ours, tokens, prefill=7) - full).abs().max() > 1e-3
+            assert (_cached_logits(ours, tokens, (7, 4)) - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2", "gpt_neox"])
+def test_selective_recompute_gives_the_same_gradients(family: str) -> None:
+    """The soft-capped explicit attention, the window masks, QK-norm and partial rotary under selective
+    recomputation (the core run again in backward): the same loss and gradients."""
+    _, cfg, weights = CASES[family][0]()
+    tokens = _tokens(cfg.vocab_size)
+    grads = []
+    for mode in ("none", "selective"):
+        ours = build_model(cfg, seed=0)
+        _load_(ours, weights)
+        ours.set_activation_checkpointing(mode)
+        ours(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in ours.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("family", ["mistral_window", "gemma2"])
