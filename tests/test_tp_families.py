@@ -33,9 +33,11 @@ from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import merge_tp_shards, tp_shard_specs
+from dist_trainer.quant.modules import int8_layers, quantize_base_weights_
+from dist_trainer.quant.sizes import int8_weights, linear_shape
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
-from tests.helpers import TINY_VOCAB, assert_same_curves, curves, tiny_config
+from tests.helpers import TINY_VOCAB, assert_same_curves, assert_same_health, curves, health_records, tiny_config
 
 ROPE = {"pos_embedding": "rope", "norm": "rmsnorm", "bias": False, "tie_embeddings": False}
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -61,6 +63,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "olmo2_zero3": ("olmo2", {"zero_stage": 3}, {}),
     "gemma_ring_cp2": ("gemma", {"cp_size": 2}, {"model": {"n_kv_heads": 2}}),
     "gemma_a2a_cp2": ("gemma", {"cp_size": 2, "cp_mode": "all_to_all"}, {"model": {"n_kv_heads": 2}}),
+    "olmo2_ring_cp2": ("olmo2", {"cp_size": 2}, {}),
+    "neox_a2a_cp2": ("neox", {"cp_size": 2, "cp_mode": "all_to_all"}, {}),
 }
 
 
@@ -72,7 +76,12 @@ def _sections(name: str, parallel: bool) -> dict[str, Any]:
 
 
 def _train(data: Path, out: Path, sections: dict[str, Any]) -> dict[str, Any]:
-    return curves(Trainer(tiny_config(data, out, **sections)).train())
+    """The run's losses and, rank 0's, its health records' gradient norms per group (the new norms in theirs)."""
+    trainer = Trainer(tiny_config(data, out, health={"every": 2}, **sections))
+    result = curves(trainer.train())
+    norms = {step: {k: v for k, v in rec.items() if k.startswith("health/grad_norm/")}
+             for step, rec in health_records(out).items()} if trainer.env.rank == 0 else {}
+    return {**result, "grad_norms": norms}
 
 
 def model_config(name: str) -> ModelConfig:
@@ -116,7 +125,7 @@ def spawn(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     root = tmp_path_factory.mktemp("families")
     results = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=900)
     for name in CASES:
-        assert results[0][name] == results[1][name], name  # every rank reports the same run
+        assert results[0][name]["losses"] == results[1][name]["losses"], name  # every rank reports the same run
     return results[0]
 
 
@@ -130,9 +139,13 @@ def test_tp2_sp_gradients_gather_to_the_single_process_ones(spawn: dict[str, Any
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_layout_trains_as_one_process(spawn: dict[str, Any], tiny_data: Path, tmp_path: Path, name: str) -> None:
-    """Training and evaluation losses (every 2 steps, checkpoints on) equal the single-process run's."""
+    """Training and evaluation losses (every 2 steps, checkpoints on) and the health records' gradient norm of
+    every group equal the single-process run's."""
     single = _train(tiny_data, tmp_path / "single", _sections(name, parallel=False))
     assert_same_curves(spawn[name], single, what=name)
+    got, want = spawn[name]["grad_norms"], single["grad_norms"]
+    assert sorted(want) == [2, 4] and "health/grad_norm/layers.1.norm" in want[2], sorted(want)
+    assert_same_health(got, want, name)
 
 
 def test_the_new_norms_are_norms_to_freeze_presets_and_health() -> None:
@@ -155,3 +168,16 @@ def test_qk_norm_over_the_full_width_needs_k_split_by_heads() -> None:
     with pytest.raises(ValueError, match=r"model.qk_norm='full'.*n_kv_heads=1 is not divisible by "
                                          r"parallel.tp_size=2"):
         check_tp(ModelConfig(**{**vars(cfg), "n_kv_heads": 1}), 2)
+
+
+def test_int8_base_of_a_model_whose_attention_is_wider_than_d_model() -> None:
+    """q is n_heads * head_dim = 64 wide against d_model 32: the int8 sizes the planner and the layout check read
+    (per TP rank) are those of the buffers the model holds, biased linears included."""
+    cfg = ModelConfig(**{**vars(model_config("qwen2")), **LORA_INT8})
+    model = build_model(cfg, seed=5)
+    assert quantize_base_weights_(model, cfg, [])
+    held = sum(m.weight.numel() for _, m in int8_layers(model))
+    scales = sum(m.weight_scale.numel() for _, m in int8_layers(model))
+    assert (held, scales) == int8_weights(cfg, [])
+    assert linear_shape(cfg, "o_proj", 2) == (32, 32) and linear_shape(cfg, "q_proj", 2) == (32, 32)
+    assert model.layers[0].attn.q_proj.bias is not None and model.layers[0].attn.o_proj.bias is None

@@ -57,7 +57,7 @@ def _pairs(q_chunks: Chunks, k_chunks: Chunks, scores: Scores, c: int,
     """(query chunk slot, key chunk slot, visible) for every pair of chunks of ``c`` tokens in which some query
     sees some key; ``visible`` is the (c, c) bool mask of the pair, None when every query sees every key. A pair
     wholly after the query chunk (causal) or wholly past the window is skipped: its keys are never computed."""
-    out = []
+    out: list[tuple[int, int, torch.Tensor | None]] = []
     for a, qa in enumerate(q_chunks):
         for b, kb in enumerate(k_chunks):
             if scores.causal and kb > qa:

@@ -7,7 +7,9 @@ to be divisible). Contiguous slices are all the layouts need:
 
 - q/k/v are column blocks of whole heads (head h = rows [h*D, (h+1)*D)), so a
   contiguous cut of the output rows is a cut between heads, for GQA k/v too;
-- o_proj is cut by input columns in the same head order;
+- o_proj is cut by input columns in the same head order (q_dim = n_heads * head_dim wide, whatever d_model is);
+- a QK-norm over the full width (model.qk_norm=full) is cut with its projection's rows (whole heads); one per
+  head is replicated;
 - SwiGLU keeps up and gate as separate projections, so each splits on its own
   (a fused [up; gate] weight would need an interleaved split);
 - padded vocabulary rows are zeros on load and stripped on merge.
