@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dist_trainer.config import ModelConfig
@@ -30,6 +32,37 @@ CASES = [
      for prec in ("fp32", "amp_bf16")]
 
 
+# The open families' features, on the LLAMA shape: each case a family's combination (tests/test_model_features.py
+# checks their maths against transformers). Two layers with checkpoint_every=2 and a window on every other layer:
+# every_k recomputes the sliding layer 0 and keeps the global layer 1, so each kind of layer is priced on its own.
+FAMILIES = {
+    # head_dim apart from d_model / n_heads, QK-norm per head, q/k/v biases
+    "qwen3": {"attn_head_dim": 16, "qk_norm": "head", "attn_qkv_bias": True},
+    # sandwich norms with (1 + w) weights, scaled embeddings, GeGLU, attention and final soft-caps, windows by layer
+    "gemma2": {"attn_head_dim": 16, "norm_placement": "sandwich", "norm_weight_offset": 1.0, "scale_embeddings": True,
+               "activation": "geglu", "attn_softcap": 50.0, "final_softcap": 30.0, "sliding_window": 8,
+               "sliding_window_pattern": 2, "attn_score_scale": 0.25, "tie_embeddings": True},
+    # per-head QK-norm with offset weights, windows (SDPA's mask) with their own RoPE base
+    "gemma3": {"attn_head_dim": 16, "qk_norm": "head", "norm_placement": "sandwich", "norm_weight_offset": 1.0,
+               "scale_embeddings": True, "activation": "geglu", "sliding_window": 8, "sliding_window_pattern": 2,
+               "rope_local_theta": 100.0},
+    # norms after each branch, QK-norm over the full width
+    "olmo2": {"qk_norm": "full", "norm_placement": "post_branch", "n_kv_heads": 4},
+    # the parallel residual with LayerNorms and biases, partial rotary, exact GELU
+    "neox": {"norm": "layernorm", "bias": True, "parallel_residual": True, "rotary_fraction": 0.5,
+             "activation": "gelu", "n_kv_heads": 4},
+    # a window on every layer; the soft-capped explicit attention with dropout
+    "mistral_window": {"sliding_window": 8},
+    "softcap_dropout": {"attn_softcap": 20.0, "dropout": 0.1, "sliding_window": 8, "sliding_window_pattern": 2},
+    # biases everywhere and the multipliers (no tensor of their own)
+    "granite": {"attn_qkv_bias": True, "attn_out_bias": True, "mlp_bias": True, "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.2, "attn_score_scale": 0.1, "logits_divisor": 8.0},
+}
+FAMILY_CASES = [(name, ckpt, prec, math) for name in FAMILIES for ckpt in ("none", "selective", "every_k")
+                for prec in ("fp32", "amp_bf16") for math in (False, True)
+                if not math or ckpt == "none"]  # a recomputed core keeps no kernel tensor: flash and math agree
+
+
 def predicted(cfg: ModelConfig, ckpt: str, precision: str, kernel: str) -> int:
     layout = Layout(micro_batch_size=B, activation_checkpointing=ckpt, checkpoint_every=2)
     opts = TrainingOptions(precision=precision, attention_kernel=kernel, device="cpu")
@@ -50,6 +83,40 @@ def test_prediction_matches_saved_tensor_measurement(name: str, cfg: ModelConfig
     # Every saved tensor is modelled; the only unmodelled one is nll_loss's 4-byte total_weight scalar.
     assert abs(ratio - 1) < 0.10, f"{name}: predicted {pred} measured {measured} ratio {ratio:.4f}"
     assert 0 <= measured - pred <= 8, f"{name}: predicted {pred} measured {measured} (expected exact up to 8 B)"
+
+
+@pytest.mark.parametrize(("name", "ckpt", "precision", "math"), FAMILY_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{'math' if c[3] else 'flash'}" for c in FAMILY_CASES])
+def test_family_features_match_saved_tensor_measurement(name: str, ckpt: str, precision: str, math: bool) -> None:
+    cfg = dataclasses.replace(LLAMA, **FAMILIES[name])
+    cfg.validate()
+    measured = measure_saved_bytes(cfg, batch=B, seq_len=S, checkpointing=ckpt, every=2, precision=precision,
+                                   math_kernel=math)
+    pred = predicted(cfg, ckpt, precision, "math" if math else "flash")
+    assert 0 <= measured - pred <= 8, f"{name}: predicted {pred} measured {measured} (expected exact up to 8 B)"
+
+
+def test_family_tensors_are_where_the_features_put_them() -> None:
+    # the tensors each feature adds, named: a window's mask only in sliding layers on a flash kernel, the
+    # soft-capped core's bool mask and fp32 probabilities, QK-norms per head, the sandwich's post-branch norms
+    spec = act.ActivationSpec(seq_len=S, precision="amp_bf16", device="cpu", micro_batch_size=B)
+
+    def names(cfg: ModelConfig, **kw: object) -> set[str]:
+        return {x.name for x in act.layer_saved_tensors(cfg, spec, **kw)}  # type: ignore[arg-type]
+
+    window = dataclasses.replace(LLAMA, **FAMILIES["mistral_window"])
+    assert "attn.window_mask" in names(window, sliding=True) - names(window, sliding=False)
+    mask = next(x for x in act.layer_saved_tensors(window, spec, sliding=True) if x.name == "attn.window_mask")
+    assert mask.bytes_per_token * B * S == S * S * 2  # one (s, s) bf16 mask per micro-batch
+    assert "attn.window_mask" not in names(window, sliding=True, selective=True)  # rebuilt with the core
+    gemma2 = dataclasses.replace(LLAMA, **FAMILIES["gemma2"])
+    assert {"attn.softcap_tanh", "attn.mask", "attn.probs", "attn.probs_cast", "attn_post_norm.input",
+            "mlp_post_norm.input", "attn_norm.offset_weight"} <= names(gemma2)
+    qwen3 = dataclasses.replace(LLAMA, **FAMILIES["qwen3"])
+    q_rsqrt = next(x for x in act.layer_saved_tensors(qwen3, spec) if x.name == "attn.q_norm.rsqrt")
+    assert q_rsqrt.per_token == qwen3.n_heads  # one per head and token
+    heads = {x.name for x in act.head_saved_tensors(gemma2, spec)}
+    assert "head.softcap_tanh" in heads and "final_norm.input" in heads
 
 
 def test_flash_kernel_keeps_no_score_matrix() -> None:

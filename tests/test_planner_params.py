@@ -23,16 +23,23 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
     head_dim = draw(st.sampled_from([2, 4, 6, 8]))
     n_heads = draw(st.integers(1, 6))
     n_kv = draw(st.sampled_from([d for d in range(1, n_heads + 1) if n_heads % d == 0]))
-    activation = draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "swiglu"]))
+    activation = draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "swiglu", "geglu"]))
+    norm = draw(st.sampled_from(["layernorm", "rmsnorm"]))
+    placement = draw(st.sampled_from(["pre", "post", "post_branch", "sandwich"]))
     return ModelConfig(
         vocab_size=draw(st.integers(1, 300)), d_model=head_dim * n_heads, n_layers=draw(st.integers(1, 4)),
         n_heads=n_heads, n_kv_heads=draw(st.sampled_from([None, n_kv])), d_ff=draw(st.one_of(st.none(),
                                                                                       st.integers(1, 64))),
         max_seq_len=draw(st.integers(1, 64)), pos_embedding=draw(st.sampled_from(["learned", "sinusoidal", "rope"])),
-        norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), norm_placement=draw(st.sampled_from(["pre", "post"])),
-        activation=activation, bias=draw(st.booleans()),
+        norm=norm, norm_placement=placement, activation=activation, bias=draw(st.booleans()),
+        # the family features: head_dim apart from d_model / n_heads, biases per group, QK-norms (RMSNorm only),
+        # the parallel residual (pre-norm only)
+        attn_head_dim=draw(st.sampled_from([None, 2, 6])), attn_qkv_bias=draw(st.sampled_from([None, True, False])),
+        attn_out_bias=draw(st.sampled_from([None, True, False])), mlp_bias=draw(st.sampled_from([None, True, False])),
+        qk_norm=draw(st.sampled_from(["none", "head", "full"])) if norm == "rmsnorm" else "none",
+        parallel_residual=placement == "pre" and draw(st.booleans()),
         tie_embeddings=draw(st.booleans()), n_token_types=draw(st.integers(0, 3)), pooler=draw(st.booleans()),
-        mlm_head=activation != "swiglu" and draw(st.booleans()),  # the MLM transform takes a non-gated activation
+        mlm_head=activation not in ("swiglu", "geglu") and draw(st.booleans()),  # a non-gated activation
     )
 
 
@@ -76,12 +83,15 @@ def _tp_shard_numel(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int
         return numel // tp  # column-parallel: weight rows and bias split
     if any(k in name for k in (".o_proj.weight", ".down_proj.weight")):
         return numel // tp  # row-parallel weight: input columns split
+    if cfg.qk_norm == "full" and (".q_norm." in name or (kv_split and ".k_norm." in name)):
+        return numel // tp  # a full-width QK-norm follows its projection's columns (a per-head one stays whole)
     return numel
 
 
 TP_CASES = [
     ("gpt2", 4), ("llama2-7b", 8), ("bert-base", 2), ("tiny", 2),
-    ("tiny", 4),
+    ("tiny", 4), ("qwen2.5-7b", 4), ("qwen3-8b", 8), ("gemma-2-9b", 2), ("gemma-3-1b", 2), ("olmo-2-7b", 4),
+    ("phi-3-mini", 4),
 ]
 
 
@@ -91,6 +101,22 @@ def test_tp_rank_count_matches_sliced_shapes(preset: str, tp: int) -> None:
     model = build_model(cfg, "meta")
     expected = sum(_tp_shard_numel(n, tuple(p.shape), cfg, tp) for n, p in model.named_parameters())
     assert rank_params(cfg, tp_size=tp).total == expected
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "full"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_rank_count_with_family_features(qk_norm: str, tp: int) -> None:
+    # head_dim apart from d_model / n_heads, q/k/v biases without an o bias, sandwich norms, and kv heads tp=4
+    # replicates (with its full-width k_norm)
+    cfg = ModelConfig(vocab_size=101, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, attn_head_dim=10, d_ff=64,
+                      norm="rmsnorm", norm_placement="sandwich", qk_norm=qk_norm, bias=False, attn_qkv_bias=True,
+                      activation="geglu", max_seq_len=16, pos_embedding="rope")
+    model = build_model(cfg, "meta")
+    assert count_params(cfg) == count_parameters(model)
+    expected = sum(_tp_shard_numel(n, tuple(p.shape), cfg, tp) for n, p in model.named_parameters())
+    got = rank_params(cfg, tp_size=tp)
+    assert got.total == expected
+    assert got.sharded * tp + got.replicated == count_params(cfg) + (-101 % tp) * 48
 
 
 def test_tp_gqa_kv_replicated_when_tp_does_not_divide_kv_heads() -> None:

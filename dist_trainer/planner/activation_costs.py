@@ -4,7 +4,8 @@
 with it: the layers it holds (each with its own cost when fine-tuning freezes parts of the model, as on the first
 pipeline stage or a later one), the embedding on the first stage, the head and the loss's backward on the last,
 autocast's weight copies, and the micro-batches in flight (``activations.in_flight_microbatches``). A
-mixture-of-experts layer (``cfg.is_moe_layer``) has a cost of its own: its ``moe`` block in place of the MLP.
+mixture-of-experts layer (``cfg.is_moe_layer``) has a cost of its own: its ``moe`` block in place of the MLP; so does
+a sliding-window layer (``cfg.is_sliding_layer``: its mask).
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ class LayerCost:
     amp_weights: int  # 16-bit weight copies autocast keeps per micro-batch (0 unless amp_*)
 
 
-def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, moe: bool = False) -> LayerCost:
+def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, moe: bool = False,
+                sliding: bool = False) -> LayerCost:
     flow = layer_flow(cfg, g)
-    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g, moe=moe)),
-                     selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g, moe=moe)),
+    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g, moe=moe, sliding=sliding)),
+                     selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g, moe=moe,
+                                                             sliding=sliding)),
                      checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
                      attention_core=per_token(attention_core_saved_tensors(
-                         cfg, spec, flow["core_q"], flow["core_k"], flow["core_v"])),
+                         cfg, spec, flow["core_q"], flow["core_k"], flow["core_v"], sliding)),
                      amp_weights=amp_weight_copies(cfg, spec, g, moe))
 
 
@@ -59,7 +62,8 @@ class LayerCosts:
     Every layer costs ``layer`` unless fine-tuning freezes parts of the model: then each layer has its own cost,
     as it sits on the first pipeline stage (its input's gradient as in one process) or on a later one (received
     activations always require grad), and the head costs ``head_staged`` on a last stage that is not the first.
-    The MoE layers (``moe_ids``) cost ``moe_layer``.
+    The MoE layers (``moe_ids``) cost ``moe_layer``; a model with sliding-window layers (``sliding_ids``) has a
+    cost per kind, (MoE, sliding), in ``kinds``.
     """
 
     layer: LayerCost
@@ -72,6 +76,8 @@ class LayerCosts:
     head_staged: float | None = None
     moe_layer: LayerCost | None = None
     moe_ids: frozenset[int] = frozenset()
+    sliding_ids: frozenset[int] = frozenset()
+    kinds: dict[tuple[bool, bool], LayerCost] | None = None
 
     @property
     def full(self) -> float:
@@ -79,6 +85,8 @@ class LayerCosts:
 
     def of(self, i: int, staged: bool) -> LayerCost:
         if not self.per_layer:
+            if self.kinds is not None:
+                return self.kinds[(i in self.moe_ids, i in self.sliding_ids)]
             return self.moe_layer if self.moe_layer is not None and i in self.moe_ids else self.layer
         return (self.per_layer_staged if staged else self.per_layer)[i]
 
@@ -91,19 +99,24 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
         t = spec.tp_size
         amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
         amp_dense = 2 * cfg.d_model * cfg.d_model if cfg.mlm_head else 0  # the MLM transform's dense, whole
-    layer, loss_backward = _layer_cost(cfg, spec, ALL_TRAIN), loss_backward_bytes_per_token(cfg, spec)
     moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    sliding_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_sliding_layer(i))
+    kinds = {(i in moe_ids, i in sliding_ids) for i in range(cfg.n_layers)}
+    by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
+    layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
+    loss_backward = loss_backward_bytes_per_token(cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     if plan is None:
         return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
                           head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
-                          amp_head_weights=amp_head + amp_dense, moe_layer=moe_layer, moe_ids=moe_ids)
-    cache: dict[tuple[LayerGrads, bool], LayerCost] = {}
+                          amp_head_weights=amp_head + amp_dense, moe_layer=moe_layer, moe_ids=moe_ids,
+                          sliding_ids=sliding_ids, kinds=by_kind)
+    cache: dict[tuple[LayerGrads, bool, bool], LayerCost] = {}
 
     def cost(i: int, g: LayerGrads) -> LayerCost:
-        key = (g, i in moe_ids)
+        key = (g, i in moe_ids, i in sliding_ids)
         if key not in cache:
-            cache[key] = _layer_cost(cfg, spec, g, i in moe_ids)
+            cache[key] = _layer_cost(cfg, spec, g, i in moe_ids, i in sliding_ids)
         return cache[key]
 
     # a linear keeps autocast's copy of its weight when its input requires grad: the dense's is the head input's
@@ -117,7 +130,7 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
         + (amp_dense if plan.head_input(False) else 0),
         per_layer=tuple(cost(i, plan.layer(i, False)) for i in range(cfg.n_layers)),
         per_layer_staged=tuple(cost(i, plan.layer(i, True)) for i in range(cfg.n_layers)),
-        moe_layer=moe_layer, moe_ids=moe_ids)
+        moe_layer=moe_layer, moe_ids=moe_ids, sliding_ids=sliding_ids, kinds=by_kind)
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,

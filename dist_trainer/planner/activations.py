@@ -30,6 +30,17 @@ micro-batch, with its dtype (checked against a saved-tensor-hook measurement in 
   (PyTorch's derivative formulas decide per input), so frozen weights drop their linears' inputs, a frozen bottom
   keeps nothing, and LoRA adds each adapter's r-wide A x.
 
+The open families' features (``ModelConfig``'s biases per group, head_dim, QK-norm, placements, soft-caps, sliding
+windows, parallel residual): attention tensors are q_dim = n_heads * head_dim wide; a bias saves nothing; a QK-norm
+is an RMSNorm over q's and k's projection outputs (per head: one rsqrt per head and token); sandwich adds two norms
+over the branch outputs, post_branch moves the two norms onto them (q/k/v and the MLP read the residual stream);
+the parallel residual's MLP norm reads the block input, which the attention norm already keeps when the residual is
+fp32; an RMSNorm with a weight offset keeps its (offset + weight) for the input's gradient and the scaled embedding
+its 0-d factor (per micro-batch, not per token). A sliding layer hands SDPA a (s, s) mask, which a flash kernel keeps
+in the activations' dtype (the math kernel folds it into the probabilities it keeps anyway). Attention soft-capping
+runs an explicit softmax: q, k^T, v, tanh of the scores, the fp32 probabilities (and their 16-bit cast), and the
+bool (s, s) mask it fills; the final soft-cap keeps tanh of the logits.
+
 Precision modes: ``fp32``; ``amp_bf16``/``amp_fp16`` (fp32 parameters under torch.autocast, as
 ``train.precision=bf16``: the residual stream stays fp32, every linear keeps a 16-bit copy of its input and
 autocast keeps 16-bit copies of the weights for the backward); ``bf16``/``fp16`` (a 16-bit model, as DeepSpeed
@@ -45,7 +56,7 @@ from dataclasses import dataclass
 from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
 from dist_trainer.layout_rules import check_sequence_parallel
 from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
-from dist_trainer.model_shape import kv_sharded, padded_vocab
+from dist_trainer.model_shape import has_final_norm, kv_sharded, padded_vocab
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import lora_shapes, mlp_weights
 
@@ -92,6 +103,7 @@ class ActivationSpec:
     ep_size: int = 1  # expert parallelism: the experts whose weights autocast copies (the activations do not change)
     cp_size: int = 1  # context parallelism: a rank's tokens are 1/cp of each sequence (seq_len stays the whole)
     cp_mode: str = "ring"  # ring attention keeps its own tensors (parallel/cp/ring.py); all_to_all runs the core
+    micro_batch_size: int = 1  # sequences per micro-batch: what a per-sequence tensor (an (s, s) mask) is shared by
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -101,8 +113,9 @@ class ActivationSpec:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r} must be cuda or cpu")
         check_sequence_parallel(self.tp_size, self.sequence_parallel)  # the layout's rule, asked of its shard
-        if self.seq_len < 1 or self.tp_size < 1:
-            raise ValueError(f"seq_len={self.seq_len} and tp_size={self.tp_size} must be >= 1")
+        if self.seq_len < 1 or self.tp_size < 1 or self.micro_batch_size < 1:
+            raise ValueError(f"seq_len={self.seq_len}, tp_size={self.tp_size} and micro_batch_size="
+                             f"{self.micro_batch_size} must be >= 1")
 
     @property
     def act(self) -> int:
@@ -123,6 +136,11 @@ class ActivationSpec:
         """Share of a TP-replicated tensor one rank keeps: 1, or 1/t when SP splits the sequence."""
         return 1 / self.tp_size if self.sequence_parallel else 1.0
 
+    def per_batch(self, name: str, elements: float, nbytes: int) -> SavedTensor:
+        """A tensor of ``elements`` per micro-batch, not per token (a mask over the sequence, a norm's offset
+        weight), spread over the micro-batch's tokens on this rank."""
+        return SavedTensor(name, elements * self.cp_size / (self.micro_batch_size * self.seq_len), nbytes)
+
     @property
     def lin_in(self) -> float:
         """Share of a column-parallel linear's input kept: Megatron keeps the SP shard and re-gathers."""
@@ -130,41 +148,64 @@ class ActivationSpec:
 
 
 def norm_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, name: str, input_grad: bool = True,
-          weight_grad: bool = True) -> list[SavedTensor]:
+                       weight_grad: bool = True, *, width: float | None = None, rows: float | None = None,
+                       weight: float | None = None, keep_input: bool = True) -> list[SavedTensor]:
     """A norm's tensors: LayerNorm's one node keeps its input and statistics whenever it is in the graph; RMSNorm
-    keeps its input and rsqrt for the input's gradient and the normalised product for the weight's."""
+    keeps its input and rsqrt for the input's gradient and the normalised product for the weight's, and with
+    model.norm_weight_offset its (offset + weight) for the input's gradient.
+
+    ``width``: features per token on this rank (default d_model, a share under SP); ``rows``: normalised rows per
+    token (default 1, a share under SP; a per-head QK-norm has one per head); ``weight``: the weight's elements
+    (default d_model); ``keep_input``: False when the fp32 input is a tensor already counted (the same storage)."""
     # model_blocks.py computes both norms in fp32: the saved input is an fp32 tensor in every precision.
-    x = SavedTensor(f"{name}.input", cfg.d_model * spec.rep, 4)
+    width = cfg.d_model * spec.rep if width is None else width
+    rows = spec.rep if rows is None else rows
+    x = [SavedTensor(f"{name}.input", width, 4)] if keep_input else []
     if cfg.norm == "layernorm":
-        return [x, SavedTensor(f"{name}.mean_rstd", 2 * spec.rep, 4)] if input_grad or weight_grad else []
+        return [*x, SavedTensor(f"{name}.mean_rstd", 2 * rows, 4)] if input_grad or weight_grad else []
     # RMSNorm: rsqrt(mean(x^2)) and x * rsqrt, both fp32 (the weight multiply needs the product)
-    out = [x, SavedTensor(f"{name}.rsqrt", spec.rep, 4)] if input_grad else []
-    return out + ([SavedTensor(f"{name}.normalised", cfg.d_model * spec.rep, 4)] if weight_grad else [])
+    out = [*x, SavedTensor(f"{name}.rsqrt", rows, 4)] if input_grad else []
+    if input_grad and cfg.norm_weight_offset:  # x * (offset + weight): a new tensor, the input's gradient reads it
+        out.append(spec.per_batch(f"{name}.offset_weight", cfg.d_model if weight is None else weight, 4))
+    return out + ([SavedTensor(f"{name}.normalised", width, 4)] if weight_grad else [])
+
+
+def core_kv_width(cfg: ModelConfig, spec: ActivationSpec) -> float:
+    """k's (and v's) width per token as the core receives them on this rank, before the GQA repeat: the kv heads'
+    shard, or one kv head per local query head when TP replicates them (``parallel/tp/layers.ReplicatedKVLinear``)."""
+    t = spec.tp_size
+    kv = cfg.kv_heads * cfg.head_dim
+    return kv if t == 1 else (kv / t if kv_sharded(cfg, t) else cfg.q_dim / t)
 
 
 def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool = True, grad_k: bool = True,
-                                 grad_v: bool = True) -> list[SavedTensor]:
+                                 grad_v: bool = True, sliding: bool = False) -> list[SavedTensor]:
     """What ``Attention.core`` (RoPE, GQA repeat, SDPA) saves when it is not recomputed; selective
     recomputation keeps none of it and rebuilds it, one layer at a time, in backward. ``grad_*``: whether q, k and
-    v require grad (all, unless fine-tuning freezes their projections and everything below)."""
+    v require grad (all, unless fine-tuning freezes their projections and everything below); ``sliding``: the
+    layer attends within model.sliding_window (an SDPA mask)."""
     spec.validate()
-    t, h, a, s = spec.tp_size, cfg.d_model, cfg.n_heads, spec.seq_len
+    t, q, a = spec.tp_size, cfg.q_dim, cfg.n_heads
     if not (grad_q or grad_k or grad_v):
         return []
     if spec.cp_size > 1 and spec.cp_mode == "ring":  # q, k and v (kv heads) as given, the output and lse in fp32
-        kv = cfg.kv_heads * cfg.head_dim
-        kv_local = kv if t == 1 else (kv / t if kv_sharded(cfg, t) else h / t)
-        return [SavedTensor("attn.q", h / t, spec.act), SavedTensor("attn.k", kv_local, spec.act),
-                SavedTensor("attn.v", kv_local, spec.act), SavedTensor("attn.out", h / t, 4),
+        kv_local = core_kv_width(cfg, spec)
+        return [SavedTensor("attn.q", q / t, spec.act), SavedTensor("attn.k", kv_local, spec.act),
+                SavedTensor("attn.v", kv_local, spec.act), SavedTensor("attn.out", q / t, 4),
                 SavedTensor("attn.logsumexp", a / t, 4)]
+    if cfg.attn_softcap:
+        return _softcapped_core(cfg, spec, grad_q, grad_k, grad_v)
     if spec.attention_kernel == "flash":  # one node: it keeps all of them
-        out = [SavedTensor(f"attn.{n}", h / t, spec.act) for n in ("q", "k", "v")]
-        return out + [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", h / t, spec.act)]
+        out = [SavedTensor(f"attn.{n}", q / t, spec.act) for n in ("q", "k", "v")]
+        out += [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", q / t, spec.act)]
+        # the window's bool (s, s) mask reaches the kernel as an additive mask in q's dtype, which it keeps
+        return out + ([spec.per_batch("attn.window_mask", spec.seq_len ** 2, spec.act)] if sliding else [])
     # math kernel: the scaled q, k^T and v it multiplies, computed in fp32 on CPU for 16-bit inputs; each matmul
     # keeps an operand only for the other operand's gradient
     inner = 4 if spec.device == "cpu" else spec.act
+    s = spec.seq_len
     scores = grad_q or grad_k
-    out = [SavedTensor(f"attn.{n}", h / t, inner) for n, kept in (("q_scaled", grad_k), ("k_t", grad_q), ("v", scores))
+    out = [SavedTensor(f"attn.{n}", q / t, inner) for n, kept in (("q_scaled", grad_k), ("k_t", grad_q), ("v", scores))
            if kept]
     if cfg.dropout > 0:
         mask = 1 if spec.device == "cuda" else inner
@@ -176,43 +217,103 @@ def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, grad_q:
     return out
 
 
-def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool, g: LayerGrads, qkv: tuple[bool, bool, bool]
-               ) -> list[SavedTensor]:
-    h, t = cfg.d_model, spec.tp_size
-    o_input = [SavedTensor("o_proj.input", h / t, spec.act)] if g.reads_input("o_proj") else []
+def _softcapped_core(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool, grad_k: bool, grad_v: bool
+                     ) -> list[SavedTensor]:
+    """The explicit attention of a soft-capped model (``SDPAttention``: SDPA cannot cap): q @ k^T keeps each operand
+    for the other's gradient, tanh its output, the masked fill its bool (s, s) mask (the causal window), the fp32
+    softmax its output, and p @ v the probabilities in q's dtype (a cast when that is 16-bit; with dropout, the
+    dropped ones and the dropout mask) and v."""
+    t, q, a, act = spec.tp_size, cfg.q_dim, cfg.n_heads, spec.act
+    scores = grad_q or grad_k
+    aspect = a * spec.seq_len / t  # scores per token on this rank
+    out = [SavedTensor(f"attn.{n}", q / t, act) for n, kept in (("q", grad_k), ("k_t", grad_q), ("v", scores))
+           if kept]
+    if scores:
+        out += [SavedTensor("attn.softcap_tanh", aspect, act), spec.per_batch("attn.mask", spec.seq_len ** 2, 1)]
+    dropped = cfg.dropout > 0
+    if scores or (grad_v and act == 4 and not dropped):  # p @ v reads the softmax's own output when it is fp32
+        out.append(SavedTensor("attn.probs", aspect, 4))
+    if grad_v and act != 4 and not dropped:
+        out.append(SavedTensor("attn.probs_cast", aspect, act))
+    if dropped:
+        mask = 1 if spec.device == "cuda" else act
+        out += [SavedTensor(n, aspect, b) for n, b, kept in (("attn.dropout_mask", mask, scores),
+                                                             ("attn.dropped_probs", act, grad_v)) if kept]
+    return out
+
+
+def _qk_norms(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool, grad_k: bool, g: LayerGrads) -> list[SavedTensor]:
+    """model.qk_norm's RMSNorms on the q and k projections' outputs (before RoPE, outside the recomputed core):
+    per head (one rsqrt per head and token, a head_dim weight) or over the full width (one rsqrt per token)."""
+    if cfg.qk_norm == "none":
+        return []
+    t, head = spec.tp_size, cfg.qk_norm == "head"
+    out = []
+    for name, width, flows in (("q_norm", cfg.q_dim / t, grad_q), ("k_norm", core_kv_width(cfg, spec), grad_k)):
+        rows = width / cfg.head_dim if head else 1
+        weight = cfg.head_dim if head else width
+        out += norm_saved_tensors(cfg, spec, f"attn.{name}", flows, name in g.base, width=width, rows=rows,
+                                  weight=weight)
+    return out
+
+
+def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool, g: LayerGrads, flow: dict[str, bool],
+               sliding: bool = False) -> list[SavedTensor]:
+    q, t = cfg.q_dim, spec.tp_size
+    qkv = (flow["core_q"], flow["core_k"], flow["core_v"])
+    o_input = [SavedTensor("o_proj.input", q / t, spec.act)] if g.reads_input("o_proj") else []
+    norms = _qk_norms(cfg, spec, flow["q_out"], flow["k_out"], g)  # their inputs: the q and k projections' outputs
     if selective:
-        # torch.utils.checkpoint keeps the core's inputs: the q/k/v projections' outputs (k and v before the GQA
-        # repeat; under TP with replicated kv heads parallel/tp/layers.ReplicatedKVLinear already returns one kv
-        # head per local query head), even in a frozen layer (its inputs are saved by a node that always requires
-        # grad); o_proj keeps the core's output, whatever the kernel.
-        kv = cfg.kv_heads * cfg.head_dim
-        kv_local = kv if t == 1 else (kv / t if kv_sharded(cfg, t) else h / t)
-        return [SavedTensor("attn.q_proj_out", h / t, spec.act), SavedTensor("attn.k_proj_out", kv_local, spec.act),
-                SavedTensor("attn.v_proj_out", kv_local, spec.act), *o_input]
-    out = attention_core_saved_tensors(cfg, spec, *qkv)
-    if spec.attention_kernel == "math" or cfg.pos_embedding == "rope" or not any(qkv):
-        # math: o_proj keeps its transpose-reshape copy; rope: rotated q is contiguous (B, H, T, D), the kernel's
-        # output follows q's layout, so the transpose-reshape before o_proj copies it (measured on the CPU flash
-        # kernel); otherwise o_proj's input is a view of the kernel's saved output, unless the core saved nothing
+        # torch.utils.checkpoint keeps the core's inputs: the q/k/v projections' outputs (after the QK-norms; k
+        # and v before the GQA repeat; under TP with replicated kv heads parallel/tp/layers.ReplicatedKVLinear
+        # already returns one kv head per local query head), even in a frozen layer (its inputs are saved by a
+        # node that always requires grad); o_proj keeps the core's output, whatever the kernel.
+        kv_local = core_kv_width(cfg, spec)
+        return [*norms, SavedTensor("attn.q_proj_out", q / t, spec.act),
+                SavedTensor("attn.k_proj_out", kv_local, spec.act), SavedTensor("attn.v_proj_out", kv_local, spec.act),
+                *o_input]
+    out = [*norms, *attention_core_saved_tensors(cfg, spec, *qkv, sliding=sliding)]
+    if spec.attention_kernel == "math" or cfg.attn_softcap or cfg.pos_embedding == "rope" or not any(qkv):
+        # math (and the soft-capped matmuls): o_proj keeps its transpose-reshape copy; rope: rotated q is contiguous
+        # (B, H, T, D), the kernel's output follows q's layout, so the transpose-reshape before o_proj copies it
+        # (measured on the CPU flash kernel); otherwise o_proj's input is a view of the kernel's saved output,
+        # unless the core saved nothing
         out += o_input
     return out
 
 
+# the norm a placement applies to each branch's output before its residual add
+_BRANCH_NORMS = {"sandwich": ("attn_post_norm", "mlp_post_norm"), "post_branch": ("attn_norm", "mlp_norm")}
+
+
 def layer_flow(cfg: ModelConfig, g: LayerGrads) -> dict[str, bool]:
-    """Which tensors of the layer require grad: each linear's input (by leaf), and the attention core's q, k, v,
-    the residual sums and the MLP's output. All True when everything trains."""
-    pre = cfg.norm_placement == "pre"
-    f = {"q_proj": g.input or (pre and "attn_norm" in g.base)}  # q/k/v's input
+    """Which tensors of the layer require grad: each linear's input (by leaf), the q/k projections' outputs (the
+    QK-norms' inputs), the attention core's q, k, v, each branch's output before and after its branch norm, the
+    residual sum and the MLP's output. All True when everything trains."""
+    placement = cfg.norm_placement
+    before = placement in ("pre", "sandwich")  # a norm before each branch; post / post_branch read the stream
+    attn_after, mlp_after = _BRANCH_NORMS.get(placement, ("", ""))
+    f = {"q_proj": g.input or (before and "attn_norm" in g.base)}  # q/k/v's input
     f["k_proj"] = f["v_proj"] = f["q_proj"]
-    f.update({f"core_{x}": f["q_proj"] or g.trains(f"{x}_proj") for x in "qkv"})
+    f.update({f"{x}_out": f["q_proj"] or g.trains(f"{x}_proj") for x in "qkv"})
+    f.update({f"core_{x}": f[f"{x}_out"] or (cfg.qk_norm != "none" and f"{x}_norm" in g.base) for x in "qk"})
+    f["core_v"] = f["v_out"]
     f["o_proj"] = f["core_q"] or f["core_k"] or f["core_v"]  # the core's output
     f["attn_out"] = f["o_proj"] or g.trains("o_proj")
-    f["mid"] = g.input or f["attn_out"]  # the residual sum after attention
-    f["up_proj"] = f["gate_proj"] = f["mid"] or ("mlp_norm" if pre else "attn_norm") in g.base  # the MLP's input
+    f["attn_branch"] = f["attn_out"] or attn_after in g.base
+    f["mid"] = g.input or f["attn_branch"]  # the residual sum after attention
+    if cfg.parallel_residual:  # the MLP's norm reads the block input
+        mlp_input = g.input or "mlp_norm" in g.base
+    elif placement == "post_branch":  # the MLP reads the residual sum itself
+        mlp_input = f["mid"]
+    else:
+        mlp_input = f["mid"] or ("mlp_norm" if before else "attn_norm") in g.base
+    f["up_proj"] = f["gate_proj"] = mlp_input
     up, gate = f["up_proj"] or g.trains("up_proj"), f["up_proj"] or g.trains("gate_proj")
     f["up"], f["gate"] = up, gate and cfg.gated
     f["down_proj"] = up or f["gate"]  # down's input
     f["mlp_out"] = f["down_proj"] or g.trains("down_proj")
+    f["mlp_branch"] = f["mlp_out"] or mlp_after in g.base
     return f
 
 
@@ -281,7 +382,7 @@ def _adapters(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, flow: dict[
     for leaf in sorted(g.adapters):
         out.append(SavedTensor(f"{leaf}.lora_z", g.rank, spec.act))
         if g.dropout:
-            row = {"o_proj": cfg.d_model / spec.tp_size, "down_proj": cfg.ffn_dim / spec.tp_size}.get(leaf)
+            row = {"o_proj": cfg.q_dim / spec.tp_size, "down_proj": cfg.ffn_dim / spec.tp_size}.get(leaf)
             width = cfg.d_model * spec.lin_in if row is None else row
             mask = 1 if spec.device == "cuda" else (spec.residual if row is None else spec.act)
             out.append(SavedTensor(f"{leaf}.lora_dropped_input", width, spec.act))
@@ -294,31 +395,44 @@ def _residual_mask(cfg: ModelConfig, spec: ActivationSpec, name: str, kept: bool
 
 
 def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bool = False,
-                        grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> list[SavedTensor]:
+                        grads: LayerGrads = ALL_TRAIN, moe: bool = False, sliding: bool = False) -> list[SavedTensor]:
     """Everything one layer keeps for backward, per token, when it is not recomputed.
 
     ``grads``: which gradients the layer's backward computes (fine-tuning, ``planner/finetune.py``); a tensor is
     kept when a gradient that reads it is computed, as PyTorch's derivative formulas decide. ``moe``: a
-    mixture-of-experts layer (``cfg.is_moe_layer``), its ``moe`` block in place of the MLP.
+    mixture-of-experts layer (``cfg.is_moe_layer``), its ``moe`` block in place of the MLP. ``sliding``: a layer
+    that attends within model.sliding_window (``cfg.is_sliding_layer``).
     """
     spec.validate()
-    g, pre = grads, cfg.norm_placement == "pre"
+    g, placement = grads, cfg.norm_placement
+    before = placement in ("pre", "sandwich")
     flow = layer_flow(cfg, g)
-    qkv = (flow["core_q"], flow["core_k"], flow["core_v"])
-    attn = [*_linear_input(cfg, spec, "attn_norm.output" if pre else "layer.input", g, ("q_proj", "k_proj", "v_proj")),
-            *_attention(cfg, spec, selective, g, qkv),
-            *_residual_mask(cfg, spec, "attn.residual_dropout_mask", flow["attn_out"])]
-    mlp_input = _linear_input(cfg, spec, "mlp_norm.output" if pre else "attn_norm.output", g, ("up_proj", "gate_proj"))
+    attn = [*_linear_input(cfg, spec, "attn_norm.output" if before else "layer.input", g,
+                           ("q_proj", "k_proj", "v_proj")),
+            *_attention(cfg, spec, selective, g, flow, sliding),
+            *_residual_mask(cfg, spec, "attn.residual_dropout_mask", flow["attn_branch"])]
+    reads = {"pre": "mlp_norm.output", "sandwich": "mlp_norm.output", "post": "attn_norm.output",
+             "post_branch": "layer.mid"}[placement]
+    mlp_input = _linear_input(cfg, spec, reads, g, ("up_proj", "gate_proj"))
     ffn = _moe(cfg, spec, mlp_input, flow["mlp_out"]) if moe else [*mlp_input, *_mlp(cfg, spec, g, flow)]
-    mlp = [*ffn, *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_out"])]
-    if pre:
-        return [*norm_saved_tensors(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base), *attn,
-                *norm_saved_tensors(cfg, spec, "mlp_norm", flow["mid"], "mlp_norm" in g.base), *mlp,
-                *_adapters(cfg, spec, g, flow)]
-    # post-norm: the layer input feeds q/k/v directly; each norm sees the residual sum
-    return [*attn, *norm_saved_tensors(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base), *mlp,
-            *norm_saved_tensors(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base),
-            *_adapters(cfg, spec, g, flow)]
+    mlp = [*ffn, *_residual_mask(cfg, spec, "mlp.residual_dropout_mask", flow["mlp_branch"])]
+    if placement == "post":  # the layer input feeds q/k/v directly; each norm sees the residual sum
+        norms = [*norm_saved_tensors(cfg, spec, "attn_norm", flow["mid"], "attn_norm" in g.base),
+                 *norm_saved_tensors(cfg, spec, "mlp_norm", flow["up_proj"] or flow["mlp_out"], "mlp_norm" in g.base)]
+    elif placement == "post_branch":  # each norm sees its branch's output
+        norms = [*norm_saved_tensors(cfg, spec, "attn_norm", flow["attn_out"], "attn_norm" in g.base),
+                 *norm_saved_tensors(cfg, spec, "mlp_norm", flow["mlp_out"], "mlp_norm" in g.base)]
+    else:
+        # the parallel residual's MLP norm reads the block input too: in an fp32 residual stream its fp32 "copy"
+        # is the attention norm's, the same tensor (a 16-bit stream makes one copy per norm)
+        shared = cfg.parallel_residual and spec.residual == 4
+        norms = [*norm_saved_tensors(cfg, spec, "attn_norm", g.input, "attn_norm" in g.base),
+                 *norm_saved_tensors(cfg, spec, "mlp_norm", flow["up_proj"], "mlp_norm" in g.base,
+                                     keep_input=not shared)]
+        if placement == "sandwich":
+            norms += [*norm_saved_tensors(cfg, spec, "attn_post_norm", flow["attn_out"], "attn_post_norm" in g.base),
+                      *norm_saved_tensors(cfg, spec, "mlp_post_norm", flow["mlp_out"], "mlp_post_norm" in g.base)]
+    return [*norms, *attn, *mlp, *_adapters(cfg, spec, g, flow)]
 
 
 def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> int:
@@ -331,7 +445,7 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
     t, h, f = spec.tp_size, cfg.d_model, cfg.ffn_dim
     kv = cfg.kv_heads * cfg.head_dim
     kv_local = kv // t if kv_sharded(cfg, t) else kv
-    sizes = {"q_proj": h * h // t, "k_proj": h * kv_local, "v_proj": h * kv_local, "o_proj": h * h // t,
+    sizes = {"q_proj": h * cfg.q_dim // t, "k_proj": h * kv_local, "v_proj": h * kv_local, "o_proj": h * cfg.q_dim // t,
              "up_proj": h * f // t, "gate_proj": h * f // t if cfg.gated else 0,
              "down_proj": f * h // t}
     flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
@@ -363,6 +477,8 @@ def embedding_saved_tensors(cfg: ModelConfig, spec: ActivationSpec,
             out.append(SavedTensor("embedding.vocab_mask", 1, 1))
     if cfg.n_token_types and "type_emb" in trains:
         out.append(SavedTensor("embedding.type_ids", 1, 8))
+    if cfg.scale_embeddings and "tok_emb" in trains:  # x * tensor(sqrt(d_model)): mul keeps the 0-d factor
+        out.append(spec.per_batch("embedding.scale", 1, spec.residual))
     tables = bool(trains & {"tok_emb", "pos_emb", "type_emb"})
     if cfg.norm_placement == "post":
         out += norm_saved_tensors(cfg, spec, "emb_norm", tables, "emb_norm" in trains)
@@ -380,7 +496,7 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool 
     ``input_grad``: the last layer's output requires grad; ``trains``: of the last stage's modules
     (``model_names.TAIL_NAMES``), those that train (None: all; a tied head trains with the token embedding)."""
     trains = frozenset(TAIL_NAMES) if trains is None else trains
-    pre = cfg.norm_placement == "pre"
+    pre = has_final_norm(cfg)
     out = norm_saved_tensors(cfg, spec, "final_norm", input_grad, "final_norm" in trains) if pre else []
     grad = input_grad or (pre and "final_norm" in trains)  # the head's (or the transform's) input requires grad
     if cfg.mlm_head:
@@ -391,6 +507,8 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool 
     if not (grad or "head" in trains or "output_bias" in trains):
         return out  # the logits need no gradient: the loss keeps nothing
     vocab = padded_vocab(cfg.vocab_size, spec.tp_size) if spec.tp_size > 1 else cfg.vocab_size
+    if cfg.final_softcap:  # c * tanh(logits / c): tanh keeps its output, in the logits' dtype
+        out.append(SavedTensor("head.softcap_tanh", vocab / spec.tp_size, spec.act))
     out += [SavedTensor("loss.log_softmax", vocab / spec.tp_size, 4), SavedTensor("loss.targets", 1, 8)]
     if spec.tp_size > 1:  # the vocab-parallel cross-entropy keeps two bool target-outside-shard masks
         out.append(SavedTensor("loss.vocab_masks", 2, 1))

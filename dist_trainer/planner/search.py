@@ -109,7 +109,7 @@ class _Planner:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
-        self._costs: dict[tuple[int, bool, int, int, str], LayerCosts] = {}
+        self._costs: dict[tuple[int, bool, int, int, str, int], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -126,7 +126,9 @@ class _Planner:
         return self._layers[key]
 
     def costs(self, layout: Layout) -> LayerCosts:
-        key = (layout.tp_size, layout.sequence_parallel, layout.ep_size, layout.cp_size, layout.cp_mode)
+        # the micro-batch shares per-sequence tensors (an (s, s) mask) among its sequences
+        key = (layout.tp_size, layout.sequence_parallel, layout.ep_size, layout.cp_size, layout.cp_mode,
+               layout.micro_batch_size)
         if key not in self._costs:
             self._costs[key] = layer_costs(self.cfg, activation_spec(layout, self.seq_len, self.options),
                                            grad_plan(self.cfg, self.options.freeze))
