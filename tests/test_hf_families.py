@@ -296,3 +296,21 @@ def test_transformers_4_keys_map_to_the_same_model(family: str, fam_folders: dic
     tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         assert _close(ours(tokens), _reference(folder)(tokens).logits), family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_greedy_json_equals_transformers_generate(family: str, fam_folders: dict[str, Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --checkpoint DIR --greedy --json` past the sliding windows: transformers' greedy ids (both stop at
+    the folder's EOS, if it comes) and each chosen token's log-prob."""
+    from dist_trainer.cli import main
+
+    prompt = [5, 17, 42, 3]
+    assert main(["generate", "--checkpoint", str(fam_folders[family]), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "12", "--greedy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = _reference(fam_folders[family]).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                                   pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    assert out["prompt_ids"] == prompt and out["ids"] == ref.sequences[0, len(prompt):].tolist()
+    want = [torch.log_softmax(s[0].float(), -1)[i].item() for s, i in zip(ref.scores, out["ids"])]
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) <= 1e-5
