@@ -314,3 +314,19 @@ def test_generate_greedy_json_equals_transformers_generate(family: str, fam_fold
     assert out["prompt_ids"] == prompt and out["ids"] == ref.sequences[0, len(prompt):].tolist()
     want = [torch.log_softmax(s[0].float(), -1)[i].item() for s, i in zip(ref.scores, out["ids"])]
     assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) <= 1e-5
+
+
+def test_published_configs_map_to_their_presets() -> None:
+    """The published config.json of each new preset (test_planner_families' copies) maps to the preset's fields."""
+    import dataclasses
+
+    from dist_trainer.config_load import load_preset
+    from dist_trainer.config_model import ModelConfig
+    from dist_trainer.families import model_fields
+    from tests.test_planner_families import PUBLISHED
+
+    for preset, (config_cls, _, published, _) in PUBLISHED.items():
+        model_type = getattr(transformers, config_cls).model_type
+        got = dataclasses.asdict(ModelConfig(**model_fields({**published, "model_type": model_type})))
+        want = dataclasses.asdict(ModelConfig(**load_preset(preset)))
+        assert {k: (v, want[k]) for k, v in got.items() if v != want[k] and k != "preset"} == {}, preset
