@@ -34,7 +34,7 @@ from dist_trainer.train.export import export_checkpoint
 from dist_trainer.train.generate import sample
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, tiny_config
-from tests.test_hf import MODEL_SECTION, VOCAB, _copy, _edit_json, _run, _tensors, hf_data
+from tests.test_hf import MODEL_SECTION, VOCAB, _copy, _edit_json, _lora_run, _run, _tensors, hf_data
 
 __all__ = ["hf_data"]  # the corpus fixture of test_hf, used here as it is
 
@@ -150,7 +150,7 @@ def _layouts(rank: int, world_size: int, data: Path, root: Path, folders: dict[s
             out[name] = _run(data, root / name.replace(":", "_"), folders[family], parallel)
         except ValueError as exc:  # a refusal, before any process group: every rank raises it alike
             out[name] = {"refused": str(exc)}
-    return out
+    return {**out, "lora": _lora_run(data, root / "lora", folders["qwen2"])}
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +220,30 @@ def test_export_of_each_run_reloads_in_transformers(name: str, layout_runs: Any,
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert _close(exported.eval()(tokens).logits, _reference(fam_folders[family])(tokens).logits), name
+
+
+def test_a_qwen2_lora_run_at_tp2_exports_merged_and_as_a_peft_adapter(layout_runs: Any, fam_folders: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """LoRA on the Qwen2 folder at tp=2 (q/k/v with biases, their B rows in RoPE order): the merged export
+    (transformers) and the adapter folder (PEFT on the original folder) compute what the trained model computes."""
+    import peft
+
+    root, results = layout_runs
+    lora = results[0]["lora"]
+    assert lora["eval"][max(lora["eval"])] < lora["eval"][0], lora  # the adapters trained
+    adapted, _ = load_plain_model(root / "lora")
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = adapted(tokens)
+    export_checkpoint(root / "lora", tmp_path / "merged")
+    merged, info = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    export_checkpoint(root / "lora", tmp_path / "adapter", adapter=True)
+    base = transformers.Qwen2ForCausalLM.from_pretrained(fam_folders["qwen2"])
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        for got in (merged.eval()(tokens).logits, with_adapter(tokens).logits):
+            assert _close(got, want)
 
 
 REFUSED_CONFIGS = {
