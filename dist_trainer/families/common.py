@@ -101,12 +101,12 @@ def linear_bias(model: dict[str, Any], group: str) -> bool:
 
 
 def need(model: dict[str, Any], **want: Any) -> list[str]:
-    """"field=value (needs X)" for each field of ``model`` that is not the wanted value."""
+    """Each field of ``model`` that is not its wanted value, as "field=value (needs X)"."""
     return [f"{k}={model.get(k)!r} (needs {v!r})" for k, v in want.items() if model.get(k, MATHS_DEFAULTS.get(k)) != v]
 
 
 def unmapped(model: dict[str, Any], mapped: set[str] | frozenset[str], family: str) -> list[str]:
-    """"field=value (...)" for each MATHS_DEFAULTS field off its default that ``family`` does not map (an explicit
+    """Each MATHS_DEFAULTS field off its default that ``family`` does not map, as "field=value (...)" (an explicit
     per-group bias equal to model.bias, or attn_head_dim equal to d_model / n_heads, is the default's maths)."""
     out = []
     for key, default in MATHS_DEFAULTS.items():
