@@ -120,6 +120,10 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sliding-window", action="store_true",
                    help="go on past the model's context, each token seeing the last max_seq_len tokens")
     p.add_argument("--ignore-eos", action="store_true", help="generate all --max-new-tokens, past any EOS")
+    p.add_argument("--ignore-generation-config", action="store_true",
+                   help="leave out the checkpoint folder's generation_config.json decoding fields (repetition_penalty, "
+                        "no_repeat_ngram_size, suppress_tokens, ...), which are otherwise applied as transformers "
+                        "applies them (a field not applied is refused by name)")
     p.add_argument("--json", action="store_true", help="print one JSON document (ids and log-probs) at the end")
     p.add_argument("--data", default=None,
                    help="folder with tokenizer.json (default: the checkpoint folder's own, else the run's data.path)")
@@ -149,6 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
                       source_ids=source_ids, max_new_tokens=args.max_new_tokens,
                       temperature=temperature, top_k=args.top_k, seed=args.seed, data_path=args.data,
                       sliding_window=args.sliding_window, ignore_eos=args.ignore_eos,
+                      ignore_generation_config=args.ignore_generation_config,
                       on_text=None if args.json else write, on_note=note)
     note(result.notes[-1])
     if args.json:

@@ -43,19 +43,46 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     return model_fields(read_hf_config(folder), str(folder / "config.json"), names)
 
 
-def _model_from_hf(model_fields: dict[str, Any], folder: str) -> dict[str, Any]:
-    """A run's model section when it starts from a Hugging Face folder: the folder's fields; each field the run
-    set otherwise (but the free ones) is named on stderr, so a run config written for another model still runs."""
+# ...but beside a Hugging Face folder the experts' capacity is the folder's routing (Mixtral: dropless): a capacity
+# below it drops tokens the folder's model never drops, so it is replaced like every field that changes the maths
+HF_FREE_MODEL_FIELDS = tuple(f for f in FREE_MODEL_FIELDS if f != "capacity_factor")
+
+
+def _folder_implies(hf: dict[str, Any]) -> dict[str, Any]:
+    """Every ModelConfig field a folder's model computes with: its mapped fields, ModelConfig's defaults for the
+    rest (a family that maps no ``qk_norm`` computes without one, whatever a preset beside it says)."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                for f in dataclasses.fields(ModelConfig) if f.name != "preset"}
+    return {**defaults, **hf}
+
+
+def _model_from_hf(model_fields: dict[str, Any], folder: str, preset: dict[str, Any] | None = None,
+                   preset_name: str | None = None) -> dict[str, Any]:
+    """A run's model section when it starts from a Hugging Face folder: the folder's fields win over a preset's
+    (``preset``, the fields of ``preset_name``) and over the run config's model section (``model_fields``), every
+    replaced value named on stderr, so a run config written for another model still runs and computes exactly the
+    folder's model. Only the run's own ``HF_FREE_MODEL_FIELDS`` (dropout, LoRA, router loss weights, ...: no
+    weight's meaning) are kept from the model section; a preset's are replaced where the folder sets them."""
     hf = hf_model_fields(folder)
-    differ = {k: (v, hf[k]) for k, v in model_fields.items() if k in hf and k not in FREE_MODEL_FIELDS and v != hf[k]}
-    if differ:
+    implied = _folder_implies(hf)
+    replaced: dict[str, tuple[str, Any, Any]] = {}
+    for source, fields, own in ((f"preset {preset_name}", preset or {}, False), ("run config", model_fields, True)):
+        for k, v in fields.items():
+            free = k in HF_FREE_MODEL_FIELDS
+            if k == "preset" or k not in implied or (free and (own or k not in hf)) or v == implied[k] or \
+                    (not own and k in model_fields):  # the run config's value is the one the user wrote
+                continue
+            replaced[k] = (source, v, implied[k])
+    if replaced:
         import sys
 
-        print(f"note: the model comes from {folder}/config.json; these model fields of the run config are replaced "
-              f"(run config -> folder): " + ", ".join(f"{k}={a!r} -> {b!r}" for k, (a, b) in sorted(differ.items())),
+        print(f"note: the model comes from {folder}/config.json; these model fields are replaced by the folder's "
+              f"(source: value -> folder's): " + ", ".join(f"{k}={a!r} ({s}) -> {b!r}"
+                                                          for k, (s, a, b) in sorted(replaced.items())),
               file=sys.stderr)
-    free = {k: v for k, v in model_fields.items() if k in FREE_MODEL_FIELDS or k not in hf}
-    return {**hf, **free, "preset": folder}
+    kept = {k: v for k, v in (preset or {}).items() if k in HF_FREE_MODEL_FIELDS and k not in hf}
+    kept.update({k: v for k, v in model_fields.items() if k in HF_FREE_MODEL_FIELDS})
+    return {**hf, **kept, "preset": folder}
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
@@ -132,9 +159,9 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     model_fields = dict(tree.get("model") or {})
     init_from = (tree.get("train") or {}).get("init_from")
     if isinstance(init_from, str) and is_hf_folder(init_from):  # the model is the folder's (issue 21)
-        if model_fields.get("preset") and not is_hf_folder(str(model_fields["preset"])):
-            model_fields = {**load_preset(model_fields["preset"]), **model_fields}
-        model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"}, init_from)
+        preset = model_fields.get("preset")
+        model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"}, init_from,
+                                      load_preset(str(preset)) if preset else None, preset)
     elif model_fields.get("preset") and is_hf_folder(str(model_fields["preset"])):
         model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"},
                                       str(model_fields["preset"]))

@@ -8,9 +8,12 @@ docs/low_bit.md); ``generate``, ``eval``, ``train.init_from`` and the HF import 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from dist_trainer.checkpoint.hf_config import is_hf_folder
@@ -57,13 +60,50 @@ FORMATS = ("hf", "native")
 QUANTIZE = ("int8",)
 
 
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` (itself or a parent) that does not exist yet: what creating it makes."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+@contextlib.contextmanager
+def _nothing_left_if_refused(out: Path) -> Iterator[None]:
+    """A refused (or failed) export leaves nothing behind: the folders it created for ``out`` are removed, and in
+    a folder that was there before only the entries it added (never the folder, nor what it held)."""
+    created = _first_missing(out)
+    before = set(out.iterdir()) if created is None and out.is_dir() else set()
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif out.is_dir():
+            for entry in set(out.iterdir()) - before:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "fp32",
                       max_shard_size: str = "5GB", merge_lora: bool = False, adapter: bool = False,
                       force: bool = False, quantize: str | None = None) -> list[Path]:
     """``dist-trainer export``: the files written. ``hf``: a Hugging Face folder (a LoRA run's adapters folded in,
     or with ``adapter`` a PEFT adapter folder alone); ``native``: ``export_safetensors``. ``quantize="int8"``: the
     layer linears' weights in int8 with a scale per output channel (both formats). A non-empty ``out`` is
-    refused unless ``force`` (nothing of the user's is replaced silently), before any work."""
+    refused unless ``force`` (nothing of the user's is replaced silently), before any work; a refused export
+    writes nothing (``_nothing_left_if_refused``)."""
+    with _nothing_left_if_refused(Path(out)):
+        return _export(checkpoint, out, fmt, dtype, max_shard_size, merge_lora, adapter, force, quantize)
+
+
+def _export(checkpoint: str | Path, out: str | Path, fmt: str, dtype: str, max_shard_size: str, merge_lora: bool,
+            adapter: bool, force: bool, quantize: str | None) -> list[Path]:
     from dist_trainer.checkpoint.checkpoint_source import CheckpointSource
     from dist_trainer.checkpoint.hf_export import export_hf, export_peft_adapter
     from dist_trainer.checkpoint.source import open_source

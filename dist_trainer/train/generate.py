@@ -28,6 +28,7 @@ from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config import Config
 from dist_trainer.model import Transformer
 from dist_trainer.model_seq2seq import KVCache, new_caches
+from dist_trainer.train.decoding import Decoding, read_decoding
 
 MAX_NEW_TOKENS = 1_000_000  # with a sliding window, the stated bound on one call's work
 
@@ -97,10 +98,11 @@ def new_token_budget(prompt_len: int, max_new_tokens: int, context: int,
 @torch.no_grad()
 def generate_steps(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
                    top_k: int | None = 50, generator: torch.Generator | None = None,
-                   stop_ids: list[int] | None = None) -> Iterator[tuple[int, float]]:
+                   stop_ids: list[int] | None = None, decoding: Decoding | None = None) -> Iterator[tuple[int, float]]:
     """Yield (token, log-prob) for each new token as it is chosen; the log-prob is that of the model's full
-    softmax in fp32, before temperature and top-k. Stops after a token of ``stop_ids`` (which is yielded).
-    Each step sees the last ``max_seq_len`` tokens (``new_token_budget`` decides how many steps are asked)."""
+    softmax in fp32, before ``decoding`` (a generation_config.json's fields), temperature and top-k. Stops after a
+    token of ``stop_ids`` (which is yielded). Each step sees the last ``max_seq_len`` tokens (``new_token_budget``
+    decides how many steps are asked)."""
     if not model.cfg.causal:
         raise ValueError("generation needs a causal (decoder) model; this checkpoint is an encoder")
     if model.cfg.encoder_decoder:
@@ -116,7 +118,8 @@ def generate_steps(model: Transformer, prompt: list[int], max_new_tokens: int, t
     caches = [KVCache() for _ in model.layers] if cached else None
     for _ in range(max_new_tokens):
         logits = _next_logits(model, ids, caches)
-        token, logprob = _choose(logits, temperature, top_k, generator)
+        scores = _processed(decoding, ids[0].tolist(), logits, len(prompt), len(prompt) + max_new_tokens)
+        token, logprob = _choose(logits, temperature, top_k, generator, scores)
         yield token, logprob
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
         if token in stops:
@@ -134,14 +137,21 @@ def _next_logits(model: Transformer, ids: torch.Tensor, caches: list[KVCache] | 
     return model.full_logits(model.logits(hidden[:, -1:]))[:, -1, :].float()
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-            ) -> tuple[int, float]:
-    """The next token from (1, V) fp32 logits (greedy at temperature 0, else sampled from the top_k) and its
-    log-prob under the full softmax."""
+def _processed(decoding: Decoding | None, ids: list[int], logits: torch.Tensor, start: int,
+               max_length: int) -> torch.Tensor:
+    """The scores a token is chosen from: the logits after a generation_config.json's fields (``decoding.py``)."""
+    return logits if decoding is None else decoding.process(ids, logits, start, max_length)
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None,
+            scores: torch.Tensor | None = None) -> tuple[int, float]:
+    """The next token from (1, V) fp32 ``scores`` (the logits unless given: greedy at temperature 0, else sampled
+    from the top_k) and its log-prob under the full softmax of ``logits``."""
+    scores = logits if scores is None else scores
     if temperature == 0:
-        nxt = logits.argmax(-1, keepdim=True)
+        nxt = scores.argmax(-1, keepdim=True)
     else:
-        scaled = logits / temperature
+        scaled = scores / temperature
         if top_k is not None and top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, top_k).values[:, -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -153,10 +163,11 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generat
 @torch.no_grad()
 def seq2seq_steps(model: Transformer, source: list[int], max_new_tokens: int, temperature: float = 0.8,
                   top_k: int | None = 50, generator: torch.Generator | None = None,
-                  stop_ids: list[int] | None = None) -> Iterator[tuple[int, float]]:
+                  stop_ids: list[int] | None = None, decoding: Decoding | None = None) -> Iterator[tuple[int, float]]:
     """An encoder-decoder's (token, log-prob) after ``source``, one at a time: the source encoded once, the decoder
     run from ``decoder_start_id`` one token per step over its KV caches (module docstring). At most max_seq_len - 1
-    new tokens (the decoder's positions hold the start token too); stops after a token of ``stop_ids``."""
+    new tokens (the decoder's positions hold the start token too); stops after a token of ``stop_ids``.
+    ``decoding`` sees the decoder's ids (the start token, then the new ones), as transformers' processors do."""
     cfg = model.cfg
     if not cfg.encoder_decoder:
         raise ValueError("seq2seq_steps needs an encoder-decoder model (model.n_decoder_layers > 0)")
@@ -169,9 +180,13 @@ def seq2seq_steps(model: Transformer, source: list[int], max_new_tokens: int, te
     assert model.dec_layers is not None
     caches = new_caches(len(model.dec_layers))
     token, stops = cfg.decoder_start_id, set(stop_ids or ())
-    for _ in range(min(max_new_tokens, cfg.max_seq_len - 1)):
+    steps = min(max_new_tokens, cfg.max_seq_len - 1)
+    seq = [token]
+    for _ in range(steps):
         hidden = model.decode(torch.tensor([[token]], dtype=torch.long, device=device), memory, caches=caches)
-        token, logprob = _choose(model.logits(hidden)[:, -1, :].float(), temperature, top_k, generator)
+        logits = model.logits(hidden)[:, -1, :].float()
+        token, logprob = _choose(logits, temperature, top_k, generator, _processed(decoding, seq, logits, 1, 1 + steps))
+        seq.append(token)
         yield token, logprob
         if token in stops:
             return
@@ -291,14 +306,16 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
              source: str | None = None, source_ids: list[int] | None = None,
              max_new_tokens: int = 100, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
              data_path: str | Path | None = None, sliding_window: bool = False, ignore_eos: bool = False,
-             on_text: Callable[[str], Any] | None = None, on_note: Callable[[str], Any] | None = None) -> Generation:
+             ignore_generation_config: bool = False, on_text: Callable[[str], Any] | None = None,
+             on_note: Callable[[str], Any] | None = None) -> Generation:
     """Generate from a checkpoint, after a text ``prompt`` (encoded with ``prompt_tokenizer``) or ``prompt_ids``
     (no tokenizer needed; generation then stops at the EOS that the checkpoint folder's generation_config.json,
     config.json or tokenizer names, if any); an encoder-decoder from a ``source`` text (encoded as a training
     document: BOS if the tokenizer has one, the text, EOS) or ``source_ids`` instead. ``on_text`` receives the output
     as it is generated (a text prompt: the prompt and the new text; a source: the new text; ids: the new ids,
     comma-separated), ``on_note`` a capped length before the first token. ``ignore_eos`` generates all
-    ``max_new_tokens``."""
+    ``max_new_tokens``. The decoding fields of the checkpoint folder's generation_config.json are applied as
+    transformers applies them, or refused by name (``decoding.py``), unless ``ignore_generation_config``."""
     from dist_trainer.data.tokenizer import stop_token_ids, vocab_extent
 
     given = [x is not None for x in (prompt, prompt_ids, source, source_ids)]
@@ -309,6 +326,7 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
     text_in = prompt if prompt is not None else source
     if text_in is not None:
         check_prompt_text(text_in)
+    decoding = None if ignore_generation_config else read_decoding(checkpoint_path)  # refused before the load
     model, cfg = load_plain_model(checkpoint_path)
     seq2seq = source is not None or source_ids is not None
     if seq2seq != cfg.model.encoder_decoder:
@@ -339,8 +357,12 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
     else:
         budget, cap = new_token_budget(len(ids_in), max_new_tokens, cfg.model.max_seq_len, sliding_window)
     notes = [cap] if cap else []
-    if cap and on_note is not None:
-        on_note(cap)
+    if decoding is not None:
+        decoding.check_model(cfg.model.vocab_size, cfg.model.decoder_start_id if seq2seq else None)
+        notes += decoding_notes(decoding, temperature)
+    for note in notes:
+        if on_note is not None:
+            on_note(note)
     stream: TextStream | IdStream | None = None
     if on_text is not None:
         stream = IdStream(on_text) if tokenizer is None else TextStream(tokenizer.tokenizer,
@@ -349,7 +371,7 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
     logprobs: list[float] = []
     generator = torch.Generator().manual_seed(seed)
     steps = seq2seq_steps if seq2seq else generate_steps
-    for token, logprob in steps(model, ids_in, budget, temperature, top_k, generator, stop_ids):
+    for token, logprob in steps(model, ids_in, budget, temperature, top_k, generator, stop_ids, decoding):
         ids.append(token)
         logprobs.append(logprob)
         if stream is not None:
@@ -367,6 +389,19 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
     if tokenizer is not None:
         text = tokenizer.tokenizer.decode(([] if seq2seq else ids_in) + ids, skip_special_tokens=True)
     return Generation(ids_in, ids, logprobs, notes, text, source=seq2seq)
+
+
+def decoding_notes(decoding: Decoding, temperature: float) -> list[str]:
+    """What generate says of a generation_config.json: the fields it applies, and when sampling, the sampling
+    fields it leaves to --temperature and --top-k."""
+    notes = []
+    if applied := decoding.fields():
+        notes.append(f"{decoding.source} applied as transformers applies it: "
+                     + ", ".join(f"{k}={v}" for k, v in applied.items()) + " (--ignore-generation-config: without)")
+    if temperature != 0 and decoding.sampling:
+        notes.append(f"{decoding.source}'s sampling fields are not read ({', '.join(decoding.sampling)}): this "
+                     "samples with --temperature and --top-k")
+    return notes
 
 
 def generate_text(checkpoint_path: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
