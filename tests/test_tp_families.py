@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dist_trainer.config import ModelConfig, ParallelConfig
 from dist_trainer.finetune import frozen_modules, module_names
+from dist_trainer.health.attention import explicit_attention, head_stats
 from dist_trainer.health.names import groups_of
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import build_model
@@ -181,3 +182,22 @@ def test_int8_base_of_a_model_whose_attention_is_wider_than_d_model() -> None:
     assert (held, scales) == int8_weights(cfg, [])
     assert linear_shape(cfg, "o_proj", 2) == (32, 32) and linear_shape(cfg, "q_proj", 2) == (32, 32)
     assert model.layers[0].attn.q_proj.bias is not None and model.layers[0].attn.o_proj.bias is None
+
+
+def test_attention_maps_of_soft_capped_and_sliding_layers() -> None:
+    """`dist-trainer attention` on a soft-capped model (whose core runs its own softmax, not SDPA) records every
+    layer's probabilities, a sliding layer's zero past its window; head statistics count the keys a row sees."""
+    model = build_model(model_config("gemma"), seed=5)
+    tokens = _batch()[0]
+    with torch.no_grad():
+        reference = model(tokens)
+        with explicit_attention() as record:
+            explicit = model(tokens)
+    assert torch.equal(explicit, reference) and len(record) == 2
+    assert torch.allclose(record[0].sum(-1), torch.ones(2, 4, 16), atol=1e-6)
+    assert float(record[0].tril(-8).abs().max()) == 0.0  # layer 0 slides over 8 keys
+    assert float(record[1].tril(-8).abs().max()) > 0.0  # layer 1 is global
+    t, window = 6, 3
+    band = torch.ones(t, t).tril().triu(1 - window)
+    stats = head_stats((band / band.sum(-1, keepdim=True))[None], causal=True, window=window)
+    assert stats[0]["entropy"] == pytest.approx(1.0) and stats[0]["near_zero_fraction"] == 0.0

@@ -55,13 +55,24 @@ def _explicit_sdpa(record: list[torch.Tensor]) -> Any:
     return sdpa
 
 
+def _recorded_softmax(record: list[torch.Tensor]) -> Any:
+    """``F.softmax`` that keeps its output: the attention core's own explicit path (soft-capped scores, which SDPA
+    cannot take) computes its probabilities with it, the one softmax of ``model_blocks``."""
+    def softmax(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        probs = F.softmax(x, *args, **kwargs)
+        record.append(probs.detach())
+        return probs
+    return softmax
+
+
 @contextlib.contextmanager
 def explicit_attention() -> Iterator[list[torch.Tensor]]:
     """Within the block, the model's attention runs the explicit softmax; yields the list that receives each
-    call's probabilities, (B, H, T, T) per layer in order."""
+    call's probabilities, (B, H, T, T) per layer in order (a soft-capped layer's from the core's own softmax)."""
     record: list[torch.Tensor] = []
     shim = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
     shim.scaled_dot_product_attention = _explicit_sdpa(record)
+    shim.softmax = _recorded_softmax(record)
     saved = model_module.F
     model_module.F = shim  # type: ignore[assignment]
     try:
@@ -79,14 +90,17 @@ def attention_maps(model: Transformer, tokens: torch.Tensor) -> list[torch.Tenso
     return [p[0] for p in record]
 
 
-def head_stats(probs: torch.Tensor, causal: bool) -> list[dict[str, Any]]:
-    """The statistics and label of each head of one layer's (H, T, T) probabilities."""
+def head_stats(probs: torch.Tensor, causal: bool, window: int = 0) -> list[dict[str, Any]]:
+    """The statistics and label of each head of one layer's (H, T, T) probabilities; ``window`` > 0: a sliding
+    layer's, whose queries see only their last ``window`` keys (the entropy is normalised by those)."""
     _, t, _ = probs.shape
-    keys = torch.arange(1, t + 1, dtype=torch.float64) if causal else torch.full((t,), float(t), dtype=torch.float64)
+    visible = torch.ones(t, t, dtype=torch.bool).tril() if causal else torch.ones(t, t, dtype=torch.bool)
+    if window:
+        visible = visible.triu(1 - window)  # key j > query i - window
+    keys = visible.sum(-1).double()
     rows = keys >= 2
     p = probs.double()[:, rows]  # (H, rows, T)
     n = keys[rows]
-    visible = torch.ones(t, t, dtype=torch.bool).tril() if causal else torch.ones(t, t, dtype=torch.bool)
     visible = visible[rows]
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1) / n.log()
     diag = probs.double().diagonal(dim1=-2, dim2=-1)[:, rows]
@@ -177,7 +191,8 @@ def diagnose(checkpoint: str | Path, text: str, out: Path, data_path: str | Path
                          "the model attends over at most that many; give a shorter text")
     maps = attention_maps(model, torch.tensor([ids]))
     pieces = [tokenizer.decode([i]) for i in ids]
-    layers = [head_stats(p, cfg.model.causal) for p in maps]
+    m = cfg.model
+    layers = [head_stats(p, m.causal, m.sliding_window if m.is_sliding_layer(i) else 0) for i, p in enumerate(maps)]
     for i, (probs, stats) in enumerate(zip(maps, layers)):
         write_heatmap(probs, stats, pieces, i, out / f"attention_layer{i:02d}.png")
     (out / "attention.json").write_text(json.dumps(

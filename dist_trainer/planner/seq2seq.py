@@ -130,6 +130,8 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
                         if cfg.dropout > 0 else 0)
         if relative:
             saved += (S * S + T * T) * 8  # the bucket ids of the two tables' lookups
+        if cfg.scale_embeddings:  # each stack's embedding times a 0-d sqrt(d_model), which mul keeps
+            saved += 2 * spec.residual
     # masks handed to torch.utils.checkpoint (a recomputed layer, a recomputed attention core) are kept once per
     # stack: the float biases (the encoder's with the padding folded in), the bool source mask (a view of the batch's)
     encoder_kept = any(i < n_enc and (i in redone or selective) for i in layer_ids)
