@@ -354,3 +354,27 @@ def test_published_configs_map_to_their_presets() -> None:
         got = dataclasses.asdict(ModelConfig(**model_fields({**published, "model_type": model_type})))
         want = dataclasses.asdict(ModelConfig(**load_preset(preset)))
         assert {k: (v, want[k]) for k, v in got.items() if v != want[k] and k != "preset"} == {}, preset
+
+
+VARIANTS = {  # config.json keys with another value that maps onto a field: (family, changes, the field's value)
+    "starcoder2 exact gelu": ("starcoder2", {"hidden_act": "gelu"}, ("activation", "gelu")),
+    "gpt_neox tanh gelu": ("gpt_neox", {"hidden_act": "gelu_new"}, ("activation", "gelu_tanh")),
+    "gpt_neox sequential residual": ("gpt_neox", {"use_parallel_residual": False}, ("parallel_residual", False)),
+    "gemma legacy gelu": ("gemma", {"hidden_act": "gelu"}, ("activation", "geglu")),  # transformers: tanh GELU
+    "gemma2 no soft-caps": ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None},
+                            ("attn_softcap", 0.0)),
+    "phi3 window": ("phi3", {"sliding_window": 6}, ("sliding_window", 6)),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIANTS))
+def test_a_variant_key_is_mapped_with_transformers_logits(case: str, fam_folders: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    family, changes, (field, value) = VARIANTS[case]
+    folder = _copy(fam_folders[family], tmp_path / "variant")
+    _edit_json(folder / "config.json", **changes)
+    ours, cfg = load_plain_model(folder)
+    assert getattr(cfg.model, field) == value
+    tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert _close(ours(tokens), _reference(folder)(tokens).logits), case
