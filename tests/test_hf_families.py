@@ -378,3 +378,33 @@ def test_a_variant_key_is_mapped_with_transformers_logits(case: str, fam_folders
     tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert _close(ours(tokens), _reference(folder)(tokens).logits), case
+
+
+ROUND_TRIPS = {  # config.json keys past the tiny folders' that an export must write back
+    "starcoder2": {"head_dim": 16, "use_bias": False, "hidden_act": "gelu"},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+    "qwen3": {"head_dim": 32, "attention_bias": True},
+    "gemma2": {"num_hidden_layers": 6, "layer_types": None, "sliding_window": 16},
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": None, "sliding_window_pattern": 3,
+                    "rope_parameters": None, "rope_theta": 5e5, "rope_local_base_freq": 2e4,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    "gpt_neox": {"attention_bias": False, "use_parallel_residual": False, "rope_parameters": None,
+                 "rotary_pct": 0.25, "rotary_emb_base": 5e5},
+    "phi3": {"sliding_window": 2047, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attention_dropout": 0.1},
+    "granite": {"attention_multiplier": 0.0078125, "mlp_bias": False},
+    "olmo2": {"attention_bias": True},
+    "gemma": {"head_dim": 8, "num_key_value_heads": 1},
+}
+
+
+@pytest.mark.parametrize("family", list(ROUND_TRIPS))
+def test_an_export_config_reads_back_as_the_same_model(family: str, fam_folders: dict[str, Path]) -> None:
+    """config.json -> fields -> the export's config.json -> the same fields, written as the same family."""
+    from dist_trainer.families import family_for_model, model_fields
+
+    config = json.loads((fam_folders[family] / "config.json").read_text())
+    hf = {k: v for k, v in {**config, **ROUND_TRIPS[family]}.items() if v is not None}
+    fields = model_fields(hf)
+    owner = family_for_model(fields)
+    assert owner.model_type == family
+    assert model_fields(owner.export_config(fields, "float32")) == fields

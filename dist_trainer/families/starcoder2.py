@@ -9,7 +9,7 @@ from typing import Any
 
 from dist_trainer.families import llama
 from dist_trainer.families.base import Family
-from dist_trainer.families.common import linear_bias, one_dropout, refuse, rope_fields, rope_hf
+from dist_trainer.families.common import head_dim, linear_bias, one_dropout, refuse, rope_fields, rope_hf
 from dist_trainer.families.decoder import family_misses, window_fields
 from dist_trainer.families.recipe import Recipe
 
@@ -67,7 +67,8 @@ def misses(m: dict[str, Any]) -> list[str]:
 def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     heads = m["n_heads"]
     return {"hidden_size": m["d_model"], "num_hidden_layers": m["n_layers"], "num_attention_heads": heads,
-            "num_key_value_heads": m.get("n_kv_heads") or heads, "intermediate_size": m.get("d_ff") or 4 * m["d_model"],
+            "num_key_value_heads": m.get("n_kv_heads") or heads, "head_dim": head_dim(m),
+            "intermediate_size": m.get("d_ff") or 4 * m["d_model"],
             "max_position_embeddings": m["max_seq_len"], "norm_epsilon": m["norm_eps"],
             "hidden_act": ACT_HF[m["activation"]], **rope_hf(m), "use_bias": bool(m.get("attn_qkv_bias", True)),
             "sliding_window": m.get("sliding_window") or None, **{k: m.get("dropout", 0.0) for k in DROPOUTS}}
