@@ -258,6 +258,7 @@ REFUSED_CONFIGS = {
                                     "layer_types"),
     "qwen3 hidden_act": ("qwen3", {"hidden_act": "gelu"}, 'hidden_act: "gelu"'),
     "gemma2 exact gelu": ("gemma2", {"hidden_activation": "gelu"}, 'hidden_activation: "gelu"'),
+    "gemma3 local RoPE without a window": ("gemma3_text", {"sliding_window": None}, "sliding_window: null"),
     "gemma3 bidirectional": ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     "gpt_neox attention dropout": ("gpt_neox", {"attention_dropout": 0.1, "hidden_dropout": 0.0}, "dropout"),
     "starcoder2 moe": ("starcoder2", {"model_type": "qwen2_moe"}, "qwen2_moe"),

@@ -13,7 +13,7 @@ from typing import Any
 from dist_trainer.families import llama
 from dist_trainer.families.base import Family
 from dist_trainer.families.common import refuse, rope_fields, rope_hf
-from dist_trainer.families.decoder import family_misses
+from dist_trainer.families.decoder import SLIDING, family_misses
 from dist_trainer.families.gemma import BIASES
 from dist_trainer.families.gemma2 import SANDWICH, SANDWICH_MAPPED, sandwich_fields, sandwich_keys, sandwich_recipes
 from dist_trainer.families.qwen3 import qk_norm_recipes
@@ -41,6 +41,10 @@ def to_model(hf: dict[str, Any], where: str, tensor_names: set[str]) -> dict[str
     out.update(global_rope)
     if out.get("sliding_window"):
         out["rope_local_theta"] = local_theta
+    elif hf.get("sliding_window", 4096) is None and local_theta != out["rope_theta"] and (
+            SLIDING in (hf.get("layer_types") or [SLIDING])):
+        # transformers turns the local RoPE base on by layer type, whether or not a window masks those layers
+        raise refuse(where, "sliding_window", None, "the sliding layers' own RoPE base is mapped with their window")
     return out
 
 
