@@ -3,7 +3,7 @@
 Four tiny models, each a combination of the features one family needs:
 
     qwen2   q/k/v biases without an output bias, QK-norm per head, head_dim apart from d_model / n_heads, GQA
-    olmo2   QK-norm over the full width (the sum of squares summed over TP), norms on the branch outputs
+    olmo2   QK-norm over the full width (the sum of squares summed over TP), norms on the branch outputs, (1 + w)
     gemma   sandwich norms, (1 + w) weights, scaled embeddings, soft-capped scores and logits, the score scale, sliding
             windows on every other layer with their own RoPE base, QK-norm per head, one kv head (replicated over TP)
     neox    parallel residual, partial rotary, biases everywhere, LayerNorm, Granite's multipliers
@@ -44,7 +44,9 @@ ROPE = {"pos_embedding": "rope", "norm": "rmsnorm", "bias": False, "tie_embeddin
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {**ROPE, "activation": "swiglu", "n_kv_heads": 2, "attn_qkv_bias": True, "qk_norm": "head",
               "attn_head_dim": 16},
-    "olmo2": {**ROPE, "activation": "swiglu", "qk_norm": "full", "norm_placement": "post_branch"},
+    # (with Gemma's (1 + w) norms too, which the split full-width QK-norm must apply)
+    "olmo2": {**ROPE, "activation": "swiglu", "qk_norm": "full", "norm_placement": "post_branch",
+              "norm_weight_offset": 1.0},
     "gemma": {**ROPE, "activation": "geglu", "n_kv_heads": 1, "norm_placement": "sandwich", "norm_weight_offset": 1.0,
               "scale_embeddings": True, "attn_softcap": 2.0, "final_softcap": 3.0, "attn_score_scale": 0.3,
               "sliding_window": 8, "sliding_window_pattern": 2, "rope_local_theta": 100.0, "qk_norm": "head",

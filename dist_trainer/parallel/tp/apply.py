@@ -50,7 +50,7 @@ from torch import nn
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer
-from dist_trainer.model_blocks import set_attrs
+from dist_trainer.model_blocks import RMSNorm, set_attrs
 from dist_trainer.model_shape import kv_sharded
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
@@ -191,7 +191,8 @@ class QKNorm(Style):
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         if ctx.cfg.qk_norm == "full":
-            return SplitRMSNorm(module, ctx.group, ctx.cfg.norm_weight_offset)
+            assert isinstance(module, RMSNorm), type(module)  # model.qk_norm needs model.norm=rmsnorm
+            return SplitRMSNorm(module, ctx.group)
         for p in module.parameters():
             mark_partial_grad(p, ctx.group)
         return module

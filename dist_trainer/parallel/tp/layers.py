@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_trainer.model_blocks import IGNORE_INDEX, set_attrs
+from dist_trainer.model_blocks import IGNORE_INDEX, RMSNorm, set_attrs
 from dist_trainer.model_lora import BaseProduct, LoRALinear, lora_delta
 from dist_trainer.model_shape import padded_vocab
 from dist_trainer.parallel.comm import AxisGroup
@@ -227,14 +227,12 @@ class SplitRMSNorm(nn.Module):
     whose backward is an all-reduce too, every rank's output depending on the total). Computed in fp32 as the
     model's RMSNorm, weights times (offset + weight) (model.norm_weight_offset)."""
 
-    def __init__(self, norm: nn.Module, group: AxisGroup, offset: float) -> None:
+    def __init__(self, norm: RMSNorm, group: AxisGroup) -> None:
         super().__init__()
         weight = norm.weight
-        assert isinstance(weight, nn.Parameter), type(norm)
         if weight.shape[0] % group.size:
             raise ValueError(f"SplitRMSNorm: {weight.shape[0]} features do not split over tp_size={group.size}")
-        self.group, self.offset, self.full_size = group, offset, weight.shape[0]
-        self.eps = float(norm.eps)  # type: ignore[arg-type]  # the model's RMSNorm
+        self.group, self.offset, self.eps, self.full_size = group, norm.offset, norm.eps, weight.shape[0]
         self.weight = sharded_param(weight, 0, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
