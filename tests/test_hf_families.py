@@ -7,13 +7,16 @@ weight and bias drawn at random (their initial ones and zeros would hide a mispl
 
 - ``params`` of the folder is transformers' ``num_parameters()``;
 - one process: our model loaded from the folder gives transformers' logits (1e-5) and its greedy ids;
-- one spawn of 4 ranks runs every family at tp=2 with SP, pp=2, cp=2 and ZeRO-3, one step at lr 0 from the folder:
-  each gives the single-process run's losses, whose first is transformers' loss on the same batch (a layout that
-  refuses a feature says why, and the test asserts that reason);
+- one spawn of 4 ranks runs every family at tp=2 with SP, pp=2, cp=2 (ring; no family's feature is refused there)
+  and ZeRO-3, one step at lr 0 from the folder: each gives the single-process run's losses, whose first is
+  transformers' loss on the same batch; a LoRA run from the Qwen2 folder at tp=2 in the same spawn;
 - ``export --format hf`` of each of those runs holds the input's tensors exactly and loads back into
-  transformers with no missing or unexpected key, giving the input's logits.
+  transformers with no missing or unexpected key, giving the input's logits (the LoRA run merged, and as a PEFT
+  adapter on the original folder);
+- ``generate --greedy --json`` past the sliding windows gives transformers' greedy ids and log-probs.
 
-Refusals (MoE families, RoPE types, sliding-window layer patterns no field expresses) are single-process tests.
+Refusals (MoE families, RoPE types, sliding-window layer patterns no field expresses, ...), variant keys, the
+transformers 4 spellings of the published folders and the export config's round trip are single-process tests.
 """
 
 from __future__ import annotations
@@ -139,16 +142,12 @@ for _family in FAMILIES:
     LAYOUTS[f"{_family}:cp2"] = (_family, {"cp_size": 2})
     LAYOUTS[f"{_family}:zero3"] = (_family, {"zero_stage": 3, "micro_batch_size": 2})
 
-# Layouts that refuse a family's feature, and the words their refusal must say
-REFUSED: dict[str, str] = {}
-
-
 def _layouts(rank: int, world_size: int, data: Path, root: Path, folders: dict[str, Path]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (family, parallel) in LAYOUTS.items():
         try:
             out[name] = _run(data, root / name.replace(":", "_"), folders[family], parallel)
-        except ValueError as exc:  # a refusal, before any process group: every rank raises it alike
+        except ValueError as exc:  # a refusal (every rank raises it alike): reported by the test, not a hang
             out[name] = {"refused": str(exc)}
     return {**out, "lora": _lora_run(data, root / "lora", folders["qwen2"])}
 
@@ -187,17 +186,13 @@ def test_every_layout_gives_the_single_process_losses(family: str, layout_runs: 
         if fam != family:
             continue
         got = results[0][name]
-        assert all(r[name] == got for r in results if "refused" in got), name
-        if name in REFUSED:
-            assert REFUSED[name] in got.get("refused", ""), (name, got)
-            continue
-        assert "refused" not in got, (name, got["refused"])
+        assert "refused" not in got, (name, got["refused"])  # every family runs in every layout (no refusal)
         assert all(r[name]["losses"] == got["losses"] for r in results), name
         assert_same_curves(got, ref, what=name)
         assert got["engine"] == {"pp2": "pp[1f1b]+dp", "zero3": "zero3"}.get(name.split(":")[1], got["engine"])
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in REFUSED])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_export_of_each_run_reloads_in_transformers(name: str, layout_runs: Any, fam_folders: dict[str, Path],
                                                    tmp_path: Path) -> None:
     """A step at lr 0 in a layout -> export --format hf: the input's tensors exactly (fp32), the architecture
