@@ -17,6 +17,7 @@ run in the test process.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,13 @@ def _train(data: Path, out: Path, sections: dict[str, Any]) -> dict[str, Any]:
     """The run's losses and, rank 0's, its health records' gradient norms per group (the new norms in theirs)."""
     trainer = Trainer(tiny_config(data, out, health={"every": 2}, **sections))
     result = curves(trainer.train())
+    rank0 = trainer.env.rank == 0
     norms = {step: {k: v for k, v in rec.items() if k.startswith("health/grad_norm/")}
-             for step, rec in health_records(out).items()} if trainer.env.rank == 0 else {}
-    return {**result, "grad_norms": norms}
+             for step, rec in health_records(out).items()} if rank0 else {}
+    # every rank's plan check: the planner's exact figures (model states per rank, cp traffic) against the run's
+    plan = [{k: f["ratio"] for k, f in r["figures"].items() if k in ("model_states", "cp_traffic")}
+            for r in json.loads((out / "plan_check.json").read_text())["ranks"]] if rank0 else []
+    return {**result, "grad_norms": norms, "plan": plan}
 
 
 def model_config(name: str) -> ModelConfig:
@@ -143,12 +148,15 @@ def test_tp2_sp_gradients_gather_to_the_single_process_ones(spawn: dict[str, Any
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_layout_trains_as_one_process(spawn: dict[str, Any], tiny_data: Path, tmp_path: Path, name: str) -> None:
     """Training and evaluation losses (every 2 steps, checkpoints on) and the health records' gradient norm of
-    every group equal the single-process run's."""
+    every group equal the single-process run's; the planner's model states per rank and cp traffic are exact."""
     single = _train(tiny_data, tmp_path / "single", _sections(name, parallel=False))
     assert_same_curves(spawn[name], single, what=name)
     got, want = spawn[name]["grad_norms"], single["grad_norms"]
     assert sorted(want) == [2, 4] and "health/grad_norm/layers.1.norm" in want[2], sorted(want)
     assert_same_health(got, want, name)
+    plan = spawn[name]["plan"]  # the planner counts each rank's cut of these models exactly
+    assert len(plan) == 2 and all(r["model_states"] == 1.0 for r in plan), (name, plan)
+    assert all(r.get("cp_traffic", 1.0) == 1.0 for r in plan) and ("cp_traffic" in plan[0]) == ("cp2" in name), plan
 
 
 def test_the_new_norms_are_norms_to_freeze_presets_and_health() -> None:
