@@ -51,8 +51,7 @@ HF_FREE_MODEL_FIELDS = tuple(f for f in FREE_MODEL_FIELDS if f != "capacity_fact
 def _folder_implies(hf: dict[str, Any]) -> dict[str, Any]:
     """Every ModelConfig field a folder's model computes with: its mapped fields, ModelConfig's defaults for the
     rest (a family that maps no ``qk_norm`` computes without one, whatever a preset beside it says)."""
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-                for f in dataclasses.fields(ModelConfig) if f.name != "preset"}
+    defaults = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k != "preset"}
     return {**defaults, **hf}
 
 
