@@ -158,10 +158,12 @@ def test_llama_biases_and_head_dim_and_mistral_window_map_onto_model_fields() ->
 
 
 @pytest.mark.parametrize(("change", "family_name", "named"), [
-    ({"attn_qkv_bias": True}, "llama", "attention_bias sets both"),  # Qwen2's biases: not a Llama
+    ({"attn_qkv_bias": True}, "qwen2", None),  # Qwen2's biases: not a Llama
+    ({"attn_qkv_bias": True, "mlp_bias": True}, None, "attention_bias sets both"),  # nobody's biases
     ({"sliding_window": 16}, "mistral", None),
     ({"sliding_window": 16, "sliding_window_pattern": 2}, None, "sliding_window_pattern=2"),
-    ({"qk_norm": "head"}, None, "qk_norm='head'"),
+    ({"qk_norm": "head"}, "qwen3", None),
+    ({"qk_norm": "head", "attn_qkv_bias": True}, None, "no Hugging Face family's"),  # Qwen3's norms, Qwen2's biases
     ({"attn_qkv_bias": True, "attn_out_bias": True, "mlp_bias": True}, "llama", None),
     ({"attn_head_dim": 16}, "llama", None),
 ])

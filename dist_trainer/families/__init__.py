@@ -10,7 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from dist_trainer.families import bert, gpt2, llama, mistral, mixtral, t5
+from dist_trainer.families import (
+    bert,
+    gemma,
+    gemma2,
+    gemma3_text,
+    gpt2,
+    gpt_neox,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    starcoder2,
+    t5,
+)
 from dist_trainer.families.base import Family, Fields
 from dist_trainer.families.common import MATHS_DEFAULTS
 from dist_trainer.families.recipe import Recipe
@@ -25,6 +42,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     mixtral.FAMILY,
     bert.FAMILY,
     t5.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma.FAMILY,
+    gemma2.FAMILY,
+    gemma3_text.FAMILY,
+    phi3.FAMILY,
+    olmo2.FAMILY,
+    granite.FAMILY,
+    starcoder2.FAMILY,
+    gpt_neox.FAMILY,
 )}
 # mixture-of-experts families with shared experts or their own routing: another issue
 MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
