@@ -31,6 +31,10 @@ class ModelConfig:
     SECTION: ClassVar[str] = "model"
 
     preset: str | None = None  # name of a configs/models/ preset used as the base (applied first)
+    # The Hugging Face model_type this model was read from (a folder) or is published as (a preset): export writes
+    # that family when it computes the model exactly, else the first family that does (families/__init__.py).
+    # Changes no maths; null = none in particular.
+    hf_family: str | None = None
     vocab_size: int = 50257  # tokens in the vocabulary (TP pads internally when tp does not divide it)
     d_model: int = 768  # hidden size h
     n_layers: int = 12  # transformer blocks L

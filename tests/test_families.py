@@ -232,3 +232,17 @@ def test_llama_with_biases_and_head_dim_and_mistral_with_a_window_give_transform
     assert all(torch.equal(theirs.state_dict()[k], v) for k, v in back.state_dict().items())
     with torch.no_grad():
         assert torch.equal(back.eval()(tokens).logits, want)
+
+
+def test_a_model_exports_as_its_own_family_when_another_computes_the_same_maths() -> None:
+    """Phi-3-mini (full rotary, a window on every layer) computes what Mistral does: its hf_family (the folder's
+    model_type, or the preset's) sends it back as Phi-3; without one the registry's order decides; a family that no
+    longer computes the model (a bias added) is passed over for one that does."""
+    cfg = ModelConfig(**load_preset("phi-3-mini"))
+    model = {**dataclasses.asdict(cfg), "d_ff": cfg.ffn_dim}
+    assert family_for_model(model).model_type == "phi3"
+    assert family_for_model({**model, "hf_family": None}).model_type == "mistral"
+    assert family_for_model({**model, "attn_qkv_bias": True, "attn_out_bias": False}).model_type == "qwen2"
+    folder = model_fields({"model_type": "phi3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "intermediate_size": 48})
+    assert folder["hf_family"] == "phi3"

@@ -70,13 +70,20 @@ def family(model_type: Any, where: str = "config.json") -> Family:
 def model_fields(hf: dict[str, Any], where: str = "config.json", tensor_names: set[str] | None = None) -> Fields:
     """ModelConfig fields of a config.json (``tensor_names``: the folder's tensor names, which say whether a BERT
     folder has a pooler and a masked-LM head, a T5 one an untied head): every maths field stated, those the family
-    leaves out at their defaults. ValueError naming the first key that cannot be mapped."""
-    return {**MATHS_DEFAULTS, **family(hf.get("model_type"), where).to_model(hf, where, tensor_names or set())}
+    leaves out at their defaults, and ``hf_family`` the folder's own (what an export writes back). ValueError naming
+    the first key that cannot be mapped."""
+    own = family(hf.get("model_type"), where)
+    return {**MATHS_DEFAULTS, **own.to_model(hf, where, tensor_names or set()), "hf_family": own.model_type}
 
 
 def family_for_model(model: Fields) -> Family:
-    """The first family (registry order) that computes exactly what ModelConfig fields ``model`` compute;
-    ValueError naming what the closest family lacks (export then needs ``--format native``)."""
+    """The family an export of ModelConfig fields ``model`` writes: the model's own ``hf_family`` (the folder it was
+    read from, its preset's) when that family computes it exactly (a Phi-3 folder with full rotary computes what
+    Mistral does, and still goes back as Phi-3), else the first family in registry order that does; ValueError
+    naming what the closest family lacks (export then needs ``--format native``)."""
+    own = FAMILIES.get(model.get("hf_family"))  # type: ignore[arg-type]
+    if own is not None and not own.misses(model):
+        return own
     missed = {name: f.misses(model) for name, f in FAMILIES.items()}
     for name, why in missed.items():
         if not why:

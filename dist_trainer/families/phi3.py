@@ -69,6 +69,6 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
             "sliding_window": m.get("sliding_window") or None, **{k: m.get("dropout", 0.0) for k in DROPOUTS}}
 
 
-# No presets: phi-3-mini's maths (full rotary, a window on every layer) are Mistral's, which export prefers; a model
-# exports as phi3 when it rotates part of each head
-FAMILY = Family(MODEL_TYPE, "Phi3ForCausalLM", to_model, read_plan, misses, to_hf)
+# phi-3-mini's maths (full rotary, a window on every layer) are Mistral's too: its hf_family (set by a Phi-3 folder
+# and by the preset) makes an export write it back as Phi-3
+FAMILY = Family(MODEL_TYPE, "Phi3ForCausalLM", to_model, read_plan, misses, to_hf, presets=("phi-3-mini",))
