@@ -1,6 +1,7 @@
 """The open model families of issue 33 against ``transformers`` itself (a test-only dependency).
 
-For each family (qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, olmo2, granite, starcoder2, gpt_neox) a tiny random
+For each family (qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, olmo2, granite, starcoder2, gpt_neox, and llama with
+biases and its own head_dim, mistral with a sliding window) a tiny random
 model is saved by ``transformers`` in several safetensors shards (fp32; bf16 for qwen3 and gemma3_text), every norm
 weight and bias drawn at random (their initial ones and zeros would hide a misplaced RoPE row or a missing
 ``1 + w``). Then:
@@ -66,6 +67,10 @@ def _configs() -> dict[str, Any]:
         "starcoder2": t.Starcoder2Config(**small, sliding_window=8, bos_token_id=None, eos_token_id=None),
         "gpt_neox": t.GPTNeoXConfig(**{k: v for k, v in small.items() if k != "num_key_value_heads"},
                                     rotary_pct=0.5, bos_token_id=None, eos_token_id=None),
+        # the Llama-class folders that used to be refused: biases on every projection and a head_dim of its own,
+        # and Mistral v0.1's window
+        "llama_bias": t.LlamaConfig(**small, attention_bias=True, mlp_bias=True, head_dim=16),
+        "mistral_window": t.MistralConfig(**small, sliding_window=8),
     }
 
 
