@@ -43,10 +43,16 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
         cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
     cfg, fit_note = fit_micro_batch(cfg, world_size)
     layout = check_layout(cfg, world_size, device.type)
-    if (Path(cfg.data.path) / "meta.json").is_file():
-        check_hf_tokenizer(cfg, Path(cfg.data.path))
+    for path in source_paths(cfg):
+        if (Path(path) / "meta.json").is_file():
+            check_hf_tokenizer(cfg, Path(path))
     notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
     return Launch(cfg, layout, auto, notes)
+
+
+def source_paths(cfg: Config) -> list[str]:
+    """The folders a run reads: data.path, or each of data.sources'."""
+    return [str(s["path"]) for s in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
 
 
 def warmup_note(cfg: Config) -> str | None:
@@ -97,6 +103,20 @@ def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
         raise ValueError(f"the val split of {cfg.data.path} has {n_val} sequences, fewer than the eval set of "
                          f"train.eval_batches*global_batch_size = {cfg.train.eval_batches}*{global_batch}; "
                          f"lower train.eval_batches or prepare more validation text")
+
+
+def check_mixture_sizes(cfg: Config, paths: list[str], n_train: list[int], n_val: list[int]) -> None:
+    """Each source of a mixture holds a training window (its passes repeat as often as its weight asks), and,
+    with evaluation on, its own eval set: evaluation reports a loss per source."""
+    for i, (path, train, val) in enumerate(zip(paths, n_train, n_val)):
+        if train < 1:
+            raise ValueError(f"data.sources[{i}] ({path}): its train split holds no window of data.seq_len="
+                             f"{cfg.data.seq_len} tokens")
+        if cfg.train.eval_every and val < eval_set_size(cfg):
+            raise ValueError(f"data.sources[{i}] ({path}): its val split has {val} sequences, fewer than the eval "
+                             f"set of train.eval_batches*global_batch_size = {cfg.train.eval_batches}*"
+                             f"{cfg.parallel.global_batch_size} (each source is evaluated on its own); lower "
+                             "train.eval_batches or prepare more validation text")
 
 
 def check_hf_tokenizer(cfg: Config, data: Path) -> None:
