@@ -219,6 +219,11 @@ class DataConfig:
                                  f"data.seq_len={self.seq_len} at noise {self.noise_density} and mean span "
                                  f"{self.mean_noise_span} gives {exact}-token targets; leave it unset or >= {exact}")
 
+    def tokenizer_folder(self) -> str:
+        """The folder whose tokenizer the run's data was written with: data.path, or the first of data.sources
+        (a mixture's folders share one tokenizer: data/mixture.py refuses others)."""
+        return str(self.sources[0]["path"]) if self.sources else self.path
+
     def decoder_len(self) -> int:
         """An encoder-decoder's decoder length (the targets' and the decoder inputs')."""
         if self.target_len is not None:

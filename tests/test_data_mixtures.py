@@ -20,6 +20,7 @@ from dist_trainer.config_load import config_from_dict, load_config
 from dist_trainer.data.mixture import MixtureSampler, parse_sources, source_counts
 from dist_trainer.data.objective import open_split
 from dist_trainer.testing import run_distributed
+from dist_trainer.train.evaluate import evaluate
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, assert_same_curves, curves, tiny_config
 
@@ -135,6 +136,12 @@ def test_resume_at_another_world_size_continues_the_run(sources: dict[str, Path]
     assert {k: v for k, v in got.items() if k.startswith("tokens/")} == \
         {k: v for k, v in want.items() if k.startswith("tokens/")} != {}
     assert got["eval_loss/code"] == pytest.approx(want["eval_loss/code"], rel=1e-5)
+    # `dist-trainer eval` of the run's checkpoint evaluates each source as the run did
+    report = json.loads(evaluate([str(resumed_dir)], {}, as_json=True))
+    assert report["settings"]["sources"] and report["rows"][0]["by_source"] == pytest.approx(
+        whole.eval_by_source[4], rel=1e-5)
+    assert report["rows"][0]["eval_loss"] == pytest.approx(whole.eval_losses[4], rel=1e-5)
+    assert "web" in evaluate([str(resumed_dir)], {})  # the text report has a column per source
 
 
 # ------------------------------------------------------------------ refusals

@@ -105,18 +105,17 @@ def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
                          f"lower train.eval_batches or prepare more validation text")
 
 
-def check_mixture_sizes(cfg: Config, paths: list[str], n_train: list[int], n_val: list[int]) -> None:
-    """Each source of a mixture holds a training window (its passes repeat as often as its weight asks), and,
-    with evaluation on, its own eval set: evaluation reports a loss per source."""
-    for i, (path, train, val) in enumerate(zip(paths, n_train, n_val)):
-        if train < 1:
-            raise ValueError(f"data.sources[{i}] ({path}): its train split holds no window of data.seq_len="
-                             f"{cfg.data.seq_len} tokens")
-        if cfg.train.eval_every and val < eval_set_size(cfg):
-            raise ValueError(f"data.sources[{i}] ({path}): its val split has {val} sequences, fewer than the eval "
-                             f"set of train.eval_batches*global_batch_size = {cfg.train.eval_batches}*"
-                             f"{cfg.parallel.global_batch_size} (each source is evaluated on its own); lower "
-                             "train.eval_batches or prepare more validation text")
+def check_source_size(cfg: Config, index: int, path: str, n_train: int, n_val: int) -> None:
+    """Source ``index`` of a mixture holds a training window (its passes repeat as often as its weight asks),
+    and, with evaluation on, its own eval set: evaluation reports a loss per source."""
+    if n_train < 1:
+        raise ValueError(f"data.sources[{index}] ({path}): its train split holds no window of data.seq_len="
+                         f"{cfg.data.seq_len} tokens")
+    if cfg.train.eval_every and n_val < eval_set_size(cfg):
+        raise ValueError(f"data.sources[{index}] ({path}): its val split has {n_val} sequences, fewer than the eval "
+                         f"set of train.eval_batches*global_batch_size = {cfg.train.eval_batches}*"
+                         f"{cfg.parallel.global_batch_size} (each source is evaluated on its own); lower "
+                         "train.eval_batches or prepare more validation text")
 
 
 def check_hf_tokenizer(cfg: Config, data: Path) -> None:

@@ -42,7 +42,7 @@ from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_
 from dist_trainer.train.check import (
     check_data_sizes,
     check_host_memory,
-    check_mixture_sizes,
+    check_source_size,
     eval_set_size,
     resolve_launch,
 )
@@ -90,8 +90,9 @@ class Trainer:
         self.train_data = open_split(cfg, "train")  # windows of the token shards, or seq2seq pairs (data.objective)
         self.val_data = open_split(cfg, "val")
         if isinstance(self.train_data, MixtureDataset) and isinstance(self.val_data, MixtureDataset):
-            check_mixture_sizes(cfg, [s.path for s in self.train_data.sources], list(map(len, self.train_data.parts)),
-                                list(map(len, self.val_data.parts)))
+            for i, (source, train, val) in enumerate(zip(self.train_data.sources, self.train_data.parts,
+                                                         self.val_data.parts)):
+                check_source_size(cfg, i, source.path, len(train), len(val))
         else:
             check_data_sizes(cfg, len(self.train_data), len(self.val_data))
         if self.device.type == "cuda":  # NCCL dumps its recent collectives on a timeout (before the group exists)
