@@ -20,7 +20,9 @@ from dist_trainer.config_load import config_from_dict, load_config
 from dist_trainer.data.mixture import MixtureSampler, parse_sources, source_counts
 from dist_trainer.data.objective import open_split
 from dist_trainer.testing import run_distributed
+from dist_trainer.train.check import check_run
 from dist_trainer.train.evaluate import evaluate
+from dist_trainer.train.resume_checks import check_resumable, data_order
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, assert_same_curves, curves, tiny_config
 
@@ -144,11 +146,29 @@ def test_resume_at_another_world_size_continues_the_run(sources: dict[str, Path]
     assert "web" in evaluate([str(resumed_dir)], {})  # the text report has a column per source
 
 
+def test_check_reports_each_source(sources: dict[str, Path], tmp_path: Path) -> None:
+    """`dist-trainer check` checks the mixture's folders, not data.path's default."""
+    lines = check_run(_config(_mix(sources), tmp_path / "run"), 2, device_type="cpu")
+    assert any(line.startswith("data source web (") and "70.0% of the samples" in line for line in lines), lines
+    assert any(line.startswith("data source code (") for line in lines), lines
+    with pytest.raises(ValueError, match=r"data\.sources\[1\] .*does not exist"):
+        check_run(_config(_mix({**sources, "code": tmp_path / "gone"}), tmp_path / "run"), 2, device_type="cpu")
+
+
 # ------------------------------------------------------------------ refusals
 
 
 def _open(data: list[dict]) -> None:
     open_split(tiny_config(Path("unused"), Path("unused"), data={"path": "data/default", "sources": data}), "train")
+
+
+def test_a_resume_with_other_weights_is_refused(sources: dict[str, Path], tmp_path: Path) -> None:
+    saved_cfg = _config(_mix(sources), tmp_path)
+    meta = {"config": saved_cfg.to_dict(), "data": data_order(saved_cfg, open_split(saved_cfg, "train"))}
+    assert check_resumable(meta, saved_cfg, open_split(saved_cfg, "train")) == []
+    other = _config(_mix(sources, web=0.5, code=0.5), tmp_path)
+    with pytest.raises(ValueError, match=r"data settings changed.*x 0\.7.* -> .*x 0\.5"):
+        check_resumable(meta, other, open_split(other, "train"))
 
 
 def test_a_folder_of_another_tokenizer_is_refused_naming_both(sources: dict[str, Path]) -> None:

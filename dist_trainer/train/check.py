@@ -118,6 +118,30 @@ def check_source_size(cfg: Config, index: int, path: str, n_train: int, n_val: i
                          "train.eval_batches or prepare more validation text")
 
 
+def _check_sources(cfg: Config, data_required: bool) -> list[str]:
+    """``check_run``'s data check of a mixture: every folder there, one tokenizer, each source's splits large
+    enough (``check_source_size``); a note per source."""
+    from dist_trainer.data.mixture import check_source_folders, parse_sources
+
+    sources = parse_sources(cfg.data.sources)
+    notes = []
+    try:
+        check_source_folders(sources)
+        total = sum(s.weight for s in sources)
+        for i, s in enumerate(sources):
+            meta = read_data_meta(Path(s.path))
+            n_train = split_samples(Path(s.path), meta, "train", data_window(cfg), cfg.model.vocab_size)
+            n_val = split_samples(Path(s.path), meta, "val", data_window(cfg)) if cfg.train.eval_every else 0
+            check_source_size(cfg, i, s.path, n_train, n_val)
+            notes.append(f"data source {s.name} ({s.path}, {s.weight / total:.1%} of the samples): {n_train:,} "
+                         f"training and {n_val:,} validation windows of data.seq_len={cfg.data.seq_len}")
+    except ValueError as e:
+        if data_required:
+            raise
+        notes.append(f"data not ready for this run (prepare it before launching; the trainer refuses it now): {e}")
+    return notes
+
+
 def check_hf_tokenizer(cfg: Config, data: Path) -> None:
     """A run from a Hugging Face folder that has a tokenizer trains on data tokenized with it (the same vocabulary
     hash); ValueError naming both otherwise."""
@@ -148,7 +172,9 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
     cfg = launch.cfg
     notes = [*launch.notes, *([node_note] if node_note else [])]
     data = Path(cfg.data.path)
-    if (data / "meta.json").is_file():
+    if cfg.data.sources:
+        notes += _check_sources(cfg, data_required)
+    elif (data / "meta.json").is_file():
         meta = read_data_meta(data)
         try:
             window = data_window(cfg)  # span corruption reads longer raw windows than its inputs
