@@ -22,8 +22,10 @@ from dist_trainer.data.objective import open_split
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.check import check_run
 from dist_trainer.train.evaluate import evaluate
+from dist_trainer.train.generate import prompt_tokenizer
 from dist_trainer.train.resume_checks import check_resumable, data_order
-from dist_trainer.train.trainer import Trainer
+from dist_trainer.train.summary import print_summary
+from dist_trainer.train.trainer import Trainer, TrainResult
 from tests.helpers import TINY_VOCAB, assert_same_curves, curves, tiny_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -153,6 +155,18 @@ def test_check_reports_each_source(sources: dict[str, Path], tmp_path: Path) -> 
     assert any(line.startswith("data source code (") for line in lines), lines
     with pytest.raises(ValueError, match=r"data\.sources\[1\] .*does not exist"):
         check_run(_config(_mix({**sources, "code": tmp_path / "gone"}), tmp_path / "run"), 2, device_type="cpu")
+
+
+def test_summary_and_generate_know_the_sources(sources: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _config(_mix(sources), tmp_path)
+    result = TrainResult(losses={0: 3.0}, eval_losses={0: 2.0, 4: 1.5},
+                         eval_by_source={0: {"web": 2.1, "code": 1.9}, 4: {"web": 1.25, "code": 1.75}})
+    print_summary(cfg, result)
+    out = capsys.readouterr().out
+    assert "web" in out and "2.1000 (step 0) -> 1.2500 (step 4)" in out and "1.9000 (step 0) -> 1.7500" in out
+    # a text prompt of a mixture run is encoded with the sources' tokenizer (the first folder's)
+    assert Path(prompt_tokenizer(tmp_path, cfg, None).source).parent == sources["web"]
 
 
 # ------------------------------------------------------------------ refusals
