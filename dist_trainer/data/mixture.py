@@ -127,6 +127,8 @@ class MixtureSampler(GlobalBatchSampler):
             raise ValueError(f"{len(sizes)} source sizes for {len(weights)} weights")
         if min(sizes) < 1:
             raise ValueError(f"every source needs at least one sample; sizes {sizes}")
+        # the base class checks the batch sizes and the DP cut; its single-folder epoch (and the rule that the
+        # data holds one global batch) does not apply: each source runs its own passes (source_permutation)
         super().__init__(max(sum(sizes), global_batch_size), global_batch_size, micro_batch_size, dp_rank,
                          dp_size, seed)
         self.sizes = list(sizes)

@@ -1,5 +1,7 @@
 """What a run trains on: its splits opened for ``data.objective`` and each step's samples made into model inputs.
 
+The split is one folder's (``data.path``) or a mixture's (``data.sources``: ``mixture.MixtureDataset``, read as one).
+
 ``lm``: fixed windows of the token shards, causal shift or masked LM (``batch.collate``). An encoder-decoder:
 
 - ``span_corruption``: windows of the raw length ``span.span_lengths`` gives for ``data.seq_len``, corrupted per sample
