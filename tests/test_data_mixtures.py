@@ -18,7 +18,7 @@ import pytest
 
 from dist_trainer.config_load import config_from_dict, load_config
 from dist_trainer.data.mixture import MixtureSampler, parse_sources, source_counts
-from dist_trainer.data.objective import open_split
+from dist_trainer.data.objective import make_batch, open_split
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.check import check_run
 from dist_trainer.train.evaluate import evaluate
@@ -167,6 +167,22 @@ def test_summary_and_generate_know_the_sources(sources: dict[str, Path], tmp_pat
     assert "web" in out and "2.1000 (step 0) -> 1.2500 (step 4)" in out and "1.9000 (step 0) -> 1.7500" in out
     # a text prompt of a mixture run is encoded with the sources' tokenizer (the first folder's)
     assert Path(prompt_tokenizer(tmp_path, cfg, None).source).parent == sources["web"]
+
+
+def test_span_corruption_reads_a_mixture(span_data: Path, tmp_path: Path) -> None:
+    """The batch builders read a mixture as one folder: T5's span corruption draws from both sources."""
+    from dist_trainer.data.prepare import prepare
+
+    prepare([STDLIB / "textwrap.py"], tmp_path / "more", tokenizer=span_data, val_fraction=0.0, seed=0)
+    cfg = tiny_config(Path("unused"), tmp_path / "run", model={"preset": "tiny-t5", "vocab_size": TINY_VOCAB},
+                      data={"path": "data/default", "objective": "span_corruption",
+                            "sources": [{"path": str(span_data)}, {"path": str(tmp_path / "more")}]})
+    data = open_split(cfg, "train")
+    sampler = MixtureSampler([len(p) for p in data.parts], [1, 1], 8, 8, 0, 1, seed=0)
+    indices = sampler.global_batch(0)
+    assert {sampler.source_of(i) for i in indices} == {0, 1}
+    batch = make_batch(cfg, data, indices, step=0)
+    assert batch["tokens"].shape == (8, cfg.data.seq_len) and batch["targets"].shape[0] == 8
 
 
 # ------------------------------------------------------------------ refusals
