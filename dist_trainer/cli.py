@@ -126,7 +126,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
                         "applies them (a field not applied is refused by name)")
     p.add_argument("--json", action="store_true", help="print one JSON document (ids and log-probs) at the end")
     p.add_argument("--data", default=None,
-                   help="folder with tokenizer.json (default: the checkpoint folder's own, else the run's data.path)")
+                   help="folder with tokenizer.json (default: the checkpoint folder's own, else the run's data.path "
+                        "or its first data.sources folder)")
     p.set_defaults(func=run_generate)
 
 
@@ -238,7 +239,8 @@ def _register_attention(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="run folder, its checkpoints/ folder, or a step folder")
     p.add_argument("--text", required=True, help="the text whose attention is drawn")
     p.add_argument("--out", required=True, help="folder for attention_layerNN.png and attention.json")
-    p.add_argument("--data", default=None, help="folder with tokenizer.json (default: the run's data.path)")
+    p.add_argument("--data", default=None,
+                   help="folder with tokenizer.json (default: the run's data.path or its first data.sources folder)")
     p.set_defaults(func=run_attention)
 
 

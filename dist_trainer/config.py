@@ -34,6 +34,7 @@ OBJECTIVES = ("lm", "span_corruption", "seq2seq")
 # parallel.zero_stage: 0 = no ZeRO (DDP, or the pipeline's own update), 1/2/3 = DeepSpeed ZeRO (Rajbhandari et al.
 # 2020): optimizer states, + gradients, + parameters partitioned over the data-parallel ranks
 ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_DATA_PATH = "data/default"  # data.path when unset (data.sources replaces it)
 OPTIM_STATE_DTYPES = ("fp32", "bf16", "int8")  # optim.state_dtype: AdamW's two moments
 
 
@@ -179,7 +180,7 @@ class DataConfig:
 
     SECTION: ClassVar[str] = "data"
 
-    path: str = "data/default"  # folder with meta.json, tokenizer.json and the train/val shards
+    path: str = DEFAULT_DATA_PATH  # folder with meta.json, tokenizer.json and the train/val shards
     seq_len: int = 128  # tokens per training sequence (<= model.max_seq_len); an encoder-decoder's source length
     mlm_probability: float = 0.15  # encoders: share of tokens selected for masked-LM (80/10/10 split)
     # the training objective (OBJECTIVES): lm, or for an encoder-decoder span_corruption (T5 on the token shards:
@@ -190,9 +191,19 @@ class DataConfig:
     # encoder-decoder: the decoder's length (targets truncated or padded to it); None = span corruption's exact
     # target length (no padding), or data.seq_len for seq2seq pairs
     target_len: int | None = None
+    # a weighted mixture of prepared folders instead of data.path: [{path: DIR, weight: W}, ...], each sample drawn
+    # from a source in proportion to its weight, the same per (seed, step) in every layout (data/mixture.py)
+    sources: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
         positive(self, "seq_len")
+        if self.sources:
+            from dist_trainer.data.mixture import parse_sources
+
+            parse_sources(self.sources)  # each entry's path and weight, named on error
+            if self.path != DEFAULT_DATA_PATH:
+                raise ValueError(f"give data.path={self.path!r} or data.sources (a mixture of "
+                                 f"{len(self.sources)} folders), not both")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"data.mlm_probability={self.mlm_probability} must be in (0, 1)")
         choice(self, "objective", OBJECTIVES)
@@ -207,6 +218,11 @@ class DataConfig:
                 raise ValueError(f"data.target_len={self.target_len} is shorter than span corruption's targets: "
                                  f"data.seq_len={self.seq_len} at noise {self.noise_density} and mean span "
                                  f"{self.mean_noise_span} gives {exact}-token targets; leave it unset or >= {exact}")
+
+    def tokenizer_folder(self) -> str:
+        """The folder whose tokenizer the run's data was written with: data.path, or the first of data.sources
+        (a mixture's folders share one tokenizer: data/mixture.py refuses others)."""
+        return str(self.sources[0]["path"]) if self.sources else self.path
 
     def decoder_len(self) -> int:
         """An encoder-decoder's decoder length (the targets' and the decoder inputs')."""

@@ -8,6 +8,8 @@ shards.py   parallel encoding and the shard writer
 dataset.py  the on-disk format, TokenDataset (memmapped windows), checksums (in full once per folder
             state, recorded in verified.json), load_tokenizer
 sampler.py  GlobalBatchSampler: the step -> sample indices map, the same for every DP layout
+mixture.py  data.sources: weighted mixtures of prepared folders, MixtureSampler (the same per (seed, step) in
+            every layout), MixtureDataset (the folders as one index space)
 batch.py    collate: causal shift or BERT masking (mask_tokens)
 
 Nothing is imported here, so `import dist_trainer.data.prepare` stays free of torch.

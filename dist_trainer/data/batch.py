@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from dist_trainer.data.dataset import TokenDataset, special_id
 from dist_trainer.model_blocks import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from dist_trainer.data.mixture import MixtureDataset
 
 MASK_SHARE = 0.8  # of the selected positions: replaced by <|mask|> (Devlin et al. 2018, section 3.1)
 RANDOM_SHARE = 0.1  # replaced by a random token; the remaining 10% keep their token
@@ -60,7 +65,7 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state))
 
 
-def collate(dataset: TokenDataset, indices: list[int], *, causal: bool, step: int, seed: int,
+def collate(dataset: TokenDataset | MixtureDataset, indices: list[int], *, causal: bool, step: int, seed: int,
             mlm_probability: float = 0.15) -> dict[str, torch.Tensor]:
     """{"tokens": (B, T), "targets": (B, T)} int64 for the samples ``indices`` of ``dataset``.
 

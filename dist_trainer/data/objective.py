@@ -1,5 +1,7 @@
 """What a run trains on: its splits opened for ``data.objective`` and each step's samples made into model inputs.
 
+The split is one folder's (``data.path``) or a mixture's (``data.sources``: ``mixture.MixtureDataset``, read as one).
+
 ``lm``: fixed windows of the token shards, causal shift or masked LM (``batch.collate``). An encoder-decoder:
 
 - ``span_corruption``: windows of the raw length ``span.span_lengths`` gives for ``data.seq_len``, corrupted per sample
@@ -21,18 +23,29 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, load_tokenizer, special_id
+from dist_trainer.data.mixture import MixtureDataset, check_source_folders, parse_sources
 from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.span import corrupt, noise_mask, sample_rng, span_lengths
 from dist_trainer.model_blocks import IGNORE_INDEX
 
+Dataset = TokenDataset | PairDataset | MixtureDataset  # what a run reads: one folder's split, or a mixture's
 SENTINEL = "<extra_id_{}>"  # as prepare.py writes them, as T5's tokenizer holds them
 
 
-def open_split(cfg: Config, split: str) -> TokenDataset | PairDataset:
-    """The split a run reads (its sizes and checksums checked, as TokenDataset does)."""
+def open_split(cfg: Config, split: str) -> Dataset:
+    """The split a run reads (its sizes and checksums checked, as TokenDataset does): of data.path, or of every
+    folder of data.sources as one ``MixtureDataset`` (each folder checked to exist, all with one tokenizer)."""
+    if cfg.data.sources:
+        sources = parse_sources(cfg.data.sources)
+        check_source_folders(sources)
+        return MixtureDataset([_open(cfg, s.path, split) for s in sources], sources)
+    return _open(cfg, cfg.data.path, split)
+
+
+def _open(cfg: Config, path: str, split: str) -> TokenDataset | PairDataset:
     if cfg.data.objective == "seq2seq":
-        return PairDataset(cfg.data.path, split, expect_vocab_size=cfg.model.vocab_size)
-    return TokenDataset(cfg.data.path, split, data_window(cfg), expect_vocab_size=cfg.model.vocab_size)
+        return PairDataset(path, split, expect_vocab_size=cfg.model.vocab_size)
+    return TokenDataset(path, split, data_window(cfg), expect_vocab_size=cfg.model.vocab_size)
 
 
 def data_window(cfg: Config) -> int:
@@ -43,16 +56,16 @@ def data_window(cfg: Config) -> int:
     return d.seq_len
 
 
-def make_batch(cfg: Config, data: TokenDataset | PairDataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
+def make_batch(cfg: Config, data: Dataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
     """The model inputs of the samples ``indices`` at ``step`` for ``data.objective`` (module docstring)."""
     d, seed = cfg.data, cfg.train.seed
     if d.objective == "lm":
-        assert isinstance(data, TokenDataset)
+        assert isinstance(data, TokenDataset | MixtureDataset)
         return collate(data, indices, causal=cfg.model.causal, step=step, seed=seed, mlm_probability=d.mlm_probability)
     if d.objective == "seq2seq":
-        assert isinstance(data, PairDataset)
+        assert isinstance(data, PairDataset | MixtureDataset)
         return collate_pairs([data[i] for i in indices], d.seq_len, d.decoder_len(), cfg.model.decoder_start_id)
-    assert isinstance(data, TokenDataset)
+    assert isinstance(data, TokenDataset | MixtureDataset)
     spans = span_lengths(d.seq_len, d.noise_density, d.mean_noise_span)[2]
     sentinels, eos = span_tokens(data, spans)
     pairs = []
@@ -63,7 +76,7 @@ def make_batch(cfg: Config, data: TokenDataset | PairDataset, indices: list[int]
     return collate_pairs(pairs, d.seq_len, d.decoder_len(), cfg.model.decoder_start_id, source_mask=False)
 
 
-def span_tokens(data: TokenDataset, n_spans: int) -> tuple[list[int], int]:
+def span_tokens(data: TokenDataset | MixtureDataset, n_spans: int) -> tuple[list[int], int]:
     """(the sentinels of spans 0..n_spans-1, the EOS id) of the data's tokenizer; ValueError naming what is missing."""
     cached: dict[int, Any] = data.__dict__.setdefault("_span_tokens", {})
     if n_spans not in cached:

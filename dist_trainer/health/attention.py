@@ -182,7 +182,7 @@ def diagnose(checkpoint: str | Path, text: str, out: Path, data_path: str | Path
         raise ValueError(f"{checkpoint} is an encoder-decoder (model.n_decoder_layers={cfg.model.n_decoder_layers}): "
                          "`attention` maps one stack's self-attention over one text; its encoder, decoder and "
                          "cross-attention maps are not drawn (yet)")
-    tokenizer = load_tokenizer(Path(data_path or cfg.data.path))
+    tokenizer = load_tokenizer(Path(data_path or cfg.data.tokenizer_folder()))
     ids = tokenizer.encode(text).ids
     if not ids:
         raise ValueError("--text encodes to no tokens; give a non-empty text")

@@ -43,10 +43,16 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
         cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
     cfg, fit_note = fit_micro_batch(cfg, world_size)
     layout = check_layout(cfg, world_size, device.type)
-    if (Path(cfg.data.path) / "meta.json").is_file():
-        check_hf_tokenizer(cfg, Path(cfg.data.path))
+    for path in source_paths(cfg):
+        if (Path(path) / "meta.json").is_file():
+            check_hf_tokenizer(cfg, Path(path))
     notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
     return Launch(cfg, layout, auto, notes)
+
+
+def source_paths(cfg: Config) -> list[str]:
+    """The folders a run reads: data.path, or each of data.sources'."""
+    return [str(s["path"]) for s in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
 
 
 def warmup_note(cfg: Config) -> str | None:
@@ -99,6 +105,43 @@ def check_data_sizes(cfg: Config, n_train: int, n_val: int) -> None:
                          f"lower train.eval_batches or prepare more validation text")
 
 
+def check_source_size(cfg: Config, index: int, path: str, n_train: int, n_val: int) -> None:
+    """Source ``index`` of a mixture holds a training window (its passes repeat as often as its weight asks),
+    and, with evaluation on, its own eval set: evaluation reports a loss per source."""
+    if n_train < 1:
+        raise ValueError(f"data.sources[{index}] ({path}): its train split holds no window of data.seq_len="
+                         f"{cfg.data.seq_len} tokens")
+    if cfg.train.eval_every and n_val < eval_set_size(cfg):
+        raise ValueError(f"data.sources[{index}] ({path}): its val split has {n_val} sequences, fewer than the eval "
+                         f"set of train.eval_batches*global_batch_size = {cfg.train.eval_batches}*"
+                         f"{cfg.parallel.global_batch_size} (each source is evaluated on its own); lower "
+                         "train.eval_batches or prepare more validation text")
+
+
+def _check_sources(cfg: Config, data_required: bool) -> list[str]:
+    """``check_run``'s data check of a mixture: every folder there, one tokenizer, each source's splits large
+    enough (``check_source_size``); a note per source."""
+    from dist_trainer.data.mixture import check_source_folders, parse_sources
+
+    sources = parse_sources(cfg.data.sources)
+    notes = []
+    try:
+        check_source_folders(sources)
+        total = sum(s.weight for s in sources)
+        for i, s in enumerate(sources):
+            meta = read_data_meta(Path(s.path))
+            n_train = split_samples(Path(s.path), meta, "train", data_window(cfg), cfg.model.vocab_size)
+            n_val = split_samples(Path(s.path), meta, "val", data_window(cfg)) if cfg.train.eval_every else 0
+            check_source_size(cfg, i, s.path, n_train, n_val)
+            notes.append(f"data source {s.name} ({s.path}, {s.weight / total:.1%} of the samples): {n_train:,} "
+                         f"training and {n_val:,} validation windows of data.seq_len={cfg.data.seq_len}")
+    except ValueError as e:
+        if data_required:
+            raise
+        notes.append(f"data not ready for this run (prepare it before launching; the trainer refuses it now): {e}")
+    return notes
+
+
 def check_hf_tokenizer(cfg: Config, data: Path) -> None:
     """A run from a Hugging Face folder that has a tokenizer trains on data tokenized with it (the same vocabulary
     hash); ValueError naming both otherwise."""
@@ -129,7 +172,9 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
     cfg = launch.cfg
     notes = [*launch.notes, *([node_note] if node_note else [])]
     data = Path(cfg.data.path)
-    if (data / "meta.json").is_file():
+    if cfg.data.sources:
+        notes += _check_sources(cfg, data_required)
+    elif (data / "meta.json").is_file():
         meta = read_data_meta(data)
         try:
             window = data_window(cfg)  # span corruption reads longer raw windows than its inputs

@@ -6,7 +6,8 @@ is read as one plain model (``checkpoint/plain.load_plain_model``) and evaluated
 (``Trainer.evaluate``), so the loss of a run's checkpoint is the ``eval_loss`` its run logged at that step. The
 data settings (folder, sequence length, batch sizes, seed) are the first run checkpoint's, or the flags'. The
 first model is the reference: each row reports its loss over the reference's (an int8 export against the model
-it came from).
+it came from). A mixture's checkpoint (``data.sources``) is evaluated on each source's eval set, as its run evaluated
+it: a loss per source, and the loss of the mixture (their mean weighted as the run's sources are).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict
+from dist_trainer.data.mixture import Source, check_source_folders, parse_sources
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,11 @@ class EvalSettings:
     micro_batch_size: int
     eval_batches: int
     seed: int
+    sources: tuple[tuple[str, float], ...] = ()  # a mixture's (folder, weight), evaluated one by one; else data
 
     def config(self, model_cfg: Config) -> Config:
         tree = model_cfg.to_dict()
-        tree["data"].update(path=self.data, seq_len=self.seq_len)
+        tree["data"].update(path=self.data, seq_len=self.seq_len, sources=[])
         tree["parallel"].update(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)
         tree["train"].update(eval_batches=self.eval_batches, seed=self.seed)
         return config_from_dict(tree)
@@ -59,29 +62,58 @@ def settings_for(paths: list[str], overrides: dict[str, Any]) -> EvalSettings:
               "global_batch_size": cfg.parallel.global_batch_size, "micro_batch_size": cfg.parallel.micro_batch_size,
               "eval_batches": cfg.train.eval_batches, "seed": cfg.train.seed}
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    if base and cfg.data.sources and overrides.get("data") is None:  # the run's mixture, unless --data replaces it
+        fields["data"] = ", ".join(str(s["path"]) for s in cfg.data.sources)
+        fields["sources"] = tuple((s.path, s.weight) for s in parse_sources(cfg.data.sources))
     if fields["data"] is None:
         raise ValueError("eval: no --checkpoint is a run checkpoint with a data.path: give --data (a folder written "
                          "by `dist-trainer prepare`)")
     return EvalSettings(**fields)
 
 
-@torch.no_grad()
 def eval_loss(path: str | Path, settings: EvalSettings, device: str | torch.device = "cpu") -> float:
     """The mean validation loss of the model at ``path`` on the eval set of ``settings``."""
+    return eval_losses(path, settings, device)[0]
+
+
+@torch.no_grad()
+def eval_losses(path: str | Path, settings: EvalSettings,
+                device: str | torch.device = "cpu") -> tuple[float, dict[str, float]]:
+    """(the validation loss, the loss per source of a mixture: {} for one folder) of the model at ``path``."""
     from dist_trainer.checkpoint.plain import load_plain_model
-    from dist_trainer.data.batch import collate
-    from dist_trainer.data.dataset import TokenDataset
-    from dist_trainer.data.sampler import GlobalBatchSampler
-    from dist_trainer.train.check import check_data_sizes, eval_set_size
 
     model, model_cfg = load_plain_model(path, device)
     cfg = settings.config(model_cfg)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"eval: --seq-len={cfg.data.seq_len} exceeds {path}'s model.max_seq_len="
                          f"{cfg.model.max_seq_len}")
-    train = TokenDataset(cfg.data.path, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
-    val = TokenDataset(cfg.data.path, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
-    check_data_sizes(cfg, len(train), len(val))
+    if not settings.sources:
+        return _folder_loss(model, cfg, cfg.data.path, device), {}
+    sources = parse_sources([{"path": p, "weight": w} for p, w in settings.sources])
+    check_source_folders(sources)
+    losses = {s.name: _folder_loss(model, cfg, s.path, device, i) for i, s in enumerate(sources)}
+    return _weighted(sources, losses), losses
+
+
+def _weighted(sources: list[Source], losses: dict[str, float]) -> float:
+    """The mixture's loss: the sources' mean weighted as the run drew them (``Trainer.evaluate``)."""
+    return sum(s.weight * losses[s.name] for s in sources) / sum(s.weight for s in sources)
+
+
+def _folder_loss(model: torch.nn.Module, cfg: Config, folder: str, device: str | torch.device,
+                 source: int | None = None) -> float:
+    """The mean loss over the eval set of one folder's val split, cut into micro-batches as at dp = 1."""
+    from dist_trainer.data.batch import collate
+    from dist_trainer.data.dataset import TokenDataset
+    from dist_trainer.data.sampler import GlobalBatchSampler
+    from dist_trainer.train.check import check_data_sizes, check_source_size, eval_set_size
+
+    train = TokenDataset(folder, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
+    val = TokenDataset(folder, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
+    if source is None:
+        check_data_sizes(cfg, len(train), len(val))
+    else:  # named as data.sources[i], as the run names it
+        check_source_size(cfg, source, folder, len(train), len(val))
     sampler = GlobalBatchSampler(len(val), eval_set_size(cfg), cfg.parallel.micro_batch_size, 0, 1, cfg.train.seed)
     losses = []
     for indices in sampler.micro_batches(0):
@@ -98,14 +130,17 @@ def evaluate(paths: list[str], overrides: dict[str, Any], as_json: bool = False)
     settings = settings_for(paths, overrides)
     rows: list[dict[str, Any]] = []
     for path in paths:
-        loss = eval_loss(path, settings)
+        loss, by_source = eval_losses(path, settings)
         rows.append({"checkpoint": str(path), "eval_loss": loss, "over_first": loss / rows[0]["eval_loss"]
-                     if rows else 1.0})
+                     if rows else 1.0, **({"by_source": by_source} if by_source else {})})
     if as_json:
         return json.dumps({"settings": settings.__dict__, "rows": rows}, indent=2)
     width = max(len(r["checkpoint"]) for r in rows) + 2
+    names = list(rows[0].get("by_source", {}))  # a mixture: a column per source after the mixture's loss
+    each = " each" if names else ""
     lines = [f"eval set: {settings.eval_batches} x {settings.global_batch_size} sequences of {settings.seq_len} "
-             f"tokens from {settings.data} (val split, seed {settings.seed})",
-             f"{'checkpoint':<{width}}{'eval loss':>12}{'over the first':>16}"]
-    lines += [f"{r['checkpoint']:<{width}}{r['eval_loss']:>12.6f}{r['over_first']:>16.6f}" for r in rows]
+             f"tokens from {settings.data}{each} (val split, seed {settings.seed})",
+             f"{'checkpoint':<{width}}{'eval loss':>12}{'over the first':>16}" + "".join(f"{n:>14}" for n in names)]
+    lines += [f"{r['checkpoint']:<{width}}{r['eval_loss']:>12.6f}{r['over_first']:>16.6f}"
+              + "".join(f"{r['by_source'][n]:>14.6f}" for n in names) for r in rows]
     return "\n".join(lines)

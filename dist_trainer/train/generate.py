@@ -232,7 +232,7 @@ def prompt_tokenizer(checkpoint_path: str | Path, cfg: Config, data_path: str | 
     elif checkpoint.is_dir() and (checkpoint / TOKENIZER_FILE).is_file():
         folder = checkpoint
     else:
-        folder = Path(cfg.data.path)
+        folder = Path(cfg.data.tokenizer_folder())
     if folder.is_dir() and (folder / META_FILE).is_file() and not (folder / TOKENIZER_CONFIG).is_file():
         meta = read_data_meta(folder)
         eos = special_id(meta, "eos")

@@ -12,6 +12,8 @@ from typing import Any
 
 from dist_trainer.config import Config, ModelConfig
 from dist_trainer.data.dataset import data_fingerprint
+from dist_trainer.data.mixture import MixtureDataset
+from dist_trainer.data.objective import Dataset
 from dist_trainer.optim import lr_at
 
 
@@ -47,15 +49,20 @@ def check_lr_schedule(meta: dict[str, Any], cfg: Config) -> list[str]:
     return [f"train.allow_schedule_change=true: resuming although {what}"]
 
 
-def data_order(cfg: Config, data_meta: dict[str, Any]) -> dict[str, Any]:
-    """What fixes the sample of every step (data/sampler.py: a pure function of the step): the data's shards,
-    data.seq_len, the global batch and the seed. Recorded in every checkpoint, compared on resume."""
+def data_order(cfg: Config, data: Dataset) -> dict[str, Any]:
+    """What fixes the sample of every step (data/sampler.py, data/mixture.py: a pure function of the step): the
+    data's shards (a mixture's: each source's and its weight), data.seq_len, the global batch and the seed.
+    Recorded in every checkpoint, compared on resume."""
+    if isinstance(data, MixtureDataset):
+        path = ", ".join(f"{Path(s.path).resolve()} x {s.weight:g}" for s in data.sources)
+        fingerprint = data.fingerprint()
+    else:
+        path, fingerprint = str(Path(cfg.data.path).resolve()), data_fingerprint(data.meta)
     return {"global_batch_size": cfg.parallel.global_batch_size, "seed": cfg.train.seed,
-            "seq_len": cfg.data.seq_len, "path": str(Path(cfg.data.path).resolve()),
-            "fingerprint": data_fingerprint(data_meta)}
+            "seq_len": cfg.data.seq_len, "path": path, "fingerprint": fingerprint}
 
 
-def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]) -> list[str]:
+def check_resumable(meta: dict[str, Any], cfg: Config, data: Dataset) -> list[str]:
     """Refuse a resume that would silently change the model or the data order; return notes.
 
     A data change is allowed with train.allow_data_change=true (then noted). The data is compared by
@@ -70,7 +77,7 @@ def check_resumable(meta: dict[str, Any], cfg: Config, data_meta: dict[str, Any]
         raise ValueError(f"checkpoint model config differs from this run's (saved, now): {diff}")
     # Checkpoints written before data.seq_len and the data's fingerprint were recorded: their config says.
     saved = {"seq_len": meta["config"]["data"]["seq_len"], "path": meta["config"]["data"]["path"], **meta["data"]}
-    now = data_order(cfg, data_meta)
+    now = data_order(cfg, data)
     names = {"seq_len": "data.seq_len", "global_batch_size": "parallel.global_batch_size", "seed": "train.seed"}
     changes = [f"{name} {saved[k]} -> {now[k]}" for k, name in names.items() if saved[k] != now[k]]
     if saved.get("fingerprint", now["fingerprint"]) != now["fingerprint"]:

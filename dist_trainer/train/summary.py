@@ -22,6 +22,10 @@ def print_summary(cfg: Config, result: TrainResult) -> None:
         e_steps = sorted(result.eval_losses)
         lines.append(f"eval loss         {result.eval_losses[e_steps[0]]:.4f} (step {e_steps[0]}) -> "
                      f"{result.eval_losses[e_steps[-1]]:.4f} (step {e_steps[-1]})")
+        for name, loss in result.eval_by_source.get(e_steps[-1], {}).items():  # a mixture: each source's
+            first_loss = result.eval_by_source.get(e_steps[0], {}).get(name)
+            start = f"{first_loss:.4f} (step {e_steps[0]}) -> " if first_loss is not None else ""
+            lines.append(f"  {name:<15} {start}{loss:.4f} (step {e_steps[-1]})")
     lines += [
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (all ranks, steps after the first)",
         f"metrics           {result.metrics_path}",

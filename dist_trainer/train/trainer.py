@@ -27,9 +27,8 @@ import torch.distributed as dist
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import newest_readable
 from dist_trainer.config import Config
-from dist_trainer.data.dataset import TokenDataset
-from dist_trainer.data.objective import make_batch, open_split
-from dist_trainer.data.pairs import PairDataset
+from dist_trainer.data.mixture import MixtureDataset, MixtureSampler
+from dist_trainer.data.objective import Dataset, make_batch, open_split
 from dist_trainer.data.sampler import GlobalBatchSampler
 from dist_trainer.engines import build_engine
 from dist_trainer.health.monitor import HealthMonitor
@@ -40,7 +39,13 @@ from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
-from dist_trainer.train.check import check_data_sizes, check_host_memory, eval_set_size, resolve_launch
+from dist_trainer.train.check import (
+    check_data_sizes,
+    check_host_memory,
+    check_source_size,
+    eval_set_size,
+    resolve_launch,
+)
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
 from dist_trainer.train.moe_metrics import router_metrics
@@ -54,6 +59,7 @@ from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> mean training loss
     eval_losses: dict[int, float] = field(default_factory=dict)
+    eval_by_source: dict[int, dict[str, float]] = field(default_factory=dict)  # data.sources: step -> name -> loss
     tokens_per_s: float = 0.0
     checkpoint: str | None = None
     metrics_path: str | None = None
@@ -83,7 +89,12 @@ class Trainer:
         # Data is opened (and checked against the model) before the process group is created.
         self.train_data = open_split(cfg, "train")  # windows of the token shards, or seq2seq pairs (data.objective)
         self.val_data = open_split(cfg, "val")
-        check_data_sizes(cfg, len(self.train_data), len(self.val_data))
+        if isinstance(self.train_data, MixtureDataset) and isinstance(self.val_data, MixtureDataset):
+            for i, (source, train, val) in enumerate(zip(self.train_data.sources, self.train_data.parts,
+                                                         self.val_data.parts)):
+                check_source_size(cfg, i, source.path, len(train), len(val))
+        else:
+            check_data_sizes(cfg, len(self.train_data), len(self.val_data))
         if self.device.type == "cuda":  # NCCL dumps its recent collectives on a timeout (before the group exists)
             enable_nccl_flight_recorder(self.out_dir)
         # DeepSpeed needs torch.distributed even on one process: ZeRO gets a one-rank group there.
@@ -107,15 +118,19 @@ class Trainer:
         """Everything after the claim on out_dir: a failure here releases it again."""
         # The one cut of each step's batch into micro-batches (the layout's: a pipeline's micro-batches are what its
         # schedule runs, no engine cuts again)
-        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size,
-                                          self.layout.micro_batch_size, self.state.dp_rank, self.layout.dp_size,
-                                          cfg.train.seed)
+        cut = (self.layout.micro_batch_size, self.state.dp_rank, self.layout.dp_size, cfg.train.seed)
+        if isinstance(self.train_data, MixtureDataset):  # each step's batch drawn from the sources by weight
+            self.sampler: GlobalBatchSampler = MixtureSampler(
+                list(map(len, self.train_data.parts)), [s.weight for s in self.train_data.sources],
+                cfg.parallel.global_batch_size, *cut)
+        else:
+            self.sampler = GlobalBatchSampler(len(self.train_data), cfg.parallel.global_batch_size, *cut)
         # The eval set: eval_batches global batches of the validation split, read as one large "global batch"
-        # that each DP rank cuts into its micro-batches, so every layout evaluates the same samples. Without
-        # evaluation there is none (its size is checked before launch only when evaluation is on).
-        self.val_sampler = GlobalBatchSampler(len(self.val_data), eval_set_size(cfg), self.layout.micro_batch_size,
-                                              self.state.dp_rank, self.layout.dp_size,
-                                              cfg.train.seed) if cfg.train.eval_every else None
+        # that each DP rank cuts into its micro-batches, so every layout evaluates the same samples; a mixture has
+        # one per source (a loss per source). Without evaluation there is none (its size is checked before launch
+        # only when evaluation is on).
+        self.val_samplers: list[GlobalBatchSampler] = [
+            GlobalBatchSampler(n, eval_set_size(cfg), *cut) for n in self._val_sizes()] if cfg.train.eval_every else []
         self.engine = build_engine(cfg, self.state, self.device)
         self.model = self.engine.model
         self.health = HealthMonitor(cfg, self.engine, self.state, self.device, self.ckpt_root)
@@ -124,6 +139,7 @@ class Trainer:
                                     self.env.local_world_size, self.device, self.out_dir, self.start_resident,
                                     ep_rank=self.state.ep.rank)
         self.step = 0
+        self.eval_by_source: dict[str, float] = {}  # a mixture's last evaluation, per source
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
         # A resume replaces them with the saved per-rank states.
         torch.manual_seed(cfg.train.seed + 1 + self.state.dp_rank)
@@ -138,7 +154,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _batch(self, data: TokenDataset | PairDataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
+    def _val_sizes(self) -> list[int]:
+        data = self.val_data
+        return list(map(len, data.parts)) if isinstance(data, MixtureDataset) else [len(data)]
+
+    def _batch(self, data: Dataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
         batch = make_batch(self.cfg, data, indices, step)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
@@ -163,12 +183,30 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the same eval_batches x global_batch_size validation samples whatever the layout:
-        the eval set is one fixed 'global batch' of the validation split, sliced over DP ranks."""
-        if self.val_sampler is None:
+        the eval set is one fixed 'global batch' of the validation split, sliced over DP ranks. A mixture
+        evaluates each source on its own eval set (``self.eval_by_source``) and returns their mean weighted as
+        the training mixture is: the loss of the mixture's distribution."""
+        if not self.val_samplers:
             raise RuntimeError("evaluate() needs train.eval_every > 0 (no eval set was built)")
-        batches = [self._batch(self.val_data, indices, 0) for indices in self.val_sampler.micro_batches(0)]
-        total = self.engine.eval_loss(batches)
-        return float(self.state.replicas.all_reduce(total / len(batches)) / self.state.replicas.size)
+        offsets = self.val_data.offsets if isinstance(self.val_data, MixtureDataset) else [0]
+        losses = []
+        for sampler, offset in zip(self.val_samplers, offsets):
+            batches = [self._batch(self.val_data, [offset + i for i in indices], 0)
+                       for indices in sampler.micro_batches(0)]
+            total = self.engine.eval_loss(batches)
+            losses.append(float(self.state.replicas.all_reduce(total / len(batches)) / self.state.replicas.size))
+        if not isinstance(self.val_data, MixtureDataset):
+            return losses[0]
+        sources = self.val_data.sources
+        self.eval_by_source = {s.name: loss for s, loss in zip(sources, losses)}
+        return sum(s.weight * loss for s, loss in zip(sources, losses)) / sum(s.weight for s in sources)
+
+    def _source_metrics(self) -> dict[str, int]:
+        """A mixture's tokens seen per source up to this step (all ranks together; exact on resume)."""
+        if not isinstance(self.sampler, MixtureSampler) or not isinstance(self.train_data, MixtureDataset):
+            return {}
+        seen = self.sampler.samples_seen(self.step)
+        return {f"tokens/{s.name}": n * self.cfg.data.seq_len for s, n in zip(self.train_data.sources, seen)}
 
     # ------------------------------------------------------------------ loop
 
@@ -193,6 +231,8 @@ class Trainer:
         peak = peak_flops(cfg, self.device) * self.env.world_size
         if self.step == 0 and cfg.train.eval_every:
             result.eval_losses[0] = self.evaluate()
+            if self.eval_by_source:
+                result.eval_by_source[0] = dict(self.eval_by_source)
         self.logger.write(self.describe())
         elapsed, timed_tokens = 0.0, 0
         while self.step < cfg.train.max_steps:
@@ -207,7 +247,8 @@ class Trainer:
                                       "tokens_per_s": tokens_per_step / dt,
                                       "mfu": flops_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
-                                      **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()}}
+                                      **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()},
+                                      **self._source_metrics()}
             health = self._guarded(lambda _, dt=dt: self.health.end_step(dt), step)
             record.update(health)
             for note in self.health.notes:
@@ -221,6 +262,9 @@ class Trainer:
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                 record["eval_loss"] = result.eval_losses[self.step] = self._guarded(lambda _: self.evaluate(), step,
                                                                                     "in the evaluation")
+                if self.eval_by_source:
+                    result.eval_by_source[self.step] = dict(self.eval_by_source)
+                    record.update({f"eval_loss/{k}": v for k, v in self.eval_by_source.items()})
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
@@ -307,7 +351,7 @@ class Trainer:
             "config": cfg.to_dict(),
             "layout": saved_layout(self.layout),
             "data": {"consumed_samples": self.step * cfg.parallel.global_batch_size,
-                     **data_order(cfg, self.train_data.meta)},
+                     **data_order(cfg, self.train_data)},
             "regime": self.engine.name,
             "finite": True,  # checked above; keep-last-K never prunes the newest finite checkpoint
         }
@@ -331,7 +375,7 @@ class Trainer:
         if path is None:
             return [*scan_warnings, f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
-        notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data.meta),
+        notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data),
                  *check_lr_schedule(meta, self.cfg)]
         self.resumed_from = path
         self.engine.load_shards(path, meta)
