@@ -109,6 +109,12 @@ class Layout:
         return s
 
     @property
+    def simplicity(self) -> tuple[int, bool, int]:
+        """What makes a layout simpler to run, least first: the ZeRO stage, offload, the ranks one model replica
+        spans (tp x pp): the planner's order among layouts of equal step time."""
+        return self.zero_stage, self.zero_offload, self.world_size // self.replicas
+
+    @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.n_microbatches * self.dp_size
 

@@ -1,0 +1,114 @@
+"""Pricing one candidate of the search: the worst rank's memory and the step time, with what many candidates
+share (parameters per (tp, pp, rank, ep), activation costs per spec, the stage split per (pp, virtual stages))
+computed once per model and batch shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import Layout
+from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
+from dist_trainer.planner.cost import StepTime, estimate_step_time
+from dist_trainer.planner.finetune import grad_plan
+from dist_trainer.planner.hardware import HardwareProfile
+from dist_trainer.planner.memory import (
+    Overheads,
+    RankMemory,
+    TrainingOptions,
+    activation_spec,
+    layout_rank_params,
+    node_host_bytes,
+    rank_expert_trainable,
+    rank_memory,
+    rank_trainable,
+    seq2seq_activation_bytes,
+)
+from dist_trainer.planner.rank_params import RankParams
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    layout: Layout
+    memory: RankMemory  # the rank with the most device bytes (first or last pipeline stage)
+    time: StepTime
+    fits: bool  # in the GPU memory and, for offloaded states, in the node's host memory
+    host_per_node: int = 0  # host bytes of the ranks one node holds (offloaded states)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"layout": self.layout.__dict__, "memory": self.memory.to_dict(), "time": self.time.to_dict(),
+                "fits": self.fits, "host_per_node": self.host_per_node}
+
+
+class Pricer:
+    """Caches per (tp, pp) parameters and per activation spec costs for one model and batch shape."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, options: TrainingOptions, overheads: Overheads,
+                 hw: HardwareProfile, gpus_per_node: int, memory: int, host_memory: int) -> None:
+        self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
+        self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
+        self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
+        self._costs: dict[act.ActivationSpec, LayerCosts] = {}
+        self._layers: dict[tuple[int, int], list[list[int]]] = {}
+
+    def params(self, layout: Layout, rank: int) -> RankParams:
+        key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
+        if key not in self._params:
+            self._params[key] = layout_rank_params(self.cfg, layout, rank)
+        return self._params[key]
+
+    def layer_ids(self, layout: Layout) -> list[list[int]]:
+        """Per pipeline rank, the global layers it holds (the trainer's split, layout_rules.layers_per_stage)."""
+        key = (layout.pp_size, layout.pp_virtual_stages)
+        if key not in self._layers:
+            self._layers[key] = layout.layers_by_rank(self.cfg)
+        return self._layers[key]
+
+    def costs(self, layout: Layout) -> LayerCosts:
+        """Per-token activation costs, once per activation spec (every Layout field it declares)."""
+        spec = activation_spec(layout, self.seq_len, self.options)
+        if spec not in self._costs:
+            self._costs[spec] = layer_costs(self.cfg, spec, grad_plan(self.cfg, self.options.freeze))
+        return self._costs[spec]
+
+    def memory_of(self, layout: Layout) -> RankMemory:
+        """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
+        first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
+        the middle stages)."""
+        p = layout.pp_size
+        layers = self.layer_ids(layout)
+        most = max(range(p), key=lambda r: (len(layers[r]), -r))
+        worst: RankMemory | None = None
+        for r in sorted({0, most, p - 1}):
+            in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
+                layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
+                virtual_stages=layout.pp_virtual_stages)
+            if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+                acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
+                                                self.options, r, in_flight)
+            else:
+                acts = stage_activations(self.costs(layout),
+                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                                         layer_ids=layers[r],
+                                         tokens=layout.rank_tokens(self.seq_len), first=r == 0,
+                                         last=r == p - 1, in_flight=in_flight)
+            mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
+                              options=self.options, overheads=self.overheads, pp_rank=r)
+            if worst is None or mem.device_total > worst.device_total:
+                worst = mem
+        assert worst is not None
+        return worst
+
+    def price(self, layout: Layout) -> PlannedLayout:
+        mem = self.memory_of(layout)
+        rp = self.params(layout, 0)
+        t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
+                               gpus_per_node=self.gpus_per_node, options=self.options,
+                               n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
+                                                                                      self.options, 0),
+                               n_expert_rank=rp.expert,
+                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
+                               layers_by_rank=self.layer_ids(layout))
+        host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
+        return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
