@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,16 @@ MESH_AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 # The axes whose ranks hold the same parameters, dp first: the mesh flattens them into one ``replicas`` group, over
 # which gradients are averaged and ZeRO partitions (cp ranks see other tokens of the same samples).
 REPLICA_AXES: tuple[str, ...] = ("dp", "cp")
+
+
+def _degrees_of(axes: tuple[str, ...]) -> Callable[[Any], tuple[int, ...]]:
+    """A Layout's degrees of ``axes``, read at C speed (the planner's search asks for them per candidate)."""
+    get = operator.attrgetter(*(f"{a}_size" for a in axes))
+    return (lambda layout: (get(layout),)) if len(axes) == 1 else get
+
+
+_MESH_DEGREES = _degrees_of(MESH_AXES)
+_REPLICA_DEGREES = _degrees_of(REPLICA_AXES)
 
 
 @dataclass(frozen=True)
@@ -65,19 +77,30 @@ class Layout:
             object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
         check_fields(self)
 
+    def derive(self, **changes: Any) -> Layout:
+        """``dataclasses.replace``, checked the same (``check_fields``) without its per-call introspection of the
+        fields: the planner's search derives tens of thousands of candidates."""
+        if not changes.keys() <= _FIELD_NAMES:
+            raise TypeError(f"Layout has no field {', '.join(sorted(changes.keys() - _FIELD_NAMES))}")
+        new = object.__new__(Layout)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        new.__post_init__()
+        return new
+
     def size(self, axis: str) -> int:
         """The degree of a mesh axis (``MESH_AXES``) or of ep."""
         return int(getattr(self, f"{axis}_size"))
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.size(a) for a in MESH_AXES)
+        return math.prod(_MESH_DEGREES(self))
 
     @property
     def replicas(self) -> int:
         """The ranks holding the same parameters (``REPLICA_AXES``): gradients are averaged and ZeRO partitions over
         them."""
-        return math.prod(self.size(a) for a in REPLICA_AXES)
+        return math.prod(_REPLICA_DEGREES(self))
 
     @property
     def sample_split(self) -> int:
@@ -136,6 +159,9 @@ class Layout:
         """``rank_layer_ids`` of every pipeline rank, the split computed once."""
         counts = self.stage_counts(model)
         return [rank_layer_ids(counts, r, self.pp_size) for r in range(self.pp_size)]
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Layout))
 
 
 def _positive_int(value: Any) -> bool:

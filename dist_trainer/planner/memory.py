@@ -22,6 +22,7 @@ states, DeepSpeed's partitions and step buffers and DDP's buckets exist for the 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field, fields
 
 from dist_trainer.config import ModelConfig
@@ -186,6 +187,14 @@ def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> a
 
 
 _SPEC_LAYOUT_FIELDS = sorted({f.name for f in fields(act.ActivationSpec)} & {f.name for f in fields(Layout)})
+_spec_fields = operator.attrgetter(*_SPEC_LAYOUT_FIELDS)
+
+
+def spec_fields(layout: Layout) -> tuple[object, ...]:
+    """The Layout fields ``activation_spec`` reads, in a fixed order: what decides a rank's activation costs (a
+    cache key for the search)."""
+    got = _spec_fields(layout)
+    return got if isinstance(got, tuple) else (got,)
 
 
 def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.ActivationSpec, options: TrainingOptions,
@@ -213,6 +222,14 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
                 ep_rank: int | None = None) -> RankMemory:
     """Assemble one rank's memory from its parameter count and activation terms (shared by the search);
     ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
+    return with_activations(rank_states(cfg, layout, rp, seq_len=seq_len, options=options, overheads=overheads,
+                                        pp_rank=pp_rank, ep_rank=ep_rank), activations, overheads)
+
+
+def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: int, options: TrainingOptions,
+                overheads: Overheads, pp_rank: int, ep_rank: int | None = None) -> RankMemory:
+    """``rank_memory`` without the activations and the fragmentation they add to: the model states, step buffers,
+    host bytes and buffers, the same for every recomputation mode (the search computes it once for them)."""
     trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
     expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
     int8 = int8_weights(cfg, options.freeze, layout.tp_size, layout.rank_layer_ids(cfg, pp_rank))
@@ -227,7 +244,7 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
             o -= INT8_QMAPS_BYTES  # one optimizer, its two maps counted once
     # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
     per_dp = trainable - expert + expert * layout.ep_size
-    detail = {f"activations.{k}": v for k, v in activations.items()}
+    detail: dict[str, int] = {}
     if int8[0]:  # what the params term holds of int8 base weights (quant/sizes.py)
         detail.update({"params.int8_weights": int8[0], "params.int8_scales": int8[1] * options.param_bytes})
     if options.optim_state_dtype == "int8" and trainable:  # within the optimizer term: the int8 moments' scales
@@ -247,12 +264,21 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     for axis in AXES:  # each axis entry's buffers (DDP's and DeepSpeed's buckets, the pipeline's receive buffers)
         over.update(axis.memory(cfg, layout, rp, seq_len=seq_len, options=options, overheads=overheads,
                                 trainable=trainable, expert=expert))
-    act_total = sum(activations.values())
-    over["fragmentation"] = round(overheads.fragmentation * (p + g + o + act_total + sum(step.values())))
     detail.update({f"overheads.{k}": v for k, v in over.items()})
     host = round(host * overheads.host_buffer_factor)
-    return RankMemory(params=p, grads=g, optimizer=o, activations=act_total, overheads=sum(over.values()),
+    return RankMemory(params=p, grads=g, optimizer=o, activations=0, overheads=sum(over.values()),
                       host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
+
+
+def with_activations(states: RankMemory, activations: dict[str, int], overheads: Overheads) -> RankMemory:
+    """``states`` (``rank_states``) with the activation terms and the allocator's fragmentation over both."""
+    act_total = sum(activations.values())
+    frag = round(overheads.fragmentation * (states.model_states + act_total + states.step_buffers))
+    detail = {**{f"activations.{k}": v for k, v in activations.items()}, **states.detail,
+              "overheads.fragmentation": frag}
+    return RankMemory(params=states.params, grads=states.grads, optimizer=states.optimizer, activations=act_total,
+                      overheads=states.overheads + frag, host=states.host, step_buffers=states.step_buffers,
+                      pp_rank=states.pp_rank, detail=detail)
 
 
 def rank_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions, pp_rank: int,

@@ -4,7 +4,8 @@ computed once per model and batch shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
@@ -21,11 +22,17 @@ from dist_trainer.planner.memory import (
     layout_rank_params,
     node_host_bytes,
     rank_expert_trainable,
-    rank_memory,
+    rank_states,
     rank_trainable,
     seq2seq_activation_bytes,
+    spec_fields,
+    with_activations,
 )
 from dist_trainer.planner.rank_params import RankParams
+
+# what decides a rank's memory but its activations: every Layout field but the recomputation's
+_BUT_RECOMPUTATION = operator.attrgetter(*(f.name for f in fields(Layout)
+                                           if f.name not in ("activation_checkpointing", "checkpoint_every")))
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,9 @@ class Pricer:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
-        self._costs: dict[act.ActivationSpec, LayerCosts] = {}
+        self._costs: dict[tuple[object, ...], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
+        self._states: dict[tuple[object, int], RankMemory] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
         key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
@@ -67,10 +75,19 @@ class Pricer:
 
     def costs(self, layout: Layout) -> LayerCosts:
         """Per-token activation costs, once per activation spec (every Layout field it declares)."""
-        spec = activation_spec(layout, self.seq_len, self.options)
-        if spec not in self._costs:
-            self._costs[spec] = layer_costs(self.cfg, spec, grad_plan(self.cfg, self.options.freeze))
-        return self._costs[spec]
+        key = spec_fields(layout)
+        if key not in self._costs:
+            self._costs[key] = layer_costs(self.cfg, activation_spec(layout, self.seq_len, self.options),
+                                           grad_plan(self.cfg, self.options.freeze))
+        return self._costs[key]
+
+    def states(self, layout: Layout, rank: int) -> RankMemory:
+        """``memory.rank_states`` of pipeline rank ``rank``: once for every recomputation mode of a layout."""
+        key = (_BUT_RECOMPUTATION(layout), rank)
+        if key not in self._states:
+            self._states[key] = rank_states(self.cfg, layout, self.params(layout, rank), seq_len=self.seq_len,
+                                            options=self.options, overheads=self.overheads, pp_rank=rank)
+        return self._states[key]
 
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
@@ -93,8 +110,7 @@ class Pricer:
                                          layer_ids=layers[r],
                                          tokens=layout.rank_tokens(self.seq_len), first=r == 0,
                                          last=r == p - 1, in_flight=in_flight)
-            mem = rank_memory(self.cfg, layout, self.params(layout, r), acts, seq_len=self.seq_len,
-                              options=self.options, overheads=self.overheads, pp_rank=r)
+            mem = with_activations(self.states(layout, r), acts, self.overheads)
             if worst is None or mem.device_total > worst.device_total:
                 worst = mem
         assert worst is not None

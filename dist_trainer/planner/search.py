@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from dist_trainer.config import ZERO_STAGES, ModelConfig
@@ -154,7 +154,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     refused = _Refused(check or (lambda key: runnable(model, key, seq_len=seq_len, options=options)), skipped)
     for base in _placements(space, skipped):
         per_dp = global_batch // base.global_batch_size  # micro-batches of one sequence per data-parallel rank
-        lightest = replace(base, n_microbatches=per_dp, activation_checkpointing="full",
+        lightest = base.derive(n_microbatches=per_dp, activation_checkpointing="full",
                            **{k: v for axis in AXES for k, v in axis.lightest(base).items()})
         states, considered = pl.memory_of(lightest), considered + 1  # model states alone: prune on overflow
         if states.device_total <= gpu_memory_bytes and node_host_bytes(
@@ -168,8 +168,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             if refused(shape) is not None:
                 continue  # the trainer refuses it (whatever the recomputation): never ranked
             for ck in checkpointing:
-                lay = shape if ck == "none" else replace(shape, activation_checkpointing=ck,
-                                                         checkpoint_every=2 if ck == "every_k" else 1)
+                lay = shape if ck == "none" else shape.derive(activation_checkpointing=ck,
+                                                              checkpoint_every=2 if ck == "every_k" else 1)
                 planned, considered = pl.price(lay), considered + 1
                 if planned.fits:
                     fitting.append(planned)
@@ -207,10 +207,10 @@ def _placements(space: SearchSpace, skipped: _Skipped) -> Iterator[Layout]:
 def _shapes(space: SearchSpace, base: Layout, per_dp: int) -> Iterator[Layout]:
     """Each micro-batch split of a placement's per-DP batch, with each combination of the entries' variants."""
     for mb in divisors(per_dp):
-        split = replace(base, micro_batch_size=mb, n_microbatches=per_dp // mb)
+        split = base.derive(micro_batch_size=mb, n_microbatches=per_dp // mb)
         # the last entry's variants outermost (the pipeline schedule around sequence parallelism)
         for variant in itertools.product(*(axis.variants(space, split) for axis in reversed(AXES))):
-            yield replace(split, **{k: v for fields in variant for k, v in fields.items()})
+            yield split.derive(**{k: v for fields in variant for k, v in fields.items()})
 
 
 def _closer(closest: PlannedLayout | None, cand: PlannedLayout) -> PlannedLayout:

@@ -115,7 +115,7 @@ class SearchSpace:
         return min(self.gpus_per_node, self.n_gpus)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built per priced layout, and a frozen dataclass's __init__ costs several times more
 class StepContext:
     """What ``estimate_step_time`` hands each entry to price one layout: the shape, the rank's work and holdings,
     and the two links. ``layers``: the global layers of every pipeline rank; ``compute``: the slowest stage's

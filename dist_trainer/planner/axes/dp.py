@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import ModelConfig
@@ -72,9 +71,10 @@ class DataParallel(AxisEntry):
         layout, options, hardware = ctx.layout, ctx.options, ctx.hardware
         axes: dict[str, AxisTime] = {}
         if layout.replicas > 1:
-            replicas = layout if layout.sample_split == 1 else replace(layout, dp_size=layout.replicas)  # average
-            axes["dp"] = replica_time(replicas, options, ctx.n_rank - ctx.expert, ctx.trainable - ctx.expert_trainable,
-                                      ctx.backward_one, ctx.compute, self.link(ctx))
+            # over every replica (dp and the ranks splitting a sample: their average per rank)
+            axes["dp"] = replica_time(layout, layout.replicas, options, ctx.n_rank - ctx.expert,
+                                      ctx.trainable - ctx.expert_trainable, ctx.backward_one, ctx.compute,
+                                      self.link(ctx))
         if layout.zero_offload:
             # the optimizer's part: dense over dp, this rank's experts over edp (DeepSpeed's MoE groups)
             r, m = layout.replicas, layout.n_microbatches
@@ -114,12 +114,12 @@ def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
     return bool((zero or {}).get("overlap_comm", False))
 
 
-def replica_time(layout: Layout, options: TrainingOptions, n_rank: int, trainable: int, backward_one: float,
-                 compute: float, link: tuple[float, float]) -> AxisTime:
-    """The gradients' reduction over ``layout.dp_size`` replicas in one step (module docstring): volume per regime
-    and what overlaps it. Gradients and ZeRO-1/2's updated partitions are the trainable parameters'; ZeRO-3
+def replica_time(layout: Layout, d: int, options: TrainingOptions, n_rank: int, trainable: int,
+                 backward_one: float, compute: float, link: tuple[float, float]) -> AxisTime:
+    """The gradients' reduction over ``d`` replicas in one step (module docstring): volume per regime and what
+    overlaps it. Gradients and ZeRO-1/2's updated partitions are the trainable parameters'; ZeRO-3
     gathers every parameter for use. The ep entry prices the experts' (over edp) with it too."""
-    d, m = layout.dp_size, layout.n_microbatches
+    m = layout.n_microbatches
     grads = trainable * options.grad_bytes
     params = (n_rank if layout.zero_stage == 3 else trainable) * options.param_bytes
     if layout.zero_stage == 0:

@@ -9,7 +9,6 @@ entry's rules). Candidates: 1, and for a MoE model every divisor of dp that divi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import ModelConfig
@@ -50,7 +49,7 @@ class ExpertParallel(AxisEntry):
         if edp > 1 and ctx.expert_trainable:
             link = DataParallel.link(ctx)
             if layout.zero_stage:
-                axes["edp"] = replica_time(replace(layout, dp_size=edp), options, ctx.expert, ctx.expert_trainable,
+                axes["edp"] = replica_time(layout, edp, options, ctx.expert, ctx.expert_trainable,
                                            ctx.backward_one, ctx.compute, link)
             else:
                 grads = ctx.expert_trainable * options.grad_bytes
