@@ -43,7 +43,7 @@ class PlanResult:
     n_considered: int
     seconds: float
     notes: list[str] = field(default_factory=list)
-    host_memory_bytes: int = 0  # the host-memory budget per node that offload layouts were held to
+    host_memory_bytes: int = 0  # the host-memory budget per node that states held in host memory were held to
 
     @property
     def best(self) -> PlannedLayout | None:
@@ -109,7 +109,7 @@ def config_check(model: ModelConfig, *, seq_len: int,
 
 
 # The largest problem the planner takes: ten times the largest clusters and batches in use, so that the search
-# (every divisor of the GPU count and of the per-DP batch) ends in seconds for any input.
+# (every divisor of the GPU count and of each replica's batch) ends in seconds for any input.
 MAX_GPUS = 1 << 20
 MAX_GPUS_PER_NODE = 1024
 MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
@@ -128,7 +128,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
     Enumerated: the product of the axis entries' candidates (``planner/axes/``: each module docstring says which),
-    micro-batches dividing the per-DP batch, the entries' variants and the recomputation modes; each is put to the
+    micro-batches dividing each replica's batch, the entries' variants and the recomputation modes; each is put to the
     trainer's own rules (early, as its fields are chosen: ``layout_rules.early_refusal``; whole: ``runnable``) and
     only those it accepts are priced and ranked. What the user's cluster or code allows narrows the entries'
     candidates: ``tp_size`` (exactly) or ``max_tp_size``, ``pp_size`` (1: no pipeline), ``max_cp_size``,
@@ -153,8 +153,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     considered = 0
     refused = _Refused(check or (lambda key: runnable(model, key, seq_len=seq_len, options=options)), skipped)
     for base in _placements(space, skipped):
-        per_dp = global_batch // base.global_batch_size  # micro-batches of one sequence per data-parallel rank
-        lightest = base.derive(n_microbatches=per_dp, activation_checkpointing="full",
+        per_rank = global_batch // base.global_batch_size  # sequences of one step per rank of a replica
+        lightest = base.derive(n_microbatches=per_rank, activation_checkpointing="full",
                            **{k: v for axis in AXES for k, v in axis.lightest(base).items()})
         states, considered = pl.memory_of(lightest), considered + 1  # model states alone: prune on overflow
         if states.device_total <= gpu_memory_bytes and node_host_bytes(
@@ -164,7 +164,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         if states.device_total > gpu_memory_bytes:
             closest = _closer(closest, pl.price(lightest))
             continue
-        for shape in _shapes(space, base, per_dp):
+        for shape in _shapes(space, base, per_rank):
             if refused(shape) is not None:
                 continue  # the trainer refuses it (whatever the recomputation): never ranked
             for ck in checkpointing:
@@ -175,7 +175,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                     fitting.append(planned)
                 else:
                     closest = _closer(closest, planned)
-    # Equal times (DP communication hidden behind backward): prefer the simpler layout, then the smaller one.
+    # Equal times (communication hidden behind backward): prefer the simpler layout, then the smaller one.
     fitting.sort(key=lambda x: (round(x.time.total, 9), *x.layout.simplicity, x.memory.device_total))
     fitting = fitting if top_k is None else fitting[:top_k]
     notes = [] if fitting else _nothing_fits_notes(closest, host_short, skipped, gpu_memory_bytes, host_memory,
@@ -204,10 +204,10 @@ def _placements(space: SearchSpace, skipped: _Skipped) -> Iterator[Layout]:
     return grow({}, 0)
 
 
-def _shapes(space: SearchSpace, base: Layout, per_dp: int) -> Iterator[Layout]:
-    """Each micro-batch split of a placement's per-DP batch, with each combination of the entries' variants."""
-    for mb in divisors(per_dp):
-        split = base.derive(micro_batch_size=mb, n_microbatches=per_dp // mb)
+def _shapes(space: SearchSpace, base: Layout, per_rank: int) -> Iterator[Layout]:
+    """Each micro-batch split of a placement's batch per replica, with each combination of the entries' variants."""
+    for mb in divisors(per_rank):
+        split = base.derive(micro_batch_size=mb, n_microbatches=per_rank // mb)
         # the last entry's variants outermost (the pipeline schedule around sequence parallelism)
         for variant in itertools.product(*(axis.variants(space, split) for axis in reversed(AXES))):
             yield split.derive(**{k: v for fields in variant for k, v in fields.items()})
