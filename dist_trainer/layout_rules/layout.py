@@ -34,7 +34,7 @@ REPLICA_AXES: tuple[str, ...] = ("dp", "cp")
 
 def _degrees_of(axes: tuple[str, ...]) -> Callable[[Any], tuple[int, ...]]:
     """A Layout's degrees of ``axes``, read at C speed (the planner's search asks for them per candidate)."""
-    get = operator.attrgetter(*(f"{a}_size" for a in axes))
+    get: Callable[[Any], Any] = operator.attrgetter(*(f"{a}_size" for a in axes))
     return (lambda layout: (get(layout),)) if len(axes) == 1 else get
 
 

@@ -59,6 +59,7 @@ class Pricer:
         self._costs: dict[tuple[object, ...], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
         self._states: dict[tuple[object, int], RankMemory] = {}
+        self._worst: dict[tuple[int, int], list[int]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
         key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
@@ -72,6 +73,15 @@ class Pricer:
         if key not in self._layers:
             self._layers[key] = layout.layers_by_rank(self.cfg)
         return self._layers[key]
+
+    def worst_candidates(self, layout: Layout) -> list[int]:
+        """The pipeline ranks that may hold the most bytes (``memory_of``), once per stage split."""
+        key = (layout.pp_size, layout.pp_virtual_stages)
+        if key not in self._worst:
+            layers, p = self.layer_ids(layout), layout.pp_size
+            most = max(range(p), key=lambda r: (len(layers[r]), -r))
+            self._worst[key] = sorted({0, most, p - 1})
+        return self._worst[key]
 
     def costs(self, layout: Layout) -> LayerCosts:
         """Per-token activation costs, once per activation spec (every Layout field it declares)."""
@@ -95,9 +105,8 @@ class Pricer:
         the middle stages)."""
         p = layout.pp_size
         layers = self.layer_ids(layout)
-        most = max(range(p), key=lambda r: (len(layers[r]), -r))
         worst: RankMemory | None = None
-        for r in sorted({0, most, p - 1}):
+        for r in self.worst_candidates(layout):
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dist_trainer.config import ZERO_STAGES, ModelConfig
+from dist_trainer.config import CHECKPOINTING, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import config_from_dict
 from dist_trainer.layout_rules import Bounds, Layout, check_layout, check_layout_for, divisors, early_refusal
 from dist_trainer.planner.axes import AXES, SearchSpace
@@ -113,14 +113,13 @@ def config_check(model: ModelConfig, *, seq_len: int,
 MAX_GPUS = 1 << 20
 MAX_GPUS_PER_NODE = 1024
 MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
-RECOMPUTE = ("none", "selective", "every_k", "full")  # the order candidates are priced in
 
 
 def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_memory_bytes: int, seq_len: int,
                  global_batch: int, hardware: str | HardwareProfile = "A100-80GB",
                  options: TrainingOptions = DEFAULT_OPTIONS, overheads: Overheads = DEFAULT_OVERHEADS,
                  zero_stages: tuple[int, ...] = ZERO_STAGES, allow_offload: bool = True,
-                 checkpointing: tuple[str, ...] = RECOMPUTE,
+                 checkpointing: tuple[str, ...] = CHECKPOINTING,
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
                  tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
                  host_memory_bytes: int | None = None, max_cp_size: int | None = None,
