@@ -164,6 +164,10 @@ class Layout:
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Layout))
 
 
+_COUNTS = ("tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages")
+_LAYOUT_COUNTS = operator.attrgetter(*_COUNTS, "dp_size", "n_microbatches")
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -173,11 +177,12 @@ def check_fields(p: Layout | ParallelConfig) -> None:
     integers, every choice is one the code has, SP needs TP, an explicit stage split lists
     pp_size x virtual stages positive counts. A ``Layout`` is checked as it is built; a run config's parallel
     section when it is loaded (``config_load``), so a typo fails before anything else."""
-    names = ["tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages"]
-    names += ["dp_size", "n_microbatches"] if isinstance(p, Layout) else ["global_batch_size"]
-    for name in names:
-        if not _positive_int(getattr(p, name)):
-            raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
+    names = [*_COUNTS, "dp_size", "n_microbatches"] if isinstance(p, Layout) else [*_COUNTS, "global_batch_size"]
+    # the common case at C speed (the planner builds tens of thousands of Layouts); else each, naming the culprit
+    if not (isinstance(p, Layout) and all(type(v) is int and v >= 1 for v in _LAYOUT_COUNTS(p))):
+        for name in names:
+            if not _positive_int(getattr(p, name)):
+                raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
     for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
         value = getattr(p, name)
         if not isinstance(p, Layout) and value is not None and not _positive_int(value):
