@@ -60,6 +60,7 @@ class Pricer:
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
         self._states: dict[tuple[object, int], RankMemory] = {}
         self._worst: dict[tuple[int, int], list[int]] = {}
+        self._acts: dict[tuple[object, ...], dict[str, int]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
         key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
@@ -113,12 +114,15 @@ class Pricer:
             if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
                 acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
                                                 self.options, r, in_flight)
-            else:
-                acts = stage_activations(self.costs(layout),
-                                         mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                                         layer_ids=layers[r],
-                                         tokens=layout.rank_tokens(self.seq_len), first=r == 0,
-                                         last=r == p - 1, in_flight=in_flight)
+            else:  # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
+                tokens = layout.rank_tokens(self.seq_len)
+                key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every, p,
+                       layout.pp_virtual_stages, r, tokens, in_flight)
+                if key not in self._acts:
+                    self._acts[key] = stage_activations(
+                        self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                        layer_ids=layers[r], tokens=tokens, first=r == 0, last=r == p - 1, in_flight=in_flight)
+                acts = self._acts[key]
             mem = with_activations(self.states(layout, r), acts, self.overheads)
             if worst is None or mem.device_total > worst.device_total:
                 worst = mem
