@@ -48,6 +48,16 @@ class PlannedLayout:
                 "fits": self.fits, "host_per_node": self.host_per_node}
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A candidate's memory before its step time: the search times only those it reports."""
+
+    layout: Layout
+    memory: RankMemory  # the rank with the most device bytes
+    fits: bool
+    host_per_node: int
+
+
 class Pricer:
     """Caches per (tp, pp) parameters and per activation spec costs for one model and batch shape."""
 
@@ -129,8 +139,15 @@ class Pricer:
         assert worst is not None
         return worst
 
-    def price(self, layout: Layout) -> PlannedLayout:
+    def measure(self, layout: Layout) -> Measured:
+        """The worst rank's memory and whether the layout fits (GPU and, for offloaded states, host memory)."""
         mem = self.memory_of(layout)
+        host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
+        return Measured(layout, mem, mem.device_total <= self.memory and host <= self.host_memory, host)
+
+    def price(self, measured: Measured) -> PlannedLayout:
+        """``measured`` with its step time (the search times only the layouts it reports)."""
+        layout = measured.layout
         rp = self.params(layout, 0)
         t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
@@ -139,5 +156,4 @@ class Pricer:
                                n_expert_rank=rp.expert,
                                n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
                                layers_by_rank=self.layer_ids(layout))
-        host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
-        return PlannedLayout(layout, mem, t, mem.device_total <= self.memory and host <= self.host_memory, host)
+        return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node)

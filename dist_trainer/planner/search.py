@@ -6,7 +6,7 @@ choices decided with them, given those before it), asked of ``layout_rules`` as 
 (micro-batch independent) prune it when they overflow, one minimal-activation layout still priced to say how close
 it comes; otherwise each micro-batch split, each entry's variants (sequence parallelism, the pipeline schedule)
 and each recomputation is put to the trainer's rules (``runnable``) and priced (``price.py``: what candidates
-share computed once). This module names no axis: a new one is a new entry.
+share computed once; the step time only of the layouts that fit, and of the closest when none does). This module names no axis: a new one is a new entry.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dist_trainer.planner.memory import (
     TrainingOptions,
     node_host_bytes,
 )
-from dist_trainer.planner.price import PlannedLayout, Pricer
+from dist_trainer.planner.price import Measured, PlannedLayout, Pricer
 
 __all__ = ["PlanResult", "PlannedLayout", "config_check", "plan_layouts", "runnable"]
 
@@ -146,8 +146,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                         pp_schedules, tp_size, max_tp_size, pp_size, max_cp_size)
     pl = Pricer(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes, host_memory)
     fitting: list[PlannedLayout] = []
-    closest: PlannedLayout | None = None
-    host_short: list[PlannedLayout] = []  # model states fit the GPU, offloaded states not the host memory
+    closest: Measured | None = None  # the fewest device bytes (timed only if nothing fits)
+    host_short: list[Measured] = []  # model states fit the GPU, offloaded states not the host memory
     skipped = _Skipped()
     considered = 0
     refused = _Refused(check or (lambda key: runnable(model, key, seq_len=seq_len, options=options)), skipped)
@@ -158,10 +158,10 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         states, considered = pl.memory_of(lightest), considered + 1  # model states alone: prune on overflow
         if states.device_total <= gpu_memory_bytes and node_host_bytes(
                 states, world_size=n_gpus, gpus_per_node=gpus_per_node) > host_memory:
-            host_short.append(pl.price(lightest))
+            host_short.append(pl.measure(lightest))
             continue  # host bytes depend on the model states alone: no micro-batch can help
         if states.device_total > gpu_memory_bytes:
-            closest = _closer(closest, pl.price(lightest))
+            closest = _closer(closest, pl.measure(lightest))
             continue
         for shape in _shapes(space, base, per_rank):
             if refused(shape) is not None:
@@ -169,17 +169,17 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             for ck in checkpointing:
                 lay = shape if ck == "none" else shape.derive(activation_checkpointing=ck,
                                                               checkpoint_every=2 if ck == "every_k" else 1)
-                planned, considered = pl.price(lay), considered + 1
-                if planned.fits:
-                    fitting.append(planned)
+                measured, considered = pl.measure(lay), considered + 1
+                if measured.fits:
+                    fitting.append(pl.price(measured))
                 else:
-                    closest = _closer(closest, planned)
+                    closest = _closer(closest, measured)
     # Equal times (communication hidden behind backward): prefer the simpler layout, then the smaller one.
     fitting.sort(key=lambda x: (round(x.time.total, 9), *x.layout.simplicity, x.memory.device_total))
     fitting = fitting if top_k is None else fitting[:top_k]
     notes = [] if fitting else _nothing_fits_notes(closest, host_short, skipped, gpu_memory_bytes, host_memory,
                                                    n_gpus=n_gpus, gpus_per_node=gpus_per_node)
-    return PlanResult(fitting, None if fitting else closest, gpu_memory_bytes, considered,
+    return PlanResult(fitting, None if fitting or closest is None else pl.price(closest), gpu_memory_bytes, considered,
                       time.perf_counter() - start, notes, host_memory)
 
 
@@ -212,7 +212,7 @@ def _shapes(space: SearchSpace, base: Layout, per_rank: int) -> Iterator[Layout]
             yield split.derive(**{k: v for fields in variant for k, v in fields.items()})
 
 
-def _closer(closest: PlannedLayout | None, cand: PlannedLayout) -> PlannedLayout:
+def _closer(closest: Measured | None, cand: Measured) -> Measured:
     """The one of the two with the fewest device bytes (the first on a tie)."""
     return cand if closest is None or cand.memory.device_total < closest.memory.device_total else closest
 
@@ -258,7 +258,7 @@ def _check_inputs(model: ModelConfig, options: TrainingOptions, seq_len: int, *,
     config_from_dict(run_config_dict(model, Layout(), seq_len=seq_len, options=options)).validate()
 
 
-def _nothing_fits_notes(closest: PlannedLayout | None, host_short: list[PlannedLayout], skipped: _Skipped,
+def _nothing_fits_notes(closest: Measured | None, host_short: list[Measured], skipped: _Skipped,
                         memory: int, host_memory: int, *, n_gpus: int, gpus_per_node: int) -> list[str]:
     notes = []
     if closest is not None:
