@@ -6,7 +6,8 @@ choices decided with them, given those before it), asked of ``layout_rules`` as 
 (micro-batch independent) prune it when they overflow, one minimal-activation layout still priced to say how close
 it comes; otherwise each micro-batch split, each entry's variants (sequence parallelism, the pipeline schedule)
 and each recomputation is put to the trainer's rules (``runnable``) and priced (``price.py``: what candidates
-share computed once; the step time only of the layouts that fit, and of the closest when none does). This module names no axis: a new one is a new entry.
+share computed once; the step time only of the layouts that fit, and of the closest when none does). This
+module names no axis: a new one is a new entry.
 """
 
 from __future__ import annotations
