@@ -116,7 +116,7 @@ class Pricer:
         the middle stages)."""
         p = layout.pp_size
         layers = self.layer_ids(layout)
-        worst: RankMemory | None = None
+        worst: tuple[int, RankMemory, dict[str, int]] | None = None
         for r in self.worst_candidates(layout):
             in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
@@ -133,11 +133,14 @@ class Pricer:
                         self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                         layer_ids=layers[r], tokens=tokens, first=r == 0, last=r == p - 1, in_flight=in_flight)
                 acts = self._acts[key]
-            mem = with_activations(self.states(layout, r), acts, self.overheads)
-            if worst is None or mem.device_total > worst.device_total:
-                worst = mem
+            states = self.states(layout, r)
+            # with_activations' device total, without building the rank's whole report
+            held = states.model_states + sum(acts.values()) + states.step_buffers
+            total = held + states.overheads + round(self.overheads.fragmentation * held)
+            if worst is None or total > worst[0]:
+                worst = (total, states, acts)
         assert worst is not None
-        return worst
+        return with_activations(worst[1], worst[2], self.overheads)
 
     def measure(self, layout: Layout) -> Measured:
         """The worst rank's memory and whether the layout fits (GPU and, for offloaded states, host memory)."""
