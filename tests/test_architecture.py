@@ -268,7 +268,10 @@ CP_FILES = {
     "layout_rules/cp.py",  # its rules (new)
     "parallel/parallelize.py",  # its step in the one order
     "planner/cp.py",  # its traffic and overlap (new)
-    "planner/activations.py", "planner/cost.py", "planner/search.py", "planner/cli.py",  # its price and search
+    "planner/axes/cp.py", "planner/axes/__init__.py",  # its planner entry (issue 34) and its line in AXES
+    "layout_rules/early.py",  # the world's rule on tp x pp x cp, asked as the search chooses
+    "planner/axes/base.py", "planner/search.py", "planner/cli.py",  # the user's max_cp_size
+    "planner/activations.py",  # its saved tensors
 }
 CP_NAMED = re.compile(r"\bcp\b|cp_size|cp_mode|dp_cp|context.parallel|parallel[/.]cp", re.IGNORECASE)
 

@@ -70,7 +70,7 @@ def _check(name: str, got: dict, ref: dict, parallel: dict, world: int, frozen_m
             assert abs(row["figures"]["model_states"]["ratio"] - 1) <= 0.01, (name, row)
         ratio = row["figures"]["activations"]["ratio"]  # dispatch buffers included
         assert (ratio <= 1.02 if frozen_moe else abs(ratio - 1) <= 0.02), (name, row)
-        if parallel.get("ep_size", 1) > 1:  # the all-to-all bytes of the check step, as cost.ep_counted_bytes says
+        if parallel.get("ep_size", 1) > 1:  # the all-to-all bytes of the check step, as axes.ep.ep_counted_bytes says
             assert row["figures"]["ep_traffic"]["ratio"] == 1.0, (name, row)
     pp = parallel.get("pp_size", 1)
     dp = world // parallel.get("tp_size", 1) // pp

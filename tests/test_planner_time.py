@@ -128,7 +128,7 @@ def test_plan_verify_trial_runs_the_top_layouts(tmp_path: Path) -> None:
 def test_measured_non_gemm_terms_are_priced_only_with_a_calibrated_profile() -> None:
     """Elementwise passes, the optimizer and per-op costs (planner/cost.py constants) add to compute when the
     profile measured memory bandwidth and op overhead; data-sheet profiles leave them to `efficiency`."""
-    from dist_trainer.planner import cost
+    from dist_trainer.planner import compute as cost
 
     tiny = model_config("tiny")
     layout = Layout(dp_size=4, micro_batch_size=4, n_microbatches=2)

@@ -12,6 +12,7 @@ before any process group exists; both get the same answer (``tests/test_layout_r
     cp.py           check_cp (context parallelism: the split, the heads under all_to_all), zigzag
     composition.py  which regimes compose (check_composition, check_offload), check_ep, expert_groups, check_precision
     low_bit.py      check_low_bit: where int8 base weights and low-bit AdamW moments run
+    early.py        early_refusal: the rules a search asks of a partly chosen layout (EARLY_RULES, Bounds)
     check.py        check_layout_for (every rule for a Layout and a model), check_layout (the pre-launch check of a
                     run config), fit_micro_batch, check_nodes
 A new axis is its Layout field, its name in MESH_AXES and a module of its rules, called from check.py.
@@ -35,6 +36,7 @@ from dist_trainer.layout_rules.composition import (
     check_precision,
     expert_groups,
 )
+from dist_trainer.layout_rules.early import EARLY_RULES, Bounds, early_refusal
 from dist_trainer.layout_rules.layout import (
     MESH_AXES,
     REGIMES,
@@ -53,7 +55,7 @@ from dist_trainer.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, check_sche
 from dist_trainer.layout_rules.tp import check_sequence_parallel, check_tp, divisors
 
 __all__ = [
-    "COMPILE_REFUSED", "check_compile",
+    "COMPILE_REFUSED", "EARLY_RULES", "Bounds", "check_compile", "early_refusal",
     "Layout", "MESH_AXES", "MULTI_STAGE_SCHEDULES", "REGIMES", "REPLICA_AXES", "ZERO_WITH_PIPELINE_REFUSED",
     "check_composition", "check_ep", "check_fields", "check_layout", "check_layout_for", "check_low_bit", "check_nodes",
     "check_offload", "check_precision", "check_schedule", "check_sequence_parallel", "check_shape", "check_tp",

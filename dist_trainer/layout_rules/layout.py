@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,16 @@ MESH_AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 # The axes whose ranks hold the same parameters, dp first: the mesh flattens them into one ``replicas`` group, over
 # which gradients are averaged and ZeRO partitions (cp ranks see other tokens of the same samples).
 REPLICA_AXES: tuple[str, ...] = ("dp", "cp")
+
+
+def _degrees_of(axes: tuple[str, ...]) -> Callable[[Any], tuple[int, ...]]:
+    """A Layout's degrees of ``axes``, read at C speed (the planner's search asks for them per candidate)."""
+    get: Callable[[Any], Any] = operator.attrgetter(*(f"{a}_size" for a in axes))
+    return (lambda layout: (get(layout),)) if len(axes) == 1 else get
+
+
+_MESH_DEGREES = _degrees_of(MESH_AXES)
+_REPLICA_DEGREES = _degrees_of(REPLICA_AXES)
 
 
 @dataclass(frozen=True)
@@ -65,19 +77,30 @@ class Layout:
             object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
         check_fields(self)
 
+    def derive(self, **changes: Any) -> Layout:
+        """``dataclasses.replace``, checked the same (``check_fields``) without its per-call introspection of the
+        fields: the planner's search derives tens of thousands of candidates."""
+        if not changes.keys() <= _FIELD_NAMES:
+            raise TypeError(f"Layout has no field {', '.join(sorted(changes.keys() - _FIELD_NAMES))}")
+        new = object.__new__(Layout)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        new.__post_init__()
+        return new
+
     def size(self, axis: str) -> int:
         """The degree of a mesh axis (``MESH_AXES``) or of ep."""
         return int(getattr(self, f"{axis}_size"))
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.size(a) for a in MESH_AXES)
+        return math.prod(_MESH_DEGREES(self))
 
     @property
     def replicas(self) -> int:
         """The ranks holding the same parameters (``REPLICA_AXES``): gradients are averaged and ZeRO partitions over
         them."""
-        return math.prod(self.size(a) for a in REPLICA_AXES)
+        return math.prod(_REPLICA_DEGREES(self))
 
     @property
     def sample_split(self) -> int:
@@ -109,6 +132,12 @@ class Layout:
         return s
 
     @property
+    def simplicity(self) -> tuple[int, bool, int]:
+        """What makes a layout simpler to run, least first: the ZeRO stage, offload, the ranks one model replica
+        spans (tp x pp): the planner's order among layouts of equal step time."""
+        return self.zero_stage, self.zero_offload, self.world_size // self.replicas
+
+    @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.n_microbatches * self.dp_size
 
@@ -132,6 +161,13 @@ class Layout:
         return [rank_layer_ids(counts, r, self.pp_size) for r in range(self.pp_size)]
 
 
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Layout))
+
+
+_COUNTS = ("tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages")
+_LAYOUT_COUNTS = operator.attrgetter(*_COUNTS, "dp_size", "n_microbatches")
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -141,11 +177,12 @@ def check_fields(p: Layout | ParallelConfig) -> None:
     integers, every choice is one the code has, SP needs TP, an explicit stage split lists
     pp_size x virtual stages positive counts. A ``Layout`` is checked as it is built; a run config's parallel
     section when it is loaded (``config_load``), so a typo fails before anything else."""
-    names = ["tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages"]
-    names += ["dp_size", "n_microbatches"] if isinstance(p, Layout) else ["global_batch_size"]
-    for name in names:
-        if not _positive_int(getattr(p, name)):
-            raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
+    names = [*_COUNTS, "dp_size", "n_microbatches"] if isinstance(p, Layout) else [*_COUNTS, "global_batch_size"]
+    # the common case at C speed (the planner builds tens of thousands of Layouts); else each, naming the culprit
+    if not (isinstance(p, Layout) and all(type(v) is int and v >= 1 for v in _LAYOUT_COUNTS(p))):
+        for name in names:
+            if not _positive_int(getattr(p, name)):
+                raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
     for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
         value = getattr(p, name)
         if not isinstance(p, Layout) and value is not None and not _positive_int(value):

@@ -20,6 +20,7 @@ from dist_trainer.files import make_executable, output_dir, refuse_nonempty
 from dist_trainer.finetune import frozen_modules
 from dist_trainer.parallel.zero.config import OWNED_KEYS
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
+from dist_trainer.planner.axes.cp import MIN_CP_TOKENS
 from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
 from dist_trainer.planner.finetune import module_rows
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
@@ -34,7 +35,7 @@ from dist_trainer.planner.memory import (
 )
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
-from dist_trainer.planner.search import MIN_CP_TOKENS, PlannedLayout, plan_layouts
+from dist_trainer.planner.search import PlannedLayout, plan_layouts
 from dist_trainer.quant.sizes import check_int8_base, int8_weights
 
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/

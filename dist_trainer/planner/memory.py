@@ -22,100 +22,32 @@ states, DeepSpeed's partitions and step buffers and DDP's buckets exist for the 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field, fields
 
-from dist_trainer.config import OPTIM_STATE_DTYPES, ModelConfig
+from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import trainable_expert_params
 from dist_trainer.layout_rules import Layout, check_low_bit, check_shape
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
+from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
+from dist_trainer.planner.options import (  # re-exported: the planner's callers import them from here
+    DEFAULT_OPTIONS,
+    DEFAULT_OVERHEADS,
+    DTYPE_BYTES,
+    MOMENT_BYTES,
+    OPTIMIZERS,
+    Overheads,
+    TrainingOptions,
+)
 from dist_trainer.planner.rank_params import RankParams, rank_params
 from dist_trainer.planner.seq2seq import seq2seq_stage_activations, target_length
 from dist_trainer.quant.sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 
-OPTIMIZERS = ("adam", "adamw", "sgd")
-MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}  # Adam's two moments per parameter, by optim.state_dtype
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class TrainingOptions:
-    """Precision, optimizer and kernel choices that change the bytes."""
-
-    precision: str = "bf16"  # fp32 | bf16 | fp16 (16-bit model + fp32 master) | amp_bf16 | amp_fp16 (autocast)
-    grad_dtype: str | None = None  # fp32 | bf16 | fp16; None = the parameters' dtype
-    optimizer: str = "adamw"  # adam | adamw | sgd
-    sgd_momentum: bool = True
-    # fp32 gradients beside 16-bit ones. None: what the regime's optimizer does (DeepSpeed ZeRO builds them in
-    # step(): zero_step_buffers; torch AdamW none); True: a persistent copy in the optimizer states (Megatron's
-    # distributed optimizer, K + 4); False: none charged
-    fp32_grad_copy: bool | None = None
-    attention_kernel: str = "flash"  # flash (no s x s saved) | math
-    device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
-    sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
-    zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
-    zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
-    freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
-    # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: quant/sizes.py)
-    optim_state_dtype: str = "fp32"
-    # an encoder-decoder's batch: the decoder's length (None: seq_len) and whether sources are padded (a mask)
-    target_len: int | None = None
-    source_mask: bool = False
-
-    def validate(self) -> None:
-        if self.precision not in act.PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(act.PRECISIONS)}")
-        if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
-            raise ValueError(f"grad_dtype={self.grad_dtype!r} is not one of fp32, bf16, fp16")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if self.optim_state_dtype not in OPTIM_STATE_DTYPES:
-            raise ValueError(f"optim_state_dtype={self.optim_state_dtype!r} is not one of "
-                             f"{', '.join(OPTIM_STATE_DTYPES)}")
-        if self.optim_state_dtype != "fp32" and self.optimizer == "sgd":
-            raise ValueError(f"optim_state_dtype={self.optim_state_dtype} applies to Adam's moments: use "
-                             "optimizer adam or adamw")
-
-    @property
-    def param_bytes(self) -> int:
-        return 2 if self.precision in ("bf16", "fp16") else 4
-
-    @property
-    def grad_bytes(self) -> int:
-        return self.param_bytes if self.grad_dtype is None else DTYPE_BYTES[self.grad_dtype]
-
-    @property
-    def optimizer_bytes(self) -> int:
-        """K of the ZeRO paper: fp32 master copy (16-bit models), moments, optional fp32 gradient copy."""
-        master = 4 if self.param_bytes == 2 else 0
-        moments = MOMENT_BYTES[self.optim_state_dtype] if self.optimizer in ("adam", "adamw") else \
-            (4 if self.sgd_momentum else 0)
-        grad_copy = 4 if self.fp32_grad_copy is True and self.grad_bytes < 4 else 0
-        return master + moments + grad_copy
-
-
-@dataclass(frozen=True)
-class Overheads:
-    """Framework memory outside the model states and activations; every term is explicit and reported apart."""
-
-    cuda_context: int = 512 * 2**20  # CUDA context + cuBLAS/NCCL workspaces (measure with an empty process)
-    fragmentation: float = 0.05  # caching-allocator slack, as a fraction of states + activations
-    ddp_grad_buckets: bool = True  # torch DDP (gradient_as_bucket_view=False) copies every gradient into buckets
-    # DeepSpeed's reduce bucket: reduce_bucket_size elements of the gradient dtype, whatever the model size
-    # (stage_1_and_2.py:3266, stage3.py:782): configs/ds/zero*.json's 5e7 (DeepSpeed's own default is 5e8)
-    zero_bucket_elements: int = 50_000_000
-    zero_sub_group_elements: int = 1_000_000_000  # DeepSpeed ZeRO-3 sub_group_size default (runtime/zero/config.py)
-    host_buffer_factor: float = 1.0  # DeepSpeed's estimators use 1.5 for pinned host buffers
-
-    @classmethod
-    def none(cls) -> Overheads:
-        return cls(cuda_context=0, fragmentation=0.0, ddp_grad_buckets=False, zero_bucket_elements=0)
-
-
-DEFAULT_OPTIONS = TrainingOptions()  # frozen: safe as a shared default argument
-DEFAULT_OVERHEADS = Overheads()
+__all__ = ["DEFAULT_OPTIONS", "DEFAULT_OVERHEADS", "DTYPE_BYTES", "GiB", "MOMENT_BYTES", "OPTIMIZERS",
+           "Overheads", "RankMemory", "TrainingOptions"]
 
 
 @dataclass(frozen=True)
@@ -255,6 +187,14 @@ def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> a
 
 
 _SPEC_LAYOUT_FIELDS = sorted({f.name for f in fields(act.ActivationSpec)} & {f.name for f in fields(Layout)})
+_spec_fields = operator.attrgetter(*_SPEC_LAYOUT_FIELDS)
+
+
+def spec_fields(layout: Layout) -> tuple[object, ...]:
+    """The Layout fields ``activation_spec`` reads, in a fixed order: what decides a rank's activation costs (a
+    cache key for the search)."""
+    got = _spec_fields(layout)
+    return got if isinstance(got, tuple) else (got,)
 
 
 def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.ActivationSpec, options: TrainingOptions,
@@ -282,6 +222,14 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
                 ep_rank: int | None = None) -> RankMemory:
     """Assemble one rank's memory from its parameter count and activation terms (shared by the search);
     ``ep_rank``: which experts it holds when fine-tuning freezes some (None: the ep rank that trains the most)."""
+    return with_activations(rank_states(cfg, layout, rp, seq_len=seq_len, options=options, overheads=overheads,
+                                        pp_rank=pp_rank, ep_rank=ep_rank), activations, overheads)
+
+
+def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: int, options: TrainingOptions,
+                overheads: Overheads, pp_rank: int, ep_rank: int | None = None) -> RankMemory:
+    """``rank_memory`` without the activations and the fragmentation they add to: the model states, step buffers,
+    host bytes and buffers, the same for every recomputation mode (the search computes it once for them)."""
     trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
     expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
     int8 = int8_weights(cfg, options.freeze, layout.tp_size, layout.rank_layer_ids(cfg, pp_rank))
@@ -296,7 +244,7 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
             o -= INT8_QMAPS_BYTES  # one optimizer, its two maps counted once
     # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
     per_dp = trainable - expert + expert * layout.ep_size
-    detail = {f"activations.{k}": v for k, v in activations.items()}
+    detail: dict[str, int] = {}
     if int8[0]:  # what the params term holds of int8 base weights (quant/sizes.py)
         detail.update({"params.int8_weights": int8[0], "params.int8_scales": int8[1] * options.param_bytes})
     if options.optim_state_dtype == "int8" and trainable:  # within the optimizer term: the int8 moments' scales
@@ -313,26 +261,24 @@ def rank_memory(cfg: ModelConfig, layout: Layout, rp: RankParams, activations: d
     over: dict[str, int] = {}
     if options.device == "cuda":
         over["cuda_context"] = overheads.cuda_context
-    if layout.replicas > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
-        over["ddp_grad_buckets"] = (trainable - expert) * options.grad_bytes  # DDP buckets what it reduces, not experts
-    if layout.replicas > 1 and layout.zero_stage > 0 and trainable:
-        # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains
-        over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
-    if layout.zero_stage == 3:
-        # DeepSpeed's estimate_zero3_model_states_mem_needs: the largest layer gathered (params + grads).
-        over["zero3_gathered_layer"] = rp.largest_layer * (options.param_bytes + options.grad_bytes)
-    if layout.pp_size > 1:  # receive buffers for the activation (forward) and its gradient (backward)
-        spec_rep = 1 / layout.tp_size if layout.sequence_parallel else 1
-        # the residual stream crosses stages in the parameters' dtype (fp32 under autocast: 16-bit only
-        # for 16-bit models)
-        elem = 2 if options.precision in ("bf16", "fp16") else 4
-        over["pp_p2p_buffers"] = round(2 * layout.micro_batch_size * seq_len * cfg.d_model * spec_rep * elem)
-    act_total = sum(activations.values())
-    over["fragmentation"] = round(overheads.fragmentation * (p + g + o + act_total + sum(step.values())))
+    for axis in AXES:  # each axis entry's buffers (DDP's and DeepSpeed's buckets, the pipeline's receive buffers)
+        over.update(axis.memory(cfg, layout, rp, seq_len=seq_len, options=options, overheads=overheads,
+                                trainable=trainable, expert=expert))
     detail.update({f"overheads.{k}": v for k, v in over.items()})
     host = round(host * overheads.host_buffer_factor)
-    return RankMemory(params=p, grads=g, optimizer=o, activations=act_total, overheads=sum(over.values()),
+    return RankMemory(params=p, grads=g, optimizer=o, activations=0, overheads=sum(over.values()),
                       host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
+
+
+def with_activations(states: RankMemory, activations: dict[str, int], overheads: Overheads) -> RankMemory:
+    """``states`` (``rank_states``) with the activation terms and the allocator's fragmentation over both."""
+    act_total = sum(activations.values())
+    frag = round(overheads.fragmentation * (states.model_states + act_total + states.step_buffers))
+    detail = {**{f"activations.{k}": v for k, v in activations.items()}, **states.detail,
+              "overheads.fragmentation": frag}
+    return RankMemory(params=states.params, grads=states.grads, optimizer=states.optimizer, activations=act_total,
+                      overheads=states.overheads + frag, host=states.host, step_buffers=states.step_buffers,
+                      pp_rank=states.pp_rank, detail=detail)
 
 
 def rank_trainable(cfg: ModelConfig, layout: Layout, rp: RankParams, options: TrainingOptions, pp_rank: int,

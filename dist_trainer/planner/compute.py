@@ -1,0 +1,93 @@
+"""The step's compute and pipeline bubble, the two terms of ``cost.estimate_step_time`` that are no axis's.
+
+* Compute: the hardware FLOPs of the slowest pipeline stage at the profile's GEMM throughput for this rank's
+  matmul shape (tokens of a micro-batch x features per TP rank; ``HardwareProfile.matmul_flops``). A MoE layer
+  costs its router, top_k experts and its shared expert per token in model FLOPs (MFU), and every expert slot,
+  padding included, in hardware FLOPs; its block is whole on every TP rank, so its FLOPs are not divided by tp.
+  With a calibrated profile, the elementwise passes, the optimizer and the per-op cost are added (constants below).
+* Bubble: the schedule's idle fraction (``flops.pipeline_bubble``) stretches the slowest stage's compute. On
+  shared cores (a CPU profile from ``calibrate``: more ranks than cores) a stage idle in the bubble lends its
+  core to the busy ones, so the step is the longer of the critical path at the unloaded speed and the work over
+  the cores (``HardwareProfile.oversubscription``).
+"""
+
+from __future__ import annotations
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import Layout
+from dist_trainer.planner.flops import pipeline_bubble, step_flops
+from dist_trainer.planner.hardware import HardwareProfile
+from dist_trainer.planner.moe import moe_flops_per_token, moe_layer_ids
+from dist_trainer.planner.options import TrainingOptions
+from dist_trainer.planner.seq2seq import target_length
+
+# The work between the GEMMs, counted on our layer (model.py), per token, forward + backward (backward about twice
+# the forward's passes), in elements read or written: norms and residual adds over d_model (split by t only under
+# SP); attention layout copies, SDPA's reads and writes and the MLP activation over the TP-split widths; the
+# log-softmax and its gradient over the vocabulary (split by t). Priced only with a profile's memory_bw.
+PASSES_REPLICATED = 28  # x d_model: 2 norms (2 each) + 2 residual adds (3 each) forward, ~1.8x that backward
+PASSES_SPLIT = 36  # x d_model / t: q/k/v/o layout copies and SDPA I/O (12 forward, 24 backward)
+PASSES_MLP = 5  # x ffn / t: the activation (2 forward, 3 backward)
+PASSES_LOSS = 5  # x vocab / t: log-softmax (2 forward), its gradient (3 backward)
+OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one micro-batch
+OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
+ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
+ADAM_OPS = 10  # ops per parameter tensor of torch's single-tensor AdamW (foreach=False); DeepSpeed's flat groups: 2
+
+
+def step_model_flops(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions
+                     ) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one step of ``layout`` (its batch and recomputation)."""
+    return step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
+                      recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every,
+                      target_len=target_length(seq_len, options.target_len, options.source_mask)
+                      if cfg.n_decoder_layers else None)
+
+
+def compute_seconds(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware: HardwareProfile,
+                    gpus_per_node: int, options: TrainingOptions, hw_flops: float, most_layers: int, tokens: int,
+                    trainable: int) -> float:
+    """Seconds of the slowest stage's compute in one step (module docstring)."""
+    n, t, p = layout.world_size, layout.tp_size, layout.pp_size
+    imbalance = most_layers * p / (cfg.n_layers + cfg.n_decoder_layers)  # the slowest stage sets the pace
+    compute = hw_flops / n * imbalance / hardware.matmul_flops(options.precision, tokens, cfg.d_model / t)
+    whole = t * layout.sample_split  # the ranks that compute each MoE block whole (TP's, and a split sample's)
+    if whole > 1 and cfg.n_experts:  # the MoE blocks are whole on each of them: that many times their share
+        _, moe_hw = moe_flops_per_token(cfg, seq_len)
+        block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
+        compute += block * (whole - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens,
+                                                                               cfg.d_model)
+    compute += memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
+    return compute / hardware.rank_speed(min(gpus_per_node, n))  # a CPU profile measured with other busy ranks
+
+
+def bubble_seconds(layout: Layout, compute: float, hardware: HardwareProfile, gpus_per_node: int) -> float:
+    """The schedule's critical path beyond ``compute``; on shared cores (oversubscription f > 1) a stage idle in
+    the bubble lends its core, the busy ones run up to f times faster, and the step is never shorter than the work
+    over the cores."""
+    frac = pipeline_bubble(layout.pp_size, layout.n_microbatches, layout.pp_virtual_stages, layout.pp_schedule)
+    ranks_per_node = min(gpus_per_node, layout.world_size)
+    return max(0.0, compute / hardware.oversubscription(ranks_per_node) / (1 - frac) - compute)
+
+
+def memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile,
+                        layers: int, tokens: int, trainable: int) -> float:
+    """Seconds of the elementwise passes, the optimizer and the per-op cost of this rank's step (constants above),
+    when the profile has measured them (``memory_bw``, ``op_overhead``: dist-trainer calibrate); else 0, the
+    data-sheet profiles' efficiency standing for them. Every micro-batch crosses the last stage, so the loss's
+    passes are on the critical path whatever the stage. The optimizer updates the ``trainable`` parameters only."""
+    if hardware.memory_bw is None or hardware.op_overhead is None:
+        return 0.0
+    t, m, h = layout.tp_size, layout.n_microbatches, cfg.d_model
+    act = 4 if options.precision == "fp32" else 2
+    replicated = h / t if layout.sequence_parallel else h
+    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t)
+    recomputed = {"full": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
+        layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
+    per_token *= 1 + recomputed / 3
+    passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
+    optimizer_bytes = ADAM_BYTES * trainable / (layout.replicas if layout.zero_stage else 1)
+    tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
+    optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
+    ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
+    return (passes + optimizer_bytes) / hardware.memory_bw + ops * hardware.op_overhead

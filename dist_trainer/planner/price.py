@@ -1,0 +1,162 @@
+"""Pricing one candidate of the search: the worst rank's memory and the step time, with what many candidates
+share (parameters per (tp, pp, rank, ep), activation costs per spec, the stage split per (pp, virtual stages))
+computed once per model and batch shape."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, fields
+
+from dist_trainer.config import ModelConfig
+from dist_trainer.layout_rules import Layout
+from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
+from dist_trainer.planner.cost import StepTime, estimate_step_time
+from dist_trainer.planner.finetune import grad_plan
+from dist_trainer.planner.hardware import HardwareProfile
+from dist_trainer.planner.memory import (
+    Overheads,
+    RankMemory,
+    TrainingOptions,
+    activation_spec,
+    layout_rank_params,
+    node_host_bytes,
+    rank_expert_trainable,
+    rank_states,
+    rank_trainable,
+    seq2seq_activation_bytes,
+    spec_fields,
+    with_activations,
+)
+from dist_trainer.planner.rank_params import RankParams
+
+# what decides a rank's memory but its activations: every Layout field but the recomputation's
+_BUT_RECOMPUTATION = operator.attrgetter(*(f.name for f in fields(Layout)
+                                           if f.name not in ("activation_checkpointing", "checkpoint_every")))
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    layout: Layout
+    memory: RankMemory  # the rank with the most device bytes (first or last pipeline stage)
+    time: StepTime
+    fits: bool  # in the GPU memory and, for offloaded states, in the node's host memory
+    host_per_node: int = 0  # host bytes of the ranks one node holds (offloaded states)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"layout": self.layout.__dict__, "memory": self.memory.to_dict(), "time": self.time.to_dict(),
+                "fits": self.fits, "host_per_node": self.host_per_node}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A candidate's memory before its step time: the search times only those it reports."""
+
+    layout: Layout
+    memory: RankMemory  # the rank with the most device bytes
+    fits: bool
+    host_per_node: int
+
+
+class Pricer:
+    """Caches per (tp, pp) parameters and per activation spec costs for one model and batch shape."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, options: TrainingOptions, overheads: Overheads,
+                 hw: HardwareProfile, gpus_per_node: int, memory: int, host_memory: int) -> None:
+        self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
+        self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
+        self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
+        self._costs: dict[tuple[object, ...], LayerCosts] = {}
+        self._layers: dict[tuple[int, int], list[list[int]]] = {}
+        self._states: dict[tuple[object, int], RankMemory] = {}
+        self._worst: dict[tuple[int, int], list[int]] = {}
+        self._acts: dict[tuple[object, ...], dict[str, int]] = {}
+
+    def params(self, layout: Layout, rank: int) -> RankParams:
+        key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
+        if key not in self._params:
+            self._params[key] = layout_rank_params(self.cfg, layout, rank)
+        return self._params[key]
+
+    def layer_ids(self, layout: Layout) -> list[list[int]]:
+        """Per pipeline rank, the global layers it holds (the trainer's split, layout_rules.layers_per_stage)."""
+        key = (layout.pp_size, layout.pp_virtual_stages)
+        if key not in self._layers:
+            self._layers[key] = layout.layers_by_rank(self.cfg)
+        return self._layers[key]
+
+    def worst_candidates(self, layout: Layout) -> list[int]:
+        """The pipeline ranks that may hold the most bytes (``memory_of``), once per stage split."""
+        key = (layout.pp_size, layout.pp_virtual_stages)
+        if key not in self._worst:
+            layers, p = self.layer_ids(layout), layout.pp_size
+            most = max(range(p), key=lambda r: (len(layers[r]), -r))
+            self._worst[key] = sorted({0, most, p - 1})
+        return self._worst[key]
+
+    def costs(self, layout: Layout) -> LayerCosts:
+        """Per-token activation costs, once per activation spec (every Layout field it declares)."""
+        key = spec_fields(layout)
+        if key not in self._costs:
+            self._costs[key] = layer_costs(self.cfg, activation_spec(layout, self.seq_len, self.options),
+                                           grad_plan(self.cfg, self.options.freeze))
+        return self._costs[key]
+
+    def states(self, layout: Layout, rank: int) -> RankMemory:
+        """``memory.rank_states`` of pipeline rank ``rank``: once for every recomputation mode of a layout."""
+        key = (_BUT_RECOMPUTATION(layout), rank)
+        if key not in self._states:
+            self._states[key] = rank_states(self.cfg, layout, self.params(layout, rank), seq_len=self.seq_len,
+                                            options=self.options, overheads=self.overheads, pp_rank=rank)
+        return self._states[key]
+
+    def memory_of(self, layout: Layout) -> RankMemory:
+        """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
+        first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
+        the middle stages)."""
+        p = layout.pp_size
+        layers = self.layer_ids(layout)
+        worst: tuple[int, RankMemory, dict[str, int]] | None = None
+        for r in self.worst_candidates(layout):
+            in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
+                layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
+                virtual_stages=layout.pp_virtual_stages)
+            if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+                acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
+                                                self.options, r, in_flight)
+            else:  # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
+                tokens = layout.rank_tokens(self.seq_len)
+                key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every, p,
+                       layout.pp_virtual_stages, r, tokens, in_flight)
+                if key not in self._acts:
+                    self._acts[key] = stage_activations(
+                        self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                        layer_ids=layers[r], tokens=tokens, first=r == 0, last=r == p - 1, in_flight=in_flight)
+                acts = self._acts[key]
+            states = self.states(layout, r)
+            # with_activations' device total, without building the rank's whole report
+            held = states.model_states + sum(acts.values()) + states.step_buffers
+            total = held + states.overheads + round(self.overheads.fragmentation * held)
+            if worst is None or total > worst[0]:
+                worst = (total, states, acts)
+        assert worst is not None
+        return with_activations(worst[1], worst[2], self.overheads)
+
+    def measure(self, layout: Layout) -> Measured:
+        """The worst rank's memory and whether the layout fits (GPU and, for offloaded states, host memory)."""
+        mem = self.memory_of(layout)
+        host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
+        return Measured(layout, mem, mem.device_total <= self.memory and host <= self.host_memory, host)
+
+    def price(self, measured: Measured) -> PlannedLayout:
+        """``measured`` with its step time (the search times only the layouts it reports)."""
+        layout = measured.layout
+        rp = self.params(layout, 0)
+        t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
+                               gpus_per_node=self.gpus_per_node, options=self.options,
+                               n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
+                                                                                      self.options, 0),
+                               n_expert_rank=rp.expert,
+                               n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
+                               layers_by_rank=self.layer_ids(layout))
+        return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node)
