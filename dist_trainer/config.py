@@ -18,6 +18,7 @@ from dist_trainer.config_fields import choice, name_list, positive
 from dist_trainer.config_model import ModelConfig
 from dist_trainer.data.span import span_lengths
 from dist_trainer.finetune import training_plan
+from dist_trainer.optim_entries import optimizer_entry
 from dist_trainer.quant.sizes import check_int8_base
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
@@ -158,9 +159,16 @@ class OptimConfig:
     # optim_lowbit.AdamWBf16, Megatron's --exp-avg-dtype) | int8 (bitsandbytes' block-wise 8-bit AdamW, Dettmers
     # et al. 2022: 256-value blocks, dynamic quantisation map)
     state_dtype: str = "fp32"
+    # the optimizer, by its entry in optim_entries.py: adamw | muon (Muon on the hidden matrices, AdamW for the
+    # rest: optim_muon.py) | sgd (momentum SGD)
+    name: str = "adamw"
+    momentum: float = 0.95  # Muon's Nesterov momentum (Moonshot's 0.95) and SGD's
 
     def validate(self) -> None:
         choice(self, "state_dtype", OPTIM_STATE_DTYPES)
+        optimizer_entry(self.name).check_state_dtype(self.state_dtype)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"optim.momentum={self.momentum} must be in [0, 1)")
         # lr 0 is a run that changes no weight (a load-and-export round trip, a layout check): allowed
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim.lr={self.lr} must be >= 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
@@ -371,6 +379,14 @@ class Config:
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
         check_int8_base(self.model, self.train.freeze)  # ValueError: int8 base weights without a frozen linear
+        stages = optimizer_entry(self.optim.name).zero_stages
+        asked = [] if stages is None else sorted(
+            {self.parallel.zero_stage, *(self.parallel.auto_zero_stages or [])} - set(stages))
+        if asked:
+            assert stages is not None
+            raise ValueError(f"optim.name={self.optim.name} runs under parallel.zero_stage "
+                             f"{', '.join(map(str, stages))} only, not {asked} (parallel.zero_stage / "
+                             "auto_zero_stages)")
         tp = self.parallel.tp_size
         if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
             raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "

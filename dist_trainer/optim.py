@@ -1,39 +1,75 @@
-"""AdamW with decoupled weight decay on matrices only (moments in ``optim.state_dtype``), and warmup + cosine
-learning rate."""
+"""The optimizer of ``optim.name`` (its entry in ``optim_entries.py``: AdamW by default, with decoupled weight
+decay on matrices only and moments in ``optim.state_dtype``), and warmup + cosine learning rate."""
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from dist_trainer.config import OptimConfig
-from dist_trainer.optim_lowbit import build_adamw
+from dist_trainer.optim_entries import optimizer_entry
+from dist_trainer.optim_muon import MatrixShard
+from dist_trainer.parallel.comm import AxisGroup
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay 2-D weights; never biases, norm weights or embeddings (GPT-3 / Megatron practice).
-
-    Parameters are listed in ``named_parameters`` order so every regime builds the same groups.
-    """
+def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float, **marks: Any) -> list[dict]:
+    """Decay 2-D weights; never biases, norm weights or embeddings (GPT-3 / Megatron practice)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        is_embedding = name.endswith("_emb.weight")
-        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is a 1-D placeholder: use its full shape
-        (decay if ndim >= 2 and not is_embedding else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    for name, p in params:
+        (decay if len(full_shape(p)) >= 2 and not name.endswith("_emb.weight") else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, **marks},
+            {"params": no_decay, "weight_decay": 0.0, **marks}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s trainable parameters, its moments in ``optim.state_dtype`` (``optim_lowbit.py``)."""
-    return build_adamw(param_groups(model, cfg.weight_decay), cfg)
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape (a ZeRO-3 partition is a 1-D placeholder: its full shape)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """The optimizer groups of ``optim.name``'s entry (``optim_entries.py``): the parameters it takes (decay and
+    no-decay, marked with its ``group_marks``), then, for an entry with a fallback, the fallback's (decay and no-decay).
+
+    Parameters are listed in ``named_parameters`` order so every regime builds the same groups; the groups are
+    the same on every rank (some may be empty), so a checkpoint's groups pair with any layout's.
+    """
+    entry = optimizer_entry(cfg.name)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if entry.fallback is None:
+        return _decay_groups(named, cfg.weight_decay)
+    taken = [(n, p) for n, p in named if entry.takes(n, full_shape(p))]
+    rest = [(n, p) for n, p in named if not entry.takes(n, full_shape(p))]
+    return [*_decay_groups(taken, cfg.weight_decay, **dict(entry.group_marks)),
+            *_decay_groups(rest, cfg.weight_decay)]
+
+
+def build_from_groups(groups: list[dict[str, Any]], cfg: OptimConfig,
+                      shards: dict[int, MatrixShard] | None = None) -> torch.optim.Optimizer:
+    """``optim.name``'s optimizer over ``groups`` (its entry's builder); ``shards``: the matrices this rank holds a
+    TP slice of, for the entries that need whole matrices (``optim_muon.py``)."""
+    entry = optimizer_entry(cfg.name)
+    entry.check_state_dtype(cfg.state_dtype)
+    module, function = entry.builder.split(":")
+    build = getattr(importlib.import_module(module), function)
+    return build(groups, cfg, shards) if shards else build(groups, cfg)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, tp: AxisGroup | None = None) -> torch.optim.Optimizer:
+    """``optim.name``'s optimizer over ``model``'s trainable parameters (this rank's TP shard of them when ``tp``
+    has more than one rank: each split matrix an entry takes is then orthogonalised on one owner, round robin)."""
+    groups = param_groups(model, cfg)
+    shards: dict[int, MatrixShard] = {}
+    marks = optimizer_entry(cfg.name).group_marks
+    if tp is not None and tp.size > 1 and marks:
+        taken = [p for g in groups if all(g.get(k) == v for k, v in marks) for p in g["params"]]
+        split = [p for p in taken if getattr(p, "tp_split_dim", None) is not None]
+        shards = {id(p): MatrixShard(tp, p.tp_split_dim, i % tp.size) for i, p in enumerate(split)}
+    return build_from_groups(groups, cfg, shards)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -24,6 +24,7 @@ whatever dtype they were saved in; both classes here accept it in ``load_state_d
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,6 +60,22 @@ def _adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+def closure_loss(closure: Any) -> Any:
+    """A torch optimizer's ``step(closure)``: the loss the closure recomputes (with gradients), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def params_with_grads(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]:
+    """(group, parameter, gradient) of every parameter of ``optimizer`` that has a gradient, in group order."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p, p.grad
+
+
 class AdamWBf16(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, Loshchilov & Hutter 2019) whose moments are stored in bfloat16: each step
     reads them into fp32, applies torch AdamW's update to the fp32 parameter, and rounds them back."""
@@ -69,24 +86,18 @@ class AdamWBf16(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                state["step"] += 1
-                m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
-                _adamw_update_(p, p.grad.float(), m, v, float(state["step"]), group)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
+        loss = closure_loss(closure)
+        for group, p, grad in params_with_grads(self):
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+            state["step"] += 1
+            m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+            _adamw_update_(p, grad.float(), m, v, float(state["step"]), group)
+            state["exp_avg"].copy_(m)
+            state["exp_avg_sq"].copy_(v)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -198,14 +209,16 @@ def _dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch
 
 
 def canonical_state(entry: dict[str, Any]) -> dict[str, Any]:
-    """One parameter's AdamW state as fp32 ``exp_avg``/``exp_avg_sq`` and a float32 tensor ``step`` (other keys
-    dropped), from any of the three state dtypes: what resharding reads."""
+    """One parameter's optimizer state as fp32 tensors of the parameter's shape (AdamW's ``exp_avg``/``exp_avg_sq``,
+    a momentum's ``momentum_buffer``: the states of its ``optim_entries`` entry) and a float32 tensor ``step``
+    (other keys dropped), from any of the three state dtypes: what resharding reads."""
     entry = _flat_int8(entry)
     step = torch.as_tensor(entry.get("step", 0), dtype=torch.float32).clone()
     if "state1" in entry:
         return {"step": step, "exp_avg": _dequantize_blockwise(entry["state1"], entry["absmax1"], entry["qmap1"]),
                 "exp_avg_sq": _dequantize_blockwise(entry["state2"], entry["absmax2"], entry["qmap2"])}
-    return {"step": step, **{k: entry[k].float() for k in MOMENTS if k in entry}}
+    return {"step": step, **{k: v.float() for k, v in entry.items()
+                             if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim}}
 
 
 def canonical_states(states: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
@@ -220,7 +233,7 @@ def _own_or_canonical(state_dict: dict[str, Any], own: str) -> dict[str, Any]:
     return {**state_dict, "state": states}
 
 
-def load_adamw_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def load_state_any_dtype(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """``optimizer.load_state_dict`` of a state saved in any state dtype: torch's AdamW gets canonical fp32 moments
     for entries saved in bf16 or int8 (its own load casts, it does not dequantise); the low-bit classes convert."""
     if isinstance(optimizer, torch.optim.AdamW):

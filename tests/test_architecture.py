@@ -323,3 +323,38 @@ def test_family_names_are_written_only_in_the_families_folder() -> None:
     assert found == [], found
     # the scan would see one: a family's module names its model_type as a string
     assert any(value == "llama" for _, value in _string_constants(PACKAGE / "families" / "llama.py"))
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _words(node: ast.AST, docstrings: set[int]) -> list[str]:
+    """The names a node writes in code: a string (not a docstring), an identifier, an attribute, an import."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+        return [node.value]
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.alias):
+        return [node.name, node.asname or ""]
+    if isinstance(node, ast.FunctionDef | ast.ClassDef):
+        return [node.name]
+    return []
+
+
+def test_optimizer_names_stay_out_of_the_engines_and_checkpoints() -> None:
+    """Adding an optimizer is one entry (``optim_entries.OPTIMIZERS``): the engines and the checkpoint code never
+    write an optimizer's name (string, identifier or import), so none of them asks which optimizer runs."""
+    from dist_trainer.optim_entries import OPTIMIZERS
+
+    found = []
+    for path in sorted([*(PACKAGE / "engines").rglob("*.py"), *(PACKAGE / "checkpoint").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        docstrings = _docstrings(tree)
+        found += [f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}: {word}" for node in ast.walk(tree)
+                  for word in _words(node, docstrings) if any(name in word.lower() for name in OPTIMIZERS)]
+    assert len(OPTIMIZERS) >= 3 and found == [], found

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from dist_trainer.config_load import config_from_dict
 from dist_trainer.layout_rules import check_layout
-from dist_trainer.optim_lowbit import AdamWBf16, canonical_state, int8_adamw, load_adamw_state, state_format
+from dist_trainer.optim_lowbit import AdamWBf16, canonical_state, int8_adamw, load_state_any_dtype, state_format
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, model_state_bytes, predict_rank_memory
 from dist_trainer.quant import int8 as q8
 from dist_trainer.quant.modules import Int8LoRALinear, int8_buffer_names, quantize_base_weights_
@@ -215,7 +215,7 @@ def test_moments_change_dtype_through_the_canonical_form() -> None:
     want = fp32.state[p]["exp_avg"]
     assert (got["exp_avg"] - want).abs().max() <= 0.05 * want.abs().max()
     back = torch.optim.AdamW([{"params": [torch.nn.Parameter(p.detach().clone())], "weight_decay": 0.1}], lr=1e-2)
-    load_adamw_state(back, to_int8.state_dict())
+    load_state_any_dtype(back, to_int8.state_dict())
     entry = next(iter(back.state.values()))
     assert set(entry) == {"step", "exp_avg", "exp_avg_sq"} and torch.equal(entry["exp_avg"], got["exp_avg"])
 

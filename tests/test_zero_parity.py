@@ -129,8 +129,8 @@ def _stage3_weights(rank: int, world_size: int, data: Path, out: Path, model: di
     # empty 1-D placeholders, so the groups must be decided on their full ds_shape).
     names = {id(p): n for n, p in engine.model.named_parameters()}
     ref_names = {id(p): n for n, p in reference.items()}
-    expected = [[ref_names[id(p)] for p in g["params"]] for g in param_groups(reference_model, cfg.optim.weight_decay)]
-    got = [[names[id(p)] for p in g["params"]] for g in param_groups(engine.model, cfg.optim.weight_decay)]
+    expected = [[ref_names[id(p)] for p in g["params"]] for g in param_groups(reference_model, cfg.optim)]
+    got = [[names[id(p)] for p in g["params"]] for g in param_groups(engine.model, cfg.optim)]
     return {"max_diff": max(diffs.values()), "partition": partition, "full": full, "groups": (got, expected)}
 
 

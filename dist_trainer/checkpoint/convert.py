@@ -38,7 +38,7 @@ from dist_trainer.checkpoint.publish import (
     save_checkpoint,
 )
 from dist_trainer.layout_rules import saved_replicas
-from dist_trainer.optim_lowbit import canonical_states, load_adamw_state
+from dist_trainer.optim_lowbit import canonical_states, load_state_any_dtype
 from dist_trainer.parallel.tp.reshard import ShardSpec, merge_tp_shards
 
 
@@ -106,7 +106,7 @@ def load_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                        "params": [name_to_index[n] for n in current]})
     state = {name_to_index[n]: s for n, s in saved["state"].items() if n in name_to_index}
-    load_adamw_state(optimizer, {"state": state, "param_groups": groups})  # moments saved in any state dtype
+    load_state_any_dtype(optimizer, {"state": state, "param_groups": groups})  # moments saved in any state dtype
 
 
 def specs_file(pp_rank: int, ep_rank: int = 0) -> str:

@@ -37,8 +37,6 @@ import torch
 from dist_trainer.checkpoint.publish import load_file
 from dist_trainer.optim_lowbit import canonical_state
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 def deepspeed_safe_types() -> list[type]:
     """The classes DeepSpeed 0.19.8 pickles into its checkpoint files (read off ``get_unsafe_globals_in_checkpoint``
@@ -155,10 +153,12 @@ def consolidate(ds_dir: Path, mp: int, dp_size: int,
     paddings = optims[0].get("param_alignment_paddings")
     weights = _by_name([o[key] for o in optims], stage, shapes, paddings)
     bases = [_base_state(o, stage) for o in optims]
-    moments = {k: _by_name([[g[k] for g in b] for b in bases], stage, shapes, paddings) for k in MOMENTS}
+    # the state tensors the optimizer saved (its entry's ``states``: AdamW's moments, a momentum buffer), by name
+    keys = [k for k in bases[0][0] if k != "step"]
+    moments = {k: _by_name([[g[k] for g in b] for b in bases], stage, shapes, paddings) for k in keys}
     step = bases[0][0].get("step", 0)
     step = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-    state = {n: {"step": step.clone(), **{k: moments[k][n] for k in MOMENTS}} for n in weights}
+    state = {n: {"step": step.clone(), **{k: moments[k][n] for k in keys}} for n in weights}
     frozen = model_states.get("frozen_param_shapes") or {}
     if frozen:
         if stage == 3:

@@ -43,7 +43,7 @@ class DataParallelEngine(Engine):
         self.name = "tp+ddp" if state.tp_size > 1 else "ddp"
         self.model = sharded_model(cfg, state, device)
         self.wrapped = self._wrap(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, tp=state.tp)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         self.update = DenseUpdate(self.model, self.optimizer, state, scaler=self.scaler, max_norm=clip_norm(cfg),
                                   clip=lambda max_norm: clip_grad_norm_(self.model, max_norm, state))

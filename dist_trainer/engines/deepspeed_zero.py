@@ -1,12 +1,12 @@
 """DeepSpeed's ZeRO optimizer over this rank's module: shared by the ZeRO engine and the pipeline engine's ZeRO-1.
 
 ``DeepSpeedZero`` wraps ``deepspeed.initialize`` around this rank's part of the model (a TP shard, its pipeline
-stages, or the plain model), tagged by ``prepare_for_deepspeed``. The optimizer is our AdamW (torch's, for exact
-parity with the other regimes; DeepSpeedCPUAdam when offloaded). DeepSpeed's data-parallel group is our dp axis
-and its model-parallel group the tp x pp block (``DeepSpeedMpu``), so ZeRO partitions each rank's shard over its
-dp replicas only and its clipped gradient norm covers every shard and stage once. ``step`` is DeepSpeed's
-boundary step; ``step(lr, reduce=True)`` first reduces gradients a pipeline schedule produced outside DeepSpeed.
-Checkpoints are DeepSpeed's own files, read back with ``torch.load(weights_only=True)``
+stages, or the plain model), tagged by ``prepare_for_deepspeed``. The optimizer is ``optim.name``'s (built by its
+entry, as the other regimes build it, for exact parity; DeepSpeedCPUAdam when offloaded). DeepSpeed's data-parallel
+group is our dp axis and its model-parallel group the tp x pp block (``DeepSpeedMpu``), so ZeRO partitions each
+rank's shard over its dp replicas only and its clipped gradient norm covers every shard and stage once. ``step`` is
+DeepSpeed's boundary step; ``step(lr, reduce=True)`` first reduces gradients a pipeline schedule produced outside
+DeepSpeed. Checkpoints are DeepSpeed's own files, read back with ``torch.load(weights_only=True)``
 (``checkpoint/deepspeed_files.py``), never through DeepSpeed's loaders, which unpickle freely. With expert
 parallelism DeepSpeed's MoE conventions are set up for our groups, here and nowhere else (the section at the end).
 """
@@ -23,13 +23,14 @@ from torch import nn
 
 from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import optimizer_state_by_name, write_specs
-from dist_trainer.checkpoint.deepspeed_files import MOMENTS, load_deepspeed_file, model_file, optim_file
+from dist_trainer.checkpoint.deepspeed_files import load_deepspeed_file, model_file, optim_file
 from dist_trainer.config import Config
 from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model_blocks import set_attrs
-from dist_trainer.optim import build_optimizer, param_groups, set_lr
-from dist_trainer.optim_lowbit import build_adamw, canonical_states
+from dist_trainer.optim import build_from_groups, build_optimizer, param_groups, set_lr
+from dist_trainer.optim_entries import optimizer_entry
+from dist_trainer.optim_lowbit import canonical_states
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
@@ -45,16 +46,16 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config) -> torch.optim.Optimizer:
-    """Our AdamW for DeepSpeed to wrap: the DDP engine's (torch's for exact parity, or with ``optim.state_dtype``
-    bf16/int8 moments: ``optim_lowbit.py``), or DeepSpeedCPUAdam in AdamW mode when the optimizer states live in
-    host memory (DeepSpeed steps offloaded partitions with it; fp32 moments only, ``layout_rules.check_low_bit``)."""
+    """``optim.name``'s optimizer for DeepSpeed to wrap, built by its registry entry as the DDP engine's is
+    (``optim.build_from_groups``), or DeepSpeedCPUAdam in AdamW mode when the optimizer states live in host memory
+    (DeepSpeed steps offloaded partitions with it; fp32 moments only, ``layout_rules.check_low_bit``)."""
     o = cfg.optim
     groups = list(params)
     if cfg.parallel.zero_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
-    return build_adamw(groups, o)
+    return build_from_groups(groups, o)
 
 
 class DeepSpeedZero:
@@ -67,7 +68,8 @@ class DeepSpeedZero:
         self.cfg, self.state, self.stage = cfg, state, state.layout.zero_stage
         self.grads_from_schedule = grads_from_schedule
         self.offload = cfg.parallel.zero_offload
-        groups = param_groups(model, cfg.optim.weight_decay)  # full shapes decide decay under ZeRO-3 (ds_shape)
+        self.states = optimizer_entry(cfg.optim.name).states  # what the checkpoints hold per parameter
+        groups = param_groups(model, cfg.optim)  # full shapes decide decay under ZeRO-3 (ds_shape)
         if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers (the section at the end)
             _register_expert_groups(state)  # collective
             if any(is_expert_param(p) and p.requires_grad for p in model.parameters()):
@@ -124,7 +126,8 @@ class DeepSpeedZero:
         full fp32 weights and moments are gathered by name (collective) and written as every other regime does."""
         if self.state.ep_size > 1:
             weights, moments = self._state_by_name()
-            # the plain AdamW groups by name (decay membership, hyper-parameters), as the DDP and pipeline engines'
+            # the plain optimizer's groups by name (decay membership, hyper-parameters), as the DDP and pipeline
+            # engines'
             groups = optimizer_state_by_name(self.module, build_optimizer(self.module, self.cfg.optim))["param_groups"]
             if self.state.edp.rank == 0:
                 write_named_shards(folder, self.state, self.module, weights, {"state": moments, "param_groups": groups})
@@ -184,7 +187,7 @@ class DeepSpeedZero:
                 continue
             weights[name] = safe_get_full_fp32_param(p).detach().cpu()
             moments[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone().cpu(),
-                             **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in MOMENTS}}
+                             **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in self.states}}
         return weights, moments
 
     def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
@@ -236,7 +239,7 @@ class DeepSpeedZero:
             [flat for group in base.param_groups for flat in group["params"]]
         for flat in flats:
             count = int(step) if self.offload else torch.as_tensor(step, dtype=torch.float32).clone()
-            base.state[flat] = {"step": count, "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+            base.state[flat] = {"step": count, **{k: torch.zeros_like(flat) for k in self.states}}
         if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):  # stages 1/2 link fragments lazily
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
@@ -244,7 +247,7 @@ class DeepSpeedZero:
             full = model_state[name].to(p.device, torch.float32)
             if p.requires_grad:  # a frozen parameter has no fp32 master partition (nor moments)
                 safe_set_full_fp32_param(p, full)
-            for key in MOMENTS:
+            for key in self.states:
                 if name in saved and p.requires_grad:
                     safe_set_full_optimizer_state(p, saved[name][key].to(p.device, torch.float32), key)
             if self.stage == 3:

@@ -146,14 +146,15 @@ class PipelineEngine(Engine):
 
 def _build_update(cfg: Config, state: ParallelState, device: torch.device, model: nn.Module,
                   pipe: PipelineSchedule) -> Update:
-    """Our AdamW over this rank's stages, or DeepSpeed's ZeRO-1 (tagged after build_schedule marked the tied copy).
+    """``optim.name``'s optimizer over this rank's stages, or DeepSpeed's ZeRO-1 (tagged after build_schedule marked
+    the tied copy).
 
     DeepSpeed sees one micro-batch of the whole per-rank batch and no accumulation: the schedule accumulates the
     micro-batches in ``.grad`` itself (scaled by 1/n_micro), so each step is one DeepSpeed boundary. Its bf16/fp16
     sections are off: the stages keep fp32 parameters under autocast, as without ZeRO.
     """
     if state.layout.zero_stage == 0:
-        return DenseUpdate(model, build_optimizer(model, cfg.optim), state, max_norm=clip_norm(cfg),
+        return DenseUpdate(model, build_optimizer(model, cfg.optim, tp=state.tp), state, max_norm=clip_norm(cfg),
                            clip=lambda max_norm: pipe.clip_grad_norm_(max_norm, state),
                            tp_modules=[s.model for s in pipe.stages], reduce_over_dp=True)
     quiet_deepspeed()

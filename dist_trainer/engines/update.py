@@ -1,11 +1,11 @@
 """How a step's gradients become an update: one interface (``Update``), two implementations.
 
-    DenseUpdate     our AdamW, stepped here: TP partial gradients summed, expert gradients reduced over edp, the
-                    regime's own finishing touch (the pipeline's tied embedding), the health hooks, the global-norm
-                    clip, the step; checkpoints by parameter name
+    DenseUpdate     our optimizer (optim.name), stepped here: TP partial gradients summed, expert gradients reduced
+                    over edp, the regime's own finishing touch (the pipeline's tied embedding), the health hooks,
+                    the global-norm clip, the step; checkpoints by parameter name
     DeepSpeedZero   (``deepspeed_zero.py``) DeepSpeed's ZeRO optimizer: its own reduction, clip, step and files
 
-An engine holds one and never asks which (the pipeline engine runs under either: plain AdamW or ZeRO-1).
+An engine holds one and never asks which (the pipeline engine runs under either: its own update or ZeRO-1).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def drop_update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler |
 
 
 class DenseUpdate:
-    """Our AdamW over ``model`` (this rank's module, named as the plain model), stepped as DDP would.
+    """``optim.name``'s optimizer over ``model`` (this rank's module, named as the plain model), stepped as DDP would.
 
     ``tp_modules``: the modules whose partial TP gradients are summed (the model, or each pipeline stage's);
     ``clip``: the global-norm clip at a max norm, returning the norm (the pipeline's leaves its tied head copy out);

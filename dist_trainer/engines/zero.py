@@ -11,7 +11,7 @@ with Megatron tensor parallelism (and sequence parallelism) inside each data-par
   partitioned as soon as its module exists, and the seed's draw is replayed one module at a time
   (``parallel/zero/deepspeed.init_partitioned``): no rank ever holds the whole model; at tp > 1 the TP shard is
   partitioned by ``deepspeed.initialize`` instead (zero.Init cannot slice weights it has already partitioned);
-- the optimizer is our AdamW (DeepSpeedCPUAdam when offloaded), its LR set by the Trainer; DeepSpeed's gradient
+- the optimizer is ``optim.name``'s (DeepSpeedCPUAdam when offloaded), its LR set by the Trainer; DeepSpeed's gradient
   accumulation is the number of micro-batches the Trainer passes, its clipping ``optim.grad_clip`` over every
   shard's gradients;
 - checkpoints are DeepSpeed's own files inside the trainer's folder plus the TP split specs, read back with

@@ -282,6 +282,27 @@ class AxisGroup:
         return t
 
     @_eager
+    def gather(self, t: torch.Tensor, dst_axis_rank: int) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` (same shape), in axis order, on ``dst_axis_rank``; None on the others. Counted as
+        the bytes each rank sends (``t``)."""
+        if self.size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)] if self.rank == dst_axis_rank else None
+        self._run("gather", _nbytes(t), lambda: dist.gather(t, out, dst=self.ranks[dst_axis_rank], group=self.group))
+        return out
+
+    @_eager
+    def scatter(self, chunks: list[torch.Tensor] | None, out: torch.Tensor, src_axis_rank: int) -> torch.Tensor:
+        """``chunks[i]`` (given on ``src_axis_rank`` only) into axis rank i's ``out``; returns ``out``. Counted as
+        the bytes each rank receives (``out``), so a gather and its scatter count alike."""
+        if self.size == 1:
+            assert chunks is not None, "a one-rank scatter gets its own chunk"
+            return out.copy_(chunks[0])
+        self._run("scatter", _nbytes(out),
+                  lambda: dist.scatter(out, chunks, src=self.ranks[src_axis_rank], group=self.group))
+        return out
+
+    @_eager
     def barrier(self) -> None:
         if self.size > 1:
             self._run("barrier", None, lambda: dist.barrier(group=self.group))

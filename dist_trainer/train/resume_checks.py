@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from dist_trainer.config import Config, ModelConfig
+from dist_trainer.config import Config, ModelConfig, OptimConfig
 from dist_trainer.data.dataset import data_fingerprint
 from dist_trainer.data.mixture import MixtureDataset
 from dist_trainer.data.objective import Dataset
@@ -47,6 +47,16 @@ def check_lr_schedule(meta: dict[str, Any], cfg: Config) -> list[str]:
         raise ValueError(f"{what}. Resuming would continue the run on a reshaped schedule from step {step}; pass "
                          "--train.allow_schedule_change=true to resume anyway, or keep the saved values")
     return [f"train.allow_schedule_change=true: resuming although {what}"]
+
+
+def check_optimizer(meta: dict[str, Any], cfg: Config) -> None:
+    """Refuse a resume under another ``optim.name``: the saved states are another optimizer's (a checkpoint written
+    before the field existed was AdamW's)."""
+    saved = meta["config"]["optim"].get("name", OptimConfig().name)
+    if saved != cfg.optim.name:
+        raise ValueError(f"the checkpoint's optimizer is optim.name={saved}, this run's optim.name={cfg.optim.name}: "
+                         f"its states do not carry over; resume with optim.name={saved}, or start a new run from "
+                         "its weights (train.init_from)")
 
 
 def data_order(cfg: Config, data: Dataset) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
 from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
-from dist_trainer.train.resume_checks import check_lr_schedule, check_resumable, data_order
+from dist_trainer.train.resume_checks import check_lr_schedule, check_optimizer, check_resumable, data_order
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
 
@@ -375,6 +375,7 @@ class Trainer:
         if path is None:
             return [*scan_warnings, f"no checkpoint in {self.ckpt_root}; starting from step 0"]
         meta = ckpt.read_meta(path)
+        check_optimizer(meta, self.cfg)
         notes = [*scan_warnings, *warnings, *check_resumable(meta, self.cfg, self.train_data),
                  *check_lr_schedule(meta, self.cfg)]
         self.resumed_from = path
