@@ -17,15 +17,22 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("memory")
-    return out, run_experiment(TINY, [0, 1, 2, 3], 2, out, state_dtypes=("fp32", "bf16", "int8"))
+    return out, run_experiment(TINY, [0, 1, 2, 3], 2, out, state_dtypes=("fp32", "bf16", "int8"),
+                               optimizers=("adamw", "muon", "sgd"))
+
+
+def _adamw_rows(experiment: tuple[Path, dict]) -> list[dict]:
+    return [r for r in experiment[1]["rows"] if r["optimizer"] == "adamw"]
 
 
 def test_memory_experiment_writes_table_json_chart_matching_the_prediction(experiment: tuple[Path, dict]) -> None:
     out, result = experiment
     assert (out / "memory.png").stat().st_size > 1000 and (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "memory.md").read_text()
-    assert table.count("\n| ") == 13  # the header and one row per stage and AdamW state dtype
+    # the header, one row per stage and AdamW state dtype, Muon's (fp32, without ZeRO) and SGD's (fp32, each stage)
+    assert table.count("\n| ") == 1 + 12 + 1 + 4
     assert all(f"\n| {stage} | {dtype} | 2 |" in table for stage in range(4) for dtype in ("fp32", "bf16", "int8"))
+    assert "\n| 0 | muon fp32 | 2 |" in table and all(f"\n| {stage} | sgd fp32 | 2 |" in table for stage in range(4))
     assert json.loads((out / "memory.json").read_text())["rows"][3]["stage"] == 3
     for row in result["rows"]:
         measured, paper = row["measured"]["model_states"], row["paper"]["model_states"]
@@ -46,7 +53,7 @@ def test_low_bit_moments_own_what_the_planner_says(experiment: tuple[Path, dict]
     from dist_trainer.model import build_model
     from dist_trainer.quant.sizes import INT8_QMAPS_BYTES
 
-    rows = {(r["state_dtype"], r["stage"]): r for r in experiment[1]["rows"]}
+    rows = {(r["state_dtype"], r["stage"]): r for r in _adamw_rows(experiment)}
     tensors = len(list(build_model(config_from_dict({"model": TINY}).model, device="meta").parameters()))
     for (dtype, stage), row in rows.items():
         planned = row["planner"]
@@ -69,10 +76,23 @@ def test_low_bit_moments_own_what_the_planner_says(experiment: tuple[Path, dict]
         INT8_QMAPS_BYTES
 
 
+def test_every_optimizer_entry_owns_what_the_planner_says(experiment: tuple[Path, dict]) -> None:
+    """optim.name muon (without ZeRO: one fp32 momentum per hidden matrix element, AdamW's two moments on the rest)
+    and sgd (one momentum per parameter, under DDP and ZeRO-1/2/3, DeepSpeed's fp32 master beside it): every rank's
+    optimizer bytes equal the planner's to the byte; Muon's lie between SGD's and AdamW's."""
+    rows = {(r["optimizer"], r["stage"]): r for r in experiment[1]["rows"] if r["state_dtype"] == "fp32"}
+    assert sorted(k for k in rows if k[0] != "adamw") == [("muon", 0), *(("sgd", s) for s in range(4))]
+    for (name, stage), row in rows.items():
+        for rank in row["ranks"]:
+            assert rank["optimizer"] == row["planner"]["optimizer"], (name, stage, rank, row["planner"])
+    muon, sgd, adamw = (rows[name, 0]["measured"]["optimizer"] for name in ("muon", "sgd", "adamw"))
+    assert sgd < muon < adamw and adamw == 2 * sgd
+
+
 def test_stages_partition_what_they_should(experiment: tuple[Path, dict]) -> None:
     """Against the DDP run's own tensors (stage 0): stage 1 shards the optimizer states (moments plus
     DeepSpeed's fp32 master copy, one parameter-sized tensor), stage 2 also the grads, stage 3 also the params."""
-    rows = {r["stage"]: r["measured"] for r in experiment[1]["rows"] if r["state_dtype"] == "fp32"}
+    rows = {r["stage"]: r["measured"] for r in _adamw_rows(experiment) if r["state_dtype"] == "fp32"}
     ddp = rows[0]
     assert ddp["optimizer"] == 2 * ddp["params"]  # AdamW's two moments, fp32
 
@@ -91,7 +111,7 @@ def test_stages_partition_what_they_should(experiment: tuple[Path, dict]) -> Non
 
 def test_stage3_model_states_fall_as_one_over_n(experiment: tuple[Path, dict]) -> None:
     # at 2 ranks: the experiment's own stage-3 fp32 row (experiment_config(TINY, 3, 2), each rank's measure_rank)
-    [row] = [r for r in experiment[1]["rows"] if r["stage"] == 3 and r["state_dtype"] == "fp32"]
+    [row] = [r for r in _adamw_rows(experiment) if r["stage"] == 3 and r["state_dtype"] == "fp32"]
     two = row["ranks"]
     assert len(two) == 2 and row["nprocs"] == 2
     four = run_distributed(measure_rank, 4, (experiment_config(TINY, 3, 4).to_dict(),), env=DS_ENV)

@@ -1,5 +1,6 @@
 """`dist-trainer memory-experiment`: measured against predicted per-rank memory for ZeRO stages 0-3, for each of
-the AdamW state dtypes asked for (``--optim-state-dtype fp32,bf16,int8``).
+the optimizers (``--optimizers adamw,muon,sgd``: the stages each entry runs under) and AdamW state dtypes asked for
+(``--optim-state-dtype fp32,bf16,int8``).
 
 For each stage the same model (a preset, drawn from one seed) takes the same synthetic batch on N gloo
 processes. Each rank reports the bytes it really owns in parameters, gradients and optimizer states
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import OPTIM_STATE_DTYPES, ZERO_STAGES, Config
 from dist_trainer.config_load import config_from_dict
+from dist_trainer.optim_entries import optimizer_entry
 
 if TYPE_CHECKING:
     import torch  # imported where it runs: `dist-trainer --help` and the planner subcommands stay torch-free
@@ -31,7 +33,8 @@ N_MICRO = 2  # micro-batches per rank per step: stage 1 keeps full grads between
 
 
 def experiment_config(model: str | dict[str, Any], stage: int, nprocs: int, *, offload: bool = False,
-                      micro_batch_size: int = 2, seq_len: int = 32, state_dtype: str = "fp32") -> Config:
+                      micro_batch_size: int = 2, seq_len: int = 32, state_dtype: str = "fp32",
+                      optimizer: str = "adamw") -> Config:
     model_fields = {"preset": model} if isinstance(model, str) else dict(model)
     return config_from_dict({
         "model": {**model_fields, "dropout": 0.0},
@@ -39,7 +42,7 @@ def experiment_config(model: str | dict[str, Any], stage: int, nprocs: int, *, o
                      "global_batch_size": micro_batch_size * N_MICRO * nprocs},
         "data": {"seq_len": seq_len},
         "train": {"device": "cpu", "seed": 1234, "max_steps": STEPS},
-        "optim": {"warmup_steps": 0, "state_dtype": state_dtype},
+        "optim": {"warmup_steps": 0, "state_dtype": state_dtype, "name": optimizer},
         "wandb": {"mode": "disabled"},
     }).validate()
 
@@ -112,25 +115,34 @@ def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     """Per-rank model-state bytes: the paper's family in fp32 (4 + 4 + K bytes per parameter) and the planner's."""
     from dist_trainer.model import build_model, count_parameters
     from dist_trainer.model_lora import count_trainable
-    from dist_trainer.planner.memory import MOMENT_BYTES, Layout, Overheads, TrainingOptions, predict_rank_memory
+    from dist_trainer.optim_entries import split_bytes
+    from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 
     model = build_model(cfg.model, device="meta")
     psi, trainable = count_parameters(model), count_trainable(model)  # LoRA: gradients and states for adapters only
     stage = cfg.parallel.zero_stage
-    # K = 8 (AdamW moments; 4 in bf16, 2 in int8 before their block scales); DeepSpeed's ZeRO optimizers add an fp32
-    # master partition even for an fp32 model (stage_1_and_2.py single_partition_of_fp32_groups, stage3.py
-    # fp32_partitioned_groups_flat): K = 12 (8 with bf16 moments, 6 with int8 ones).
-    k = MOMENT_BYTES[cfg.optim.state_dtype] + (4 if stage > 0 else 0)
+    # K = 8 (AdamW moments; 4 in bf16, 2 in int8 before their block scales; SGD's momentum 4); DeepSpeed's ZeRO
+    # optimizers add an fp32 master partition even for an fp32 model (stage_1_and_2.py
+    # single_partition_of_fp32_groups, stage3.py fp32_partitioned_groups_flat): K = 12 (8 with bf16 moments, 6 with
+    # int8 ones). An entry with a fallback (Muon) is K_own on the parameters it takes (counted here on the model by
+    # the entry's rule) and K_fallback on the rest.
+    entry = optimizer_entry(cfg.optim.name)
+    own, fallback = split_bytes(entry, cfg.optim.state_dtype)
+    taken = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and entry.takes(n, tuple(p.shape))) \
+        if entry.fallback else trainable
+    master = 4 if stage > 0 else 0
     paper = {"params": 4 * psi // (nprocs if stage >= 3 else 1),
              "grads": 4 * trainable // (nprocs if stage >= 2 else 1),
-             "optimizer": k * trainable // (nprocs if stage >= 1 else 1)}
+             "optimizer": (master * trainable + own * taken + fallback * (trainable - taken))
+             // (nprocs if stage >= 1 else 1)}
     layout = Layout(dp_size=nprocs, zero_stage=stage, zero_offload=cfg.parallel.zero_offload,
                     micro_batch_size=cfg.parallel.micro_batch_size, n_microbatches=N_MICRO)
     planned = predict_rank_memory(cfg.model, layout, seq_len=cfg.data.seq_len,
                                   # SDPA runs its flash kernel without dropout, the math path with it
                                   options=TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash"
                                                           if cfg.model.dropout == 0 else "math",
-                                                          optim_state_dtype=cfg.optim.state_dtype),
+                                                          optim_state_dtype=cfg.optim.state_dtype,
+                                                          optimizer=cfg.optim.name),
                                   overheads=Overheads.none())
     paper["model_states"] = sum(paper.values())
     return {"paper": paper, "planner": {"params": planned.params, "grads": planned.grads,
@@ -146,20 +158,25 @@ def measure_ranks(rank: int, world_size: int, cfg_dicts: list[dict[str, Any]]) -
 
 def run_experiment(model: str | dict[str, Any], stages: list[int], nprocs: int, out: Path, *,
                    offload: bool = False, seq_len: int = 32, micro_batch_size: int = 2,
-                   state_dtypes: tuple[str, ...] = ("fp32",)) -> dict[str, Any]:
+                   state_dtypes: tuple[str, ...] = ("fp32",), optimizers: tuple[str, ...] = ("adamw",)
+                   ) -> dict[str, Any]:
+    """One row per optimizer (``optim.name``), AdamW state dtype and ZeRO stage each optimizer's entry runs under
+    (its state dtypes, its ZeRO stages)."""
     from dist_trainer.experiments.report import write_chart, write_markdown
     from dist_trainer.testing import run_distributed
 
     out.mkdir(parents=True, exist_ok=True)
+    entries = [optimizer_entry(name) for name in optimizers]
     cfgs = [experiment_config(model, stage, nprocs, offload=offload, seq_len=seq_len,
-                              micro_batch_size=micro_batch_size, state_dtype=dtype)
-            for dtype in state_dtypes for stage in stages]
+                              micro_batch_size=micro_batch_size, state_dtype=dtype, optimizer=e.name)
+            for e in entries for dtype in state_dtypes for stage in stages
+            if dtype in e.state_dtypes and (e.zero_stages is None or stage in e.zero_stages)]
     per_rank = run_distributed(measure_ranks, nprocs, ([c.to_dict() for c in cfgs],), env={"DS_ACCELERATOR": "cpu"})
     rows = []
     for i, cfg in enumerate(cfgs):
         ranks = [r[i] for r in per_rank]
         rows.append({"stage": cfg.parallel.zero_stage, "offload": cfg.parallel.zero_offload, "nprocs": nprocs,
-                     "state_dtype": cfg.optim.state_dtype, "ranks": ranks,
+                     "state_dtype": cfg.optim.state_dtype, "optimizer": cfg.optim.name, "ranks": ranks,
                      "measured": max(ranks, key=lambda r: r["model_states"]), **predictions(cfg, nprocs)})
     result = {"model": model, "seq_len": seq_len, "micro_batch_size": micro_batch_size, "n_micro": N_MICRO,
               "rows": rows}
@@ -177,6 +194,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--offload", action="store_true", help="offload optimizer (stage 3: and params) to CPU")
     p.add_argument("--optim-state-dtype", default="fp32",
                    help="comma-separated optim.state_dtype values (fp32, bf16, int8): every stage for each")
+    p.add_argument("--optimizers", default="adamw",
+                   help="comma-separated optim.name entries (adamw, muon, sgd): each under the stages and state dtypes "
+                        "its entry runs with")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--out", default="runs/memory_experiment", help="folder for memory.md/.json/.png")
@@ -197,7 +217,11 @@ def _main(args: argparse.Namespace) -> int:
     if not dtypes or any(d not in OPTIM_STATE_DTYPES for d in dtypes):
         raise ValueError(f"--optim-state-dtype={args.optim_state_dtype!r} must be comma-separated values among "
                          f"{', '.join(OPTIM_STATE_DTYPES)}")
+    optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
+    for name in optimizers:
+        optimizer_entry(name)  # ValueError naming it when it is not an entry
     result = run_experiment(args.model, stages, args.nprocs, Path(args.out), offload=args.offload,
-                            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, state_dtypes=dtypes)
+                            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, state_dtypes=dtypes,
+                            optimizers=optimizers)
     print((Path(args.out) / "memory.md").read_text())
     return 0 if result["rows"] else 1

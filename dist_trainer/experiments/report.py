@@ -29,8 +29,10 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     for row in result["rows"]:
         m, paper, plan = row["measured"], row["paper"], row["planner"]
         name = f"{row['stage']}{' +offload' if row['offload'] else ''}"
+        optimizer = row.get("optimizer", "adamw")  # the optimizer's name before its state dtype when not AdamW
+        moments = ("" if optimizer == "adamw" else f"{optimizer} ") + row.get("state_dtype", "fp32")
         lines.append(
-            f"| {name} | {row.get('state_dtype', 'fp32')} | {row['nprocs']} | {_mib(m['params'])} | {_mib(m['grads'])} "
+            f"| {name} | {moments} | {row['nprocs']} | {_mib(m['params'])} | {_mib(m['grads'])} "
             f"| {_mib(m['optimizer'])} | {_mib(plan['optimizer'])} "
             f"| {_mib(m['model_states'])} | {_mib(paper['model_states'])} | {_mib(plan['model_states'])} "
             f"| {_mib(m['activations'])} | {_mib(plan['activations'])} | {_mib(m['peak_memory'])} "
@@ -46,7 +48,7 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
 
     rows = result["rows"]
     labels = [f"stage {r['stage']}" + (f"\n{r['state_dtype']}" if r.get("state_dtype", "fp32") != "fp32" else "")
-              for r in rows]
+              + (f"\n{r['optimizer']}" if r.get("optimizer", "adamw") != "adamw" else "") for r in rows]
     series = {"measured": [r["measured"]["model_states"] / MiB for r in rows],
               "paper": [r["paper"]["model_states"] / MiB for r in rows],
               "planner": [r["planner"]["model_states"] / MiB for r in rows]}

@@ -33,6 +33,7 @@ from dist_trainer.planner.memory import (
     node_host_bytes,
     predict_all_stages,
 )
+from dist_trainer.planner.options import OPTIMIZERS
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
@@ -157,7 +158,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd"))
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="optim.name's entry (optim_entries.py): its state bytes; muon adds its Newton-Schulz and tp "
+                        "gather/scatter to the step time and runs without ZeRO")
     p.add_argument("--fp32-grad-copy", default="auto", choices=("auto", "on", "off"),
                    help="fp32 gradients beside 16-bit ones. auto: what the optimizer does (DeepSpeed ZeRO builds "
                         "them in step(), charged as step buffers; torch AdamW none); on: a persistent copy in the "

@@ -22,6 +22,7 @@ from dist_trainer.planner.memory import (
     rank_expert_trainable,
     rank_trainable,
 )
+from dist_trainer.planner.optimizer import optimizer_time
 
 __all__ = ["AxisTime", "StepTime", "counted_traffic", "estimate_step_time", "ring_time"]
 
@@ -64,6 +65,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     axes: dict[str, AxisTime] = {}
     for axis in AXES:
         axes.update(axis.time(ctx))
+    axes.update(optimizer_time(ctx))  # an optimizer of whole matrices: its Newton-Schulz and tp traffic
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * layout.world_size * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)

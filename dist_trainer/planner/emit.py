@@ -29,11 +29,13 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
                     options: TrainingOptions = DEFAULT_OPTIONS) -> dict[str, Any]:
     """A config tree that dist_trainer.config_load.config_from_dict accepts (model fields spelled out)."""
     fields = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset"}
+    optim = {**({"state_dtype": options.optim_state_dtype} if options.optim_state_dtype != "fp32" else {}),
+             **({"name": options.optimizer} if options.optimizer not in ("adam", "adamw") else {})}
     return {
         "model": fields,
         "parallel": parallel_config_dict(layout),
         "data": {"seq_len": seq_len, **_seq2seq_data(model, options)},
-        **({"optim": {"state_dtype": options.optim_state_dtype}} if options.optim_state_dtype != "fp32" else {}),
+        **({"optim": optim} if optim else {}),
         "train": {"precision": TRAIN_PRECISION[options.precision],
                   **({"freeze": list(options.freeze)} if options.freeze else {})},
     }

@@ -32,6 +32,7 @@ from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
+from dist_trainer.planner.optimizer import state_saving
 from dist_trainer.planner.options import (  # re-exported: the planner's callers import them from here
     DEFAULT_OPTIONS,
     DEFAULT_OVERHEADS,
@@ -236,6 +237,8 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
     p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.replicas, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert,
                                       int8=int8)
+    # an entry with a fallback (Muon): its own states on the matrices it takes, the fallback's charged above
+    o -= state_saving(cfg, layout, options, pp_rank) // (layout.replicas if layout.zero_stage else 1)
     if rp.expert:  # this rank's experts: ZeRO partitions them over edp (DeepSpeed's MoE groups)
         states = model_state_bytes(rp.expert, dp_size=layout.dp_size // layout.ep_size, zero_stage=layout.zero_stage,
                                    zero_offload=layout.zero_offload, options=options, n_trainable=expert)

@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dist_trainer.config import OPTIM_STATE_DTYPES
+from dist_trainer.optim_entries import MOMENT_BYTES as MOMENT_BYTES  # re-exported (memory.py)
+from dist_trainer.optim_entries import OPTIMIZERS as ENTRIES
+from dist_trainer.optim_entries import OptimizerEntry, optimizer_entry, split_bytes
 from dist_trainer.planner import activations as act
 
-OPTIMIZERS = ("adam", "adamw", "sgd")
-MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}  # Adam's two moments per parameter, by optim.state_dtype
+OPTIMIZERS = ("adam", *ENTRIES)  # the trainer's optim.name entries, and Adam without weight decay (AdamW's bytes)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -20,7 +22,7 @@ class TrainingOptions:
 
     precision: str = "bf16"  # fp32 | bf16 | fp16 (16-bit model + fp32 master) | amp_bf16 | amp_fp16 (autocast)
     grad_dtype: str | None = None  # fp32 | bf16 | fp16; None = the parameters' dtype
-    optimizer: str = "adamw"  # adam | adamw | sgd
+    optimizer: str = "adamw"  # adam, or an optim.name entry: adamw | muon | sgd
     sgd_momentum: bool = True
     # fp32 gradients beside 16-bit ones. None: what the regime's optimizer does (DeepSpeed ZeRO builds them in
     # step(): zero_step_buffers; torch AdamW none); True: a persistent copy in the optimizer states (Megatron's
@@ -51,6 +53,12 @@ class TrainingOptions:
         if self.optim_state_dtype != "fp32" and self.optimizer == "sgd":
             raise ValueError(f"optim_state_dtype={self.optim_state_dtype} applies to Adam's moments: use "
                              "optimizer adam or adamw")
+        self.entry.check_state_dtype(self.optim_state_dtype)
+
+    @property
+    def entry(self) -> OptimizerEntry:
+        """The optimizer's registry entry (``adam`` is AdamW's without weight decay: the same bytes)."""
+        return optimizer_entry("adamw" if self.optimizer == "adam" else self.optimizer)
 
     @property
     def param_bytes(self) -> int:
@@ -64,8 +72,10 @@ class TrainingOptions:
     def optimizer_bytes(self) -> int:
         """K of the ZeRO paper: fp32 master copy (16-bit models), moments, optional fp32 gradient copy."""
         master = 4 if self.param_bytes == 2 else 0
-        moments = MOMENT_BYTES[self.optim_state_dtype] if self.optimizer in ("adam", "adamw") else \
-            (4 if self.sgd_momentum else 0)
+        # the entry's states per parameter; an entry with a fallback (Muon) is charged its fallback's here and
+        # ``planner/optimizer.state_saving`` takes back the difference on the parameters it takes
+        moments = 0 if self.optimizer == "sgd" and not self.sgd_momentum else \
+            split_bytes(self.entry, self.optim_state_dtype)[1]
         grad_copy = 4 if self.fp32_grad_copy is True and self.grad_bytes < 4 else 0
         return master + moments + grad_copy
 

@@ -143,6 +143,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                   gpu_memory_bytes=gpu_memory_bytes, tp_size=tp_size, max_tp_size=max_tp_size, pp_size=pp_size)
     hw = get_hardware(hardware)
     host_memory = hw.host_memory_per_node(gpus_per_node) if host_memory_bytes is None else host_memory_bytes
+    entry_stages = options.entry.zero_stages  # an optimizer of whole matrices runs without DeepSpeed's ZeRO
+    zero_stages = tuple(z for z in zero_stages if entry_stages is None or z in entry_stages)
     space = SearchSpace(model, n_gpus, gpus_per_node, seq_len, global_batch, options, zero_stages, allow_offload,
                         pp_schedules, tp_size, max_tp_size, pp_size, max_cp_size)
     pl = Pricer(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes, host_memory)
