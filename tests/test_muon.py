@@ -6,6 +6,8 @@ coefficients, Moonshot's update-RMS scaling and Nesterov momentum written out, t
 parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, and ep=2 for a MoE model)
 train 6 steps in one 2-rank spawn and must reproduce one process's training and eval losses within 1e-5; a tp=2
 checkpoint resumes at dp=2 and on one process, and a resume under another ``optim.name`` is refused naming both.
+The sgd entry runs under DeepSpeed's ZeRO-1 in the same spawn (one process's losses; its checkpoint resumed on one
+process).
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
         out[name] = curves(Trainer(_config(data, root / name, MOE, parallel)).train())
     share_checkpoint(rank, root / "tp2_sp", [root / "resume_dp2"])
     out["resume_dp2"] = curves(Trainer(_config(data, root / "resume_dp2", DENSE, {}, resume=True)).train())
+    # SGD's momentum in DeepSpeed's ZeRO-1 files (consolidated by the state names saved), resumed in the test
+    out["sgd_zero1"] = curves(Trainer(_config(data, root / "sgd_zero1", DENSE, {"zero_stage": 1}, optim="sgd")).train())
     return out
 
 
@@ -116,7 +120,8 @@ def runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     root = tmp_path_factory.mktemp("muon")
     two = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)[0]
     single = {"dense": curves(Trainer(_config(tiny_data, root / "single", DENSE, {})).train()),
-              "moe": curves(Trainer(_config(tiny_data, root / "single_moe", MOE, {})).train())}
+              "moe": curves(Trainer(_config(tiny_data, root / "single_moe", MOE, {})).train()),
+              "sgd": curves(Trainer(_config(tiny_data, root / "single_sgd", DENSE, {}, optim="sgd")).train())}
     return {"root": root, "two": two, "single": single}
 
 
@@ -135,6 +140,17 @@ def test_muon_checkpoint_resumes_across_layouts(tiny_data: Path, runs: dict[str,
         steps = [3, 4, 5]  # the steps after the checkpoint (losses are keyed from 0)
         assert relative_diff([got["losses"][s] for s in steps], [reference["losses"][s] for s in steps]) <= 1e-5, name
         assert relative_diff([got["eval"][6]], [reference["eval"][6]]) <= 1e-5, name
+
+
+def test_sgd_under_zero1_matches_one_process_and_resumes_on_one(tiny_data: Path, runs: dict[str, Any]) -> None:
+    """The sgd entry through DeepSpeed's client optimizer and its checkpoint files (momentum_buffer by name)."""
+    root, reference = runs["root"], runs["single"]["sgd"]
+    assert_same_curves(runs["two"]["sgd_zero1"], reference, what="sgd zero1")
+    shutil.copytree(root / "sgd_zero1" / STEP3, root / "sgd_resume_one" / STEP3)
+    got = curves(Trainer(_config(tiny_data, root / "sgd_resume_one", DENSE, {}, optim="sgd", resume=True)).train())
+    steps = [3, 4, 5]
+    assert relative_diff([got["losses"][s] for s in steps], [reference["losses"][s] for s in steps]) <= 1e-5
+    assert relative_diff([got["eval"][6]], [reference["eval"][6]]) <= 1e-5
 
 
 def test_switching_optimizer_on_resume_is_refused(tiny_data: Path, runs: dict[str, Any]) -> None:

@@ -124,6 +124,7 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     seq2seq = cfg.model.encoder_decoder  # the decoder's length, and whether the sources are padded
     return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
                            freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype,
+                           optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum > 0,
                            target_len=cfg.data.decoder_len() if seq2seq else None,
                            source_mask=seq2seq and cfg.data.objective == "seq2seq")
 
