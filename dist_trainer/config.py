@@ -387,6 +387,13 @@ class Config:
             raise ValueError(f"optim.name={self.optim.name} runs under parallel.zero_stage "
                              f"{', '.join(map(str, stages))} only, not {asked} (parallel.zero_stage / "
                              "auto_zero_stages)")
+        entry, par = optimizer_entry(self.optim.name), self.parallel
+        if entry.zero_dp_only and par.zero_stage > 0 and (par.tp_size, par.pp_size, par.ep_size, par.zero_offload) != (
+                1, 1, 1, False):
+            raise ValueError(f"optim.name={self.optim.name} under parallel.zero_stage={par.zero_stage} runs with "
+                             f"tp_size, pp_size, ep_size 1 and no zero_offload, not tp_size={par.tp_size}, pp_size="
+                             f"{par.pp_size}, ep_size={par.ep_size}, zero_offload={par.zero_offload}; use "
+                             "zero_stage 0 with those")
         tp = self.parallel.tp_size
         if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
             raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "

@@ -48,15 +48,17 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             *_decay_groups(rest, cfg.weight_decay)]
 
 
-def build_from_groups(groups: list[dict[str, Any]], cfg: OptimConfig,
-                      shards: dict[int, MatrixShard] | None = None) -> torch.optim.Optimizer:
-    """``optim.name``'s optimizer over ``groups`` (its entry's builder); ``shards``: the matrices this rank holds a
-    TP slice of, for the entries that need whole matrices (``optim_muon.py``)."""
+def build_from_groups(groups: list[dict[str, Any]], cfg: OptimConfig, shards: dict[int, MatrixShard] | None = None,
+                      zero: AxisGroup | None = None) -> torch.optim.Optimizer:
+    """``optim.name``'s optimizer over ``groups`` (its entry's builder). For the entries that need whole matrices
+    (``optim_muon.py``): ``shards``, the matrices this rank holds a TP slice of; ``zero``, DeepSpeed's data-parallel
+    axis when its ZeRO-1/2 partitions them."""
     entry = optimizer_entry(cfg.name)
     entry.check_state_dtype(cfg.state_dtype)
     module, function = entry.builder.split(":")
     build = getattr(importlib.import_module(module), function)
-    return build(groups, cfg, shards) if shards else build(groups, cfg)
+    placement = {k: v for k, v in (("shards", shards), ("zero", zero)) if v} if entry.group_marks else {}
+    return build(groups, cfg, **placement)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, tp: AxisGroup | None = None) -> torch.optim.Optimizer:

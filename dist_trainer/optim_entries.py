@@ -52,9 +52,11 @@ class OptimizerEntry:
     # the groups of the parameters it takes: {"use_muon": True} marks them for a builder that steps two kinds
     group_marks: tuple[tuple[str, bool], ...] = ()
     # the parallel.zero_stage values it runs under: DeepSpeed's ZeRO hands its client optimizer flat fp32
-    # partitions, not matrices, so an optimizer of whole matrices runs without it (gathering the slices of each
-    # matrix inside DeepSpeed's step is not built)
+    # partitions, not matrices; Muon rebuilds its matrices from ZeRO-1/2's (ZeRO-3's partitions are not built)
     zero_stages: tuple[int, ...] | None = None  # None: every stage
+    # under ZeRO: only as DeepSpeed's sole parallelism (tp, pp, ep 1, no offload), when its matrices are rebuilt from
+    # DeepSpeed's flat partitions over dp alone
+    zero_dp_only: bool = False
 
     def check_state_dtype(self, state_dtype: str) -> None:
         if state_dtype not in self.state_dtypes:
@@ -68,7 +70,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
     # Muon: one fp32 momentum per matrix element; AdamW (fp32 moments) for the rest
     OptimizerEntry("muon", "dist_trainer.optim_muon:build_muon", ("momentum_buffer",), ("fp32",),
                    lambda dtype: 4, takes=hidden_matrix, fallback="adamw", group_marks=(("use_muon", True),),
-                   zero_stages=(0,)),
+                   zero_stages=(0, 1, 2), zero_dp_only=True),
     # SGD with (heavy-ball) momentum: one fp32 buffer per parameter
     OptimizerEntry("sgd", "dist_trainer.optim_muon:build_sgd", ("momentum_buffer",), ("fp32",), lambda dtype: 4),
 )}

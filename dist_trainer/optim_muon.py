@@ -67,19 +67,28 @@ class Muon(torch.optim.Optimizer):
     """Muon on the groups marked ``use_muon``, torch AdamW's arithmetic (fp32 moments) on the others.
 
     ``shards``: {id(parameter): MatrixShard} for the matrices this rank holds a slice of (module docstring).
+    ``zero``: DeepSpeed's ZeRO-1/2 data-parallel axis when DeepSpeed wraps this optimizer: it then steps one flat
+    fp32 partition per group, and each Muon matrix is rebuilt from the ranks' fragments on its owner (``_zero_step``).
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0, shards: dict[int, MatrixShard] | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, shards: dict[int, MatrixShard] | None = None,
+                 zero: AxisGroup | None = None) -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay, "use_muon": False})
-        self.shards = shards or {}
+        self.shards, self.zero = shards or {}, zero
+        # the module's matrices per group, before DeepSpeed puts its flat partitions in their place
+        self.matrices = [list(g["params"]) for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = closure_loss(closure)
+        owners = iter(range(10**9))  # matrix k of the step is owned by dp rank k mod dp (ZeRO)
         for group, p, grad in params_with_grads(self):
-            (self._muon_step if group["use_muon"] else self._adamw_step)(p, grad, group)
+            if group["use_muon"] and self.zero is not None:
+                self._zero_step(p, grad, group, owners)
+            else:
+                (self._muon_step if group["use_muon"] else self._adamw_step)(p, grad, group)
         return loss
 
     def _adamw_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
@@ -93,13 +102,7 @@ class Muon(torch.optim.Optimizer):
               eps=group["eps"], maximize=False)
 
     def _muon_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        mu = group["momentum"]
-        buf = state["momentum_buffer"]
-        buf.mul_(mu).add_(grad)
-        u = grad.add(buf, alpha=mu)  # Nesterov
+        u = _momentum_input(self.state[p], grad, group["momentum"])
         shard = self.shards.get(id(p))
         if shard is None:
             update = orthogonalize(u).mul_(update_scale(tuple(u.shape)))
@@ -107,6 +110,42 @@ class Muon(torch.optim.Optimizer):
             update = _orthogonalize_sharded(u, shard)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-group["lr"])
+
+    def _zero_step(self, flat: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], owners: Any) -> None:
+        """One ZeRO-1/2 partition of a Muon group: the momentum on the partition (elementwise), then per matrix the
+        ranks' fragments of U summed into its owner (a reduce of the zero-padded matrix over dp), orthogonalised and
+        scaled there, broadcast, and this rank's fragment applied to its fp32 master partition. Each matrix's
+        fragment is DeepSpeed's record (``_hp_mapping``: where it lies in the matrix and in the partition)."""
+        axis = self.zero
+        assert axis is not None
+        u = _momentum_input(self.state[flat], grad, group["momentum"])
+        update = torch.zeros_like(flat)
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        for p in self.matrices[index]:
+            owner = next(owners) % axis.size
+            whole = torch.zeros(p.numel(), dtype=u.dtype, device=u.device)
+            fragment = getattr(p, "_hp_mapping", None)
+            if fragment is not None:
+                lp, hp = fragment.lp_fragment_address, fragment.hp_fragment_address
+                whole.narrow(0, lp.start, lp.numel).copy_(u.narrow(0, hp.start, hp.numel))
+            axis.reduce(whole, owner)
+            if axis.rank == owner:
+                matrix = whole.view(p.shape)
+                whole.copy_(orthogonalize(matrix).mul_(update_scale(tuple(p.shape))).reshape(-1))
+            axis.broadcast(whole, owner)
+            if fragment is not None:
+                update.narrow(0, hp.start, hp.numel).copy_(whole.narrow(0, lp.start, lp.numel))
+        flat.mul_(1 - group["lr"] * group["weight_decay"])
+        flat.add_(update, alpha=-group["lr"])
+
+
+def _momentum_input(state: dict[str, Any], grad: torch.Tensor, mu: float) -> torch.Tensor:
+    """M = mu M + G (``momentum_buffer``, created at zero), and the Nesterov input G + mu M."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    buf = state["momentum_buffer"]
+    buf.mul_(mu).add_(grad)
+    return grad.add(buf, alpha=mu)
 
 
 def _orthogonalize_sharded(u: torch.Tensor, shard: MatrixShard) -> torch.Tensor:
@@ -122,11 +161,11 @@ def _orthogonalize_sharded(u: torch.Tensor, shard: MatrixShard) -> torch.Tensor:
     return axis.scatter(chunks, torch.empty_like(u), shard.owner)
 
 
-def build_muon(groups: list[dict[str, Any]], o: OptimConfig,
-               shards: dict[int, MatrixShard] | None = None) -> torch.optim.Optimizer:
+def build_muon(groups: list[dict[str, Any]], o: OptimConfig, shards: dict[int, MatrixShard] | None = None,
+               zero: AxisGroup | None = None) -> torch.optim.Optimizer:
     """The ``muon`` entry's optimizer: Muon (momentum ``optim.momentum``) on the groups marked ``use_muon``, AdamW
     (``optim.beta1``/``beta2``/``eps``) on the rest, each group's weight decay."""
-    return Muon(groups, lr=o.lr, momentum=o.momentum, betas=(o.beta1, o.beta2), eps=o.eps, shards=shards)
+    return Muon(groups, lr=o.lr, momentum=o.momentum, betas=(o.beta1, o.beta2), eps=o.eps, shards=shards, zero=zero)
 
 
 def build_sgd(groups: list[dict[str, Any]], o: OptimConfig,

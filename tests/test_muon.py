@@ -3,7 +3,8 @@ one process.
 
 The reference is independent of ``optim_muon.py``: Keller Jordan's Newton-Schulz quintic with its published
 coefficients, Moonshot's update-RMS scaling and Nesterov momentum written out, torch's own AdamW for the
-parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, and ep=2 for a MoE model)
+parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, DeepSpeed's ZeRO-1 and ZeRO-2 at
+dp=2, and ep=2 for a MoE model)
 train 6 steps in one 2-rank spawn and must reproduce one process's training and eval losses within 1e-5; a tp=2
 checkpoint resumes at dp=2 and on one process, and a resume under another ``optim.name`` is refused naming both.
 The sgd entry runs under DeepSpeed's ZeRO-1 in the same spawn (one process's losses; its checkpoint resumed on one
@@ -96,7 +97,8 @@ def _config(data: Path, out: Path, model: dict, parallel: dict, optim: str = "mu
 
 
 DENSE_CASES = {"dp2": {}, "tp2_sp": {"tp_size": 2, "dp_size": 1, "sequence_parallel": True},
-               "pp2": {"pp_size": 2, "dp_size": 1, "pp_schedule": "1f1b", "micro_batch_size": 2}}
+               "pp2": {"pp_size": 2, "dp_size": 1, "pp_schedule": "1f1b", "micro_batch_size": 2},
+               "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}}
 MOE_CASES = {"ep2": {"ep_size": 2}}
 
 
@@ -160,6 +162,9 @@ def test_switching_optimizer_on_resume_is_refused(tiny_data: Path, runs: dict[st
         Trainer(_config(tiny_data, root / "switch", DENSE, {}, optim="adamw", resume=True))
 
 
-def test_muon_under_deepspeed_zero_is_refused(tiny_data: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="optim.name=muon runs under parallel.zero_stage 0 only"):
-        _config(tiny_data, tmp_path, DENSE, {"zero_stage": 1})
+def test_muon_under_zero3_or_zero_beside_tp_is_refused(tiny_data: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"optim.name=muon runs under parallel.zero_stage 0, 1, 2 only, not \[3\]"):
+        _config(tiny_data, tmp_path, DENSE, {"zero_stage": 3})
+    with pytest.raises(ValueError, match="optim.name=muon under parallel.zero_stage=1 runs with tp_size, pp_size, "
+                                         "ep_size 1 and no zero_offload, not tp_size=2"):
+        _config(tiny_data, tmp_path, DENSE, {"zero_stage": 1, "tp_size": 2, "dp_size": 1})

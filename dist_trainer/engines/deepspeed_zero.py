@@ -31,6 +31,7 @@ from dist_trainer.model_blocks import set_attrs
 from dist_trainer.optim import build_from_groups, build_optimizer, param_groups, set_lr
 from dist_trainer.optim_entries import optimizer_entry
 from dist_trainer.optim_lowbit import canonical_states
+from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
@@ -45,17 +46,18 @@ DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the traine
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
-def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config) -> torch.optim.Optimizer:
+def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config, dp: AxisGroup | None = None
+                     ) -> torch.optim.Optimizer:
     """``optim.name``'s optimizer for DeepSpeed to wrap, built by its registry entry as the DDP engine's is
     (``optim.build_from_groups``), or DeepSpeedCPUAdam in AdamW mode when the optimizer states live in host memory
     (DeepSpeed steps offloaded partitions with it; fp32 moments only, ``layout_rules.check_low_bit``)."""
     o = cfg.optim
-    groups = list(params)
+    groups = [g for g in params if g["params"]]  # DeepSpeed flattens each group: an empty one has nothing to hold
     if cfg.parallel.zero_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
-    return build_from_groups(groups, o)
+    return build_from_groups(groups, o, zero=dp)
 
 
 class DeepSpeedZero:
@@ -75,7 +77,7 @@ class DeepSpeedZero:
             if any(is_expert_param(p) and p.requires_grad for p in model.parameters()):
                 _mark_moe_model(model, cfg.model.n_experts, state.ep_size)
                 groups = _moe_param_groups(groups)
-        optimizer = client_optimizer(groups, cfg)
+        optimizer = client_optimizer(groups, cfg, state.replicas)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module

@@ -292,6 +292,15 @@ class AxisGroup:
         return out
 
     @_eager
+    def reduce(self, t: torch.Tensor, dst_axis_rank: int) -> torch.Tensor:
+        """In-place sum of every rank's ``t`` into ``dst_axis_rank``'s (the others' ``t`` undefined after); returns
+        ``t``."""
+        if self.size == 1:
+            return t
+        self._run("reduce", _nbytes(t), lambda: dist.reduce(t, dst=self.ranks[dst_axis_rank], group=self.group))
+        return t
+
+    @_eager
     def scatter(self, chunks: list[torch.Tensor] | None, out: torch.Tensor, src_axis_rank: int) -> torch.Tensor:
         """``chunks[i]`` (given on ``src_axis_rank`` only) into axis rank i's ``out``; returns ``out``. Counted as
         the bytes each rank receives (``out``), so a gather and its scatter count alike."""
