@@ -46,7 +46,7 @@ def make_config(data: Path, out: Path, steps: int, optimizer: str, lr: float) ->
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    result = Trainer(cfg, log=False).train()
+    result = Trainer(cfg).train()  # its log writes metrics.jsonl (the step times)
     last = [result.losses[s] for s in sorted(result.losses)[-10:]]
     records = [json.loads(line) for line in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in records if "step_time_s" in r and r.get("step", 0) > 10]

@@ -48,6 +48,21 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             *_decay_groups(rest, cfg.weight_decay)]
 
 
+def group_states(group: dict[str, Any], cfg: OptimConfig) -> tuple[str, ...]:
+    """The per-parameter state tensors the optimizer keeps for ``group``'s parameters: its entry's for the groups it
+    marks (or all, without a fallback), the fallback's for the others."""
+    entry = optimizer_entry(cfg.name)
+    if entry.fallback is None or all(group.get(k) == v for k, v in entry.group_marks):
+        return entry.states
+    return optimizer_entry(entry.fallback).states
+
+
+def param_states(name: str, p: torch.Tensor, cfg: OptimConfig) -> tuple[str, ...]:
+    """``group_states`` of parameter ``name`` (its entry's ``takes`` decides)."""
+    entry = optimizer_entry(cfg.name)
+    return group_states(dict(entry.group_marks) if entry.takes(name, full_shape(p)) else {}, cfg)
+
+
 def build_from_groups(groups: list[dict[str, Any]], cfg: OptimConfig, shards: dict[int, MatrixShard] | None = None,
                       zero: AxisGroup | None = None) -> torch.optim.Optimizer:
     """``optim.name``'s optimizer over ``groups`` (its entry's builder). For the entries that need whole matrices

@@ -6,7 +6,8 @@ coefficients, Moonshot's update-RMS scaling and Nesterov momentum written out, t
 parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, DeepSpeed's ZeRO-1 and ZeRO-2 at
 dp=2, and ep=2 for a MoE model)
 train 6 steps in one 2-rank spawn and must reproduce one process's training and eval losses within 1e-5; a tp=2
-checkpoint resumes at dp=2 and on one process, and a resume under another ``optim.name`` is refused naming both.
+checkpoint resumes at dp=2 and on one process, a pp=2 one under ZeRO-1, a ZeRO-2 one on one process; a resume under
+another ``optim.name`` is refused naming both.
 The sgd entry runs under DeepSpeed's ZeRO-1 in the same spawn (one process's losses; its checkpoint resumed on one
 process).
 """
@@ -112,6 +113,9 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
         out[name] = curves(Trainer(_config(data, root / name, MOE, parallel)).train())
     share_checkpoint(rank, root / "tp2_sp", [root / "resume_dp2"])
     out["resume_dp2"] = curves(Trainer(_config(data, root / "resume_dp2", DENSE, {}, resume=True)).train())
+    share_checkpoint(rank, root / "pp2", [root / "resume_zero1"])  # by name into DeepSpeed's partitions
+    out["resume_zero1"] = curves(Trainer(_config(data, root / "resume_zero1", DENSE, {"zero_stage": 1},
+                                                 resume=True)).train())
     # SGD's momentum in DeepSpeed's ZeRO-1 files (consolidated by the state names saved), resumed in the test
     out["sgd_zero1"] = curves(Trainer(_config(data, root / "sgd_zero1", DENSE, {"zero_stage": 1}, optim="sgd")).train())
     return out
@@ -136,9 +140,12 @@ def test_muon_layouts_match_one_process(runs: dict[str, Any]) -> None:
 
 def test_muon_checkpoint_resumes_across_layouts(tiny_data: Path, runs: dict[str, Any]) -> None:
     root, reference = runs["root"], runs["single"]["dense"]
-    shutil.copytree(root / "tp2_sp" / STEP3, root / "resume_one" / STEP3)
-    one = curves(Trainer(_config(tiny_data, root / "resume_one", DENSE, {}, resume=True)).train())
-    for name, got in (("resume_dp2", runs["two"]["resume_dp2"]), ("resume_one", one)):
+    resumed = {"resume_dp2": runs["two"]["resume_dp2"], "resume_zero1": runs["two"]["resume_zero1"]}
+    for source in ("tp2_sp", "zero2"):  # a TP checkpoint and DeepSpeed's ZeRO-2 files, each resumed on one process
+        shutil.copytree(root / source / STEP3, root / f"{source}_on_one" / STEP3)
+        resumed[f"{source}_on_one"] = curves(Trainer(_config(tiny_data, root / f"{source}_on_one", DENSE, {},
+                                                             resume=True)).train())
+    for name, got in resumed.items():
         steps = [3, 4, 5]  # the steps after the checkpoint (losses are keyed from 0)
         assert relative_diff([got["losses"][s] for s in steps], [reference["losses"][s] for s in steps]) <= 1e-5, name
         assert relative_diff([got["eval"][6]], [reference["eval"][6]]) <= 1e-5, name

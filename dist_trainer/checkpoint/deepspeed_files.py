@@ -153,12 +153,22 @@ def consolidate(ds_dir: Path, mp: int, dp_size: int,
     paddings = optims[0].get("param_alignment_paddings")
     weights = _by_name([o[key] for o in optims], stage, shapes, paddings)
     bases = [_base_state(o, stage) for o in optims]
-    # the state tensors the optimizer saved (its entry's ``states``: AdamW's moments, a momentum buffer), by name
-    keys = [k for k in bases[0][0] if k != "step"]
-    moments = {k: _by_name([[g[k] for g in b] for b in bases], stage, shapes, paddings) for k in keys}
-    step = bases[0][0].get("step", 0)
-    step = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-    state = {n: {"step": step.clone(), **{k: moments[k][n] for k in keys}} for n in weights}
+    # the optimizer's step count: the groups that count steps hold it (a momentum's, Muon's, counts none)
+    step = torch.tensor(max(float(g.get("step", 0)) for g in bases[0]))
+    state: dict[str, dict[str, Any]] = {n: {"step": step.clone()} for n in weights}
+    # the state tensors each flat group's optimizer saved (its entry's ``states``: AdamW's moments, a momentum
+    # buffer; an entry and its fallback keep different ones), by name
+    keys = [[k for k in group if k != "step"] for group in bases[0]]
+    if stage == 3:  # sub-groups of one optimizer group each
+        for k in keys[0]:
+            for n, t in _by_name([[g[k] for g in b] for b in bases], stage, shapes, paddings).items():
+                state[n][k] = t
+    else:
+        for g, group_shapes in enumerate(shapes):
+            for k in keys[g]:
+                split = _zero12_split([b[g][k] for b in bases], group_shapes, None if paddings is None else paddings[g])
+                for n, t in split.items():
+                    state[n][k] = t
     frozen = model_states.get("frozen_param_shapes") or {}
     if frozen:
         if stage == 3:

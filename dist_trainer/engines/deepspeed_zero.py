@@ -28,8 +28,7 @@ from dist_trainer.config import Config
 from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model_blocks import set_attrs
-from dist_trainer.optim import build_from_groups, build_optimizer, param_groups, set_lr
-from dist_trainer.optim_entries import optimizer_entry
+from dist_trainer.optim import build_from_groups, build_optimizer, group_states, param_groups, param_states, set_lr
 from dist_trainer.optim_lowbit import canonical_states
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
@@ -70,7 +69,6 @@ class DeepSpeedZero:
         self.cfg, self.state, self.stage = cfg, state, state.layout.zero_stage
         self.grads_from_schedule = grads_from_schedule
         self.offload = cfg.parallel.zero_offload
-        self.states = optimizer_entry(cfg.optim.name).states  # what the checkpoints hold per parameter
         groups = param_groups(model, cfg.optim)  # full shapes decide decay under ZeRO-3 (ds_shape)
         if state.ep_size > 1:  # DeepSpeed's MoE conventions for our expert-parallel layers (the section at the end)
             _register_expert_groups(state)  # collective
@@ -189,7 +187,8 @@ class DeepSpeedZero:
                 continue
             weights[name] = safe_get_full_fp32_param(p).detach().cpu()
             moments[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone().cpu(),
-                             **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in self.states}}
+                             **{k: safe_get_full_optimizer_state(p, k).detach().cpu()
+                                for k in param_states(name, p, self.cfg.optim)}}
         return weights, moments
 
     def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
@@ -233,15 +232,18 @@ class DeepSpeedZero:
         if missing:
             raise ValueError(f"checkpoint {folder} lacks parameters {missing[:5]}")
         saved = canonical_states(optim_state["state"])  # fp32 moments, whatever optim.state_dtype saved them in
-        step = next((s["step"] for s in saved.values()), torch.tensor(0.0))
+        # the step count of the entries that count steps (a momentum's, Muon's, counts none)
+        step = torch.tensor(max((float(s["step"]) for s in saved.values()), default=0.0))
         base = self.optimizer.optimizer
         # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
         # _set_fp32_optimizer_param_groups); stages 1/2 keep them in param_groups.
-        flats = list(self.optimizer.fp32_partitioned_groups_flat) if self.stage == 3 else \
-            [flat for group in base.param_groups for flat in group["params"]]
-        for flat in flats:
+        # (flat partition, the state tensors its group keeps: an entry's and its fallback's differ)
+        flats = [(f, group_states(base.param_groups[0], self.cfg.optim)) for f in
+                 self.optimizer.fp32_partitioned_groups_flat] if self.stage == 3 else \
+            [(flat, group_states(group, self.cfg.optim)) for group in base.param_groups for flat in group["params"]]
+        for flat, keys in flats:
             count = int(step) if self.offload else torch.as_tensor(step, dtype=torch.float32).clone()
-            base.state[flat] = {"step": count, **{k: torch.zeros_like(flat) for k in self.states}}
+            base.state[flat] = {"step": count, **{k: torch.zeros_like(flat) for k in keys}}
         if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):  # stages 1/2 link fragments lazily
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
@@ -249,7 +251,7 @@ class DeepSpeedZero:
             full = model_state[name].to(p.device, torch.float32)
             if p.requires_grad:  # a frozen parameter has no fp32 master partition (nor moments)
                 safe_set_full_fp32_param(p, full)
-            for key in self.states:
+            for key in param_states(name, p, self.cfg.optim):
                 if name in saved and p.requires_grad:
                     safe_set_full_optimizer_state(p, saved[name][key].to(p.device, torch.float32), key)
             if self.stage == 3:
@@ -259,7 +261,7 @@ class DeepSpeedZero:
                 p.data.copy_(full)
         adopt = getattr(base, "adopt_canonical_state_", None)  # bf16 / int8 moments: the fp32 ones converted
         if adopt is not None:
-            for flat in flats:
+            for flat, _ in flats:
                 adopt(base.state[flat])
         for name, buf in zip(int8_buffer_names(self.module), int8_buffers(self.module), strict=True):
             buf.copy_(model_state[name])  # int8 base weights and scales (ZeRO-1/2), as saved
