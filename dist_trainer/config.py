@@ -379,21 +379,10 @@ class Config:
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
         check_int8_base(self.model, self.train.freeze)  # ValueError: int8 base weights without a frozen linear
-        stages = optimizer_entry(self.optim.name).zero_stages
-        asked = [] if stages is None else sorted(
-            {self.parallel.zero_stage, *(self.parallel.auto_zero_stages or [])} - set(stages))
-        if asked:
-            assert stages is not None
-            raise ValueError(f"optim.name={self.optim.name} runs under parallel.zero_stage "
-                             f"{', '.join(map(str, stages))} only, not {asked} (parallel.zero_stage / "
-                             "auto_zero_stages)")
-        entry, par = optimizer_entry(self.optim.name), self.parallel
-        if entry.zero_dp_only and par.zero_stage > 0 and (par.tp_size, par.pp_size, par.ep_size, par.zero_offload) != (
-                1, 1, 1, False):
-            raise ValueError(f"optim.name={self.optim.name} under parallel.zero_stage={par.zero_stage} runs with "
-                             f"tp_size, pp_size, ep_size 1 and no zero_offload, not tp_size={par.tp_size}, pp_size="
-                             f"{par.pp_size}, ep_size={par.ep_size}, zero_offload={par.zero_offload}; use "
-                             "zero_stage 0 with those")
+        par = self.parallel
+        for stage in sorted({par.zero_stage, *(par.auto_zero_stages or [])}):
+            optimizer_entry(self.optim.name).check_zero_layout(stage, par.tp_size, par.pp_size, par.ep_size,
+                                                               par.zero_offload)
         tp = self.parallel.tp_size
         if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
             raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "

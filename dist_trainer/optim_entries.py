@@ -58,6 +58,16 @@ class OptimizerEntry:
     # DeepSpeed's flat partitions over dp alone
     zero_dp_only: bool = False
 
+    def check_zero_layout(self, zero_stage: int, tp_size: int, pp_size: int, ep_size: int, zero_offload: bool) -> None:
+        """ValueError naming the values when the entry does not run under this ZeRO stage with these degrees."""
+        if self.zero_stages is not None and zero_stage not in self.zero_stages:
+            raise ValueError(f"optim.name={self.name} runs under parallel.zero_stage "
+                             f"{', '.join(map(str, self.zero_stages))} only, not {zero_stage}")
+        if self.zero_dp_only and zero_stage > 0 and (tp_size, pp_size, ep_size, zero_offload) != (1, 1, 1, False):
+            raise ValueError(f"optim.name={self.name} under parallel.zero_stage={zero_stage} runs with tp_size, "
+                             f"pp_size, ep_size 1 and no zero_offload, not tp_size={tp_size}, pp_size={pp_size}, "
+                             f"ep_size={ep_size}, zero_offload={zero_offload}; use zero_stage 0 with those")
+
     def check_state_dtype(self, state_dtype: str) -> None:
         if state_dtype not in self.state_dtypes:
             raise ValueError(f"optim.state_dtype={state_dtype} does not apply to optim.name={self.name} (it accepts "

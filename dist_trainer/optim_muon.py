@@ -14,7 +14,9 @@ own part of U (the momentum is elementwise), the parts are gathered to one owner
 update scattered back: the DistMuon scheme of torchtitan and DeepSpeed's ZeRO Muon, the owners taken round robin
 over the axis so the Newton-Schulz work is spread. Data-parallel replicas hold the same averaged gradient and
 compute the same update (no traffic); pipeline stages and expert-parallel ranks hold their matrices whole, each
-expert its own, and orthogonalise them where they are.
+expert its own, and orthogonalise them where they are. Under DeepSpeed's ZeRO-1/2 this is DeepSpeed's client
+optimizer over flat fp32 partitions: each matrix is rebuilt on an owner dp rank from the ranks' fragments
+(``Muon._zero_step``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ and the tp gather/scatter of the matrices TP splits, in the step time. Torch-fre
 The matrices are listed by the model's parameter names and full shapes (the entry's ``takes`` decides, as it does
 for the trainer's groups). Each TP-split matrix is orthogonalised by one owner (round robin over tp): per rank a
 1/tp share of their FLOPs, and for each one this rank's slice handed to the owner and its slice of the update handed
-back (a gather and a scatter, counted on the tp axis as ``AxisGroup`` counts them). NS5 of an A x B matrix (A <= B)
+back (a gather and a scatter, counted on the tp axis as ``AxisGroup`` counts them). Under DeepSpeed's ZeRO-1/2 every
+matrix has one owner among the dp replicas: a 1/dp share of the FLOPs, and a reduce and a broadcast of the whole
+matrix per matrix. NS5 of an A x B matrix (A <= B)
 is 5 iterations of 3 matmuls: X X^T (2A^2B), its square (2A^3), times X (2A^2B).
 """
 
@@ -93,20 +95,27 @@ def optimizer_time(ctx: StepContext) -> dict[str, AxisTime]:
     cfg, layout, options, hardware = ctx.cfg, ctx.layout, ctx.options, ctx.hardware
     if options.entry.fallback is None:
         return {}
+    # under ZeRO (dp alone, optim_entries' zero_dp_only) every matrix is rebuilt on one of the dp replicas: a
+    # reduce of the whole matrix to its owner and a broadcast of its update, each the whole fp32 matrix
+    zero, n = layout.zero_stage > 0, layout.replicas
     t = layout.tp_size
     worst = (0.0, 0.0)
     for pp_rank in range(layout.pp_size):
         seconds = sent = 0.0
         for r, c, split in taken_matrices(cfg, layout, options.entry, pp_rank):
-            share = t if split else 1
+            share = n if zero else t if split else 1
             seconds += ns_flops(r, c) / share / hardware.matmul_flops("fp32", min(r, c), max(r, c))
-            if split:
-                whole = STATE_DTYPE_BYTES * r * c
+            whole = STATE_DTYPE_BYTES * r * c
+            if zero:
+                seconds += 2 * ring_time("all_gather", whole, n, *ctx.link(layout.world_size))
+                sent += 2 * whole
+            elif split:
                 seconds += 2 * ring_time("all_gather", whole, t, *ctx.intra)  # the gather, then the scatter
                 sent += 2 * whole / t
         worst = max(worst, (seconds, sent))
+    moves = "dp reduce/broadcast" if zero else "tp gather/scatter"
     return {"optimizer": AxisTime(worst[1], worst[0], worst[0],
-                                  "Newton-Schulz (5 x 3 matmuls per matrix) and tp gather/scatter: all exposed")}
+                                  f"Newton-Schulz (5 x 3 matmuls per matrix) and {moves}: all exposed")}
 
 
 def gather_scatter_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, pp_rank: int) -> int:

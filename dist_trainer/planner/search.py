@@ -93,9 +93,14 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
     the trainer's pre-launch check asks of the Layout its config resolves to (``tests/test_layout_rules.py`` holds
     the two to agreement).
     """
-    return _refusal(lambda: check_layout_for(model, layout, seq_len=seq_len, freeze=options.freeze,
-                                             precision=TRAIN_PRECISION[options.precision], device_type=options.device,
-                                             state_dtype=options.optim_state_dtype))
+    def check() -> None:
+        options.entry.check_zero_layout(layout.zero_stage, layout.tp_size, layout.pp_size, layout.ep_size,
+                                        layout.zero_offload)  # Config.validate's optimizer rule
+        check_layout_for(model, layout, seq_len=seq_len, freeze=options.freeze,
+                         precision=TRAIN_PRECISION[options.precision], device_type=options.device,
+                         state_dtype=options.optim_state_dtype)
+
+    return _refusal(check)
 
 
 def config_check(model: ModelConfig, *, seq_len: int,
