@@ -145,6 +145,14 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
     on the rank that holds the embeddings; every other layer sits on a later stage.
     """
+    return stage_terms(stage_rates(costs, mode=mode, every=every, layer_ids=layer_ids, first=first, last=last),
+                       tokens=tokens, in_flight=in_flight)
+
+
+def stage_rates(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], first: bool,
+                last: bool) -> tuple[float, float, float]:
+    """A stage's (saved bytes per token, weight copies, backward working set per token) of one micro-batch:
+    ``stage_activations`` before the batch shape, which the search reuses over every shape of a split."""
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
     chained = 0
@@ -152,6 +160,12 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
         chained += 1
     per_token = weights = recompute = 0.0
     redone = set(recomputed_layers(mode, every, layer_ids))
+    if not (costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: the sums at once
+        c, n_redone, n_kept = costs.layer, len(redone), len(layer_ids) - len(redone)
+        per_token = n_redone * c.checkpointed + n_kept * (c.selective if mode == "selective" else c.full)
+        weights = n_kept * c.amp_weights
+        recompute = max(c.full if n_redone else 0.0, c.attention_core if mode == "selective" and n_kept else 0.0)
+        layer_ids = ()
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
         if i in redone:
@@ -164,8 +178,14 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
     weights += costs.amp_head_weights if last else 0
+    return per_token, weights, max(recompute, costs.loss_backward if last else 0.0)
+
+
+def stage_terms(rates: tuple[float, float, float], *, tokens: int, in_flight: float) -> dict[str, int]:
+    """``stage_activations`` of a stage's ``stage_rates`` for ``in_flight`` micro-batches of ``tokens`` each."""
+    per_token, weights, working = rates
     return {
         "saved": round(per_token * tokens * in_flight),
         "amp_weight_copies": round(weights * in_flight),
-        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
+        "backward_working_set": round(working * tokens),
     }

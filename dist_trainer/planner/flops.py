@@ -38,11 +38,19 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> flo
     return 4.0 * attention_keys_per_query(cfg, seq_len, layer) * cfg.q_dim
 
 
+def attention_flops_by_layer(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """``attention_flops_per_token`` of every layer (the same for all when none slides: the search asks this of
+    every layout it prices)."""
+    if not cfg.sliding_window or cfg.sliding_window >= seq_len:
+        return [4.0 * seq_len * cfg.q_dim] * cfg.n_layers
+    return [attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)]
+
+
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:
     """(matmul, attention) forward FLOPs of layer ``layer`` per token; None: the mean over the model's layers (their
     attention differs when some slide)."""
     if layer is None:
-        attn = sum(attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)) / cfg.n_layers
+        attn = sum(attention_flops_by_layer(cfg, seq_len)) / cfg.n_layers
     else:
         attn = attention_flops_per_token(cfg, seq_len, layer)
     return 2.0 * layer_matmul_weights(cfg), attn
@@ -58,7 +66,7 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
                                   recompute=recompute, checkpoint_every=checkpoint_every)
     tokens = global_batch * seq_len
     mm = 2.0 * layer_matmul_weights(cfg)
-    attn = [attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)]
+    attn = attention_flops_by_layer(cfg, seq_len)
     moe = moe_layer_ids(cfg)
     moe_model, moe_hw = moe_flops_per_token(cfg, seq_len) if moe else (0.0, 0.0)
     moe_model -= dense_mlp_flops_per_token(cfg) if moe else 0.0  # a MoE layer's extra over a dense one

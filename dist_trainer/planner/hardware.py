@@ -155,6 +155,11 @@ def hardware_profiles() -> dict[str, HardwareProfile]:
                         host_memory_per_gpu=2000 * 10**9 // 8, **_gpu(3.35e12)),
         HardwareProfile("H200-141GB", 989e12, 67e12, 141 * 10**9, 450e9, 50e9, pcie_bw=50e9,
                         host_memory_per_gpu=2000 * 10**9 // 8, **_gpu(4.8e12)),
+        # Meta's Grand Teton H100 (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md): SXM, 96 GB HBM2e at
+        # 2.4 TB/s, 400 Gb/s per GPU between hosts, capped at 500 W, where "the actual peak TFLOPs number is between
+        # SXM and NVL": the midpoint of 989 (SXM) and 835 (NVL) dense bf16 TFLOP/s, an assumption
+        HardwareProfile("H100-96GB-500W", 912e12, 60e12, 96 * GiB, 450e9, 50e9, pcie_bw=50e9,
+                        host_memory_per_gpu=2000 * 10**9 // 8, **_gpu(2.4e12)),
         # A CPU "device" for gloo runs: a few cores at ~50 GFLOP/s each, memory copies for intra-node collectives,
         # gloo's TCP loopback latency. A guess: `dist-trainer calibrate` measures the machine at hand.
         HardwareProfile("cpu", 1e11, 1e11, 16 * GiB, 5e9, 1.25e9, efficiency=0.3, pcie_bw=1e12,

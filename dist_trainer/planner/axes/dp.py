@@ -121,14 +121,13 @@ def zero_comm(layout: Layout, options: TrainingOptions) -> ZeroComm:
     """The layout's DeepSpeed settings: the JSON it runs with (the shipped configs/ds one, what ``plan --out``
     writes), ``overlap_comm`` per ``options.device`` where the JSON leaves it out (on for CUDA, off for the CPU:
     ``parallel/zero/config.overlap_comm``), or ``options.zero_overlap_comm`` when set."""
-    overlap, reduce, prefetch = _shipped_zero_comm(layout.zero_stage, layout.zero_offload, options.device)
-    if options.zero_overlap_comm is not None:
-        overlap = options.zero_overlap_comm
-    return ZeroComm(overlap, reduce * options.grad_bytes, prefetch * options.param_bytes)
+    return _zero_comm(layout.zero_stage, layout.zero_offload, options.device, options.zero_overlap_comm,
+                      options.grad_bytes, options.param_bytes)
 
 
 @functools.cache
-def _shipped_zero_comm(stage: int, offload: bool, device: str) -> tuple[bool, int, int]:
+def _zero_comm(stage: int, offload: bool, device: str, overlap: bool | None, grad_bytes: int,
+               param_bytes: int) -> ZeroComm:
     from dist_trainer.parallel.zero.config import (  # torch-free
         DS_PREFETCH_BUCKET,
         DS_REDUCE_BUCKET,
@@ -140,8 +139,9 @@ def _shipped_zero_comm(stage: int, offload: bool, device: str) -> tuple[bool, in
     path = default_ds_config_path(stage, offload)
     # a layout the trainer refuses (ZeRO-1 offload) is priced only to say how close it comes: DeepSpeed's defaults
     zero = (read_ds_json(path).get("zero_optimization") or {}) if path.is_file() else {"stage": stage}
-    return (overlap_comm(zero, device)[0], int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)),
-            int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)))
+    return ZeroComm(overlap_comm(zero, device)[0] if overlap is None else overlap,
+                    int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * grad_bytes,
+                    int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)) * param_bytes)
 
 
 def replica_time(layout: Layout, d: int, options: TrainingOptions, n_rank: int, trainable: int,
