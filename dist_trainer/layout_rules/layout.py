@@ -64,7 +64,7 @@ class Layout:
     zero_offload: bool = False  # ZeRO-Offload: optimizer states (stage 3: and parameters) in host memory
     micro_batch_size: int = 1  # sequences per forward/backward on one rank
     n_microbatches: int = 1  # micro-batches per dp rank per step
-    activation_checkpointing: str = "none"  # none | selective | every_k | full (config.CHECKPOINTING)
+    activation_checkpointing: str = "none"  # none | selective | every_k | full | op (config.CHECKPOINTING)
     checkpoint_every: int = 1  # every_k: layers whose index % k == 0
     sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # config.PP_SCHEDULES

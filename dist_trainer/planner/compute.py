@@ -44,6 +44,7 @@ def step_model_flops(cfg: ModelConfig, layout: Layout, *, seq_len: int, options:
     """(model, hardware) FLOPs of one step of ``layout`` (its batch and recomputation)."""
     return step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
                       recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every,
+                      fused_attention=options.attention_kernel == "flash",
                       target_len=target_length(seq_len, options.target_len, options.source_mask)
                       if cfg.n_decoder_layers else None)
 
@@ -90,8 +91,9 @@ def memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptio
     scores = PASSES_SCORES * cfg.n_heads / t * seq_len if options.attention_kernel == "math" else 0.0
     per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t
                           + scores)
-    recomputed = {"full": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
-        layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
+    # a recomputed forward: about a third of the passes again; op-level recomputes every elementwise pass
+    recomputed = {"full": 1.0, "op": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
+        layout.activation_checkpointing, 0.0)
     per_token *= 1 + recomputed / 3
     passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
     optimizer_bytes = ADAM_BYTES * trainable / (layout.replicas if layout.zero_stage else 1)
