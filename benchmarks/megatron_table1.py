@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dist_trainer.config import ModelConfig  # noqa: E402
-from dist_trainer.planner.cost import estimate_step_time  # noqa: E402
+from dist_trainer.planner.cost import StepTime, estimate_step_time  # noqa: E402
 from dist_trainer.planner.hardware import get_hardware  # noqa: E402
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions, predict_rank_memory  # noqa: E402
 from dist_trainer.planner.search import plan_layouts  # noqa: E402
@@ -42,7 +42,8 @@ ROWS = [
 ]
 # The paper ran fp16 (static loss scale); this trainer runs fp16 only without pipeline stages, so the paper's regime is
 # priced in bf16: the same 2-byte tensors and the same A100 peak, which is all the planner's figures depend on.
-PAPER = TrainingOptions(precision="bf16", attention_kernel="math", device="cuda")
+PAPER = TrainingOptions(precision="bf16", attention_kernel="math", device="cuda", ddp_overlap=False,
+                        pp_scatter_gather=True)
 DEFAULT = TrainingOptions()
 
 
@@ -51,23 +52,36 @@ def paper_flops(h: int, layers: int, batch: int) -> float:
     return 96.0 * batch * S * layers * h * h * (1 + S / (6 * h) + V / (16 * layers * h))
 
 
-def row_report(row: tuple, hardware: str) -> dict:
+def paper_row(row: tuple) -> tuple[ModelConfig, Layout, float]:
+    """The row's model, the paper's layout (its micro-batch and interleaving) and its measured step time (s)."""
     size, heads, h, layers, t, p, gpus, batch, tflops, micro, v = row
     model = ModelConfig(vocab_size=V, d_model=h, n_layers=layers, n_heads=heads, max_seq_len=S, activation="gelu")
+    d = gpus // (t * p)
+    layout = Layout(tp_size=t, pp_size=p, dp_size=d, micro_batch_size=micro, n_microbatches=batch // (d * micro),
+                    activation_checkpointing="full", pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                    pp_virtual_stages=v)
+    return model, layout, paper_flops(h, layers, batch) / (gpus * tflops * 1e12)
+
+
+def paper_prediction(row: tuple, hardware: str = "A100-80GB") -> tuple[float, StepTime]:
+    """(measured s, the planner's StepTime) of the paper's own layout for ``row``, in the paper's regime."""
+    model, layout, measured = paper_row(row)
+    return measured, estimate_step_time(model, layout, seq_len=S, hardware=get_hardware(hardware), gpus_per_node=8,
+                                        options=PAPER)
+
+
+def row_report(row: tuple, hardware: str) -> dict:
+    size, heads, h, layers, t, p, gpus, batch, tflops, micro, v = row
+    model, paper_layout, measured = paper_row(row)
     shape = dict(n_gpus=gpus, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=S, global_batch=batch,
                  hardware=hardware)
-    d = gpus // (t * p)
-    paper_layout = Layout(tp_size=t, pp_size=p, dp_size=d, micro_batch_size=micro, n_microbatches=batch // (d * micro),
-                          activation_checkpointing="full", pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
-                          pp_virtual_stages=v)
-    hw = get_hardware(hardware)
-    paper_pred = estimate_step_time(model, paper_layout, seq_len=S, hardware=hw, gpus_per_node=8, options=PAPER)
+    d = paper_layout.dp_size
+    _, paper_pred = paper_prediction(row, hardware)
     paper_mem = predict_rank_memory(model, paper_layout, seq_len=S, options=PAPER).device_total
     ours = plan_layouts(model, **shape, options=DEFAULT).best
     theirs = [x for x in plan_layouts(model, **shape, options=PAPER, zero_stages=(0,), checkpointing=("full",)).layouts
               if not x.layout.sequence_parallel]
     regime = theirs[0] if theirs else None
-    measured = paper_flops(h, layers, batch) / (gpus * tflops * 1e12)
 
     def pick(x: object) -> dict | None:
         if x is None:
@@ -90,13 +104,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'params':>7} | {'paper t,p,d':>11} {'meas s':>7} {'pred s':>7} {'GiB':>5} | "
+    print(f"{'params':>7} | {'paper t,p,d':>11} {'meas s':>7} {'pred s':>7} {'ratio':>5} {'GiB':>5} | "
           f"{'paper regime: t,p,d':>20} {'pred s':>7} | {'defaults: layout':<60} {'pred s':>7}")
     for r in rows:
         pp, pr, de = r["paper"], r["planner_paper_regime"], r["planner_default"]
         reg = pr["layout"].split(" zero")[0].replace("tp=", "").replace(" pp=", ",").replace(" dp=", ",") if pr else "-"
-        print(f"{r['params_b']:>6.1f}B | {pp['t']:>3},{pp['p']:>2},{pp['d']:>3} {pp['measured_step_s']:>7.1f} "
-              f"{pp['predicted_step_s']:>7.1f} {pp['predicted_gib']:>5.0f} | {reg:>20} "
+        print(f"{r['params_b']:>6.1f}B | {pp['t']:>3},{pp['p']:>2},{pp['d']:>3} {pp['measured_step_s']:>7.2f} "
+              f"{pp['predicted_step_s']:>7.2f} {pp['predicted_step_s'] / pp['measured_step_s']:>5.2f} "
+              f"{pp['predicted_gib']:>5.0f} | {reg:>20} "
               f"{(pr['step_s'] if pr else float('nan')):>7.1f} | {de['layout'] if de else '-':<60} "
               f"{(de['step_s'] if de else float('nan')):>7.1f}")
     same = sum(r["same_tp_pp"] for r in rows)

@@ -24,7 +24,7 @@ from dist_trainer.quant.sizes import check_int8_base
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
 
-CHECKPOINTING = ("none", "selective", "every_k", "full")
+CHECKPOINTING = ("none", "selective", "every_k", "full", "op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_BALANCES = ("layers", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -62,7 +62,8 @@ class ParallelConfig:
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
     # none | selective (recompute each layer's attention core: RoPE, GQA repeat, SDPA; Korthikanti et al. 2022,
-    # section 4.2) | every_k (every checkpoint_every-th layer whole) | full (every layer whole)
+    # section 4.2) | every_k (every checkpoint_every-th layer whole) | full (every layer whole) | op (every layer,
+    # keeping its attention kernel's and every other matmul's outputs: torchtitan's op-level policy, model_recompute)
     activation_checkpointing: str = "none"
     checkpoint_every: int = 1  # with every_k: recompute layers whose index % k == 0
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)

@@ -25,6 +25,7 @@ adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is froz
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ from dist_trainer.model_blocks import (
 from dist_trainer.model_lora import LoRALinear, is_adapter
 from dist_trainer.model_moe import add_aux_losses
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
+from dist_trainer.model_recompute import op_recompute_contexts
 from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
 
 SEQ2SEQ_INPUTS = ("decoder_tokens", "source_mask")  # an encoder-decoder batch's inputs beside tokens and targets
@@ -109,6 +111,7 @@ class Transformer(nn.Module):
         self.full_logits: nn.Module = nn.Identity()
         self.pool_input: nn.Module = nn.Identity()
         self.checkpointed: frozenset[int] = frozenset()
+        self.recompute_ops = False  # op-level: the checkpointed layers keep matmul and attention outputs
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
                 module.lora_key = name  # the adapter's generator is seeded by its name (model_lora.init_adapter_)
@@ -157,21 +160,27 @@ class Transformer(nn.Module):
 
     def set_activation_checkpointing(self, mode: str, every: int = 1, first_layer: int = 0) -> None:
         """none | selective (every layer's attention core) | every_k (layers whose global index % every == 0) |
-        full. Layers are numbered over both stacks of an encoder-decoder: decoder layer j is layer n_layers + j.
+        full | op (every layer, keeping the outputs of its attention and every other matmul: model_recompute).
+        Layers are numbered over both stacks of an encoder-decoder: decoder layer j is layer n_layers + j.
         ``first_layer``: the global index of the first layer this model holds (a pipeline stage's), which the layer
         loops are given too, so every_k recomputes the same layers as the single model whatever the stages."""
         ids = range(first_layer, first_layer + len(self.layers) + len(self.dec_layers or ()))
         for module in self.modules():
             if isinstance(module, Attention):
                 module.recompute_core = mode == "selective"
+        self.recompute_ops = mode == "op"
         if mode in ("none", "selective"):
             self.checkpointed = frozenset()
-        elif mode == "full":
+        elif mode in ("full", "op"):
             self.checkpointed = frozenset(ids)
         elif mode == "every_k":
             self.checkpointed = frozenset(i for i in ids if i % every == 0)
         else:
-            raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
+            raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k, full or op")
+
+    def checkpoint_options(self) -> dict[str, Any]:
+        """``torch.utils.checkpoint`` keywords of a checkpointed layer: op-level recomputation's selective policy."""
+        return {"context_fn": op_recompute_contexts} if self.recompute_ops else {}
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, *, decoder: bool = False,
               start: int = 0) -> torch.Tensor:
@@ -226,7 +235,7 @@ class Transformer(nn.Module):
             if caches is not None:
                 x = layer(x, rope, mask, caches[j])
             elif i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
+                x = checkpoint(layer, x, rope, mask, use_reentrant=False, **self.checkpoint_options())
             else:
                 x = layer(x, rope, mask)
         return x
@@ -245,7 +254,8 @@ class Transformer(nn.Module):
         for j, layer in enumerate(self.dec_layers):
             cache = None if caches is None else caches[j]
             if first + j in self.checkpointed and torch.is_grad_enabled() and cache is None:
-                y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False)
+                y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False,
+                               **self.checkpoint_options())
             else:
                 y = layer(y, memory, self_mask, cross_mask, cache)
         return y

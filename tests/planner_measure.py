@@ -1,7 +1,8 @@
 """Measure what dist_trainer.model holds for backward, for checking the planner's activation model.
 
 ``measure_saved_bytes`` counts the unique storages handed to ``torch.autograd.graph.saved_tensors_hooks``
-during one forward (parameters and buffers excluded: they are model state, not activations);
+during one forward, with those op-level recomputation's selective policy keeps in its own cache
+(``op_policy_storages``; parameters and buffers excluded: they are model state, not activations);
 ``measure_backward_growth`` the peak of the resident memory a backward adds (gradients and temporaries, which
 no hook sees). Used by tests/test_planner_activations.py, tests/planner_regime_measure.py and
 benchmarks/planner_accuracy.py; kept out of dist_trainer/planner, which is pure arithmetic.
@@ -60,8 +61,27 @@ def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpoin
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernel:
         with torch.autocast("cpu", dtype=dtype, enabled=amp):
             loss = model(tokens, targets, **inputs)
+        for storage in op_policy_storages():
+            saved.setdefault(storage.data_ptr(), storage)
         loss.backward()  # the graph was real: backward (and any recompute) must succeed with what was saved
     return sum(s.nbytes() for s in saved.values())
+
+
+def op_policy_storages() -> list[torch.UntypedStorage]:
+    """The storages held by the caches of the selective-checkpoint policies alive now (op-level recomputation:
+    ``model_recompute``): a kept op's outputs live there, not in the autograd graph, so no saved-tensor hook sees
+    them. Found through the garbage collector's list of live objects."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+
+    out = []
+    for obj in gc.get_objects():
+        if isinstance(obj, _CachedTorchDispatchMode):  # its storage: {op: {call: outputs, each version-wrapped}}
+            for calls in obj.storage.values():
+                for leaf in torch.utils._pytree.tree_leaves(list(calls.values())):
+                    x = getattr(leaf, "val", None)
+                    if isinstance(x, torch.Tensor):
+                        out.append(x.untyped_storage())
+    return out
 
 
 def mmap_large_allocations() -> ctypes.CDLL:

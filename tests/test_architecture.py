@@ -272,6 +272,7 @@ CP_FILES = {
     "layout_rules/early.py",  # the world's rule on tp x pp x cp, asked as the search chooses
     "planner/axes/base.py", "planner/search.py", "planner/cli.py",  # the user's max_cp_size
     "planner/activations.py",  # its saved tensors
+    "planner/op_recompute.py",  # a MoE block's kept matmul outputs under cp (op-level recomputation, issue 37)
 }
 CP_NAMED = re.compile(r"\bcp\b|cp_size|cp_mode|dp_cp|context.parallel|parallel[/.]cp", re.IGNORECASE)
 

@@ -81,9 +81,11 @@ def test_check_accepts_zero_with_tp_and_pp_and_notes_what_it_did_not_read(tiny_d
     assert report[0] == ("ok: 4 ranks (4 per node, cpu) run tp=2 pp=1 dp=2 zero=3 (zero regime), micro-batch 4, "
                          "global batch 8"), report
     assert any(line.startswith(f"data {tiny_data}: ") and "training and" in line for line in report), report
+    assert any(line.startswith("DeepSpeed overlap_comm=false (cpu): ") for line in report), report
     report = check_run(tiny_config(tmp_path / "absent", tmp_path, parallel={"pp_size": 2, "zero_stage": 1,
                                                                          "micro_batch_size": 2}), 4)
     assert "pp=2 dp=2 zero=1 (pipeline regime)" in report[0]
+    assert any(line.startswith("DeepSpeed overlap_comm=true (cuda): gradient buckets of 5e+07") for line in report)
     assert any("data not checked" in line for line in report), report
     # a layout=auto config is checked with the layout it would run
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, "hardware": "cpu",

@@ -232,6 +232,7 @@ RUN: list[tuple[str, Run]] = [
     (r"benchmarks/collective_wait\.py", Run(append="--repeats 3", expect=("x back to back",))),
     (r"benchmarks/gpu_check\.py", Run(append="--device cpu --smoke --out runs/gpu_check.json")),
     (r"benchmarks/megatron_table1\.py", Run()),
+    (r"benchmarks/published_runs\.py", Run(expect=("torchtitan Llama 3.1 8B",))),
     (r"benchmarks/planner_speed\.py", Run(append="--repeat 1")),
     (r"benchmarks/cp_comm\.py", Run(append="--seq 512 --cp 2")),
     (r"benchmarks/low_bit\.py", Run(append="--steps 3 --lora-steps 3", expect=("int8 export",))),

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner import activation_costs
+from dist_trainer.planner import activation_costs, op_recompute
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
 from dist_trainer.testing import run_distributed
@@ -25,10 +25,10 @@ B, S = 3, 24
 CASES = [
     (name, cfg, ckpt, prec, math)
     for name, cfg in (("gpt2", GPT2), ("llama_gqa_rope_swiglu", LLAMA), ("bert_postnorm", BERT))
-    for ckpt in ("none", "selective", "full", "every_k")
+    for ckpt in ("none", "selective", "full", "every_k", "op")
     for prec in ("fp32", "amp_bf16")
     for math in (False, True)
-] + [("relu_dropout", RELU_DROPOUT, ckpt, prec, True) for ckpt in ("none", "selective", "full")
+] + [("relu_dropout", RELU_DROPOUT, ckpt, prec, True) for ckpt in ("none", "selective", "full", "op")
      for prec in ("fp32", "amp_bf16")]
 
 
@@ -58,9 +58,9 @@ FAMILIES = {
     "granite": {"attn_qkv_bias": True, "attn_out_bias": True, "mlp_bias": True, "embedding_multiplier": 12.0,
                 "residual_multiplier": 0.2, "attn_score_scale": 0.1, "logits_divisor": 8.0},
 }
-FAMILY_CASES = [(name, ckpt, prec, math) for name in FAMILIES for ckpt in ("none", "selective", "every_k")
+FAMILY_CASES = [(name, ckpt, prec, math) for name in FAMILIES for ckpt in ("none", "selective", "every_k", "op")
                 for prec in ("fp32", "amp_bf16") for math in (False, True)
-                if not math or ckpt == "none"]  # a recomputed core keeps no kernel tensor: flash and math agree
+                if not math or ckpt in ("none", "op")]  # a recomputed core keeps no kernel tensor: flash, math agree
 
 
 def predicted(cfg: ModelConfig, ckpt: str, precision: str, kernel: str) -> int:
@@ -204,3 +204,60 @@ def test_backward_working_set_is_the_larger_transient_on_the_last_stage_only() -
     layer = activation_costs.layer_costs(cfg, spec).full * tokens
     assert terms("full", 0)["backward_working_set"] == round(layer)  # one recomputed layer
     assert terms("full", 1)["backward_working_set"] == max(round(layer), 8 * 50_000 * tokens)  # never both
+
+
+MOE = dataclasses.replace(LLAMA, n_experts=4, top_k=2, moe_every=2, n_shared_experts=1)
+OP_CASES = {  # op-level recomputation where its matmul order is its own: experts, adapters, a frozen stack
+    "moe": (MOE, ()), "lora": (dataclasses.replace(LLAMA, lora_rank=4, lora_targets=["q_proj", "v_proj", "down_proj"]),
+                               ()),
+    "frozen_bottom": (LLAMA, ("layers.0",)), "frozen_layers": (LLAMA, ("tok_emb", "layers.*"))}
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_op_level_recomputation_matches_measurement(name: str, precision: str) -> None:
+    # the policy's kept outputs live in its own cache (tests/planner_measure.op_policy_storages), the layer inputs
+    # in the graph; a frozen layer keeps its input alone
+    cfg, freeze = OP_CASES[name]
+    measured = measure_saved_bytes(cfg, batch=B, seq_len=S, checkpointing="op", precision=precision, freeze=freeze)
+    opts = TrainingOptions(precision=precision, attention_kernel="flash", device="cpu", freeze=freeze)
+    terms = stage_activation_bytes(cfg, Layout(micro_batch_size=B, activation_checkpointing="op"), seq_len=S,
+                                   options=opts, pp_rank=0)
+    pred = terms["saved"] + terms["amp_weight_copies"]
+    assert 0 <= measured - pred <= 8, f"{name}: predicted {pred} measured {measured} (expected exact up to 8 B)"
+
+
+def test_op_level_keeps_torchtitans_matmuls() -> None:
+    # Llama's layer: q, k, v, o, up, gate, down; the 1st, 3rd, 5th and 7th kept, with the kernel's output and lse
+    spec = act.ActivationSpec(seq_len=S, precision="amp_bf16", device="cpu")
+    names = [x.name for x in op_recompute.op_saved_tensors(LLAMA, spec)]
+    assert names == ["checkpoint.input", "q_proj.output", "v_proj.output", "up_proj.output", "down_proj.output",
+                     "attn.kernel_out", "attn.kernel_logsumexp"]
+    math = dataclasses.replace(spec, attention_kernel="math")  # the explicit attention's bmm: recomputed
+    assert "attn.kernel_out" not in {x.name for x in op_recompute.op_saved_tensors(LLAMA, math)}
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2, BERT, MOE], ids=["llama", "gpt2", "bert_postnorm", "moe"])
+def test_op_level_recomputed_flops_match_flop_counter(cfg: ModelConfig) -> None:
+    # backward's FLOPs with op-level recomputation less without: the forward matmuls the policy dropped
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dist_trainer.model import build_model
+    from dist_trainer.planner.flops import step_flops
+
+    def backward_flops(mode: str) -> int:
+        model = build_model(cfg, "cpu", seed=0)
+        model.set_activation_checkpointing(mode)
+        tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+        loss = model(tokens, tokens)
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        return counter.get_total_flops()
+
+    measured = backward_flops("op") - backward_flops("none")
+    planned = sum(op_recompute.op_recomputed_matmul_flops(cfg, S, i) for i in range(cfg.n_layers)) * B * S
+    assert measured == pytest.approx(planned, rel=1e-9)
+    recomputed = step_flops(cfg, seq_len=S, global_batch=B, recompute="op")[1] - step_flops(cfg, seq_len=S,
+                                                                                          global_batch=B)[1]
+    assert recomputed == pytest.approx(planned)  # what the step's time is priced on

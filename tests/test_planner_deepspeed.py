@@ -25,9 +25,9 @@ MODEL = model_config("llama2-7b")  # Psi = 6,738,415,616: a multiple of 64, so e
 PSI = count_params(MODEL)
 LARGEST = rank_params(MODEL).largest_layer  # the 32000 x 4096 embedding (and head)
 OPTIONS = TrainingOptions(precision="bf16", optimizer="adamw")  # DeepSpeed's bf16 model: 2 + 2 + 12 bytes
-BARE = Overheads.none()  # no CUDA context, fragmentation or reduce bucket: the estimators count none
+BARE = Overheads.none()  # no CUDA context, fragmentation, reduce bucket or ZeRO-3 prefetch: the estimators count none
 OFFLOAD_HOST = Overheads(cuda_context=0, fragmentation=0.0, ddp_grad_buckets=False, zero_bucket_elements=0,
-                         host_buffer_factor=1.5)  # the estimators' additional_buffer_factor
+                         zero3_prefetch=False, host_buffer_factor=1.5)  # the estimators' additional_buffer_factor
 
 
 def _rows(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[tuple[dict, tuple]]:

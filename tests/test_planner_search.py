@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -291,8 +292,9 @@ def test_gpipe_may_run_fewer_micro_batches_than_stages() -> None:
 
 
 def test_a_128k_sequence_plans_context_parallelism_that_passes_the_check(tmp_path: Path) -> None:
-    """Llama-3-8B at 131,072 tokens on 64 GPUs (issue 23): without splitting the sequence only full recomputation
-    fits, so the best layout splits it (cp > 1), and the run config plan --out writes passes the pre-launch check."""
+    """Llama-3-8B at 131,072 tokens on 64 GPUs (issue 23): without splitting the sequence only whole-layer
+    recomputation fits (op-level, the faster of the two, issue 37), so the best layout splits it (cp > 1), and the run
+    config plan --out writes passes the pre-launch check."""
     from dist_trainer.train.check import check_run
 
     model = model_config("llama3-8b")
@@ -304,10 +306,44 @@ def test_a_128k_sequence_plans_context_parallelism_that_passes_the_check(tmp_pat
     assert "cp" in best.time.axes and best.time.axes["cp"].bytes > 0
     without = plan_layouts(model, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=131072,
                            global_batch=64, hardware="H100-80GB", max_cp_size=1).best
-    # without cp only full recomputation of TP x SP shards fits: slower than splitting the sequence
-    assert without is not None and without.layout.activation_checkpointing == "full"
+    # without cp only op-level (or full) recomputation of TP x SP shards fits: slower than splitting the sequence
+    assert without is not None and without.layout.activation_checkpointing == "op"
     assert best.time.total < without.time.total, (best.layout.describe(), without.layout.describe())
     cfg = config_from_dict(run_config_dict(model, best.layout, seq_len=131072,
                                            options=TrainingOptions())).validate()
     report = check_run(cfg, 64, gpus_per_node=8, device_type="cuda", data_required=False)
     assert report[0].startswith("ok: 64 ranks") and f"cp={best.layout.cp_size}" in report[0], report
+
+
+def test_derived_layouts_are_checked_as_built_ones() -> None:
+    """Layout.derive re-checks only what changed (the search derives tens of thousands): every change a built Layout
+    refuses is refused by derive too, with the same message."""
+    from dist_trainer.layout_rules import Layout
+
+    base = Layout(tp_size=2, dp_size=2, n_microbatches=2)
+    for change in ({"tp_size": 0}, {"n_microbatches": 1.5}, {"zero_stage": 4}, {"zero_stage": True},
+                   {"activation_checkpointing": "most"}, {"pp_schedule": "2f2b"}, {"cp_mode": "tree"},
+                   {"tp_size": 1, "sequence_parallel": True}, {"pp_stage_layers": (1, 2, 3)}):
+        with pytest.raises(ValueError) as built:
+            replace(base, **change)
+        with pytest.raises(ValueError, match=re.escape(str(built.value))):
+            base.derive(**change)
+    assert base.derive(sequence_parallel=True, micro_batch_size=4) == replace(base, sequence_parallel=True,
+                                                                               micro_batch_size=4)
+
+
+def test_a_stage_of_uniform_layers_sums_as_layer_by_layer() -> None:
+    """stage_rates sums uniform layers at once: the same bytes as the per-layer loop fine-tuning plans take."""
+    from dist_trainer.layout_rules import Layout
+    from dist_trainer.planner.activation_costs import layer_costs, stage_activations
+    from dist_trainer.planner.memory import activation_spec
+
+    cfg = model_config("llama2-7b")
+    for layout in (Layout(tp_size=2, dp_size=1, micro_batch_size=2, sequence_parallel=True), Layout(dp_size=1)):
+        costs = layer_costs(cfg, activation_spec(layout, 4096, TrainingOptions()))
+        each = replace(costs, per_layer=(costs.layer,) * cfg.n_layers, per_layer_staged=(costs.layer,) * cfg.n_layers)
+        for mode, every in (("none", 1), ("selective", 1), ("every_k", 2), ("full", 1), ("op", 1)):
+            for ids, first, last in ((range(32), True, True), (range(5, 13), False, False), (range(0, 3), True, False)):
+                kw = dict(mode=mode, every=every, layer_ids=list(ids), tokens=8192, first=first, last=last,
+                          in_flight=3.0)
+                assert stage_activations(costs, **kw) == stage_activations(each, **kw)  # type: ignore[arg-type]

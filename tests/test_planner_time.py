@@ -45,9 +45,42 @@ def test_zero_traffic_scales_with_micro_batches_and_overlap_comm_decides_exposur
     assert four.bytes == pytest.approx(2.5 * one.bytes)
     z1 = _time(replace(base, zero_stage=1, n_microbatches=4)).axes["dp"]  # type: ignore[attr-defined]
     assert z1.bytes == one.bytes  # ZeRO-1 reduces once, at the accumulation boundary
-    off = _time(replace(base, zero_stage=3, n_microbatches=4)).axes["dp"]  # type: ignore[attr-defined]
+    off = _time(replace(base, zero_stage=3, n_microbatches=4), zero_overlap_comm=False).axes["dp"]  # type: ignore
     on = _time(replace(base, zero_stage=3, n_microbatches=4), zero_overlap_comm=True).axes["dp"]  # type: ignore
     assert off.exposed == off.time and on.exposed < off.exposed and "overlap_comm" in on.rule
+
+
+def test_overlapped_zero_traffic_is_priced_as_deepspeed_schedules_it() -> None:
+    """On CUDA the shipped JSONs overlap (parallel/zero/config.overlap_comm): ZeRO-1/2 reduce-scatter 5e7-element
+    buckets behind the backward that fills them, the last bucket and the gather after the step exposed; ZeRO-3
+    gathers a prefetch bucket ahead in both passes and shares the backward's link with its reductions. On the CPU
+    nothing overlaps. The buffers this costs are in the memory prediction."""
+    from dist_trainer.planner.memory import predict_rank_memory
+    from dist_trainer.planner.params import count_params
+
+    n, m, link = count_params(LLAMA7), 4, (H100.intra_node_bw, H100.intra_node_latency)
+    bucket = ring_time("reduce_scatter", 5e7 * 2, 8, *link)
+    first = ring_time("all_gather", 5e7 * 2, 8, *link)
+    scatter, gather = ring_time("reduce_scatter", 2 * n, 8, *link), ring_time("all_gather", 2 * n, 8, *link)
+    for stage, reductions in ((1, 1), (2, m)):
+        layout = Layout(dp_size=8, zero_stage=stage, n_microbatches=m)
+        cuda, cpu = _time(layout), _time(layout, device="cpu")
+        dp, backward_one = cuda.axes["dp"], cuda.compute * 2 / 3 / m  # type: ignore[attr-defined]
+        assert cpu.axes["dp"].exposed == cpu.axes["dp"].time == dp.time  # type: ignore[attr-defined]
+        assert dp.exposed == pytest.approx(reductions * max(bucket, scatter - backward_one) + gather)
+        assert reductions * bucket + gather <= dp.exposed < dp.time
+        buckets = {d: predict_rank_memory(LLAMA7, layout, seq_len=4096, options=TrainingOptions(device=d))
+                   .detail["overheads.zero_reduce_bucket"] for d in ("cuda", "cpu")}
+        assert buckets == {"cuda": 2 * 5e7 * 2, "cpu": 5e7 * 2}  # overlap_comm double-buffers it
+    layout = Layout(dp_size=8, zero_stage=3, n_microbatches=m)
+    step = _time(layout)
+    dp, backward_one = step.axes["dp"], step.compute * 2 / 3 / m  # type: ignore[attr-defined]
+    expected = m * (max(first, gather - backward_one / 2) + max(first + bucket, gather + scatter - backward_one))
+    assert dp.exposed == pytest.approx(expected) and dp.exposed >= m * (2 * first + bucket)
+    over = predict_rank_memory(LLAMA7, layout, seq_len=4096, options=TrainingOptions()).detail
+    assert over["overheads.zero3_prefetch"] == 5e7 * 2 and over["overheads.zero_reduce_bucket"] == 5e7 * 2
+    assert "overheads.zero3_prefetch" not in predict_rank_memory(LLAMA7, layout, seq_len=4096,
+                                                       options=TrainingOptions(device="cpu")).detail
 
 
 def test_zero3_across_nodes_is_no_longer_free() -> None:

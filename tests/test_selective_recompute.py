@@ -1,9 +1,11 @@
-"""Selective recomputation (Korthikanti et al. 2022, section 4.2) through the Trainer in every regime.
+"""Selective recomputation through the Trainer in every regime: the attention core (Korthikanti et al. 2022,
+section 4.2) and torchtitan's op-level policy.
 
 `parallel.activation_checkpointing=selective` recomputes each layer's attention core (RoPE, the GQA repeat,
-SDPA) in backward. The model is pure torch, so every engine gets it through ``set_activation_checkpointing``;
-each run's training and eval losses must equal one process's run *without* recomputation (10 steps,
-evaluation every 5, checkpoints on).
+SDPA) in backward; `op` runs every layer under a checkpoint that keeps its attention kernel's and every other
+matmul's outputs (``model_recompute.py``). The model is pure torch, so every engine gets both through
+``set_activation_checkpointing``; each run's training and eval losses must equal one process's run *without*
+recomputation (10 steps, evaluation every 5, checkpoints on).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def _curves(rank: int, world: int, data: Path, out: Path, parallel: dict) -> dic
     engine = trainer.engine
     modules = [s.model for s in getattr(engine, "stages", [])] or [engine.model]
     cores = [m.recompute_core for module in modules for m in module.modules() if isinstance(m, Attention)]
-    return {**curves(trainer.train()), "recomputed_cores": cores}
+    # op-level: every layer this rank holds runs under the policy's checkpoint
+    models = [getattr(m, "model", m) for m in modules]  # a pipeline stage's split holds its part of the model
+    ops = [m.recompute_ops and len(m.checkpointed) == len(m.layers) for m in models]
+    return {**curves(trainer.train()), "recomputed_cores": cores, "recomputed_ops": ops}
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +44,30 @@ def reference(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return _curves(0, 1, tiny_data, tmp_path_factory.mktemp("reference"), {})
 
 
-def test_one_process(reference: dict, tiny_data: Path, tmp_path: Path) -> None:
-    got = _curves(0, 1, tiny_data, tmp_path, {"activation_checkpointing": "selective"})
-    assert reference["recomputed_cores"] == [False, False] and got["recomputed_cores"] == [True, True]
+def _recomputes(run: dict, mode: str) -> bool:
+    """Every layer of the run's model (each pipeline stage's) recomputes as ``mode`` asks."""
+    flags = run["recomputed_cores"] if mode == "selective" else run["recomputed_ops"]
+    return bool(flags) and all(flags)
+
+
+@pytest.mark.parametrize("mode", ["selective", "op"])
+def test_one_process(mode: str, reference: dict, tiny_data: Path, tmp_path: Path) -> None:
+    got = _curves(0, 1, tiny_data, tmp_path, {"activation_checkpointing": mode})
+    assert not _recomputes(reference, "selective") and not _recomputes(reference, "op")
+    assert _recomputes(got, mode)
     assert reference["losses"][9] < reference["losses"][0]
-    assert_same_curves(got, reference, what="selective, one process")
+    assert_same_curves(got, reference, what=f"{mode}, one process")
 
 
-TWO_RANKS = {"tp2-sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2}, "zero3": {"zero_stage": 3}}
+TWO_RANKS = {f"{name}-{mode}": {**parallel, "activation_checkpointing": mode} for mode in ("selective", "op")
+             for name, parallel in (("tp2-sp", {"tp_size": 2, "sequence_parallel": True}), ("pp2", {"pp_size": 2}),
+                                    ("zero3", {"zero_stage": 3}))}
+TWO_RANKS["cp2-op"] = {"cp_size": 2, "activation_checkpointing": "op"}
 
 
 def _layouts(rank: int, world: int, data: Path, root: Path) -> dict[str, dict]:
-    """Each 2-rank layout with selective recomputation, one after the other in one spawn."""
-    return {name: _curves(rank, world, data, root / name, {**parallel, "activation_checkpointing": "selective"})
-            for name, parallel in TWO_RANKS.items()}
+    """Each 2-rank layout with its recomputation, one after the other in one spawn."""
+    return {name: _curves(rank, world, data, root / name, parallel) for name, parallel in TWO_RANKS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -63,5 +78,5 @@ def two_ranks(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list
 @pytest.mark.parametrize("name", list(TWO_RANKS))
 def test_two_ranks(name: str, reference: dict, two_ranks: list[dict[str, dict]]) -> None:
     runs = [rank[name] for rank in two_ranks]
-    assert all(run["recomputed_cores"] and all(run["recomputed_cores"]) for run in runs)  # this rank's layers
-    assert_same_curves(runs[-1], reference, what=f"selective, {name}")  # the last rank: the pipeline's loss
+    assert all(_recomputes(run, TWO_RANKS[name]["activation_checkpointing"]) for run in runs)  # this rank's layers
+    assert_same_curves(runs[-1], reference, what=name)  # the last rank: the pipeline's loss

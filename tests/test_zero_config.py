@@ -11,6 +11,7 @@ from dist_trainer.parallel.zero.config import (
     DS_CONFIG_DIR,
     TOP_LEVEL_KEYS,
     engine_config,
+    run_overlap_comm,
     validate_zero_config,
     zero_optimization_keys,
 )
@@ -99,3 +100,20 @@ def test_allow_lists_are_deepspeeds_own_keys() -> None:
     for path in DS_CONFIG_DIR.glob("*.json"):
         zero = json.loads(path.read_text())["zero_optimization"]
         assert set(zero) <= zero_optimization_keys(), path
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_overlap_comm_is_on_for_cuda_off_for_the_cpu_unless_the_json_sets_it(stage: int, tmp_path: Path) -> None:
+    """The shipped JSONs leave overlap_comm to the device: DeepSpeed overlaps on CUDA streams; its CPU accelerator has
+    none, so there it stays off (check says why); a JSON's own value wins on either."""
+    cfg = _cfg(tmp_path, zero_stage=stage, micro_batch_size=2, global_batch_size=8)
+    assert "overlap_comm" not in json.loads((DS_CONFIG_DIR / f"zero{stage}.json").read_text())["zero_optimization"]
+    assert validate_zero_config(cfg, dp_size=2, device_type="cuda")["zero_optimization"]["overlap_comm"] is True
+    assert validate_zero_config(cfg, dp_size=2, device_type="cpu")["zero_optimization"]["overlap_comm"] is False
+    on, why = run_overlap_comm(cfg, "cuda")
+    assert on and "side stream" in why and ("prefetch" in why or "gathered ahead" in why) == (stage == 3)
+    assert "no streams" in run_overlap_comm(cfg, "cpu")[1]
+    mine = _cfg(tmp_path, {"zero_optimization": {"stage": stage, "overlap_comm": True}}, zero_stage=stage,
+                micro_batch_size=2, global_batch_size=8)
+    assert validate_zero_config(mine, dp_size=2, device_type="cpu")["zero_optimization"]["overlap_comm"] is True
+    assert run_overlap_comm(mine, "cpu") == (True, "overlap_comm=true: set by the DeepSpeed JSON")

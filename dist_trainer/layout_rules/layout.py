@@ -64,7 +64,7 @@ class Layout:
     zero_offload: bool = False  # ZeRO-Offload: optimizer states (stage 3: and parameters) in host memory
     micro_batch_size: int = 1  # sequences per forward/backward on one rank
     n_microbatches: int = 1  # micro-batches per dp rank per step
-    activation_checkpointing: str = "none"  # none | selective | every_k | full (config.CHECKPOINTING)
+    activation_checkpointing: str = "none"  # none | selective | every_k | full | op (config.CHECKPOINTING)
     checkpoint_every: int = 1  # every_k: layers whose index % k == 0
     sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # config.PP_SCHEDULES
@@ -79,13 +79,16 @@ class Layout:
 
     def derive(self, **changes: Any) -> Layout:
         """``dataclasses.replace``, checked the same (``check_fields``) without its per-call introspection of the
-        fields: the planner's search derives tens of thousands of candidates."""
+        fields: the planner's search derives tens of thousands of candidates. This layout passed the check when it
+        was built, so only the changed fields and the rules across fields are asked again; any doubt runs the
+        whole check, which names the culprit."""
         if not changes.keys() <= _FIELD_NAMES:
             raise TypeError(f"Layout has no field {', '.join(sorted(changes.keys() - _FIELD_NAMES))}")
         new = object.__new__(Layout)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
-        new.__post_init__()
+        if not _changes_pass(new, changes):
+            new.__post_init__()
         return new
 
     def size(self, axis: str) -> int:
@@ -164,8 +167,28 @@ class Layout:
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Layout))
 
 
+def _changes_pass(new: Layout, changes: dict[str, Any]) -> bool:
+    """Whether the ``changes`` that made ``new`` out of a checked Layout pass ``check_fields`` (False: run it)."""
+    for name, value in changes.items():
+        if name in _COUNT_NAMES:
+            if type(value) is not int or value < 1:
+                return False
+        elif name in _CHOICES:
+            if value not in _CHOICES[name]:
+                return False
+        elif name == "zero_stage":
+            if value not in ZERO_STAGES or isinstance(value, bool):
+                return False
+        elif name == "pp_stage_layers":
+            return False
+    return new.pp_stage_layers is None and not (new.sequence_parallel and new.tp_size == 1)
+
+
 _COUNTS = ("tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages")
 _LAYOUT_COUNTS = operator.attrgetter(*_COUNTS, "dp_size", "n_microbatches")
+_COUNT_NAMES = frozenset((*_COUNTS, "dp_size", "n_microbatches"))
+_CHOICES = {"activation_checkpointing": CHECKPOINTING, "pp_schedule": PP_SCHEDULES, "pp_balance": PP_BALANCES,
+            "cp_mode": CP_MODES}
 
 
 def _positive_int(value: Any) -> bool:

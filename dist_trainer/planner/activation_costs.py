@@ -30,6 +30,7 @@ from dist_trainer.planner.activations import (
     recomputed_layers,
 )
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
+from dist_trainer.planner.op_recompute import op_saved_tensors
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class LayerCost:
     full: float  # not recomputed
     selective: float  # its attention core recomputed (keeps the projections' outputs instead)
     checkpointed: float  # fully recomputed: its input only (kept even in a frozen layer)
+    op: float  # op-level recomputation: its input, its attention kernel's and every other matmul's outputs
     attention_core: float  # what its recomputed attention core holds while its backward runs
     amp_weights: int  # 16-bit weight copies autocast keeps per micro-batch (0 unless amp_*)
 
@@ -50,6 +52,7 @@ def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, moe: bool
                      selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g, moe=moe,
                                                              sliding=sliding)),
                      checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
+                     op=per_token(op_saved_tensors(cfg, spec, grads=g, moe=moe)),
                      attention_core=per_token(attention_core_saved_tensors(
                          cfg, spec, flow["core_q"], flow["core_k"], flow["core_v"], sliding)),
                      amp_weights=amp_weight_copies(cfg, spec, g, moe))
@@ -138,13 +141,23 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     """Activation terms of one pipeline stage at its peak, in bytes.
 
     ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
-    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers);
+    ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers, nor
+    under op-level recomputation, which recomputes them);
     ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
     the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
-    first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core), alive
+    first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core; op: the
+    whole layer's, beside what the policy kept), alive
     while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
     on the rank that holds the embeddings; every other layer sits on a later stage.
     """
+    return stage_terms(stage_rates(costs, mode=mode, every=every, layer_ids=layer_ids, first=first, last=last),
+                       tokens=tokens, in_flight=in_flight)
+
+
+def stage_rates(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], first: bool,
+                last: bool) -> tuple[float, float, float]:
+    """A stage's (saved bytes per token, weight copies, backward working set per token) of one micro-batch:
+    ``stage_activations`` before the batch shape, which the search reuses over every shape of a split."""
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
     chained = 0
@@ -152,9 +165,21 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
         chained += 1
     per_token = weights = recompute = 0.0
     redone = set(recomputed_layers(mode, every, layer_ids))
+    if not (costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: the sums at once
+        c, n_redone, n_kept = costs.layer, len(redone), len(layer_ids) - len(redone)
+        if mode == "op":
+            per_token, recompute = len(layer_ids) * c.op, c.full if layer_ids else 0.0
+        else:
+            per_token = n_redone * c.checkpointed + n_kept * (c.selective if mode == "selective" else c.full)
+            weights = n_kept * c.amp_weights
+            recompute = max(c.full if n_redone else 0.0, c.attention_core if mode == "selective" and n_kept else 0.0)
+        layer_ids = ()
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
-        if i in redone:
+        if mode == "op":
+            per_token += c.op
+            recompute = max(recompute, c.full)
+        elif i in redone:
             per_token += c.checkpointed
             recompute = max(recompute, c.full)
         else:
@@ -164,8 +189,14 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
     weights += costs.amp_head_weights if last else 0
+    return per_token, weights, max(recompute, costs.loss_backward if last else 0.0)
+
+
+def stage_terms(rates: tuple[float, float, float], *, tokens: int, in_flight: float) -> dict[str, int]:
+    """``stage_activations`` of a stage's ``stage_rates`` for ``in_flight`` micro-batches of ``tokens`` each."""
+    per_token, weights, working = rates
     return {
         "saved": round(per_token * tokens * in_flight),
         "amp_weight_copies": round(weights * in_flight),
-        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
+        "backward_working_set": round(working * tokens),
     }

@@ -68,8 +68,9 @@ RECOMPUTE = CHECKPOINTING  # the trainer's modes (config.py); PP_SCHEDULES likew
 def recomputed_layers(mode: str, every: int, layer_ids: Sequence[int]) -> list[int]:
     """The layers of ``layer_ids`` whose whole forward runs again in backward: all under ``full``, those whose
     global index is a multiple of ``every`` under ``every_k`` (as ``Transformer.set_activation_checkpointing``
-    picks them), none otherwise (``selective`` recomputes only the attention core)."""
-    if mode == "full":
+    picks them), none otherwise (``selective`` recomputes only the attention core). Under ``op`` every layer's
+    forward runs again, keeping its matmul and attention outputs (``op_recompute.py``): all of them."""
+    if mode in ("full", "op"):
         return list(layer_ids)
     return [i for i in layer_ids if i % every == 0] if mode == "every_k" else []
 

@@ -29,6 +29,10 @@ PASSES_REPLICATED = 28  # x d_model: 2 norms (2 each) + 2 residual adds (3 each)
 PASSES_SPLIT = 36  # x d_model / t: q/k/v/o layout copies and SDPA I/O (12 forward, 24 backward)
 PASSES_MLP = 5  # x ffn / t: the activation (2 forward, 3 backward)
 PASSES_LOSS = 5  # x vocab / t: log-softmax (2 forward), its gradient (3 backward)
+# The math attention kernel's s x s work per token, x heads / t x keys: scale + mask + softmax (read, write) and
+# dropout (read, write, mask) forward, their gradients backward (read 2, write 1 each): 2 + 3 + 6, in the
+# activation dtype (Megatron's fused scale-mask-softmax and dropout; a flash kernel keeps all of it on chip)
+PASSES_SCORES = 11
 OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one micro-batch
 OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
 ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
@@ -40,6 +44,7 @@ def step_model_flops(cfg: ModelConfig, layout: Layout, *, seq_len: int, options:
     """(model, hardware) FLOPs of one step of ``layout`` (its batch and recomputation)."""
     return step_flops(cfg, seq_len=seq_len, global_batch=layout.global_batch_size,
                       recompute=layout.activation_checkpointing, checkpoint_every=layout.checkpoint_every,
+                      fused_attention=options.attention_kernel == "flash",
                       target_len=target_length(seq_len, options.target_len, options.source_mask)
                       if cfg.n_decoder_layers else None)
 
@@ -57,7 +62,7 @@ def compute_seconds(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardware:
         block = 3.0 * len(moe_layer_ids(cfg)) * moe_hw * layout.global_batch_size * seq_len
         compute += block * (whole - 1) / n * imbalance / hardware.matmul_flops(options.precision, tokens,
                                                                                cfg.d_model)
-    compute += memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable)
+    compute += memory_and_overhead(cfg, layout, options, hardware, most_layers, tokens, trainable, seq_len)
     return compute / hardware.rank_speed(min(gpus_per_node, n))  # a CPU profile measured with other busy ranks
 
 
@@ -71,23 +76,28 @@ def bubble_seconds(layout: Layout, compute: float, hardware: HardwareProfile, gp
 
 
 def memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptions, hardware: HardwareProfile,
-                        layers: int, tokens: int, trainable: int) -> float:
-    """Seconds of the elementwise passes, the optimizer and the per-op cost of this rank's step (constants above),
-    when the profile has measured them (``memory_bw``, ``op_overhead``: dist-trainer calibrate); else 0, the
-    data-sheet profiles' efficiency standing for them. Every micro-batch crosses the last stage, so the loss's
-    passes are on the critical path whatever the stage. The optimizer updates the ``trainable`` parameters only."""
-    if hardware.memory_bw is None or hardware.op_overhead is None:
+                        layers: int, tokens: int, trainable: int, seq_len: int) -> float:
+    """Seconds of the elementwise passes, the optimizer and the per-op cost of this rank's step (constants above)
+    at the profile's memory bandwidth (``memory_bw``: the HBM data sheet, or dist-trainer calibrate's measurement;
+    None: 0, ``efficiency`` standing for them) and its per-op cost (``op_overhead``, calibrated profiles only: a
+    GPU's launches are asynchronous). The math kernel's s x s passes are priced here too; a flash kernel has none.
+    Every micro-batch crosses the last stage, so the loss's passes are on the critical path whatever the stage. The
+    optimizer updates the ``trainable`` parameters only."""
+    if hardware.memory_bw is None:
         return 0.0
     t, m, h = layout.tp_size, layout.n_microbatches, cfg.d_model
     act = 4 if options.precision == "fp32" else 2
     replicated = h / t if layout.sequence_parallel else h
-    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t)
-    recomputed = {"full": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
-        layout.activation_checkpointing, 0.0)  # a recomputed forward: about a third of the passes again
+    scores = PASSES_SCORES * cfg.n_heads / t * seq_len if options.attention_kernel == "math" else 0.0
+    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t
+                          + scores)
+    # a recomputed forward: about a third of the passes again; op-level recomputes every elementwise pass
+    recomputed = {"full": 1.0, "op": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
+        layout.activation_checkpointing, 0.0)
     per_token *= 1 + recomputed / 3
     passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
     optimizer_bytes = ADAM_BYTES * trainable / (layout.replicas if layout.zero_stage else 1)
     tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
     optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
     ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
-    return (passes + optimizer_bytes) / hardware.memory_bw + ops * hardware.op_overhead
+    return (passes + optimizer_bytes) / hardware.memory_bw + ops * (hardware.op_overhead or 0.0)

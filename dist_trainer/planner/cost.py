@@ -31,14 +31,16 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
                        gpus_per_node: int, options: TrainingOptions = DEFAULT_OPTIONS,
                        n_params_rank: int | None = None, n_trainable_rank: int | None = None,
                        n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None,
-                       layers_by_rank: list[list[int]] | None = None) -> StepTime:
+                       layers_by_rank: list[list[int]] | None = None,
+                       flops: tuple[float, float] | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis entry's exposed communication.
     Gradients, their reductions and the optimizer exist for the ``n_trainable_rank`` trainable parameters only
     (default: those ``options.freeze`` and LoRA leave trainable on pipeline rank 0); ``n_expert_rank`` of the
     rank's parameters (``n_expert_trainable_rank`` trainable) are its experts under expert parallelism.
     ``layers_by_rank``: ``layout.layers_by_rank(cfg)``, when the caller has it (the search prices thousands of
-    layouts over a few stage splits)."""
-    model_f, hw_f = step_model_flops(cfg, layout, seq_len=seq_len, options=options)
+    layouts over a few stage splits); ``flops``: ``step_model_flops`` of the layout, likewise (one per batch and
+    recomputation)."""
+    model_f, hw_f = step_model_flops(cfg, layout, seq_len=seq_len, options=options) if flops is None else flops
     tokens = layout.rank_tokens(seq_len)  # a micro-batch's tokens on this rank (its share of each where split)
     layers = layout.layers_by_rank(cfg) if layers_by_rank is None else layers_by_rank
     most_layers = max(len(ids) for ids in layers)

@@ -57,7 +57,7 @@ def deepspeed_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
     if layout.zero_stage == 0:
         return None
     cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
-    return ds_config_for(cfg, layout.dp_size)
+    return ds_config_for(cfg, layout.dp_size, options.device)
 
 
 def _placeholder(var: str, what: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner.activations import recomputed_layers
 from dist_trainer.planner.moe import dense_mlp_flops_per_token, moe_flops_per_token, moe_layer_ids
+from dist_trainer.planner.op_recompute import op_recomputed_matmul_flops
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights, matmul_params
 from dist_trainer.planner.seq2seq import seq2seq_step_flops
 
@@ -38,27 +39,37 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> flo
     return 4.0 * attention_keys_per_query(cfg, seq_len, layer) * cfg.q_dim
 
 
+def attention_flops_by_layer(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """``attention_flops_per_token`` of every layer (the same for all when none slides: the search asks this of
+    every layout it prices)."""
+    if not cfg.sliding_window or cfg.sliding_window >= seq_len:
+        return [4.0 * seq_len * cfg.q_dim] * cfg.n_layers
+    return [attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)]
+
+
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int | None = None) -> tuple[float, float]:
     """(matmul, attention) forward FLOPs of layer ``layer`` per token; None: the mean over the model's layers (their
     attention differs when some slide)."""
     if layer is None:
-        attn = sum(attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)) / cfg.n_layers
+        attn = sum(attention_flops_by_layer(cfg, seq_len)) / cfg.n_layers
     else:
         attn = attention_flops_per_token(cfg, seq_len, layer)
     return 2.0 * layer_matmul_weights(cfg), attn
 
 
 def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: str = "none",
-               checkpoint_every: int = 1, target_len: int | None = None) -> tuple[float, float]:
+               checkpoint_every: int = 1, target_len: int | None = None, fused_attention: bool = True
+               ) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one optimizer step; they differ by the recomputed forwards. An
     encoder-decoder reads ``seq_len`` source and ``target_len`` (default: seq_len) target tokens
-    (``planner/seq2seq.seq2seq_step_flops``)."""
+    (``planner/seq2seq.seq2seq_step_flops``). ``fused_attention``: a fused SDPA kernel runs (flash), whose
+    outputs op-level recomputation keeps, so it does not recompute the attention."""
     if cfg.encoder_decoder:
         return seq2seq_step_flops(cfg, seq_len=seq_len, target_len=target_len or seq_len, global_batch=global_batch,
                                   recompute=recompute, checkpoint_every=checkpoint_every)
     tokens = global_batch * seq_len
     mm = 2.0 * layer_matmul_weights(cfg)
-    attn = [attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)]
+    attn = attention_flops_by_layer(cfg, seq_len)
     moe = moe_layer_ids(cfg)
     moe_model, moe_hw = moe_flops_per_token(cfg, seq_len) if moe else (0.0, 0.0)
     moe_model -= dense_mlp_flops_per_token(cfg) if moe else 0.0  # a MoE layer's extra over a dense one
@@ -73,6 +84,12 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
         # only the attention core runs again: QK^T and AV, 4 s h per token and layer (Korthikanti et al. 2022,
         # appendix A: "2Bs^2h + 2Bs^2h"; their eq. 8 adds 12 B L s^2 h, three times this; see docs/planner.md)
         extra = sum(attn)
+    elif recompute == "op":  # the matmuls the policy does not keep, the attention unless its kernel's outputs are
+        moe_set = set(moe)  # a layer's recomputed matmuls depend on it only through whether it is a MoE layer
+        kind = {m: op_recomputed_matmul_flops(cfg, seq_len, next(i for i in range(cfg.n_layers)
+                                                                 if (i in moe_set) == m))
+                for m in {i in moe_set for i in range(cfg.n_layers)}}
+        extra = sum(kind[i in moe_set] + (0.0 if fused_attention else attn[i]) for i in range(cfg.n_layers))
     else:
         extra = 0.0
     return model, model + padding + extra * tokens

@@ -22,6 +22,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from dist_trainer.files import read_json
 
@@ -127,17 +128,38 @@ class HardwareProfile:
         return replace(self, memory_bytes=memory_bytes)
 
 
+# A data-sheet GPU's GEMMs: cuBLAS reaches about 0.7-0.8 of the dense tensor-core peak on a transformer's large
+# GEMMs (A100 bf16: 220-250 of 312 TFLOP/s) and less on narrow ones: `efficiency` x r/(r + knee) x c/(c + knee),
+# r tokens and c features of the rank's GEMM. The elementwise work between them is priced apart, at the HBM
+# bandwidth of the data sheet (`memory_bw`; compute.memory_and_overhead). Stated assumptions, fitted once on
+# Megatron-LM's Table 1 (benchmarks/megatron_table1.py, docs/planner.md), not per row.
+GPU_GEMM_EFFICIENCY = 0.7
+GPU_GEMM_KNEE = 128.0
+
+
+def _gpu(hbm_bytes_per_s: float) -> dict[str, Any]:
+    """A data-sheet GPU's GEMM efficiency, GEMM knee and HBM bandwidth (above)."""
+    return {"efficiency": GPU_GEMM_EFFICIENCY, "gemm_knee": GPU_GEMM_KNEE, "memory_bw": hbm_bytes_per_s}
+
+
 def hardware_profiles() -> dict[str, HardwareProfile]:
     """The known profiles by name (a fresh dict: callers may not mutate a shared table)."""
     return {p.name: p for p in (
         HardwareProfile("V100-32GB", 125e12, 15.7e12, 32 * GiB, 150e9, 12.5e9, pcie_bw=12e9,
-                        host_memory_per_gpu=1500 * 10**9 // 16),
-        HardwareProfile("A100-40GB", 312e12, 19.5e12, 40 * GiB, 300e9, 25e9, host_memory_per_gpu=1000 * 10**9 // 8),
-        HardwareProfile("A100-80GB", 312e12, 19.5e12, 80 * GiB, 300e9, 25e9, host_memory_per_gpu=2000 * 10**9 // 8),
+                        host_memory_per_gpu=1500 * 10**9 // 16, **_gpu(900e9)),
+        HardwareProfile("A100-40GB", 312e12, 19.5e12, 40 * GiB, 300e9, 25e9, host_memory_per_gpu=1000 * 10**9 // 8,
+                        **_gpu(1555e9)),
+        HardwareProfile("A100-80GB", 312e12, 19.5e12, 80 * GiB, 300e9, 25e9, host_memory_per_gpu=2000 * 10**9 // 8,
+                        **_gpu(2039e9)),
         HardwareProfile("H100-80GB", 989e12, 67e12, 80 * GiB, 450e9, 50e9, pcie_bw=50e9,
-                        host_memory_per_gpu=2000 * 10**9 // 8),
+                        host_memory_per_gpu=2000 * 10**9 // 8, **_gpu(3.35e12)),
         HardwareProfile("H200-141GB", 989e12, 67e12, 141 * 10**9, 450e9, 50e9, pcie_bw=50e9,
-                        host_memory_per_gpu=2000 * 10**9 // 8),
+                        host_memory_per_gpu=2000 * 10**9 // 8, **_gpu(4.8e12)),
+        # Meta's Grand Teton H100 (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md): SXM, 96 GB HBM2e at
+        # 2.4 TB/s, 400 Gb/s per GPU between hosts, capped at 500 W, where "the actual peak TFLOPs number is between
+        # SXM and NVL": the midpoint of 989 (SXM) and 835 (NVL) dense bf16 TFLOP/s, an assumption
+        HardwareProfile("H100-96GB-500W", 912e12, 60e12, 96 * GiB, 450e9, 50e9, pcie_bw=50e9,
+                        host_memory_per_gpu=2000 * 10**9 // 8, **_gpu(2.4e12)),
         # A CPU "device" for gloo runs: a few cores at ~50 GFLOP/s each, memory copies for intra-node collectives,
         # gloo's TCP loopback latency. A guess: `dist-trainer calibrate` measures the machine at hand.
         HardwareProfile("cpu", 1e11, 1e11, 16 * GiB, 5e9, 1.25e9, efficiency=0.3, pcie_bw=1e12,

@@ -233,7 +233,8 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
     host bytes and buffers, the same for every recomputation mode (the search computes it once for them)."""
     trainable = rank_trainable(cfg, layout, rp, options, pp_rank, ep_rank)
     expert = rank_expert_trainable(cfg, layout, rp, options, pp_rank, ep_rank)  # its trainable experts under ep
-    int8 = int8_weights(cfg, options.freeze, layout.tp_size, layout.rank_layer_ids(cfg, pp_rank))
+    int8 = (int8_weights(cfg, options.freeze, layout.tp_size, layout.rank_layer_ids(cfg, pp_rank))
+            if cfg.base_weight_dtype == "int8" else (0, 0))  # the search asks this of every candidate
     p, g, o, host = model_state_bytes(rp.total - rp.expert, dp_size=layout.replicas, zero_stage=layout.zero_stage,
                                       zero_offload=layout.zero_offload, options=options, n_trainable=trainable - expert,
                                       int8=int8)

@@ -33,6 +33,13 @@ class TrainingOptions:
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
     zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
+    # DDP's gradient all-reduce in buckets behind the last micro-batch's backward (torch DDP, ours); False: one
+    # all-reduce after the backward, exposed (Megatron-LM's `--DDP-impl local` of 2021, Narayanan et al.)
+    ddp_overlap: bool = True
+    # a pipeline transfer of an activation every TP rank holds whole: each rank sends 1/t of it and the receiving
+    # stage all-gathers it over the node's link (Megatron-LM's scatter-gather optimisation, Narayanan et al. 2021
+    # section 4.1); False: every TP rank sends it whole (ours: torch.distributed.pipelining). SP shards it anyway.
+    pp_scatter_gather: bool = False
     freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
     # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: quant/sizes.py)
     optim_state_dtype: str = "fp32"
@@ -90,12 +97,14 @@ class Overheads:
     # DeepSpeed's reduce bucket: reduce_bucket_size elements of the gradient dtype, whatever the model size
     # (stage_1_and_2.py:3266, stage3.py:782): configs/ds/zero*.json's 5e7 (DeepSpeed's own default is 5e8)
     zero_bucket_elements: int = 50_000_000
+    zero3_prefetch: bool = True  # ZeRO-3 with overlap_comm: stage3_prefetch_bucket_size of parameters gathered ahead
     zero_sub_group_elements: int = 1_000_000_000  # DeepSpeed ZeRO-3 sub_group_size default (runtime/zero/config.py)
     host_buffer_factor: float = 1.0  # DeepSpeed's estimators use 1.5 for pinned host buffers
 
     @classmethod
     def none(cls) -> Overheads:
-        return cls(cuda_context=0, fragmentation=0.0, ddp_grad_buckets=False, zero_bucket_elements=0)
+        return cls(cuda_context=0, fragmentation=0.0, ddp_grad_buckets=False, zero_bucket_elements=0,
+                   zero3_prefetch=False)
 
 
 DEFAULT_OPTIONS = TrainingOptions()  # frozen: safe as a shared default argument

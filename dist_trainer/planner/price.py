@@ -10,7 +10,8 @@ from dataclasses import dataclass, fields
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
 from dist_trainer.planner import activations as act
-from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_activations
+from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_rates, stage_terms
+from dist_trainer.planner.compute import step_model_flops
 from dist_trainer.planner.cost import StepTime, estimate_step_time
 from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.hardware import HardwareProfile
@@ -70,7 +71,8 @@ class Pricer:
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
         self._states: dict[tuple[object, int], RankMemory] = {}
         self._worst: dict[tuple[int, int], list[int]] = {}
-        self._acts: dict[tuple[object, ...], dict[str, int]] = {}
+        self._rates: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self._flops: dict[tuple[int, str, int], tuple[float, float]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
         key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
@@ -84,6 +86,13 @@ class Pricer:
         if key not in self._layers:
             self._layers[key] = layout.layers_by_rank(self.cfg)
         return self._layers[key]
+
+    def flops(self, layout: Layout) -> tuple[float, float]:
+        """``compute.step_model_flops``: once per global batch and recomputation (all a step's FLOPs depend on)."""
+        key = (layout.global_batch_size, layout.activation_checkpointing, layout.checkpoint_every)
+        if key not in self._flops:
+            self._flops[key] = step_model_flops(self.cfg, layout, seq_len=self.seq_len, options=self.options)
+        return self._flops[key]
 
     def worst_candidates(self, layout: Layout) -> list[int]:
         """The pipeline ranks that may hold the most bytes (``memory_of``), once per stage split."""
@@ -125,14 +134,13 @@ class Pricer:
                 acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
                                                 self.options, r, in_flight)
             else:  # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
-                tokens = layout.rank_tokens(self.seq_len)
                 key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every, p,
-                       layout.pp_virtual_stages, r, tokens, in_flight)
-                if key not in self._acts:
-                    self._acts[key] = stage_activations(
+                       layout.pp_virtual_stages, r)
+                if key not in self._rates:
+                    self._rates[key] = stage_rates(
                         self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                        layer_ids=layers[r], tokens=tokens, first=r == 0, last=r == p - 1, in_flight=in_flight)
-                acts = self._acts[key]
+                        layer_ids=layers[r], first=r == 0, last=r == p - 1)
+                acts = stage_terms(self._rates[key], tokens=layout.rank_tokens(self.seq_len), in_flight=in_flight)
             states = self.states(layout, r)
             # with_activations' device total, without building the rank's whole report
             held = states.model_states + sum(acts.values()) + states.step_buffers
@@ -158,5 +166,5 @@ class Pricer:
                                                                                       self.options, 0),
                                n_expert_rank=rp.expert,
                                n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
-                               layers_by_rank=self.layer_ids(layout))
+                               layers_by_rank=self.layer_ids(layout), flops=self.flops(layout))
         return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node)

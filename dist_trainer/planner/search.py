@@ -144,6 +144,8 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     to show both rank alike).
     """
     start = time.perf_counter()
+    if model.encoder_decoder:  # op-level recomputation runs there, unpriced (planner/seq2seq.py)
+        checkpointing = tuple(ck for ck in checkpointing if ck != "op")
     _check_inputs(model, options, seq_len, n_gpus=n_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                   gpu_memory_bytes=gpu_memory_bytes, tp_size=tp_size, max_tp_size=max_tp_size, pp_size=pp_size)
     hw = get_hardware(hardware)

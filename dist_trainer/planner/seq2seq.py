@@ -86,6 +86,9 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
     ``spec`` with the source's seq_len, ``layer_ids`` global (decoder layer j is n_layers + j), ``encoder_last``:
     the rank ends the encoder (``enc_norm``)."""
     spec.validate()
+    if mode == "op":
+        raise ValueError("activation checkpointing 'op' is not priced for an encoder-decoder (its cross-attention "
+                         "layers' matmul order): plan it with full or selective recomputation")
     B, S, T, h = batch, spec.seq_len, target_len, cfg.d_model
     relative = cfg.pos_embedding == "relative"
     self_kernel = "math" if relative else spec.attention_kernel  # a bias with a gradient: SDPA's math path

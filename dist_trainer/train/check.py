@@ -193,6 +193,10 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
         notes.append(f"data not checked: {data} holds no meta.json here (the vocabulary and split sizes are checked "
                      "when the run opens it)")
     p = cfg.parallel
+    if p.zero_stage:
+        from dist_trainer.parallel.zero.config import run_overlap_comm
+
+        notes.append(f"DeepSpeed {run_overlap_comm(cfg, device_type)[1]}")
     head = (f"ok: {world_size} ranks ({per_node} per node, {device_type}) run {launch.layout.degrees()} "
             f"({regime_of(p)} regime), micro-batch {p.micro_batch_size}, global batch {p.global_batch_size}")
     return [head, *notes]

@@ -122,7 +122,12 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     # SDPA picks a flash kernel (no s x s matrix) without dropout, the math path with it.
     kernel = "flash" if cfg.model.dropout == 0 else "math"
     seq2seq = cfg.model.encoder_decoder  # the decoder's length, and whether the sources are padded
-    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
+    overlap = None
+    if cfg.parallel.zero_stage:  # the run's own DeepSpeed JSON (or its per-device default) says whether it overlaps
+        from dist_trainer.parallel.zero.config import run_overlap_comm
+
+        overlap = run_overlap_comm(cfg, device.type)[0]
+    return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel, zero_overlap_comm=overlap,
                            freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype,
                            optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum > 0,
                            target_len=cfg.data.decoder_len() if seq2seq else None,

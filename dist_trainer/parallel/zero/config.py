@@ -37,6 +37,9 @@ TOP_LEVEL_KEYS = frozenset({
 OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
               "optimizer", "scheduler", "fp16", "bf16")
 OFFLOAD_DEVICES = ("cpu", "none")  # "nvme" needs an NVMe path and the async-I/O op: not on these machines
+# DeepSpeed's defaults for the buckets its overlapped communication works in (runtime/zero/config.py), in elements
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
 
 
 def zero_optimization_keys() -> frozenset[str]:
@@ -126,6 +129,36 @@ def check_device(cfg: Config, zero: dict[str, Any], device_type: str) -> None:
     check_precision(cfg.train.precision, device_type)
 
 
+def overlap_comm(zero: dict[str, Any], device_type: str) -> tuple[bool, str]:
+    """DeepSpeed's ``overlap_comm`` for a run on ``device_type`` ("cuda" or "cpu") and why: the JSON's own value
+    when it sets one; else on for CUDA, off for the CPU. On CUDA DeepSpeed then reduce-scatters each full gradient
+    bucket (``reduce_bucket_size``) on a side stream while the backward goes on, and ZeRO-3 gathers the next
+    modules' parameters (``stage3_prefetch_bucket_size``) while the current one computes: DeepSpeed's own
+    recommendation on GPUs. DeepSpeed's CPU accelerator has no streams (``CPU_Accelerator.Stream()`` is None,
+    gloo's collectives block), so there it overlaps nothing and ZeRO-1/2 would only double-buffer the reduce
+    bucket (``stage_1_and_2.py`` ``setup_buckets``)."""
+    if "overlap_comm" in zero:
+        on = bool(zero["overlap_comm"])
+        return on, f"overlap_comm={str(on).lower()}: set by the DeepSpeed JSON"
+    if device_type == "cuda":
+        reduce = zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)
+        why = (f"overlap_comm=true (cuda): gradient buckets of {float(reduce):.0e} elements are reduce-scattered on "
+               "a side stream during the backward")
+        if zero.get("stage") == 3:
+            prefetch = zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)
+            why += f", and {float(prefetch):.0e} elements of the next modules' parameters gathered ahead"
+        return True, why + "; the planner prices that overlap (docs/planner.md)"
+    return False, ("overlap_comm=false (cpu): DeepSpeed's CPU accelerator has no streams and gloo's collectives "
+                   "block, so overlapping would only double-buffer the reduce bucket")
+
+
+def run_overlap_comm(cfg: Config, device_type: str) -> tuple[bool, str]:
+    """:func:`overlap_comm` of a ZeRO run's own JSON (``parallel.ds_config`` or the shipped one) on ``device_type``."""
+    data, _ = _read(cfg)
+    zero = {"stage": cfg.parallel.zero_stage, **(data.get("zero_optimization") or {})}
+    return overlap_comm(zero, device_type)
+
+
 def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") -> dict[str, Any]:
     """The full DeepSpeed config of this run, or ValueError. Call before init_process_group.
 
@@ -142,7 +175,7 @@ def validate_zero_config(cfg: Config, dp_size: int, device_type: str = "cpu") ->
     if bad_zero:
         raise ValueError(f"DeepSpeed config {path}: unknown zero_optimization keys {bad_zero}; "
                          f"DeepSpeed 0.19.8 accepts {sorted(zero_optimization_keys())}")
-    out = ds_config_for(cfg, dp_size)
+    out = ds_config_for(cfg, dp_size, device_type)
     check_device(cfg, out["zero_optimization"], device_type)
     if cfg.parallel.ep_size > 1:
         check_expert_parallel(out["zero_optimization"], path)
@@ -166,9 +199,10 @@ def _read(cfg: Config) -> tuple[dict[str, Any], Path]:
     return read_ds_json(path), path
 
 
-def ds_config_for(cfg: Config, dp_size: int) -> dict[str, Any]:
+def ds_config_for(cfg: Config, dp_size: int, device_type: str = "cuda") -> dict[str, Any]:
     """The one generator of DeepSpeed JSON: ``parallel.ds_config`` (default ``configs/ds/zero{stage}[_offload].json``)
-    with what our config owns filled in (batch sizes, accumulation, precision, clipping, optimizer, schedule).
+    with what our config owns filled in (batch sizes, accumulation, precision, clipping, optimizer, schedule) and
+    ``overlap_comm`` for ``device_type`` where the JSON leaves it out (:func:`overlap_comm`).
 
     A value the JSON repeats must agree with ours, its stage and offload with ``parallel.zero_*``; torch-free, so
     ``plan --out`` writes its ds_config.json through here too.
@@ -190,6 +224,7 @@ def ds_config_for(cfg: Config, dp_size: int) -> dict[str, Any]:
     if conflicts:
         raise ValueError(f"DeepSpeed config {path} contradicts our config (fill these from the YAML/CLI, or drop them "
                          f"from the JSON): {'; '.join(conflicts)}")
+    zero["overlap_comm"] = overlap_comm(zero, device_type)[0]
     out = {**data, **{k: _merge(data.get(k), v) for k, v in ours.items()}, "zero_optimization": zero}
     out.setdefault("steps_per_print", 2**31 - 1)  # our MetricsLogger reports; keep DeepSpeed's stdout quiet
     out.setdefault("zero_allow_untested_optimizer", True)  # the client torch AdamW (exact parity with DDP)

@@ -6,13 +6,19 @@ accumulate under no_sync), so only what outlasts that backward, and at least the
 pipeline engine all-reduces once after the schedule: exposed. ZeRO-1 reduces at the accumulation boundary, ZeRO-2
 reduce-scatters every micro-batch's gradients (DeepSpeed's stage-2 hooks), both all-gather the updated partition
 after the step; ZeRO-3 gathers every parameter in each micro-batch's forward and backward and reduce-scatters its
-gradients (ZeRO, section 7: 3 Psi per micro-batch). With DeepSpeed's ``overlap_comm`` (read from the JSON the run
-uses) the reductions overlap the backward that produces them and ZeRO-3's prefetch hides gathers behind the
-previous module's compute; without it they run inside the hooks: exposed. The all-gather after the step always is.
+gradients (ZeRO, section 7: 3 Psi per micro-batch). DeepSpeed's ``overlap_comm`` (the JSON's value, else on for
+CUDA and off for the CPU: ``parallel/zero/config.overlap_comm``) decides what is exposed, as DeepSpeed schedules it:
+off, the hooks reduce and gather synchronously: all exposed. On, the gradients are reduce-scattered a
+``reduce_bucket_size`` bucket at a time on a side stream while the backward that produces them goes on, so only
+what outlasts that backward, and at least the last bucket, is exposed (ZeRO-2 behind every micro-batch's backward,
+ZeRO-1 behind the accumulation boundary's); ZeRO-3 gathers ``stage3_prefetch_bucket_size`` of the next modules'
+parameters while the current one computes (the first bucket waited for) and shares the backward's link between its
+gathers and its reductions. The all-gather of the updated partition after the step is always exposed.
 Offload: fp32 gradients to the host and 16-bit parameters back over PCIe (ZeRO-2 moves gradients every
 micro-batch), CPU Adam on the node's cores, between backward and the next forward: exposed. ``deepspeed``: what
 DeepSpeed's ZeRO step costs over DDP's beyond the traffic (calibrated; 0 for the data-sheet profiles).
-Memory: DDP's gradient buckets, DeepSpeed's reduce bucket and ZeRO-3's gathered layer (the model states' ZeRO
+Memory: DDP's gradient buckets, DeepSpeed's reduce bucket (two with overlap_comm under ZeRO-1/2), ZeRO-3's gathered
+layer and, with overlap_comm, its prefetched parameters (the model states' ZeRO
 partitioning is ``memory.model_state_bytes``). Candidates: dp is what the entries before it leave of the world,
 with every allowed ZeRO stage (none when dp is 1: nothing to shard) and offload.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import ModelConfig
@@ -59,12 +66,17 @@ class DataParallel(AxisEntry):
         over: dict[str, int] = {}
         if layout.replicas > 1 and layout.zero_stage == 0 and overheads.ddp_grad_buckets:
             over["ddp_grad_buckets"] = (trainable - expert) * options.grad_bytes  # DDP buckets what it reduces
-        if layout.replicas > 1 and layout.zero_stage > 0 and trainable:
-            # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains
-            over["zero_reduce_bucket"] = overheads.zero_bucket_elements * options.grad_bytes
+        ds = zero_comm(layout, options) if layout.zero_stage else None
+        if ds and layout.replicas > 1 and trainable:
+            # DeepSpeed allocates the whole reduce bucket (reduce_bucket_size elements) once anything trains;
+            # ZeRO-1/2 with overlap_comm double-buffer it (stage_1_and_2.py setup_buckets)
+            buffers = 2 if ds.overlap and layout.zero_stage < 3 else 1
+            over["zero_reduce_bucket"] = buffers * overheads.zero_bucket_elements * options.grad_bytes
         if layout.zero_stage == 3:
             # DeepSpeed's estimate_zero3_model_states_mem_needs: the largest layer gathered (params + grads).
             over["zero3_gathered_layer"] = rp.largest_layer * (options.param_bytes + options.grad_bytes)
+            if ds and ds.overlap and overheads.zero3_prefetch:  # the next modules' parameters, gathered ahead
+                over["zero3_prefetch"] = round(min(ds.prefetch_bucket, rp.total * options.param_bytes))
         return over
 
     def time(self, ctx: StepContext) -> dict[str, AxisTime]:
@@ -96,22 +108,40 @@ class DataParallel(AxisEntry):
         return ctx.inter if ctx.layout.world_size > ctx.gpus_per_node else ctx.intra
 
 
-def zero_overlap_comm(layout: Layout, options: TrainingOptions) -> bool:
-    """DeepSpeed's overlap_comm for this layout: the option, else the shipped configs/ds JSON (what plan writes)."""
-    if options.zero_overlap_comm is not None:
-        return options.zero_overlap_comm
-    return _shipped_overlap_comm(layout.zero_stage, layout.zero_offload)
+@dataclass(frozen=True)
+class ZeroComm:
+    """How DeepSpeed schedules a ZeRO layout's traffic: ``overlap_comm``, and the buckets it works in (bytes)."""
+
+    overlap: bool
+    reduce_bucket: float  # reduce_bucket_size elements x the gradient bytes: one reduce-scatter on the side stream
+    prefetch_bucket: float  # stage3_prefetch_bucket_size elements x the parameter bytes: the gathers run ahead
+
+
+def zero_comm(layout: Layout, options: TrainingOptions) -> ZeroComm:
+    """The layout's DeepSpeed settings: the JSON it runs with (the shipped configs/ds one, what ``plan --out``
+    writes), ``overlap_comm`` per ``options.device`` where the JSON leaves it out (on for CUDA, off for the CPU:
+    ``parallel/zero/config.overlap_comm``), or ``options.zero_overlap_comm`` when set."""
+    return _zero_comm(layout.zero_stage, layout.zero_offload, options.device, options.zero_overlap_comm,
+                      options.grad_bytes, options.param_bytes)
 
 
 @functools.cache
-def _shipped_overlap_comm(stage: int, offload: bool) -> bool:
-    from dist_trainer.parallel.zero.config import default_ds_config_path, read_ds_json  # torch-free
+def _zero_comm(stage: int, offload: bool, device: str, overlap: bool | None, grad_bytes: int,
+               param_bytes: int) -> ZeroComm:
+    from dist_trainer.parallel.zero.config import (  # torch-free
+        DS_PREFETCH_BUCKET,
+        DS_REDUCE_BUCKET,
+        default_ds_config_path,
+        overlap_comm,
+        read_ds_json,
+    )
 
     path = default_ds_config_path(stage, offload)
-    if not path.is_file():  # a layout the trainer refuses (ZeRO-1 offload) priced only to say how close it comes
-        return False
-    zero = read_ds_json(path).get("zero_optimization")
-    return bool((zero or {}).get("overlap_comm", False))
+    # a layout the trainer refuses (ZeRO-1 offload) is priced only to say how close it comes: DeepSpeed's defaults
+    zero = (read_ds_json(path).get("zero_optimization") or {}) if path.is_file() else {"stage": stage}
+    return ZeroComm(overlap_comm(zero, device)[0] if overlap is None else overlap,
+                    int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * grad_bytes,
+                    int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)) * param_bytes)
 
 
 def replica_time(layout: Layout, d: int, options: TrainingOptions, n_rank: int, trainable: int,
@@ -126,28 +156,39 @@ def replica_time(layout: Layout, d: int, options: TrainingOptions, n_rank: int, 
         time = ring_time("all_reduce", grads, d, *link)
         if layout.pp_size > 1:
             return AxisTime(2 * (d - 1) / d * grads, time, time, "one flat all-reduce after the schedule: exposed")
+        if not options.ddp_overlap:
+            return AxisTime(2 * (d - 1) / d * grads, time, time, "one all-reduce after the backward (ddp_overlap "
+                            "off): exposed")
         last = ring_time("all_reduce", min(DDP_BUCKET_BYTES, grads), d, *link)
         return AxisTime(2 * (d - 1) / d * grads, time, max(last, time - backward_one),
                         "DDP buckets overlap the last micro-batch's backward, all but the last bucket")
     frac = (d - 1) / d
     gather = ring_time("all_gather", params, d, *link)  # the updated partition (ZeRO-1/2) or one pass (ZeRO-3)
     scatter = ring_time("reduce_scatter", grads, d, *link)
-    overlap = zero_overlap_comm(layout, options)
+    ds = zero_comm(layout, options)
+    # with overlap_comm the backward's last bucket is reduced only after the backward ends
+    last_bucket = ring_time("reduce_scatter", min(ds.reduce_bucket, grads), d, *link)
     if layout.zero_stage == 3:
         sent = m * frac * (2 * params + grads)
         time = m * (2 * gather + scatter)
-        if not overlap:
+        if not ds.overlap:
             return AxisTime(sent, time, time, "overlap_comm off: gathers and reductions inside the hooks, exposed")
-        exposed = max(0.0, m * 2 * gather - compute) + max(0.0, m * scatter - compute * 2 / 3)
-        return AxisTime(sent, time, exposed, "overlap_comm: prefetched gathers and reductions behind compute")
+        # per micro-batch: the forward's gathers run a prefetch bucket ahead of the modules that use them (the
+        # first bucket waited for), the backward's gathers and its reduce-scatters share the link behind its
+        # compute, the last bucket after it
+        first = ring_time("all_gather", min(ds.prefetch_bucket, params), d, *link)
+        forward_one = backward_one / 2
+        exposed = m * (max(first, gather - forward_one) + max(first + last_bucket, gather + scatter - backward_one))
+        return AxisTime(sent, time, exposed, "overlap_comm: gathers prefetched behind the compute, reduce buckets "
+                        "behind the backward; the first gather and the last bucket exposed")
     reductions = m if layout.zero_stage == 2 else 1
     sent = frac * (reductions * grads + params)
     time = reductions * scatter + gather
-    if not overlap:
+    if not ds.overlap:
         return AxisTime(sent, time, time, "overlap_comm off: reductions inside the hooks, then the gather: exposed")
-    window = backward_one * reductions
-    return AxisTime(sent, time, max(0.0, reductions * scatter - window) + gather,
-                    "overlap_comm: reductions behind the backward; the gather after the step exposed")
-
+    # ZeRO-2 reduces behind every micro-batch's backward, ZeRO-1 behind the accumulation boundary's
+    exposed = reductions * max(last_bucket, scatter - backward_one) + gather
+    return AxisTime(sent, time, exposed, "overlap_comm: reduce buckets behind the backward, the last one and the "
+                    "gather after the step exposed")
 
 AXIS = DataParallel()

@@ -1,8 +1,10 @@
 """Pipeline parallelism in the planner: the activation forward and its gradient backward per micro-batch and
-stage boundary (b s h / t under SP). A stage cannot start a micro-batch before its input arrives: the transfers
-on the critical path, 2 (m v + p - 1), are exposed; the rest overlap other micro-batches' compute. (The bubble
-is the step's own term: ``flops.pipeline_bubble``.) Candidates: the divisors of the ranks TP leaves, each with
-every allowed schedule (two model chunks per rank for the multi-stage ones); memory: the receive buffers."""
+stage boundary (b s h / t under SP, and with Megatron's scatter-gather, ``TrainingOptions.pp_scatter_gather``:
+each TP rank sends 1/t and the next stage all-gathers it inside its node). A stage cannot start a micro-batch
+before its input arrives: the transfers on the critical path, 2 (m v + p - 1), are exposed; the rest overlap other
+micro-batches' compute. (The bubble is the step's own term: ``flops.pipeline_bubble``.) Candidates: the divisors
+of the ranks TP leaves, each with every allowed schedule (two model chunks per rank for the multi-stage ones);
+memory: the receive buffers."""
 
 from __future__ import annotations
 
@@ -48,11 +50,16 @@ class PipelineParallel(AxisEntry):
         p, m, v = layout.pp_size, layout.n_microbatches, layout.pp_virtual_stages
         if p == 1:
             return {}
+        t = layout.tp_size
         bsh = ctx.tokens * ctx.cfg.d_model * ctx.act_bytes
-        msg = bsh / (layout.tp_size if layout.sequence_parallel else 1)
-        link = ctx.link(layout.tp_size * p)
+        link = ctx.link(t * p)
         critical = 2 * (m * v + p - 1)
-        one = ring_time("p2p", msg, 2, *link) + ctx.hardware.sync_cost(2, ctx.compute / (2 * m * v))
+        if layout.sequence_parallel or (ctx.options.pp_scatter_gather and t > 1):
+            msg = bsh / t  # each TP rank's shard; scatter-gather re-gathers it on the node's link
+            gather = 0.0 if layout.sequence_parallel else ring_time("all_gather", bsh, t, *ctx.intra)
+        else:
+            msg, gather = bsh, 0.0
+        one = ring_time("p2p", msg, 2, *link) + gather + ctx.hardware.sync_cost(2, ctx.compute / (2 * m * v))
         return {"pp": AxisTime(2 * m * v * msg, 2 * m * v * one, critical * one,
                                f"the {critical} transfers on the schedule's critical path are exposed")}
 
