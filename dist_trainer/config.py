@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 from dist_trainer.config_fields import choice, name_list, positive
 from dist_trainer.config_model import ModelConfig
 from dist_trainer.data.span import span_lengths
-from dist_trainer.finetune import training_plan
-from dist_trainer.quant.sizes import check_int8_base
+from dist_trainer.facts.finetune import training_plan
+from dist_trainer.facts.quant_sizes import check_int8_base
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -278,7 +278,7 @@ class TrainConfig:
     # Module names (tok_emb, layers.3.attn.q_proj), ranges (layers.0-11), globs (*.attn_norm) or presets:
     # embeddings (token/position/type tables), bottom:N (the embeddings and layers 0..N-1), norms_only (all but
     # the norms). A name also freezes what is under it (layers.3 = the whole layer, adapters included).
-    # A comma-separated string is accepted too. See dist_trainer/finetune.py.
+    # A comma-separated string is accepted too. See dist_trainer/facts/finetune.py.
     freeze: list[str] = field(default_factory=list)
     # Start from these weights instead of the seed's draw: a checkpoint (run folder, checkpoints/ or step folder, any
     # layout) or an export folder / .safetensors file. Parameters are matched by name; LoRA adapters in the source

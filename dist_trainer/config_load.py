@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
+from dist_trainer.facts.hf_config import is_hf_folder
 from dist_trainer.files import read_text
 from dist_trainer.layout_rules import check_fields
 
@@ -31,13 +31,13 @@ FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "l
 def hf_model_fields(path: str | Path) -> dict[str, Any]:
     """ModelConfig fields of a Hugging Face folder (or its config.json): its config, and its tensor names (which
     say whether a BERT folder has a pooler or a masked-LM head)."""
-    from dist_trainer.checkpoint.hf_config import read_hf_config
+    from dist_trainer.facts.hf_config import read_hf_config
     from dist_trainer.families import family, model_fields
 
     folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
     files = None
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
-        from dist_trainer.checkpoint.hf_files import safetensors_index
+        from dist_trainer.facts.hf_files import safetensors_index
 
         files = safetensors_index(folder)
     names = None if files is None else set(files)
@@ -45,7 +45,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     where = str(folder / "config.json")
     fields = model_fields(hf, where, names)
     if files is not None:  # a tensor no parameter reads is refused here too: counts and plans hold every one
-        from dist_trainer.checkpoint.hf_files import check_all_read
+        from dist_trainer.facts.hf_files import check_all_read
 
         plan = family(hf.get("model_type"), where).read_plan(fields, set(files))
         check_all_read(folder, files, {r.hf_name for r in plan.values()})

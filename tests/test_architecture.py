@@ -109,14 +109,14 @@ def test_mechanisms_never_import_the_layers_above() -> None:
     upper = ("dist_trainer.train", "dist_trainer.engines", "dist_trainer.experiments", "dist_trainer.cli",
              "dist_trainer.health")
     lower = ("dist_trainer.parallel", "dist_trainer.planner", "dist_trainer.checkpoint", "dist_trainer.layout_rules",
-             "dist_trainer.config", "dist_trainer.model", "dist_trainer.model_names", "dist_trainer.optim",
+             "dist_trainer.config", "dist_trainer.model", "dist_trainer.facts.model_names", "dist_trainer.optim",
              "dist_trainer.data", "dist_trainer.families")
     bad = sorted((m, t) for m, ts in graph.items() if _in(m, *lower) for t in ts if _in(t, *upper))
     assert bad == [], bad
     torch_free = ("dist_trainer.planner", "dist_trainer.layout_rules", "dist_trainer.families")
     bad = sorted((m, t) for m, ts in graph.items() if _in(m, *torch_free) for t in ts
                  if _in(t, "dist_trainer.checkpoint", "dist_trainer.model", "dist_trainer.optim", "dist_trainer.data")
-                 and not _in(t, "dist_trainer.model_names"))
+                 and not _in(t, "dist_trainer.facts.model_names"))
     assert bad == [], bad
     # the checkpoint package sits below the engines: parallel/ may not reach up into it either
     bad = sorted((m, t) for m, ts in graph.items() if _in(m, "dist_trainer.parallel") for t in ts
@@ -126,14 +126,15 @@ def test_mechanisms_never_import_the_layers_above() -> None:
 
 def _mechanisms(graph: dict[str, set[str]]) -> list[str]:
     """parallel/, the model modules (model.py, model_*.py), layout_rules and health/."""
-    return [m for m in graph if _in(m, "dist_trainer.parallel", "dist_trainer.layout_rules", "dist_trainer.health")
+    return [m for m in graph if _in(m, "dist_trainer.parallel", "dist_trainer.layout_rules", "dist_trainer.health",
+                                    "dist_trainer.facts")
             or (m.count(".") == 1 and m.split(".")[1].startswith("model"))]
 
 
 def test_mechanisms_and_health_never_import_the_planner_or_the_loop() -> None:
     graph = import_graph()
     mechanisms = _mechanisms(graph)
-    assert {"dist_trainer.model", "dist_trainer.model_shape", "dist_trainer.parallel.tp.layers",
+    assert {"dist_trainer.model", "dist_trainer.facts.model_shape", "dist_trainer.parallel.tp.layers",
             "dist_trainer.health.attention", "dist_trainer.layout_rules"} <= set(mechanisms)  # the scan sees them
     bad = sorted((m, t) for m in mechanisms for t in graph[m]
                  if _in(t, "dist_trainer.planner", "dist_trainer.train", "dist_trainer.engines"))
@@ -157,8 +158,8 @@ def test_the_zero_stages_are_written_once() -> None:
 
 
 def test_rules_and_planner_load_without_torch() -> None:
-    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.model_shape, dist_trainer.planner.search, "
-            "dist_trainer.planner.emit, dist_trainer.families; "
+    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.facts.model_shape, "
+            "dist_trainer.planner.search, dist_trainer.planner.emit, dist_trainer.families; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -168,8 +169,7 @@ def test_rules_and_planner_load_without_torch() -> None:
 def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
     from dist_trainer.config_load import model_config
     from dist_trainer.engines import ENGINES
-    from dist_trainer.model import build_model
-    from dist_trainer.model_names import (
+    from dist_trainer.facts.model_names import (
         FIRST_STAGE_MODULES,
         LAST_STAGE_MODULES,
         LAST_STAGE_PARAMETERS,
@@ -177,7 +177,8 @@ def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
         MLM_TRANSFORM_LEAVES,
         TAIL_NAMES,
     )
-    from dist_trainer.model_shape import embedding_params, layer_params, tail_params
+    from dist_trainer.facts.model_shape import embedding_params, layer_params, tail_params
+    from dist_trainer.model import build_model
 
     assert set(ENGINES) == set(REGIMES)
     llama = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)

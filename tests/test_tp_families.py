@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.config import ModelConfig, ParallelConfig
-from dist_trainer.finetune import frozen_modules, module_names
+from dist_trainer.facts.finetune import frozen_modules, module_names
+from dist_trainer.facts.quant_sizes import int8_weights, linear_shape
 from dist_trainer.health.attention import explicit_attention, head_stats
 from dist_trainer.health.names import groups_of
 from dist_trainer.layout_rules import check_tp
@@ -36,7 +37,6 @@ from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import merge_tp_shards, tp_shard_specs
 from dist_trainer.quant.modules import int8_layers, quantize_base_weights_
-from dist_trainer.quant.sizes import int8_weights, linear_shape
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, assert_same_curves, assert_same_health, curves, health_records, tiny_config

@@ -252,7 +252,7 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
     """
     from dist_trainer.config_load import config_from_dict
-    from dist_trainer.finetune import frozen_modules
+    from dist_trainer.facts.finetune import frozen_modules
     from dist_trainer.model import build_model
     from dist_trainer.model_lora import freeze_
     from dist_trainer.optim import build_optimizer

@@ -12,17 +12,17 @@ import torch
 
 from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import check_files
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.load import load_owned_
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.checkpoint.source import open_source
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict, hf_model_fields
+from dist_trainer.facts.hf_config import is_hf_folder
+from dist_trainer.facts.quant_sizes import int8_modules
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.parallel.tp.reshard import ShardSpec, tp_shard_specs
 from dist_trainer.quant.int8 import dequantize_state
-from dist_trainer.quant.sizes import int8_modules
 
 
 def _empty_model(cfg: Config) -> Transformer:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import kv_sharded
+from dist_trainer.facts.model_shape import kv_sharded
 
 
 def zigzag(model: ModelConfig, cp_mode: str) -> bool:

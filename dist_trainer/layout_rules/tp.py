@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import kv_sharded, padded_vocab
+from dist_trainer.facts.model_shape import kv_sharded, padded_vocab
 
 
 def divisors(n: int) -> list[int]:

@@ -31,8 +31,8 @@ class TrainingOptions:
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)
     zero_overlap_comm: bool | None = None  # DeepSpeed's overlap_comm; None = the shipped configs/ds JSON's value
-    freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
-    # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: quant/sizes.py)
+    freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/facts/finetune.py): no grads or states for them
+    # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: facts/quant_sizes.py)
     optim_state_dtype: str = "fp32"
     # an encoder-decoder's batch: the decoder's length (None: seq_len) and whether sources are padded (a mask)
     target_len: int | None = None

@@ -145,8 +145,8 @@ def _check_sources(cfg: Config, data_required: bool) -> list[str]:
 def check_hf_tokenizer(cfg: Config, data: Path) -> None:
     """A run from a Hugging Face folder that has a tokenizer trains on data tokenized with it (the same vocabulary
     hash); ValueError naming both otherwise."""
-    from dist_trainer.checkpoint.hf_config import is_hf_folder
     from dist_trainer.data.tokenizer import check_data_tokenizer
+    from dist_trainer.facts.hf_config import is_hf_folder
 
     source = cfg.train.init_from
     if source and is_hf_folder(source) and (Path(source) / "tokenizer.json").is_file():
