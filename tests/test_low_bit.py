@@ -16,9 +16,9 @@ from dist_trainer.config_load import config_from_dict
 from dist_trainer.facts.quant_sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 from dist_trainer.layout_rules import check_layout
 from dist_trainer.optim_lowbit import AdamWBf16, canonical_state, int8_adamw, load_adamw_state, state_format
+from dist_trainer.parallel.int8 import Int8LoRALinear, int8_buffer_names, quantize_base_weights_
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, model_state_bytes, predict_rank_memory
 from dist_trainer.quant import int8 as q8
-from dist_trainer.quant.modules import Int8LoRALinear, int8_buffer_names, quantize_base_weights_
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 

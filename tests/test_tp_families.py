@@ -32,11 +32,11 @@ from dist_trainer.health.attention import explicit_attention, head_stats
 from dist_trainer.health.names import groups_of
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import build_model
+from dist_trainer.parallel.int8 import int8_layers, quantize_base_weights_
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import merge_tp_shards, tp_shard_specs
-from dist_trainer.quant.modules import int8_layers, quantize_base_weights_
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, assert_same_curves, assert_same_health, curves, health_records, tiny_config

@@ -61,7 +61,7 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     cfg = config_from_dict(meta["config"])
     model = _empty_model(cfg)
     # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
-    specs = tp_shard_specs(model)  # and the scales of an int8-base run's weights, whole (quant/modules.py)
+    specs = tp_shard_specs(model)  # and the scales of an int8-base run's weights, whole (parallel/int8.py)
     specs.update({f"{n}.weight_scale": ShardSpec(None, None) for n in int8_modules(cfg.model, cfg.train.freeze)})
     state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, specs_now=specs)
     model.load_state_dict(dequantize_state(state))  # an int8-base run's frozen linears as fp32 weights
