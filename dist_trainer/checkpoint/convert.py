@@ -256,7 +256,7 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     from dist_trainer.model import build_model
     from dist_trainer.model_lora import freeze_
     from dist_trainer.optim import build_optimizer
-    from dist_trainer.parallel.int8 import quantize_base_weights_
+    from dist_trainer.parallel.int8 import apply_int8
     from dist_trainer.parallel.tp.reshard import tp_shard_specs
 
     meta = read_meta(step_dir)
@@ -267,7 +267,7 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     model = build_model(cfg.model, device="meta")
     # an int8-base run's frozen linears as the engines hold them (codes and scales by name, parallel/int8.py)
     freeze_(model, frozen_modules(cfg.model, cfg.train.freeze))
-    quantize_base_weights_(model, cfg.model, cfg.train.freeze)
+    apply_int8(model, cfg.model, cfg.train.freeze)
     missing = set(model.state_dict()) - set(model_state)
     if missing:
         raise ValueError(f"ZeRO checkpoint {step_dir} lacks parameters {sorted(missing)[:5]}")

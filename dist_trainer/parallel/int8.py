@@ -1,6 +1,6 @@
 """Frozen linears with int8 weights: one module class per linear kind, swapped in by name (``model.base_weight_dtype``).
 
-``quantize_base_weights_`` replaces each frozen layer linear that ``facts/quant_sizes.int8_modules`` names (LoRA's base,
+``apply_int8`` replaces each frozen layer linear that ``facts/quant_sizes.int8_modules`` names (LoRA's base,
 or what ``train.freeze`` covers) by its int8 class: the plain ``nn.Linear`` / ``LoRALinear``, or the TP layer that
 already cut this rank's shard (column-, row-parallel, replicated k/v). The new module keeps everything of the old
 one (its TP group and flags, its bias, its adapter and their names) but the weight, which becomes two buffers:
@@ -118,7 +118,7 @@ def to_int8(module: nn.Module, group: int) -> nn.Module:
     return new
 
 
-def quantize_base_weights_(model: nn.Module, model_cfg: object, freeze: Sequence[str],
+def apply_int8(model: nn.Module, model_cfg: object, freeze: Sequence[str],
                            first_layer: int = 0) -> list[str]:
     """Swap every frozen layer linear of ``model`` (a rank's cut of the plain model, under the plain names; a pipeline
     stage's ``layers.i`` being global layer ``first_layer + i``) for its int8 class; the names swapped (none unless

@@ -29,7 +29,7 @@ from dist_trainer.model import Transformer
 from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.cp.apply import apply_context_parallel
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
-from dist_trainer.parallel.int8 import materialize_int8_, quantize_base_weights_
+from dist_trainer.parallel.int8 import apply_int8, materialize_int8_
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 
@@ -41,7 +41,7 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     above; return it, on ``device``."""
     apply_tensor_parallel(model, state, layout.sequence_parallel)
     apply_expert_parallel(model, state)
-    quantize_base_weights_(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
+    apply_int8(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
     apply_context_parallel(model, state, layout.cp_mode)
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
     if compile_blocks:
