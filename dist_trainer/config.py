@@ -16,9 +16,10 @@ from typing import Any, ClassVar
 
 from dist_trainer.config_fields import choice, name_list, positive
 from dist_trainer.config_model import ModelConfig
-from dist_trainer.data.span import span_lengths
 from dist_trainer.facts.finetune import training_plan
 from dist_trainer.facts.quant_sizes import check_int8_base
+from dist_trainer.facts.sources import parse_sources
+from dist_trainer.facts.span import span_lengths
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -198,8 +199,6 @@ class DataConfig:
     def validate(self) -> None:
         positive(self, "seq_len")
         if self.sources:
-            from dist_trainer.data.mixture import parse_sources
-
             parse_sources(self.sources)  # each entry's path and weight, named on error
             if self.path != DEFAULT_DATA_PATH:
                 raise ValueError(f"give data.path={self.path!r} or data.sources (a mixture of "

@@ -15,7 +15,8 @@ from dist_trainer.data.dataset import TokenDataset, load_tokenizer, read_meta, v
 from dist_trainer.data.objective import collate_pairs, make_batch, open_split
 from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.prepare import prepare
-from dist_trainer.data.span import corrupt, corrupted_lengths, noise_mask, sample_rng, span_lengths
+from dist_trainer.data.span import corrupt, noise_mask, sample_rng
+from dist_trainer.facts.span import corrupted_lengths, span_lengths
 from dist_trainer.model_blocks import IGNORE_INDEX
 from tests.conftest import reversal_pairs
 from tests.helpers import TINY_VOCAB

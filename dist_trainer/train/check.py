@@ -121,7 +121,8 @@ def check_source_size(cfg: Config, index: int, path: str, n_train: int, n_val: i
 def _check_sources(cfg: Config, data_required: bool) -> list[str]:
     """``check_run``'s data check of a mixture: every folder there, one tokenizer, each source's splits large
     enough (``check_source_size``); a note per source."""
-    from dist_trainer.data.mixture import check_source_folders, parse_sources
+    from dist_trainer.data.mixture import check_source_folders
+    from dist_trainer.facts.sources import parse_sources
 
     sources = parse_sources(cfg.data.sources)
     notes = []
