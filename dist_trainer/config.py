@@ -10,6 +10,7 @@ before any process group is created (the world size is checked separately by
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -123,8 +124,7 @@ class ParallelConfig:
         return dp
 
     def validate(self) -> None:
-        """The fields that are not the layout's own (those are ``layout_rules.check_fields``, asked when the config
-        is loaded and again when its Layout is built)."""
+        check_fields(self)  # the fields a Layout has too
         choice(self, "layout", ("manual", "auto"))
         for name in ("auto_tp_size", "auto_max_tp_size", "auto_pp_size"):
             if getattr(self, name) is not None:
@@ -139,6 +139,55 @@ class ParallelConfig:
                              "0, 1, 2, 3")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0")
+
+
+_COUNTS = ("tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages")
+_LAYOUT_COUNTS = operator.attrgetter(*_COUNTS, "dp_size", "n_microbatches")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_fields(p: Any) -> None:
+    """The rules of a layout's own fields, whatever the model and the world, for ``p`` a ``ParallelConfig`` or a
+    ``layout_rules.Layout``: degrees and counts are positive integers, every choice is one the code has, SP needs
+    TP, an explicit stage split lists pp_size x virtual stages positive counts. A run config's parallel section asks
+    it as it validates its fields (``ParallelConfig.validate``, so a typo fails when the config is loaded); a Layout
+    as it is built."""
+    section = isinstance(p, ParallelConfig)
+    names = [*_COUNTS, "global_batch_size"] if section else [*_COUNTS, "dp_size", "n_microbatches"]
+    # the common case at C speed (the planner builds tens of thousands of Layouts); else each, naming the culprit
+    if section or not all(type(v) is int and v >= 1 for v in _LAYOUT_COUNTS(p)):
+        for name in names:
+            if not _positive_int(getattr(p, name)):
+                raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
+    for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
+        value = getattr(p, name)
+        if section and value is not None and not _positive_int(value):
+            raise ValueError(f"parallel.{name}={value!r} must be a positive integer or unset")
+    if p.zero_stage not in ZERO_STAGES or isinstance(p.zero_stage, bool):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage!r} must be {', '.join(map(str, ZERO_STAGES[:-1]))} or "
+                         f"{ZERO_STAGES[-1]}")
+    for name, choices in (("activation_checkpointing", CHECKPOINTING), ("pp_schedule", PP_SCHEDULES),
+                          ("pp_balance", PP_BALANCES), ("cp_mode", CP_MODES)):
+        if getattr(p, name) not in choices:
+            raise ValueError(f"parallel.{name}={getattr(p, name)!r} is not one of {', '.join(choices)}")
+    if section and p.global_batch_size % p.micro_batch_size:
+        raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
+                         f"parallel.micro_batch_size={p.micro_batch_size}")
+    check_sequence_parallel(p.tp_size, p.sequence_parallel)
+    stages = p.pp_size * p.pp_virtual_stages
+    layers = p.pp_stage_layers
+    if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):
+        raise ValueError(f"parallel.pp_stage_layers={list(layers)} must list {stages} positive layer counts "
+                         f"(pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages})")
+
+
+def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
+    """Sequence parallelism splits what TP replicates (norms, dropout) over the TP ranks: it needs TP."""
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
 
 
 @dataclass
@@ -370,12 +419,6 @@ class Config:
             raise ValueError(f"train.freeze={self.train.freeze} freezes every parameter of the model"
                              f"{' and its adapters' if self.model.lora_rank else ''}: nothing would train")
         check_int8_base(self.model, self.train.freeze)  # ValueError: int8 base weights without a frozen linear
-        tp = self.parallel.tp_size
-        if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
-            raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "
-                             f"{self.data.decoder_len()} (data.target_len, or span corruption's) must be divisible by "
-                             f"parallel.tp_size={tp}; set data.target_len to a multiple of {tp} (the targets are "
-                             "padded to it)")
         return self
 
     def _validate_objective(self) -> None:

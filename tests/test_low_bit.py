@@ -130,7 +130,7 @@ def test_int8_base_refusals_name_the_values() -> None:
                                   "base_weight_group": 32}}
         for k, v in sections.items():
             tree[k] = {**tree.get(k, {}), **v}
-        check_layout(config_from_dict(tree), 2, "cpu")
+        check_layout(config_from_dict(tree).validate(), 2, "cpu")
 
     layout(parallel={"zero_stage": 2})  # ZeRO-1/2 run it
     with pytest.raises(ValueError, match="zero_stage=3 is not supported: ZeRO-3 partitions parameters"):

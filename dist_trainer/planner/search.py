@@ -104,8 +104,10 @@ def config_check(model: ModelConfig, *, seq_len: int,
     would write for a layout and put it to the trainer's whole check (``layout_rules.check_layout``), as the search
     did before issue 26. ``plan_layouts(check=...)`` takes it to show both rank alike."""
     def check(layout: Layout) -> str | None:
-        cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
-        return _refusal(lambda: check_layout(cfg, layout.world_size, options.device))
+        def whole() -> None:
+            cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options)).validate()
+            check_layout(cfg, layout.world_size, options.device)
+        return _refusal(whole)
     return check
 
 
