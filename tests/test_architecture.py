@@ -4,6 +4,11 @@ Every ``import`` of a ``dist_trainer`` module is collected from the source (modu
 functions alike: a lazy import is still a dependency), then:
 
 - the module graph has no cycle;
+- every folder of the package and every top-level module stands on one floor (``FLOORS``, bottom up), no import
+  runs up a floor, and no two folders (or top-level modules) import each other (issue 34);
+- the bottom floor's ``facts/`` (the torch-free facts: model shapes and names, fine-tuning sets, int8 sizes, span
+  lengths, a mixture's sources, Hugging Face config and file arithmetic) imports nothing of the package but
+  itself, and no torch;
 - ``parallel/``, ``planner/``, ``checkpoint/`` and the bottom modules never import ``train/`` or ``engines/``;
   ``planner/`` and ``layout_rules`` never import ``engines/``, ``train/`` or ``checkpoint/``;
 - the mechanisms (``parallel/``, ``model*``, ``layout_rules``) and ``health/`` never import ``planner/``,
@@ -102,6 +107,74 @@ def _in(module: str, *packages: str) -> bool:
 
 def test_no_import_cycles() -> None:
     assert _cycles(import_graph()) == []
+
+
+# The floors, bottom up (issue 34): a module imports only from its own floor or below. A unit is a folder of the
+# package or one of its top-level modules; every unit is placed, so a new one says where it stands.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("facts", "families"),  # torch-free facts; the model families (config.json and tensor names as plain data)
+    ("config_fields", "config_model", "config", "config_load", "files"),  # the run's config, read and validated
+    ("layout_rules",),  # which layouts run, torch-free
+    ("quant", "model_positions", "model_lora", "model_moe", "model_seq2seq", "model_blocks", "model",
+     "optim_lowbit", "optim"),  # one process's model and optimizer, pure torch
+    ("data", "parallel"),  # the token data; the mechanisms that cut the model over ranks
+    ("planner",),  # torch-free arithmetic over layouts; writes DeepSpeed JSON through parallel/zero/config.py
+    ("checkpoint",),
+    ("health",),
+    ("engines",),
+    ("train", "experiments", "testing"),
+    ("cli", "torchrun"),
+)
+FLOOR_OF = {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
+
+
+def _unit(module: str) -> str:
+    """The folder of the package a module is in, or the top-level module it is (``dist_trainer.facts.span`` ->
+    ``facts``, ``dist_trainer.config`` -> ``config``)."""
+    return module.split(".")[1]
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    """{unit: the other units it imports}, the package's root (empty) left out."""
+    units: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        if module != "dist_trainer":
+            units.setdefault(_unit(module), set()).update(_unit(t) for t in targets if t != "dist_trainer")
+    return {u: targets - {u} for u, targets in units.items()}
+
+
+def test_every_folder_and_top_level_module_stands_on_a_floor() -> None:
+    units = set(_unit_graph())
+    assert units == set(FLOOR_OF), (sorted(units - set(FLOOR_OF)), sorted(set(FLOOR_OF) - units))
+
+
+def test_no_import_runs_up_a_floor() -> None:
+    graph = import_graph()
+    assert "dist_trainer.facts.model_shape" in graph["dist_trainer.config_model"]  # the scan sees the floor's users
+    bad = sorted((m, t) for m, ts in graph.items() if m != "dist_trainer" for t in ts
+                 if FLOOR_OF[_unit(t)] > FLOOR_OF[_unit(m)])
+    assert bad == [], bad
+
+
+def test_no_two_folders_import_each_other() -> None:
+    units = _unit_graph()
+    assert "engines" in units["train"]  # the scan sees imports between folders
+    both = sorted((a, b) for a, targets in units.items() for b in targets if a < b and a in units.get(b, ()))
+    assert both == [], both
+
+
+def test_the_facts_sit_at_the_bottom_and_import_no_torch() -> None:
+    """facts/ holds what every layer reads and none needs torch for: it imports nothing of the package but itself,
+    and neither torch nor numpy, so the config, the layout rules and the planner load without them."""
+    graph = import_graph()
+    facts = [m for m in graph if _in(m, "dist_trainer.facts")]
+    assert {"dist_trainer.facts.model_shape", "dist_trainer.facts.quant_sizes", "dist_trainer.facts.span"} <= \
+        set(facts)
+    bad = sorted((m, t) for m in facts for t in graph[m] if not _in(t, "dist_trainer.facts"))
+    assert bad == [], bad
+    heavy = sorted(str(p.relative_to(ROOT)) for p in (PACKAGE / "facts").rglob("*.py")
+                   if {"torch", "numpy", "safetensors", "deepspeed", "yaml"} & _imported_top_level(p))
+    assert heavy == [], heavy
 
 
 def test_mechanisms_never_import_the_layers_above() -> None:
