@@ -323,6 +323,15 @@ def test_one_layout_class_held_by_the_rules() -> None:
         Layout(sequence_parallel=True)
 
 
+def test_one_pre_launch_check_of_a_layout() -> None:
+    """One function named check_layout (issue 34: there were two, three calls deep): the rules of a run config's
+    layout, in layout_rules; the trainer's pre-launch function (train/check.resolve_launch) asks it."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(PACKAGE.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.FunctionDef) and node.name == "check_layout"]
+    assert len(found) == 1 and found[0].startswith("dist_trainer/layout_rules/check.py:"), found
+
+
 def test_no_method_is_replaced_on_a_live_object() -> None:
     """The parallel regimes swap submodules or fill the seams the model declares (model.head_input, full_logits,
     pool_input; MoE.exchange), so a reader of model.py sees what runs: types.MethodType nowhere in the package."""
