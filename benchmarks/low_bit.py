@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import benchmark_data  # noqa: E402
 from dist_trainer.config import Config  # noqa: E402
 from dist_trainer.config_load import config_from_dict  # noqa: E402
+from dist_trainer.parallel.int8 import int8_buffers  # noqa: E402
 from dist_trainer.planner.memory import Layout, Overheads, predict_rank_memory  # noqa: E402
-from dist_trainer.quant.modules import int8_buffers  # noqa: E402
 from dist_trainer.train.evaluate import EvalSettings, eval_loss  # noqa: E402
 from dist_trainer.train.export import export_checkpoint  # noqa: E402
 from dist_trainer.train.plan_check import planner_options  # noqa: E402

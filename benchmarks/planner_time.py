@@ -69,7 +69,7 @@ def _config(data: Path, out: Path, parallel: dict, steps: int) -> dict:
 def _measure(rank: int, world: int, tree: dict) -> float:
     from dist_trainer.train.trainer import Trainer
 
-    trainer = Trainer(config_from_dict(tree), log=False)
+    trainer = Trainer(config_from_dict(tree).validate(), log=False)
     times = []
     for step in range(trainer.cfg.train.max_steps):
         start = time.perf_counter()

@@ -10,16 +10,18 @@ before any process group is created (the world size is checked separately by
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from dist_trainer.config_fields import choice, name_list, positive
 from dist_trainer.config_model import ModelConfig
-from dist_trainer.data.span import span_lengths
-from dist_trainer.finetune import training_plan
+from dist_trainer.facts.finetune import training_plan
+from dist_trainer.facts.quant_sizes import check_int8_base
+from dist_trainer.facts.sources import parse_sources
+from dist_trainer.facts.span import span_lengths
 from dist_trainer.optim_entries import optimizer_entry
-from dist_trainer.quant.sizes import check_int8_base
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 PRESET_DIR = CONFIG_ROOT / "models"
@@ -124,8 +126,7 @@ class ParallelConfig:
         return dp
 
     def validate(self) -> None:
-        """The fields that are not the layout's own (those are ``layout_rules.check_fields``, asked when the config
-        is loaded and again when its Layout is built)."""
+        check_fields(self)  # the fields a Layout has too
         choice(self, "layout", ("manual", "auto"))
         for name in ("auto_tp_size", "auto_max_tp_size", "auto_pp_size"):
             if getattr(self, name) is not None:
@@ -140,6 +141,55 @@ class ParallelConfig:
                              "0, 1, 2, 3")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0")
+
+
+_COUNTS = ("tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages")
+_LAYOUT_COUNTS = operator.attrgetter(*_COUNTS, "dp_size", "n_microbatches")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_fields(p: Any) -> None:
+    """The rules of a layout's own fields, whatever the model and the world, for ``p`` a ``ParallelConfig`` or a
+    ``layout_rules.Layout``: degrees and counts are positive integers, every choice is one the code has, SP needs
+    TP, an explicit stage split lists pp_size x virtual stages positive counts. A run config's parallel section asks
+    it as it validates its fields (``ParallelConfig.validate``, so a typo fails when the config is loaded); a Layout
+    as it is built."""
+    section = isinstance(p, ParallelConfig)
+    names = [*_COUNTS, "global_batch_size"] if section else [*_COUNTS, "dp_size", "n_microbatches"]
+    # the common case at C speed (the planner builds tens of thousands of Layouts); else each, naming the culprit
+    if section or not all(type(v) is int and v >= 1 for v in _LAYOUT_COUNTS(p)):
+        for name in names:
+            if not _positive_int(getattr(p, name)):
+                raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
+    for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
+        value = getattr(p, name)
+        if section and value is not None and not _positive_int(value):
+            raise ValueError(f"parallel.{name}={value!r} must be a positive integer or unset")
+    if p.zero_stage not in ZERO_STAGES or isinstance(p.zero_stage, bool):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage!r} must be {', '.join(map(str, ZERO_STAGES[:-1]))} or "
+                         f"{ZERO_STAGES[-1]}")
+    for name, choices in (("activation_checkpointing", CHECKPOINTING), ("pp_schedule", PP_SCHEDULES),
+                          ("pp_balance", PP_BALANCES), ("cp_mode", CP_MODES)):
+        if getattr(p, name) not in choices:
+            raise ValueError(f"parallel.{name}={getattr(p, name)!r} is not one of {', '.join(choices)}")
+    if section and p.global_batch_size % p.micro_batch_size:
+        raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
+                         f"parallel.micro_batch_size={p.micro_batch_size}")
+    check_sequence_parallel(p.tp_size, p.sequence_parallel)
+    stages = p.pp_size * p.pp_virtual_stages
+    layers = p.pp_stage_layers
+    if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):
+        raise ValueError(f"parallel.pp_stage_layers={list(layers)} must list {stages} positive layer counts "
+                         f"(pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages})")
+
+
+def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
+    """Sequence parallelism splits what TP replicates (norms, dropout) over the TP ranks: it needs TP."""
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
 
 
 @dataclass
@@ -207,8 +257,6 @@ class DataConfig:
     def validate(self) -> None:
         positive(self, "seq_len")
         if self.sources:
-            from dist_trainer.data.mixture import parse_sources
-
             parse_sources(self.sources)  # each entry's path and weight, named on error
             if self.path != DEFAULT_DATA_PATH:
                 raise ValueError(f"give data.path={self.path!r} or data.sources (a mixture of "
@@ -287,7 +335,7 @@ class TrainConfig:
     # Module names (tok_emb, layers.3.attn.q_proj), ranges (layers.0-11), globs (*.attn_norm) or presets:
     # embeddings (token/position/type tables), bottom:N (the embeddings and layers 0..N-1), norms_only (all but
     # the norms). A name also freezes what is under it (layers.3 = the whole layer, adapters included).
-    # A comma-separated string is accepted too. See dist_trainer/finetune.py.
+    # A comma-separated string is accepted too. See dist_trainer/facts/finetune.py.
     freeze: list[str] = field(default_factory=list)
     # Start from these weights instead of the seed's draw: a checkpoint (run folder, checkpoints/ or step folder, any
     # layout) or an export folder / .safetensors file. Parameters are matched by name; LoRA adapters in the source
@@ -382,14 +430,7 @@ class Config:
         check_int8_base(self.model, self.train.freeze)  # ValueError: int8 base weights without a frozen linear
         par = self.parallel
         for stage in sorted({par.zero_stage, *(par.auto_zero_stages or [])}):
-            optimizer_entry(self.optim.name).check_zero_layout(stage, par.tp_size, par.pp_size, par.ep_size,
-                                                               par.zero_offload)
-        tp = self.parallel.tp_size
-        if self.parallel.sequence_parallel and self.model.encoder_decoder and self.data.decoder_len() % tp:
-            raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length "
-                             f"{self.data.decoder_len()} (data.target_len, or span corruption's) must be divisible by "
-                             f"parallel.tp_size={tp}; set data.target_len to a multiple of {tp} (the targets are "
-                             "padded to it)")
+            optimizer_entry(self.optim.name).check_regime(par, stage)
         return self
 
     def _validate_objective(self) -> None:

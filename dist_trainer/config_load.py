@@ -17,10 +17,9 @@ from typing import Any
 
 import yaml
 
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
+from dist_trainer.facts.hf_config import is_hf_folder
 from dist_trainer.files import read_text
-from dist_trainer.layout_rules import check_fields
 
 # ModelConfig fields a run may set beside a Hugging Face folder's: they change no weight's name, shape or meaning
 FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "lora_rank", "lora_alpha",
@@ -31,13 +30,13 @@ FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "l
 def hf_model_fields(path: str | Path) -> dict[str, Any]:
     """ModelConfig fields of a Hugging Face folder (or its config.json): its config, and its tensor names (which
     say whether a BERT folder has a pooler or a masked-LM head)."""
-    from dist_trainer.checkpoint.hf_config import read_hf_config
+    from dist_trainer.facts.hf_config import read_hf_config
     from dist_trainer.families import family, model_fields
 
     folder = Path(path).parent if Path(path).name == "config.json" else Path(path)
     files = None
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
-        from dist_trainer.checkpoint.hf_files import safetensors_index
+        from dist_trainer.facts.hf_files import safetensors_index
 
         files = safetensors_index(folder)
     names = None if files is None else set(files)
@@ -45,7 +44,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     where = str(folder / "config.json")
     fields = model_fields(hf, where, names)
     if files is not None:  # a tensor no parameter reads is refused here too: counts and plans hold every one
-        from dist_trainer.checkpoint.hf_files import check_all_read
+        from dist_trainer.facts.hf_files import check_all_read
 
         plan = family(hf.get("model_type"), where).read_plan(fields, set(files))
         check_all_read(folder, files, {r.hf_name for r in plan.values()})
@@ -121,13 +120,15 @@ def model_config(name_or_path: str, **overrides: Any) -> ModelConfig:
     return cfg
 
 
-def validate_naming_defaults(cfg: ModelConfig, given: dict[str, Any], source: str) -> None:
-    """``cfg.validate()``, whose error also says which of the values it names were not in ``source`` but filled
-    from ModelConfig's defaults (issue 28: a YAML without n_heads was refused naming n_heads=12, never written)."""
+def validate_naming_defaults(cfg: ModelConfig | Config, given: dict[str, Any], source: str) -> None:
+    """``cfg.validate()`` (a model section, or a whole config), whose error also says which of the model values it
+    names were not in ``source`` but filled from ModelConfig's defaults (issue 28: a YAML without n_heads was refused
+    naming n_heads=12, never written)."""
+    model = cfg.model if isinstance(cfg, Config) else cfg
     try:
         cfg.validate()
     except ValueError as exc:
-        defaulted = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(ModelConfig)
+        defaulted = [f"{f.name}={getattr(model, f.name)!r}" for f in dataclasses.fields(ModelConfig)
                      if f.name not in given and f.name != "preset" and re.search(rf"\b{f.name}\b", str(exc))]
         if not defaulted:
             raise
@@ -135,7 +136,8 @@ def validate_naming_defaults(cfg: ModelConfig, given: dict[str, Any], source: st
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults < YAML file < dotted CLI overrides (``model.n_layers=4``), validated."""
+    """Defaults < YAML file < dotted CLI overrides (``model.n_layers=4``), validated (``Config.validate``: the one
+    validation of a launch; the trainer's pre-launch check takes the config as validated)."""
     tree: dict[str, Any] = {}
     if path is not None:
         if not Path(path).is_file():
@@ -154,10 +156,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         tree[section][name] = value
     cfg = config_from_dict(tree)
     model: dict[str, Any] = tree["model"] if isinstance(tree.get("model"), dict) else {}
-    if not model.get("preset"):  # a preset's fields are the preset's; here the model section is the user's
-        validate_naming_defaults(cfg.model, model, f"the model section of {path or 'the overrides'}")
-    cfg.validate()
-    check_fields(cfg.parallel)  # the layout's own fields: a typo fails here, before any world size is known
+    if model.get("preset"):  # a preset's fields are the preset's
+        cfg.validate()
+    else:  # the model section is the user's: an error names the model fields it left to their defaults
+        validate_naming_defaults(cfg, model, f"the model section of {path or 'the overrides'}")
     return cfg
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dist_trainer.config_fields import choice, is_number, name_list, positive
-from dist_trainer.finetune import lora_target_leaves
-from dist_trainer.model_shape import is_moe_layer
+from dist_trainer.facts.finetune import lora_target_leaves
+from dist_trainer.facts.model_shape import is_moe_layer
 
 POS_EMBEDDINGS = ("learned", "sinusoidal", "rope", "relative")
 NORMS = ("layernorm", "rmsnorm")

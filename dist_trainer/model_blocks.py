@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import lora_target_leaves
+from dist_trainer.facts.finetune import lora_target_leaves
 from dist_trainer.model_lora import LoRALinear, init_adapter_
 from dist_trainer.model_moe import MoE
 from dist_trainer.model_positions import apply_rope

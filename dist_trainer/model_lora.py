@@ -49,7 +49,7 @@ def adapter_dropout(p: float) -> nn.Module:
 
 class BaseProduct:
     """The frozen-base product ``x W^T + b`` of a linear-like module, as one overridable method: the module classes
-    that store W otherwise (``quant/modules.py``: int8 with scales) override it, so a reader of a layer's forward
+    that store W otherwise (``parallel/int8.py``: int8 with scales) override it, so a reader of a layer's forward
     sees where the base weight is used. ``rows``: only those output rows (a replicated k/v projection's heads)."""
 
     weight: torch.Tensor

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-# Adam's two moments per parameter by optim.state_dtype (int8: plus one fp32 absmax per 256 values, quant/sizes.py)
+# Adam's two moments per parameter by optim.state_dtype (int8: plus an fp32 absmax per 256 values, facts/quant_sizes.py)
 MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 # The hidden matrices Muon orthogonalises: attention and MLP projections (dense, shared and routed experts', cross
@@ -58,15 +59,18 @@ class OptimizerEntry:
     # DeepSpeed's flat partitions over dp alone
     zero_dp_only: bool = False
 
-    def check_zero_layout(self, zero_stage: int, tp_size: int, pp_size: int, ep_size: int, zero_offload: bool) -> None:
-        """ValueError naming the values when the entry does not run under this ZeRO stage with these degrees."""
-        if self.zero_stages is not None and zero_stage not in self.zero_stages:
+    def check_regime(self, p: Any, zero_stage: int | None = None) -> None:
+        """ValueError naming the values when the entry does not run under ``p``'s regime: ``p`` a run config's
+        parallel section or a Layout (its zero_stage, or ``zero_stage`` when given; tp, pp, ep and offload)."""
+        stage = p.zero_stage if zero_stage is None else zero_stage
+        degrees = (p.tp_size, p.pp_size, p.ep_size, p.zero_offload)
+        if self.zero_stages is not None and stage not in self.zero_stages:
             raise ValueError(f"optim.name={self.name} runs under parallel.zero_stage "
-                             f"{', '.join(map(str, self.zero_stages))} only, not {zero_stage}")
-        if self.zero_dp_only and zero_stage > 0 and (tp_size, pp_size, ep_size, zero_offload) != (1, 1, 1, False):
-            raise ValueError(f"optim.name={self.name} under parallel.zero_stage={zero_stage} runs with tp_size, "
-                             f"pp_size, ep_size 1 and no zero_offload, not tp_size={tp_size}, pp_size={pp_size}, "
-                             f"ep_size={ep_size}, zero_offload={zero_offload}; use zero_stage 0 with those")
+                             f"{', '.join(map(str, self.zero_stages))} only, not {stage}")
+        if self.zero_dp_only and stage > 0 and degrees != (1, 1, 1, False):
+            raise ValueError(f"optim.name={self.name} under parallel.zero_stage={stage} runs with tp_size, "
+                             f"pp_size, ep_size 1 and no zero_offload, not tp_size={degrees[0]}, pp_size={degrees[1]}, "
+                             f"ep_size={degrees[2]}, zero_offload={degrees[3]}; use zero_stage 0 with those")
 
     def check_state_dtype(self, state_dtype: str) -> None:
         if state_dtype not in self.state_dtypes:

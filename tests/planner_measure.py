@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import frozen_modules
+from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.model import build_model
 from dist_trainer.model_blocks import LMLoss
 from dist_trainer.model_lora import freeze_

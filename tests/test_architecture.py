@@ -4,6 +4,11 @@ Every ``import`` of a ``dist_trainer`` module is collected from the source (modu
 functions alike: a lazy import is still a dependency), then:
 
 - the module graph has no cycle;
+- every folder of the package and every top-level module stands on one floor (``FLOORS``, bottom up), no import
+  runs up a floor, and no two folders (or top-level modules) import each other (issue 34);
+- the bottom floor's ``facts/`` (the torch-free facts: model shapes and names, fine-tuning sets, int8 sizes, span
+  lengths, a mixture's sources, Hugging Face config and file arithmetic) imports nothing of the package but
+  itself, and no torch;
 - ``parallel/``, ``planner/``, ``checkpoint/`` and the bottom modules never import ``train/`` or ``engines/``;
   ``planner/`` and ``layout_rules`` never import ``engines/``, ``train/`` or ``checkpoint/``;
 - the mechanisms (``parallel/``, ``model*``, ``layout_rules``) and ``health/`` never import ``planner/``,
@@ -104,19 +109,89 @@ def test_no_import_cycles() -> None:
     assert _cycles(import_graph()) == []
 
 
+# The floors, bottom up (issue 34): a module imports only from its own floor or below. A unit is a folder of the
+# package or one of its top-level modules; every unit is placed, so a new one says where it stands.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("facts", "families"),  # torch-free facts; the model families (config.json and tensor names as plain data)
+    ("config_fields", "config_model", "config", "config_load", "files", "optim_entries"),  # the run's config, read and
+    # validated; the optimizers' entries (torch-free: what each takes, keeps and costs)
+    ("layout_rules",),  # which layouts run, torch-free
+    ("quant", "model_positions", "model_lora", "model_moe", "model_seq2seq", "model_blocks", "model",
+     "model_recompute", "optim_lowbit"),  # one process's model and AdamW's low-bit states, pure torch
+    # the token data; the mechanisms that cut the model over ranks; the optimizers (Muon's owners gather over them)
+    ("data", "parallel", "optim_muon", "optim"),
+    ("planner",),  # torch-free arithmetic over layouts; writes DeepSpeed JSON through parallel/zero/config.py
+    ("checkpoint",),
+    ("health",),
+    ("engines",),
+    ("train", "experiments", "testing"),
+    ("cli", "torchrun"),
+)
+FLOOR_OF = {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
+
+
+def _unit(module: str) -> str:
+    """The folder of the package a module is in, or the top-level module it is (``dist_trainer.facts.span`` ->
+    ``facts``, ``dist_trainer.config`` -> ``config``)."""
+    return module.split(".")[1]
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    """{unit: the other units it imports}, the package's root (empty) left out."""
+    units: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        if module != "dist_trainer":
+            units.setdefault(_unit(module), set()).update(_unit(t) for t in targets if t != "dist_trainer")
+    return {u: targets - {u} for u, targets in units.items()}
+
+
+def test_every_folder_and_top_level_module_stands_on_a_floor() -> None:
+    units = set(_unit_graph())
+    assert units == set(FLOOR_OF), (sorted(units - set(FLOOR_OF)), sorted(set(FLOOR_OF) - units))
+
+
+def test_no_import_runs_up_a_floor() -> None:
+    graph = import_graph()
+    assert "dist_trainer.facts.model_shape" in graph["dist_trainer.config_model"]  # the scan sees the floor's users
+    bad = sorted((m, t) for m, ts in graph.items() if m != "dist_trainer" for t in ts
+                 if FLOOR_OF[_unit(t)] > FLOOR_OF[_unit(m)])
+    assert bad == [], bad
+
+
+def test_no_two_folders_import_each_other() -> None:
+    units = _unit_graph()
+    assert "engines" in units["train"]  # the scan sees imports between folders
+    both = sorted((a, b) for a, targets in units.items() for b in targets if a < b and a in units.get(b, ()))
+    assert both == [], both
+
+
+def test_the_facts_sit_at_the_bottom_and_import_no_torch() -> None:
+    """facts/ holds what every layer reads and none needs torch for: it imports nothing of the package but itself,
+    and neither torch nor numpy, so the config, the layout rules and the planner load without them."""
+    graph = import_graph()
+    facts = [m for m in graph if _in(m, "dist_trainer.facts")]
+    assert {"dist_trainer.facts.model_shape", "dist_trainer.facts.quant_sizes", "dist_trainer.facts.span"} <= \
+        set(facts)
+    bad = sorted((m, t) for m in facts for t in graph[m] if not _in(t, "dist_trainer.facts"))
+    assert bad == [], bad
+    heavy = sorted(str(p.relative_to(ROOT)) for p in (PACKAGE / "facts").rglob("*.py")
+                   if {"torch", "numpy", "safetensors", "deepspeed", "yaml"} & _imported_top_level(p))
+    assert heavy == [], heavy
+
+
 def test_mechanisms_never_import_the_layers_above() -> None:
     graph = import_graph()
     upper = ("dist_trainer.train", "dist_trainer.engines", "dist_trainer.experiments", "dist_trainer.cli",
              "dist_trainer.health")
     lower = ("dist_trainer.parallel", "dist_trainer.planner", "dist_trainer.checkpoint", "dist_trainer.layout_rules",
-             "dist_trainer.config", "dist_trainer.model", "dist_trainer.model_names", "dist_trainer.optim",
+             "dist_trainer.config", "dist_trainer.model", "dist_trainer.facts.model_names", "dist_trainer.optim",
              "dist_trainer.data", "dist_trainer.families")
     bad = sorted((m, t) for m, ts in graph.items() if _in(m, *lower) for t in ts if _in(t, *upper))
     assert bad == [], bad
     torch_free = ("dist_trainer.planner", "dist_trainer.layout_rules", "dist_trainer.families")
     bad = sorted((m, t) for m, ts in graph.items() if _in(m, *torch_free) for t in ts
                  if _in(t, "dist_trainer.checkpoint", "dist_trainer.model", "dist_trainer.optim", "dist_trainer.data")
-                 and not _in(t, "dist_trainer.model_names"))
+                 and not _in(t, "dist_trainer.facts.model_names"))
     assert bad == [], bad
     # the checkpoint package sits below the engines: parallel/ may not reach up into it either
     bad = sorted((m, t) for m, ts in graph.items() if _in(m, "dist_trainer.parallel") for t in ts
@@ -126,14 +201,15 @@ def test_mechanisms_never_import_the_layers_above() -> None:
 
 def _mechanisms(graph: dict[str, set[str]]) -> list[str]:
     """parallel/, the model modules (model.py, model_*.py), layout_rules and health/."""
-    return [m for m in graph if _in(m, "dist_trainer.parallel", "dist_trainer.layout_rules", "dist_trainer.health")
+    return [m for m in graph if _in(m, "dist_trainer.parallel", "dist_trainer.layout_rules", "dist_trainer.health",
+                                    "dist_trainer.facts")
             or (m.count(".") == 1 and m.split(".")[1].startswith("model"))]
 
 
 def test_mechanisms_and_health_never_import_the_planner_or_the_loop() -> None:
     graph = import_graph()
     mechanisms = _mechanisms(graph)
-    assert {"dist_trainer.model", "dist_trainer.model_shape", "dist_trainer.parallel.tp.layers",
+    assert {"dist_trainer.model", "dist_trainer.facts.model_shape", "dist_trainer.parallel.tp.layers",
             "dist_trainer.health.attention", "dist_trainer.layout_rules"} <= set(mechanisms)  # the scan sees them
     bad = sorted((m, t) for m in mechanisms for t in graph[m]
                  if _in(t, "dist_trainer.planner", "dist_trainer.train", "dist_trainer.engines"))
@@ -157,8 +233,8 @@ def test_the_zero_stages_are_written_once() -> None:
 
 
 def test_rules_and_planner_load_without_torch() -> None:
-    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.model_shape, dist_trainer.planner.search, "
-            "dist_trainer.planner.emit, dist_trainer.families; "
+    code = ("import sys; import dist_trainer.layout_rules, dist_trainer.facts.model_shape, "
+            "dist_trainer.planner.search, dist_trainer.planner.emit, dist_trainer.families; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -168,8 +244,7 @@ def test_rules_and_planner_load_without_torch() -> None:
 def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
     from dist_trainer.config_load import model_config
     from dist_trainer.engines import ENGINES
-    from dist_trainer.model import build_model
-    from dist_trainer.model_names import (
+    from dist_trainer.facts.model_names import (
         FIRST_STAGE_MODULES,
         LAST_STAGE_MODULES,
         LAST_STAGE_PARAMETERS,
@@ -177,7 +252,8 @@ def test_one_engine_per_regime_and_the_model_uses_the_shared_names() -> None:
         MLM_TRANSFORM_LEAVES,
         TAIL_NAMES,
     )
-    from dist_trainer.model_shape import embedding_params, layer_params, tail_params
+    from dist_trainer.facts.model_shape import embedding_params, layer_params, tail_params
+    from dist_trainer.model import build_model
 
     assert set(ENGINES) == set(REGIMES)
     llama = model_config("tiny", activation="swiglu", tie_embeddings=False, n_token_types=2, pooler=True)
@@ -247,6 +323,15 @@ def test_one_layout_class_held_by_the_rules() -> None:
     assert PlannerLayout is Layout and ParallelState.single().layout == Layout()
     with pytest.raises(ValueError, match="sequence_parallel=true needs parallel.tp_size > 1"):
         Layout(sequence_parallel=True)
+
+
+def test_one_pre_launch_check_of_a_layout() -> None:
+    """One function named check_layout (issue 34: there were two, three calls deep): the rules of a run config's
+    layout, in layout_rules; the trainer's pre-launch function (train/check.resolve_launch) asks it."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(PACKAGE.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.FunctionDef) and node.name == "check_layout"]
+    assert len(found) == 1 and found[0].startswith("dist_trainer/layout_rules/check.py:"), found
 
 
 def test_no_method_is_replaced_on_a_live_object() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from dist_trainer.planner.search import plan_layouts
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.autolayout import choose_layout
+from dist_trainer.train.check import resolve_launch
 from dist_trainer.train.plan_check import planner_options
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
@@ -45,10 +45,9 @@ def test_layout_auto_runs_the_planners_best_layout(tiny_data: Path, tmp_path: Pa
 
 def _runs(cfg, layout) -> bool:  # noqa: ANN001
     from dist_trainer.train.autolayout import _config_for
-    from dist_trainer.train.prelaunch import check_layout
 
     try:
-        check_layout(_config_for(cfg, layout), 2, "cpu")
+        resolve_launch(_config_for(cfg, layout), 2, 2, torch.device("cpu"))
     except ValueError:
         return False
     return True
@@ -57,13 +56,13 @@ def _runs(cfg, layout) -> bool:  # noqa: ANN001
 def test_layout_auto_nothing_fits_names_the_closest(tiny_data: Path, tmp_path: Path) -> None:
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1e-5})
     with pytest.raises(ValueError, match=r"no runnable layout .* fits 0.00 GiB per rank on 2 ranks.*GiB over"):
-        choose_layout(cfg, 2, 2, torch.device("cpu"))
+        resolve_launch(cfg, 2, 2, torch.device("cpu"))
 
 
 def test_layout_auto_on_cpu_needs_a_memory_figure(tiny_data: Path, tmp_path: Path) -> None:
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto"})
     with pytest.raises(ValueError, match="needs parallel.device_memory_gb"):
-        choose_layout(cfg, 2, 2, torch.device("cpu"))
+        resolve_launch(cfg, 2, 2, torch.device("cpu"))
 
 
 def test_layout_auto_stays_within_the_configured_limits(tiny_data: Path, tmp_path: Path) -> None:
@@ -71,14 +70,14 @@ def test_layout_auto_stays_within_the_configured_limits(tiny_data: Path, tmp_pat
     cpu = torch.device("cpu")
     limits = {"auto_max_tp_size": 1, "auto_pp_size": 1, "auto_zero_stages": [0]}
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, **limits})
-    chosen, _ = choose_layout(cfg, 2, 2, cpu)
+    chosen = resolve_launch(cfg, 2, 2, cpu).cfg
     p = chosen.parallel
     assert (p.tp_size, p.pp_size, p.zero_stage, p.resolve(2)) == (1, 1, 0, 2)
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, "auto_tp_size": 2})
-    assert choose_layout(cfg, 2, 2, cpu)[0].parallel.tp_size == 2
+    assert resolve_launch(cfg, 2, 2, cpu).cfg.parallel.tp_size == 2
     cfg = tiny_config(tiny_data, tmp_path, parallel={"layout": "auto", "device_memory_gb": 1.0, "auto_pp_size": 3})
     with pytest.raises(ValueError, match=r"every pipeline stage holds a layer: pp <= n_layers=2: pp=3"):
-        choose_layout(cfg, 2, 2, cpu)
+        resolve_launch(cfg, 2, 2, cpu)
     with pytest.raises(ValueError, match=r"auto_tp_size=2 and parallel.auto_max_tp_size=2: set one of them"):
         tiny_config(tiny_data, tmp_path, parallel={"auto_tp_size": 2, "auto_max_tp_size": 2})
     with pytest.raises(ValueError, match=r"parallel.auto_zero_stages=\[4\] must be a non-empty list"):
@@ -91,11 +90,11 @@ def test_layout_auto_finds_zero_with_tensor_and_pipeline_parallelism(tiny_data: 
     cpu = torch.device("cpu")
     base = {"layout": "auto", "device_memory_gb": 1.0, "micro_batch_size": 2}
     cfg = tiny_config(tiny_data, tmp_path, parallel={**base, "auto_tp_size": 2, "auto_zero_stages": [1, 2, 3]})
-    p = choose_layout(cfg, 4, 4, cpu)[0].parallel
+    p = resolve_launch(cfg, 4, 4, cpu).cfg.parallel
     assert (p.tp_size, p.pp_size, p.resolve(4)) == (2, 1, 2) and p.zero_stage in (1, 2, 3)
     cfg = tiny_config(tiny_data, tmp_path, parallel={**base, "auto_pp_size": 2, "auto_zero_stages": [1, 2, 3]})
-    p = choose_layout(cfg, 4, 4, cpu)[0].parallel
+    p = resolve_launch(cfg, 4, 4, cpu).cfg.parallel
     assert (p.pp_size, p.zero_stage, p.resolve(4)) == (2, 1, 2)
     cfg = tiny_config(tiny_data, tmp_path, parallel={**base, "auto_pp_size": 2, "auto_zero_stages": [3]})
     with pytest.raises(ValueError, match=r"zero_stage=3 with parallel.pp_size=2 is not supported"):
-        choose_layout(cfg, 4, 4, cpu)
+        resolve_launch(cfg, 4, 4, cpu)

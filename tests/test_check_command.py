@@ -143,3 +143,48 @@ def test_check_takes_expert_parallel_layouts_and_refuses_what_check_ep_refuses(
         write_plan(tmp_path / f"mixtral_{i}", mixtral, planned, seq_len=4096, opts=options, gpus_per_node=8)
         report = check_run(load_config(tmp_path / f"mixtral_{i}" / "run.yaml"), 64, 8, "cuda")
         assert f" ep={planned.layout.ep_size} " in report[0], report
+
+
+class _Started(BaseException):
+    """Raised where the training loop would begin: everything before it (the launch) has run."""
+
+
+def test_a_launch_validates_the_config_and_its_layout_fields_once(tiny_data: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34: one pre-launch check, each rule asked once. Through the CLI's two launch paths, `dist-trainer
+    check` and `dist-trainer train` up to its first step (the config read, the layout checked, the engine, the data
+    and the process state built), ``Config.validate`` runs once and so does ``check_fields`` (the layout's own
+    fields, asked by the parallel section's validation; the Layout of the run is built from them, not asked
+    again)."""
+    import dist_trainer.config as config_module
+    import dist_trainer.layout_rules.layout as layout_module
+    from dist_trainer.cli import main
+    from dist_trainer.config import Config
+    from dist_trainer.train.trainer import Trainer
+
+    calls = {"Config.validate": 0, "check_fields": 0}
+    validate, check_fields = Config.validate, config_module.check_fields
+
+    def counted_validate(cfg: Config) -> Config:
+        calls["Config.validate"] += 1
+        return validate(cfg)
+
+    def counted_check_fields(p: object) -> None:
+        calls["check_fields"] += 1
+        check_fields(p)
+
+    def started(self: Trainer) -> None:
+        raise _Started
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(tiny_config(tiny_data, tmp_path / "out").to_dict()))
+    monkeypatch.setattr(Config, "validate", counted_validate)
+    for module in (config_module, layout_module):  # ParallelConfig.validate's and Layout's
+        monkeypatch.setattr(module, "check_fields", counted_check_fields)
+    monkeypatch.setattr(Trainer, "train", started)
+    assert main(["check", "--config", str(run), "--world-size", "2", "--device", "cpu"]) == 0
+    assert calls == {"Config.validate": 1, "check_fields": 1}
+    calls.update({"Config.validate": 0, "check_fields": 0})
+    with pytest.raises(_Started):
+        main(["train", "--config", str(run), "--train.device=cpu"])
+    assert calls == {"Config.validate": 1, "check_fields": 1}

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from dist_trainer.config_load import config_from_dict, load_config
-from dist_trainer.data.mixture import MixtureSampler, parse_sources, source_counts
+from dist_trainer.data.mixture import MixtureSampler, source_counts
 from dist_trainer.data.objective import make_batch, open_split
+from dist_trainer.facts.sources import parse_sources
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.check import check_run
 from dist_trainer.train.evaluate import evaluate

@@ -16,7 +16,7 @@ import torch
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import load_config, model_config
-from dist_trainer.finetune import frozen_modules, lora_module_names, module_names, training_plan
+from dist_trainer.facts.finetune import frozen_modules, lora_module_names, module_names, training_plan
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.model_lora import LoRALinear, count_trainable, freeze_, is_adapter, merge_adapters
 from dist_trainer.parallel.pipeline.split import split_into_stages

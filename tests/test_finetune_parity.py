@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import read_full_state
 from dist_trainer.checkpoint.plain import load_plain_model
-from dist_trainer.finetune import frozen_modules
+from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.model import build_model
 from dist_trainer.model_lora import freeze_, is_adapter
 from dist_trainer.testing import run_distributed

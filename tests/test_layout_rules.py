@@ -1,7 +1,7 @@
 """One owner per layout rule: the planner ranks exactly the layouts the trainer's pre-launch check accepts.
 
 The planner asks ``planner.search.runnable`` (layout_rules on the config ``plan --out`` writes); the trainer
-asks ``train.prelaunch.check_layout`` (layout_rules plus DeepSpeed's JSON). Enumerating layouts of several
+asks ``train.check.resolve_launch`` (layout_rules plus DeepSpeed's JSON). Enumerating layouts of several
 models over several world sizes, including ones either side could get wrong (uneven stage splits, padded
 vocabularies, replicated k/v heads, ZeRO with TP and PP (ZeRO-2/3 with PP refused), schedules without enough
 micro-batches), the two must agree on every one; and every layout ``plan`` ranks must pass the trainer's check.
@@ -13,6 +13,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
+import torch
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import config_from_dict, model_config
@@ -20,7 +21,7 @@ from dist_trainer.layout_rules import MESH_AXES, layers_per_stage, mesh_shape
 from dist_trainer.planner.emit import run_config_dict
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions
 from dist_trainer.planner.search import plan_layouts, runnable
-from dist_trainer.train.prelaunch import check_layout
+from dist_trainer.train.check import resolve_launch
 
 MODELS = {
     "tiny": model_config("tiny"),
@@ -33,9 +34,9 @@ SEQ = 64
 
 
 def _trainer_accepts(model: ModelConfig, layout: Layout, options: TrainingOptions) -> bool:
-    cfg = config_from_dict(run_config_dict(model, layout, seq_len=SEQ, options=options))
     try:
-        check_layout(cfg, layout.world_size, options.device)
+        cfg = config_from_dict(run_config_dict(model, layout, seq_len=SEQ, options=options)).validate()
+        resolve_launch(cfg, layout.world_size, layout.world_size, torch.device(options.device))
     except ValueError:
         return False
     return True
@@ -158,3 +159,24 @@ def test_expert_parallel_layouts_agree_and_are_ranked() -> None:
     assert not any(p.layout.ep_size > 1 and p.layout.zero_stage == 3 for p in res.layouts)
     for planned in res.layouts[:20]:
         assert _trainer_accepts(moe, planned.layout, TrainingOptions()), planned.layout
+
+
+def test_sequence_parallel_shards_every_sequence_over_tp() -> None:
+    """One rule, in one place (``layout_rules.check_sequence_split``, issue 34): with SP each rank's share of the
+    sequence (the whole one, or its part under context parallelism) and an encoder-decoder's decoder length divide
+    by tp; the run config's check asks it with the decoder length the data section gives."""
+    from dist_trainer.layout_rules import check_layout, check_layout_for
+
+    tiny, sp = MODELS["tiny"], Layout(tp_size=4, sequence_parallel=True)
+    check_layout_for(tiny, sp, seq_len=64)
+    with pytest.raises(ValueError, match=r"shards the sequence over tp: data.seq_len=62 must be divisible by "
+                                         r"parallel.tp_size=4"):
+        check_layout_for(tiny, sp, seq_len=62)
+    with pytest.raises(ValueError, match=r"each rank's 34 tokens \(data.seq_len=68 split over 2 ranks\) must be "
+                                         r"divisible by parallel.tp_size=4"):
+        check_layout_for(tiny, sp.derive(cp_size=2), seq_len=68)  # 68 splits into 2 x cp zigzag chunks
+    tree = {"model": {"preset": "tiny-t5"}, "parallel": {"tp_size": 2, "sequence_parallel": True},
+            "data": {"seq_len": 32, "objective": "seq2seq"}}
+    check_layout(config_from_dict({**tree, "data": {**tree["data"], "target_len": 16}}).validate(), 2, "cpu")
+    with pytest.raises(ValueError, match=r"shards the decoder's sequence too: its length 15 \(data.target_len"):
+        check_layout(config_from_dict({**tree, "data": {**tree["data"], "target_len": 15}}).validate(), 2, "cpu")

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from dist_trainer.config_load import config_from_dict
+from dist_trainer.facts.quant_sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 from dist_trainer.layout_rules import check_layout
 from dist_trainer.optim_lowbit import AdamWBf16, canonical_state, int8_adamw, load_state_any_dtype, state_format
+from dist_trainer.parallel.int8 import Int8LoRALinear, apply_int8, int8_buffer_names
 from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, model_state_bytes, predict_rank_memory
 from dist_trainer.quant import int8 as q8
-from dist_trainer.quant.modules import Int8LoRALinear, int8_buffer_names, quantize_base_weights_
-from dist_trainer.quant.sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -84,7 +84,7 @@ def test_frozen_linears_become_int8_buffers_under_their_names(tiny_data: Path, t
     cfg = tiny_config(tiny_data, tmp_path, model=LORA_INT8)
     model = seeded_model(cfg)
     plain = copy.deepcopy(model)
-    names = quantize_base_weights_(model, cfg.model, cfg.train.freeze)
+    names = apply_int8(model, cfg.model, cfg.train.freeze)
     assert len(names) == 2 * 6 and "layers.1.mlp.down_proj" in names  # q, k, v, o, up, down per layer
     q_proj = model.layers[0].attn.q_proj
     assert isinstance(q_proj, Int8LoRALinear) and q_proj.weight.dtype == torch.int8
@@ -109,7 +109,7 @@ def test_frozen_linears_become_int8_buffers_under_their_names(tiny_data: Path, t
     frozen = tiny_config(tiny_data, tmp_path, model={"base_weight_dtype": "int8", "base_weight_group": 16},
                          train={"freeze": ["layers.0"]})
     model = seeded_model(frozen)  # train.freeze applied
-    assert quantize_base_weights_(model, frozen.model, frozen.train.freeze) == [
+    assert apply_int8(model, frozen.model, frozen.train.freeze) == [
         f"layers.0.{m}" for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj",
                                   "mlp.down_proj")]
 
@@ -130,7 +130,7 @@ def test_int8_base_refusals_name_the_values() -> None:
                                   "base_weight_group": 32}}
         for k, v in sections.items():
             tree[k] = {**tree.get(k, {}), **v}
-        check_layout(config_from_dict(tree), 2, "cpu")
+        check_layout(config_from_dict(tree).validate(), 2, "cpu")
 
     layout(parallel={"zero_stage": 2})  # ZeRO-1/2 run it
     with pytest.raises(ValueError, match="zero_stage=3 is not supported: ZeRO-3 partitions parameters"):

@@ -16,8 +16,8 @@ import torch
 
 from dist_trainer.engines.base import seeded_model
 from dist_trainer.experiments.memory_experiment import experiment_config, measure_ranks, predictions
+from dist_trainer.parallel.int8 import int8_layers
 from dist_trainer.quant.int8 import quantize
-from dist_trainer.quant.modules import int8_layers
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, curves, tiny_config

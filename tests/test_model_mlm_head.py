@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dist_trainer.config import ModelConfig, ParallelConfig
-from dist_trainer.finetune import frozen_modules, module_names
+from dist_trainer.facts.finetune import frozen_modules, module_names
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.model_lora import freeze_
 from dist_trainer.parallel.pipeline.split import split_into_stages

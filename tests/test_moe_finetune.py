@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import frozen_modules, module_names, trainable_expert_params
+from dist_trainer.facts.finetune import frozen_modules, module_names, trainable_expert_params
 from dist_trainer.health.names import is_routed_expert
 from dist_trainer.model import build_model
 from dist_trainer.model_lora import count_trainable, freeze_, is_adapter

@@ -105,8 +105,8 @@ def test_params_cli_prints_total_and_active_per_module() -> None:
 
 
 def test_pipeline_balance_by_params_weighs_moe_layers_by_their_experts() -> None:
+    from dist_trainer.facts.model_shape import embedding_params, layer_param_counts, tail_params
     from dist_trainer.layout_rules import layers_per_stage
-    from dist_trainer.model_shape import embedding_params, layer_param_counts, tail_params
     from dist_trainer.planner.params import count_params
 
     cfg = replace(MOE, n_layers=6, moe_every=3)  # layers 0 and 3 hold 4 experts each

@@ -15,7 +15,9 @@ from dist_trainer.data.dataset import TokenDataset, load_tokenizer, read_meta, v
 from dist_trainer.data.objective import collate_pairs, make_batch, open_split
 from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.prepare import prepare
-from dist_trainer.data.span import corrupt, corrupted_lengths, noise_mask, sample_rng, span_lengths
+from dist_trainer.data.span import corrupt, noise_mask, sample_rng
+from dist_trainer.facts.span import corrupted_lengths, span_lengths
+from dist_trainer.layout_rules import check_layout
 from dist_trainer.model_blocks import IGNORE_INDEX
 from tests.conftest import reversal_pairs
 from tests.helpers import TINY_VOCAB
@@ -167,6 +169,7 @@ def test_objectives_fit_the_model(tiny_data: Path) -> None:
         config_from_dict({"data": {"objective": "seq2seq"}}).validate()
     with pytest.raises(ValueError, match="shorter than span corruption's targets"):
         _cfg(tiny_data, objective="span_corruption", target_len=4)
-    with pytest.raises(ValueError, match="decoder's sequence too"):
-        config_from_dict({"model": SEQ2SEQ, "data": {"seq_len": 36, "objective": "span_corruption"},  # 9 targets
-                          "parallel": {"tp_size": 2, "sequence_parallel": True}}).validate()
+    sp = config_from_dict({"model": SEQ2SEQ, "data": {"seq_len": 36, "objective": "span_corruption"},  # 9 targets
+                           "parallel": {"tp_size": 2, "sequence_parallel": True}}).validate()
+    with pytest.raises(ValueError, match="decoder's sequence too"):  # a layout rule: asked of the run's layout
+        check_layout(sp, 2, "cpu")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import model_config
-from dist_trainer.finetune import lora_module_names, module_names
+from dist_trainer.facts.finetune import lora_module_names, module_names
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.model_seq2seq import new_caches
 from dist_trainer.planner.params import count_params, param_breakdown

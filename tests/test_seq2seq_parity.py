@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from dist_trainer.finetune import lora_module_names
+from dist_trainer.facts.finetune import lora_module_names
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import assert_same_curves, assert_same_health, curves, health_records, relative_diff, tiny_config

@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.config import ModelConfig, ParallelConfig
-from dist_trainer.finetune import frozen_modules, module_names
+from dist_trainer.facts.finetune import frozen_modules, module_names
+from dist_trainer.facts.quant_sizes import int8_weights, linear_shape
 from dist_trainer.health.attention import explicit_attention, head_stats
 from dist_trainer.health.names import groups_of
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import build_model
+from dist_trainer.parallel.int8 import apply_int8, int8_layers
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import merge_tp_shards, tp_shard_specs
-from dist_trainer.quant.modules import int8_layers, quantize_base_weights_
-from dist_trainer.quant.sizes import int8_weights, linear_shape
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_VOCAB, assert_same_curves, assert_same_health, curves, health_records, tiny_config
@@ -186,7 +186,7 @@ def test_int8_base_of_a_model_whose_attention_is_wider_than_d_model() -> None:
     (per TP rank) are those of the buffers the model holds, biased linears included."""
     cfg = ModelConfig(**{**vars(model_config("qwen2")), **LORA_INT8})
     model = build_model(cfg, seed=5)
-    assert quantize_base_weights_(model, cfg, [])
+    assert apply_int8(model, cfg, [])
     held = sum(m.weight.numel() for _, m in int8_layers(model))
     scales = sum(m.weight_scale.numel() for _, m in int8_layers(model))
     assert (held, scales) == int8_weights(cfg, [])

@@ -51,8 +51,8 @@ def test_low_bit_moments_own_what_the_planner_says(experiment: tuple[Path, dict]
     rounding the planner names: at most 8 bytes per tensor, as it counts the blocks of the total), the
     parameters and gradients as with fp32 moments."""
     from dist_trainer.config_load import config_from_dict
+    from dist_trainer.facts.quant_sizes import INT8_QMAPS_BYTES
     from dist_trainer.model import build_model
-    from dist_trainer.quant.sizes import INT8_QMAPS_BYTES
 
     rows = {(r["state_dtype"], r["stage"]): r for r in _adamw_rows(experiment)}
     tensors = len(list(build_model(config_from_dict({"model": TINY}).model, device="meta").parameters()))

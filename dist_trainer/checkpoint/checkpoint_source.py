@@ -55,7 +55,7 @@ class CheckpointSource:
                     if n in self._shard(0, pp, ep):
                         self.specs.setdefault(n, spec)
                         self.coordinate.setdefault(n, (pp, ep))  # a tied copy on the last stage: the first's
-        # an int8-base run's frozen linears (quant/modules.py): read as fp32 weights, or as saved (a resume)
+        # an int8-base run's frozen linears (parallel/int8.py): read as fp32 weights, or as saved (a resume)
         self.dequantize = dequantize and any(n.endswith(".weight_scale") for n in self.specs)
         lora = self.model.get("lora_rank") or 0
         self.scaling = (self.model.get("lora_alpha", 16.0) / lora) if lora and merge_adapters else 0.0

@@ -252,12 +252,12 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     ``train.resume`` into a DDP/TP run; the data position and config are the ZeRO run's.
     """
     from dist_trainer.config_load import config_from_dict
-    from dist_trainer.finetune import frozen_modules
+    from dist_trainer.facts.finetune import frozen_modules
     from dist_trainer.model import build_model
     from dist_trainer.model_lora import freeze_
     from dist_trainer.optim import build_optimizer
+    from dist_trainer.parallel.int8 import apply_int8
     from dist_trainer.parallel.tp.reshard import tp_shard_specs
-    from dist_trainer.quant.modules import quantize_base_weights_
 
     meta = read_meta(step_dir)
     zero_ds_dir(step_dir, meta)  # a ZeRO checkpoint, or a ValueError naming its regime
@@ -265,9 +265,9 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     model_state, optim = read_full_state(step_dir, meta)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, device="meta")
-    # an int8-base run's frozen linears as the engines hold them (codes and scales by name, quant/modules.py)
+    # an int8-base run's frozen linears as the engines hold them (codes and scales by name, parallel/int8.py)
     freeze_(model, frozen_modules(cfg.model, cfg.train.freeze))
-    quantize_base_weights_(model, cfg.model, cfg.train.freeze)
+    apply_int8(model, cfg.model, cfg.train.freeze)
     missing = set(model.state_dict()) - set(model_state)
     if missing:
         raise ValueError(f"ZeRO checkpoint {step_dir} lacks parameters {sorted(missing)[:5]}")

@@ -179,7 +179,7 @@ def consolidate(ds_dir: Path, mp: int, dp_size: int,
         else:
             weights.update({n: model_states["module"][n].float() for n in frozen})
     module = model_states.get("module") or {}
-    for scale in [k for k in module if k.endswith(".weight_scale")]:  # int8 base weights (quant/modules.py), as saved
+    for scale in [k for k in module if k.endswith(".weight_scale")]:  # int8 base weights (parallel/int8.py), as saved
         weights[scale] = module[scale]
         weights[scale[: -len("_scale")]] = module[scale[: -len("_scale")]]
     return weights, {"state": state}

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE
 from dist_trainer.checkpoint.source import WeightSource, rotate_half_rope_rows
+from dist_trainer.facts.hf_files import INDEX_FILE, SINGLE_FILE
 from dist_trainer.families import Recipe, family_for_model
 from dist_trainer.quant.int8 import quantize_per_channel
 

@@ -18,8 +18,8 @@ from torch import nn
 from dist_trainer.checkpoint.checkpoint_source import read_tp_shard
 from dist_trainer.checkpoint.source import WeightSource
 from dist_trainer.model_lora import is_adapter
+from dist_trainer.parallel.int8 import Int8Weight, int8_layers
 from dist_trainer.parallel.tp.reshard import ShardSpec
-from dist_trainer.quant.modules import Int8Weight, int8_layers
 
 
 def _full_shape(p: nn.Parameter, tp_size: int) -> tuple[int, ...]:
@@ -83,7 +83,7 @@ def _zero3_partition(source: WeightSource, name: str, p: torch.Tensor) -> torch.
 def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_size: int = 1,
                 what: str = "train.init_from") -> None:
     """Every base parameter of ``model`` (a rank's cut of the plain model, under its names) from ``source``; an int8
-    linear's weight (``quant/modules.py``) quantised from its slice as that one tensor streams in."""
+    linear's weight (``parallel/int8.py``) quantised from its slice as that one tensor streams in."""
     named = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
     int8 = list(int8_layers(model))
     check_fits(source, named, tp_size, what, int8)

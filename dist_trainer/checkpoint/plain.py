@@ -12,17 +12,17 @@ import torch
 
 from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import check_files
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.load import load_owned_
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.checkpoint.source import open_source
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict, hf_model_fields
+from dist_trainer.facts.hf_config import is_hf_folder
+from dist_trainer.facts.quant_sizes import int8_modules
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.parallel.tp.reshard import ShardSpec, tp_shard_specs
 from dist_trainer.quant.int8 import dequantize_state
-from dist_trainer.quant.sizes import int8_modules
 
 
 def _empty_model(cfg: Config) -> Transformer:
@@ -61,7 +61,7 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     cfg = config_from_dict(meta["config"])
     model = _empty_model(cfg)
     # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
-    specs = tp_shard_specs(model)  # and the scales of an int8-base run's weights, whole (quant/modules.py)
+    specs = tp_shard_specs(model)  # and the scales of an int8-base run's weights, whole (parallel/int8.py)
     specs.update({f"{n}.weight_scale": ShardSpec(None, None) for n in int8_modules(cfg.model, cfg.train.freeze)})
     state, _ = load_shards(step_path, meta, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, specs_now=specs)
     model.load_state_dict(dequantize_state(state))  # an int8-base run's frozen linears as fp32 weights

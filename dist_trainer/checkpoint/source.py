@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dist_trainer.checkpoint.hf_config import is_hf_folder, read_hf_config
-from dist_trainer.checkpoint.hf_files import (
+from dist_trainer.facts.hf_config import is_hf_folder, read_hf_config
+from dist_trainer.facts.hf_files import (
     INDEX_FILE,
     SINGLE_FILE,
     check_all_read,
@@ -119,8 +119,8 @@ class HFSource:
     def _check_files(self) -> None:
         """Every tensor the index names is in its file, and every shape is the one config.json implies: a
         ValueError naming the file and the tensor, before any weight is read."""
-        from dist_trainer.checkpoint.hf_files import safetensors_header
         from dist_trainer.config_load import config_from_dict
+        from dist_trainer.facts.hf_files import safetensors_header
         from dist_trainer.model import build_model
 
         headers = {path: safetensors_header(path) for path in sorted(set(self.files.files.values()))}

@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import FREE_MODEL_FIELDS
+from dist_trainer.facts.hf_config import is_hf_folder
 
 EXPORT_WEIGHTS = "model.safetensors"  # what train/export.py writes
 EXPORT_CONFIG = "config.json"

@@ -23,9 +23,11 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.data.batch import collate
 from dist_trainer.data.dataset import TokenDataset, load_tokenizer, special_id
-from dist_trainer.data.mixture import MixtureDataset, check_source_folders, parse_sources
+from dist_trainer.data.mixture import MixtureDataset, check_source_folders
 from dist_trainer.data.pairs import PairDataset
-from dist_trainer.data.span import corrupt, noise_mask, sample_rng, span_lengths
+from dist_trainer.data.span import corrupt, noise_mask, sample_rng
+from dist_trainer.facts.sources import parse_sources
+from dist_trainer.facts.span import span_lengths
 from dist_trainer.model_blocks import IGNORE_INDEX
 
 Dataset = TokenDataset | PairDataset | MixtureDataset  # what a run reads: one folder's split, or a mixture's

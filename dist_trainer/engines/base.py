@@ -37,7 +37,7 @@ from dist_trainer.checkpoint.load import load_owned_
 from dist_trainer.checkpoint.source import open_source
 from dist_trainer.config import Config
 from dist_trainer.engines.update import Update
-from dist_trainer.finetune import frozen_modules
+from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_

@@ -19,9 +19,9 @@ from dist_trainer.model import seq2seq_inputs
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.grad import expert_param_names
+from dist_trainer.parallel.int8 import int8_buffer_names
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import clip_grad_norm_
-from dist_trainer.quant.modules import int8_buffer_names
 
 
 def _counting_allreduce_hook(dp: AxisGroup, bucket):  # noqa: ANN001 - DDP rejects string annotations here

@@ -32,6 +32,7 @@ from dist_trainer.optim import build_from_groups, build_optimizer, group_states,
 from dist_trainer.optim_lowbit import canonical_states
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
+from dist_trainer.parallel.int8 import int8_buffer_names, int8_buffers
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
@@ -39,7 +40,6 @@ from dist_trainer.parallel.zero.config import engine_config
 from dist_trainer.parallel.zero.deepspeed import DeepSpeedMpu
 from dist_trainer.parallel.zero.fragments import skip_next_step, zero_pieces
 from dist_trainer.parallel.zero.memory import zero_owned_bytes
-from dist_trainer.quant.modules import int8_buffer_names, int8_buffers
 
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the sub-folder of the trainer's step folder
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")

@@ -26,14 +26,14 @@ from dist_trainer.engines.base import (
 )
 from dist_trainer.engines.deepspeed_zero import DeepSpeedZero
 from dist_trainer.engines.update import DenseUpdate, Update
-from dist_trainer.model import seq2seq_inputs
-from dist_trainer.model_moe import aux_loss_sum
-from dist_trainer.model_names import (
+from dist_trainer.facts.model_names import (
     DECODER_FIRST_MODULES,
     ENCODER_LAST_MODULES,
     FIRST_STAGE_MODULES,
     LAST_STAGE_MODULES,
 )
+from dist_trainer.model import seq2seq_inputs
+from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.pipeline.schedule import PipelineSchedule, build_schedule

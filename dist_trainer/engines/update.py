@@ -29,12 +29,12 @@ from dist_trainer.checkpoint.convert import (
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.optim import set_lr
 from dist_trainer.parallel.ep.grad import expert_param_names, reduce_expert_grads, split_expert_grads
+from dist_trainer.parallel.int8 import int8_buffers
 from dist_trainer.parallel.ownership import Piece, dense_pieces
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.grad import finalize_tp_grads
 from dist_trainer.parallel.tp.reshard import tp_shard_specs
 from dist_trainer.parallel.zero.memory import optimizer_moments, unique_bytes
-from dist_trainer.quant.modules import int8_buffers
 
 
 def nothing() -> None:

@@ -28,13 +28,13 @@ import torch
 
 from dist_trainer.checkpoint import publish
 from dist_trainer.config import Config
+from dist_trainer.facts.model_names import FIRST_STAGE_MODULES
 from dist_trainer.health.hooks import ObservedEngine, StepHooks
 from dist_trainer.health.names import PREFIX, describe_parameter, is_routed_expert, layer_of, signal_key
 from dist_trainer.health.noise import NoiseScale
 from dist_trainer.health.signals import LayerSignals, reduce_over_grid
 from dist_trainer.health.spikes import SpikeDetector
 from dist_trainer.layout_rules import regime_of
-from dist_trainer.model_names import FIRST_STAGE_MODULES
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ownership import counted_on_this_tp_rank, unique_named_parameters
 from dist_trainer.parallel.state import ParallelState

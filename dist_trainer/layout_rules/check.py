@@ -1,5 +1,6 @@
 """The whole check: every rule a layout must pass for a model (the planner's question per candidate and the
-trainer's per run), the pre-launch check of a run config, the micro-batch fit and whole nodes. Torch-free."""
+trainer's per run), the same of a validated run config on a world, the micro-batch fit and whole nodes.
+Torch-free."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from dist_trainer.config import Config, ModelConfig
 from dist_trainer.layout_rules.compile import check_compile
 from dist_trainer.layout_rules.composition import check_composition, check_ep, check_precision
 from dist_trainer.layout_rules.cp import check_cp
-from dist_trainer.layout_rules.layout import Layout, check_fields, layout_of
+from dist_trainer.layout_rules.layout import Layout, layout_of
 from dist_trainer.layout_rules.low_bit import check_low_bit
 from dist_trainer.layout_rules.pipeline import check_schedule
-from dist_trainer.layout_rules.tp import check_tp
+from dist_trainer.layout_rules.tp import check_sequence_split, check_tp
 
 
 def check_shape(model: ModelConfig, layout: Layout, freeze: Sequence[str] = ()) -> None:
@@ -28,18 +29,16 @@ def check_shape(model: ModelConfig, layout: Layout, freeze: Sequence[str] = ()) 
                        layout.micro_batch_size * layout.n_microbatches, layout.pp_virtual_stages)
 
 
-def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None = None, freeze: Sequence[str] = (),
-                     precision: str = "fp32", device_type: str = "cpu", state_dtype: str = "fp32",
-                     compile_blocks: bool = False) -> None:
-    """Raise ValueError naming the values unless ``layout`` runs ``model`` (sequences of ``seq_len`` tokens, the
-    ``train.freeze`` patterns ``freeze``, ``precision`` on ``device_type``, AdamW moments in ``state_dtype``,
-    ``train.compile``): the question the planner's search puts
+def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None = None, decoder_len: int | None = None,
+                     freeze: Sequence[str] = (), precision: str = "fp32", device_type: str = "cpu",
+                     state_dtype: str = "fp32", compile_blocks: bool = False) -> None:
+    """Raise ValueError naming the values unless ``layout`` runs ``model`` (sequences of ``seq_len`` tokens, an
+    encoder-decoder's decoder ``decoder_len``, the ``train.freeze`` patterns ``freeze``, ``precision`` on
+    ``device_type``, AdamW moments in ``state_dtype``, ``train.compile``): the question the planner's search puts
     for every candidate and the trainer for its run (``check_layout``), answered by the same rules."""
-    check_cp(model, layout.cp_size, layout.cp_mode, tp_size=layout.tp_size, sequence_parallel=layout.sequence_parallel,
-             seq_len=seq_len, zero_stage=layout.zero_stage, ep_size=layout.ep_size)
-    if seq_len is not None and layout.sequence_parallel and seq_len % layout.tp_size:
-        raise ValueError(f"parallel.sequence_parallel shards the sequence over tp: data.seq_len={seq_len} "
-                         f"must be divisible by parallel.tp_size={layout.tp_size}")
+    check_cp(model, layout.cp_size, layout.cp_mode, tp_size=layout.tp_size, seq_len=seq_len,
+             zero_stage=layout.zero_stage, ep_size=layout.ep_size)
+    check_sequence_split(layout, seq_len, decoder_len)
     check_composition(layout)
     check_precision(precision, device_type)
     check_compile(layout, compile_blocks)
@@ -51,12 +50,12 @@ def check_layout_for(model: ModelConfig, layout: Layout, *, seq_len: int | None 
 
 
 def check_layout(cfg: Config, world_size: int, device_type: str) -> Layout:
-    """Raise ValueError naming the values if ``cfg``'s layout cannot run on ``world_size`` ranks of
-    ``device_type`` ("cpu" or "cuda"); else the Layout it runs. No process group, no data, no torch."""
-    cfg.validate()
-    check_fields(cfg.parallel)
+    """Raise ValueError naming the values if the layout of ``cfg`` (validated: ``Config.validate``) cannot run on
+    ``world_size`` ranks of ``device_type`` ("cpu" or "cuda"); else the Layout it runs. No process group, no data,
+    no torch."""
     layout = layout_of(cfg.parallel, world_size)
-    check_layout_for(cfg.model, layout, seq_len=cfg.data.seq_len, freeze=cfg.train.freeze,
+    decoder_len = cfg.data.decoder_len() if cfg.model.encoder_decoder else None
+    check_layout_for(cfg.model, layout, seq_len=cfg.data.seq_len, decoder_len=decoder_len, freeze=cfg.train.freeze,
                      precision=cfg.train.precision, device_type=device_type, state_dtype=cfg.optim.state_dtype,
                      compile_blocks=cfg.train.compile)
     return layout

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import trainable_expert_params
+from dist_trainer.facts.finetune import trainable_expert_params
 from dist_trainer.layout_rules.tp import divisors
 
 

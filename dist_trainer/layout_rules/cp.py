@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import kv_sharded
+from dist_trainer.facts.model_shape import kv_sharded
 
 
 def zigzag(model: ModelConfig, cp_mode: str) -> bool:
@@ -12,8 +12,8 @@ def zigzag(model: ModelConfig, cp_mode: str) -> bool:
     return model.causal and cp_mode == "ring"
 
 
-def check_cp(model: ModelConfig, cp_size: int, cp_mode: str, *, tp_size: int = 1, sequence_parallel: bool = False,
-             seq_len: int | None = None, zero_stage: int = 0, ep_size: int = 1) -> None:
+def check_cp(model: ModelConfig, cp_size: int, cp_mode: str, *, tp_size: int = 1, seq_len: int | None = None,
+             zero_stage: int = 0, ep_size: int = 1) -> None:
     """Raise ValueError naming the values unless every sequence of ``seq_len`` tokens splits over ``cp_size`` ranks
     in ``cp_mode`` (parallel/cp/)."""
     if cp_size == 1:
@@ -29,9 +29,6 @@ def check_cp(model: ModelConfig, cp_size: int, cp_mode: str, *, tp_size: int = 1
                  if chunks > cp_size else f"cp = {cp_size} chunks")
         raise ValueError(f"data.seq_len={seq_len} does not split into {split} with parallel.cp_size={cp_size}; "
                          f"use a multiple of {chunks}")
-    if seq_len is not None and sequence_parallel and (seq_len // cp_size) % tp_size:
-        raise ValueError(f"parallel.sequence_parallel splits each cp rank's {seq_len // cp_size} tokens "
-                         f"(data.seq_len={seq_len} / cp_size={cp_size}) over tp_size={tp_size}: they do not divide")
     if zero_stage and ep_size > 1:
         raise ValueError(f"parallel.cp_size={cp_size} with parallel.ep_size={ep_size} under parallel.zero_stage="
                          f"{zero_stage} is not supported: DeepSpeed reduces expert gradients over its expert-data-"

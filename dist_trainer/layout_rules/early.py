@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.quant_sizes import check_int8_layout
 from dist_trainer.layout_rules.composition import check_ep
 from dist_trainer.layout_rules.low_bit import check_low_bit
 from dist_trainer.layout_rules.tp import check_tp
-from dist_trainer.quant.sizes import check_int8_layout
 
 Refusal = tuple[str, str]  # (the rule, the values that broke it): the search's no-valid-layout note groups them
 

@@ -18,9 +18,9 @@ from dist_trainer.config import (
     ZERO_STAGES,
     ModelConfig,
     ParallelConfig,
+    check_fields,
 )
 from dist_trainer.layout_rules.pipeline import check_schedule, layers_per_stage, rank_layer_ids
-from dist_trainer.layout_rules.tp import check_sequence_parallel
 
 REGIMES = ("ddp", "pipeline", "zero")  # engines/__init__.py holds one engine per name
 
@@ -47,8 +47,8 @@ class Layout:
     """One parallel layout on a world of known size: the degrees, whose product is the world, and every choice that
     shapes a rank's work. The trainer builds it from its config (``layout_of``), the planner's search one per
     candidate; the pre-launch check, the engines, the mesh and the planner's memory, cost and search all read this
-    object. Frozen, and its fields are checked as it is built (``check_fields``); what depends on the model is
-    ``check_layout_for``.
+    object. Frozen, and its fields are checked as it is built (``config.check_fields``, the rules a run config's
+    parallel section is validated by); what depends on the model is ``check_layout_for``.
 
     ``micro_batch_size`` x ``n_microbatches`` x ``dp_size`` is the global batch: ``n_microbatches`` is each data-
     parallel rank's micro-batches per step (the pipeline's micro-batches, or gradient accumulation elsewhere).
@@ -185,54 +185,20 @@ def _changes_pass(new: Layout, changes: dict[str, Any]) -> bool:
 
 
 _COUNTS = ("tp_size", "pp_size", "cp_size", "ep_size", "micro_batch_size", "checkpoint_every", "pp_virtual_stages")
-_LAYOUT_COUNTS = operator.attrgetter(*_COUNTS, "dp_size", "n_microbatches")
 _COUNT_NAMES = frozenset((*_COUNTS, "dp_size", "n_microbatches"))
 _CHOICES = {"activation_checkpointing": CHECKPOINTING, "pp_schedule": PP_SCHEDULES, "pp_balance": PP_BALANCES,
             "cp_mode": CP_MODES}
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def check_fields(p: Layout | ParallelConfig) -> None:
-    """The rules of a layout's own fields, whatever the model and the world: degrees and counts are positive
-    integers, every choice is one the code has, SP needs TP, an explicit stage split lists
-    pp_size x virtual stages positive counts. A ``Layout`` is checked as it is built; a run config's parallel
-    section when it is loaded (``config_load``), so a typo fails before anything else."""
-    names = [*_COUNTS, "dp_size", "n_microbatches"] if isinstance(p, Layout) else [*_COUNTS, "global_batch_size"]
-    # the common case at C speed (the planner builds tens of thousands of Layouts); else each, naming the culprit
-    if not (isinstance(p, Layout) and all(type(v) is int and v >= 1 for v in _LAYOUT_COUNTS(p))):
-        for name in names:
-            if not _positive_int(getattr(p, name)):
-                raise ValueError(f"parallel.{name}={getattr(p, name)!r} must be a positive integer")
-    for name in ("dp_size", "n_microbatches"):  # a run config may leave them to the world size and the batch
-        value = getattr(p, name)
-        if not isinstance(p, Layout) and value is not None and not _positive_int(value):
-            raise ValueError(f"parallel.{name}={value!r} must be a positive integer or unset")
-    if p.zero_stage not in ZERO_STAGES or isinstance(p.zero_stage, bool):
-        raise ValueError(f"parallel.zero_stage={p.zero_stage!r} must be {', '.join(map(str, ZERO_STAGES[:-1]))} or "
-                         f"{ZERO_STAGES[-1]}")
-    for name, choices in (("activation_checkpointing", CHECKPOINTING), ("pp_schedule", PP_SCHEDULES),
-                          ("pp_balance", PP_BALANCES), ("cp_mode", CP_MODES)):
-        if getattr(p, name) not in choices:
-            raise ValueError(f"parallel.{name}={getattr(p, name)!r} is not one of {', '.join(choices)}")
-    if isinstance(p, ParallelConfig) and p.global_batch_size % p.micro_batch_size:
-        raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
-                         f"parallel.micro_batch_size={p.micro_batch_size}")
-    check_sequence_parallel(p.tp_size, p.sequence_parallel)
-    stages = p.pp_size * p.pp_virtual_stages
-    layers = p.pp_stage_layers
-    if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):
-        raise ValueError(f"parallel.pp_stage_layers={list(layers)} must list {stages} positive layer counts "
-                         f"(pp_size*pp_virtual_stages = {p.pp_size}*{p.pp_virtual_stages})")
-
-
 def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
-    """The Layout a run config's parallel section takes on ``world_size`` ranks (ValueError naming the values when
-    the degrees or the batch do not fit the world). Each dp rank runs ``global / dp`` sequences per step: in
-    micro-batches of ``micro_batch_size`` (gradient accumulation), or, for a pipeline given ``n_microbatches``,
-    cut into that many."""
+    """The Layout a validated run config's parallel section takes on ``world_size`` ranks (ValueError naming the
+    values when the degrees or the batch do not fit the world). Each dp rank runs ``global / dp`` sequences per
+    step: in micro-batches of ``micro_batch_size`` (gradient accumulation), or, for a pipeline given
+    ``n_microbatches``, cut into that many.
+
+    The section's fields passed ``check_fields`` when it was validated (``ParallelConfig.validate``, once per
+    launch), and dp and the micro-batches derived here are positive by construction, so the Layout is built without
+    asking the same rules again."""
     dp = parallel.resolve(world_size)
     per_rank = parallel.global_batch_size // dp
     micro = parallel.micro_batch_size
@@ -241,9 +207,11 @@ def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
         n_micro = parallel.n_microbatches
         check_schedule(parallel.pp_size, parallel.pp_schedule, n_micro, per_rank, parallel.pp_virtual_stages)
         micro = per_rank // n_micro
-    names = {f.name for f in dataclasses.fields(Layout)} - {"dp_size", "n_microbatches", "micro_batch_size"}
-    return Layout(**{n: getattr(parallel, n) for n in names}, dp_size=dp, n_microbatches=n_micro,
-                  micro_batch_size=micro)
+    layers = parallel.pp_stage_layers
+    layout = object.__new__(Layout)
+    layout.__dict__.update({n: getattr(parallel, n) for n in _FIELD_NAMES}, dp_size=dp, n_microbatches=n_micro,
+                           micro_batch_size=micro, pp_stage_layers=None if layers is None else tuple(layers))
+    return layout
 
 
 def regime_of(parallel: Layout | ParallelConfig) -> str:

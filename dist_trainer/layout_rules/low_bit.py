@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.quant.sizes import check_int8_layout
+from dist_trainer.facts.quant_sizes import check_int8_layout
 
 
 def check_low_bit(model: ModelConfig, freeze: Sequence[str], *, tp_size: int, zero_stage: int, zero_offload: bool,
                   ep_size: int, state_dtype: str) -> None:
     """Low-bit storage (docs/low_bit.md): int8 base weights in any tp whose shards keep whole scale groups, under
-    DDP, pipeline stages and ZeRO-1/2 (ZeRO-3 refused: ``quant.sizes.check_int8_layout``); bf16/int8 AdamW moments
+    DDP, pipeline stages and ZeRO-1/2 (ZeRO-3 refused: ``facts.quant_sizes.check_int8_layout``); bf16/int8 AdamW moments
     everywhere but two places, refused with the reason."""
     check_int8_layout(model, freeze, tp_size, zero_stage)
     if state_dtype == "fp32":

@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 
 from dist_trainer.config import PP_BALANCES, PP_SCHEDULES, ModelConfig
+from dist_trainer.facts.model_shape import embedding_params, layer_param_counts, tail_params
 from dist_trainer.layout_rules.partition import min_max_split
 from dist_trainer.layout_rules.seq2seq import seq2seq_stage_counts
-from dist_trainer.model_shape import embedding_params, layer_param_counts, tail_params
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several model chunks per pipeline rank
 

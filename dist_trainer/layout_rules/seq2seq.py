@@ -15,14 +15,14 @@ dynamic programme over the cut points, a cut forced at the stacks' boundary).
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules.partition import min_max_split
-from dist_trainer.model_shape import (
+from dist_trainer.facts.model_shape import (
     decoder_first_params,
     embedding_params,
     encoder_last_params,
     layer_param_counts,
     tail_params,
 )
+from dist_trainer.layout_rules.partition import min_max_split
 
 
 def seq2seq_stage_counts(model: ModelConfig, num_stages: int, balance: str,

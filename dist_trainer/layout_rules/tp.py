@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import kv_sharded, padded_vocab
+from dist_trainer.facts.model_shape import kv_sharded, padded_vocab
+
+if TYPE_CHECKING:
+    from dist_trainer.layout_rules.layout import Layout
 
 
 def divisors(n: int) -> list[int]:
@@ -59,7 +64,19 @@ def check_tp(model: ModelConfig, tp_size: int) -> None:
         )
 
 
-def check_sequence_parallel(tp_size: int, sequence_parallel: bool) -> None:
-    """Sequence parallelism splits what TP replicates (norms, dropout) over the TP ranks: it needs TP."""
-    if sequence_parallel and tp_size == 1:
-        raise ValueError("parallel.sequence_parallel=true needs parallel.tp_size > 1")
+def check_sequence_split(layout: Layout, seq_len: int | None, decoder_len: int | None = None) -> None:
+    """Sequence parallelism shards each rank's tokens over tp: a rank's share of the sequence (``seq_len`` over the
+    ranks each sample is split across, ``Layout.sample_split``) and an encoder-decoder's decoder length
+    (``decoder_len``: data.target_len, or span corruption's) must divide by tp_size (ValueError naming them)."""
+    if not layout.sequence_parallel:
+        return
+    tp, split = layout.tp_size, layout.sample_split
+    if seq_len is not None and (seq_len // split) % tp:
+        share = f"data.seq_len={seq_len}" if split == 1 else \
+            f"each rank's {seq_len // split} tokens (data.seq_len={seq_len} split over {split} ranks)"
+        raise ValueError(f"parallel.sequence_parallel shards the sequence over tp: {share} must be divisible by "
+                         f"parallel.tp_size={tp}")
+    if decoder_len is not None and decoder_len % tp:
+        raise ValueError(f"parallel.sequence_parallel shards the decoder's sequence too: its length {decoder_len} "
+                         f"(data.target_len, or span corruption's) must be divisible by parallel.tp_size={tp}; set "
+                         f"data.target_len to a multiple of {tp} (the targets are padded to it)")

@@ -5,8 +5,8 @@ here; what each parallelism does to it happens in this order, in one place:
 
     1. tensor parallelism (+ SP)   ``parallel/tp``: Megatron's column/row/vocab-parallel modules swapped in
     2. expert parallelism           ``parallel/ep``: this rank's experts kept, the token exchange swapped in
-       int8 base weights            ``quant``: frozen linears stored as int8 codes (model.base_weight_dtype), each
-                                    rank quantising its own TP shard
+       int8 base weights            ``parallel/int8.py``: frozen linears swapped for their int8 classes
+                                    (model.base_weight_dtype), each rank quantising its own TP shard
     3. context parallelism          ``parallel/cp``: this rank's part of each sequence, ring or all-to-all attention
     4. activation recomputation     the layout's mode on the model's own switch (global layer indices)
        compilation                  ``train.compile``: each layer block and the loss head compiled in place
@@ -29,9 +29,9 @@ from dist_trainer.model import Transformer
 from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.cp.apply import apply_context_parallel
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
+from dist_trainer.parallel.int8 import apply_int8, materialize_int8_
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
-from dist_trainer.quant.modules import materialize_int8_, quantize_base_weights_
 
 
 def parallelize(model: Transformer, layout: Layout, state: ParallelState, device: torch.device | str,
@@ -41,7 +41,7 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     above; return it, on ``device``."""
     apply_tensor_parallel(model, state, layout.sequence_parallel)
     apply_expert_parallel(model, state)
-    quantize_base_weights_(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
+    apply_int8(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
     apply_context_parallel(model, state, layout.cp_mode)
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
     if compile_blocks:

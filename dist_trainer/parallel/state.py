@@ -126,13 +126,14 @@ class ParallelState:
     @classmethod
     def build(cls, layout: Layout | ParallelConfig, world_size: int | None = None, rank: int | None = None,
               timeout_s: float | None = None) -> ParallelState:
-        """The mesh of ``layout`` (a run config's parallel section is first resolved on the world, raising
-        ValueError before any group exists) and an ``AxisGroup`` per axis. Collective: every rank calls it."""
+        """The mesh of ``layout`` (a run config's parallel section is first validated and resolved on the world,
+        raising ValueError before any group exists) and an ``AxisGroup`` per axis. Collective: every rank calls it."""
         initialized = dist.is_available() and dist.is_initialized()
         world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         if isinstance(layout, ParallelConfig):
             timeout_s = layout.timeout_s if timeout_s is None else timeout_s
+            layout.validate()  # layout_of takes a validated section
             layout = layout_of(layout, world_size)
         if world_size > 1 and not initialized:
             raise RuntimeError("ParallelState.build needs an initialised default process group for world_size > 1")

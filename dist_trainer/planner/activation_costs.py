@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import padded_vocab
+from dist_trainer.facts.model_shape import padded_vocab
 from dist_trainer.planner.activations import (
     RECOMPUTE,
     ActivationSpec,

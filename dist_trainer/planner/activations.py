@@ -53,10 +53,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
-from dist_trainer.layout_rules import check_sequence_parallel
-from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
-from dist_trainer.model_shape import has_final_norm, kv_sharded, padded_vocab
+from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig, check_sequence_parallel
+from dist_trainer.facts.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
+from dist_trainer.facts.model_shape import has_final_norm, kv_sharded, padded_vocab
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import lora_shapes, mlp_weights
 

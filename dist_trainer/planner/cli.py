@@ -16,8 +16,9 @@ import yaml
 from dist_trainer.config import CONFIG_ROOT, CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.config_model import BASE_WEIGHT_DTYPES
+from dist_trainer.facts.finetune import frozen_modules
+from dist_trainer.facts.quant_sizes import check_int8_base, int8_weights
 from dist_trainer.files import make_executable, output_dir, refuse_nonempty
-from dist_trainer.finetune import frozen_modules
 from dist_trainer.parallel.zero.config import OWNED_KEYS
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.axes.cp import MIN_CP_TOKENS
@@ -37,7 +38,6 @@ from dist_trainer.planner.options import OPTIMIZERS
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
-from dist_trainer.quant.sizes import check_int8_base, int8_weights
 
 LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
@@ -144,7 +144,7 @@ def _search_limits(args: argparse.Namespace) -> dict[str, Any]:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (configs/models) or YAML file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    # fine-tuning (dist_trainer/finetune.py): what trains changes the gradients, optimizer states and activations
+    # fine-tuning (dist_trainer/facts/finetune.py): what trains changes the gradients, optimizer states and activations
     p.add_argument("--lora-rank", type=int, default=0, help="model.lora_rank: LoRA adapters of this rank, base frozen")
     p.add_argument("--lora-targets", default="q_proj,v_proj", help="model.lora_targets: linears, or all_linear")
     p.add_argument("--freeze", default="", help="train.freeze: comma-separated module patterns or presets "

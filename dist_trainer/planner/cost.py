@@ -67,7 +67,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     axes: dict[str, AxisTime] = {}
     for axis in AXES:
         axes.update(axis.time(ctx))
-    axes.update(optimizer_time(ctx))  # an optimizer of whole matrices: its Newton-Schulz and tp traffic
+    axes.update(optimizer_time(ctx))  # an optimizer of whole matrices: its Newton-Schulz and its owners' traffic
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * layout.world_size * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)

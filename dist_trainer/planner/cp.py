@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.layout_rules import Layout
-from dist_trainer.model_shape import kv_sharded
 from dist_trainer.planner.activations import recomputed_layers
 from dist_trainer.planner.moe import moe_layer_ids
 

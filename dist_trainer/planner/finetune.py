@@ -14,7 +14,7 @@ So each layer is described by ``LayerGrads`` (does its input need a gradient; wh
 the chain of them from the embeddings upward (``grad_plan``), and ``activations.layer_saved_tensors`` keeps a
 tensor when a gradient that reads it is computed. A pipeline stage other than the first receives activations
 that always require grad (torch.distributed.pipelining marks them so), so its layers pass gradients down
-whatever is frozen below. Which modules train is ``dist_trainer.finetune``'s answer, as in the trainer.
+whatever is frozen below. Which modules train is ``dist_trainer.facts.finetune``'s answer, as in the trainer.
 
 A mixture-of-experts layer's ``moe`` block (router, experts by global index, shared expert) stands where the MLP
 is: its parameters count in full (every expert, not the top_k a token meets: each holds gradients and states),
@@ -31,9 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import layer_module_name, module_training, moe_module_names, trainable_expert_params
-from dist_trainer.model_names import DECODER_LAYER_MODULES, FIRST_STAGE_MODULES, LAYER_MODULES, MLP_LEAVES, TAIL_NAMES
-from dist_trainer.model_shape import (
+from dist_trainer.facts.finetune import layer_module_name, module_training, moe_module_names, trainable_expert_params
+from dist_trainer.facts.model_names import (
+    DECODER_LAYER_MODULES,
+    FIRST_STAGE_MODULES,
+    LAYER_MODULES,
+    MLP_LEAVES,
+    TAIL_NAMES,
+)
+from dist_trainer.facts.model_shape import (
     decoder_first_params,
     decoder_layer_params,
     embedding_params,

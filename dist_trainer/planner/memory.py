@@ -26,7 +26,8 @@ import operator
 from dataclasses import asdict, dataclass, field, fields
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import trainable_expert_params
+from dist_trainer.facts.finetune import trainable_expert_params
+from dist_trainer.facts.quant_sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 from dist_trainer.layout_rules import Layout, check_low_bit, check_shape
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
@@ -44,7 +45,6 @@ from dist_trainer.planner.options import (  # re-exported: the planner's callers
 )
 from dist_trainer.planner.rank_params import RankParams, rank_params
 from dist_trainer.planner.seq2seq import seq2seq_stage_activations, target_length
-from dist_trainer.quant.sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 
 GiB = 2**30
 __all__ = ["DEFAULT_OPTIONS", "DEFAULT_OVERHEADS", "DTYPE_BYTES", "GiB", "MOMENT_BYTES", "OPTIMIZERS",
@@ -99,7 +99,7 @@ def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, z
     options.validate()
     n_train = n_params if n_trainable is None else n_trainable
     weights, scales = int8
-    assert not weights or zero_stage < 3, "int8 base weights are refused under ZeRO-3 (quant.sizes.check_int8_layout)"
+    assert not weights or zero_stage < 3, "int8 base weights are refused under ZeRO-3 (quant_sizes.check_int8_layout)"
     p = (n_params - weights) * options.param_bytes + weights + scales * options.param_bytes
     g = n_train * options.grad_bytes
     shard = dp_size if zero_stage >= 1 else 1
@@ -249,7 +249,7 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
     # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
     per_dp = trainable - expert + expert * layout.ep_size
     detail: dict[str, int] = {}
-    if int8[0]:  # what the params term holds of int8 base weights (quant/sizes.py)
+    if int8[0]:  # what the params term holds of int8 base weights (facts/quant_sizes.py)
         detail.update({"params.int8_weights": int8[0], "params.int8_scales": int8[1] * options.param_bytes})
     if options.optim_state_dtype == "int8" and trainable:  # within the optimizer term: the int8 moments' scales
         detail["optimizer.int8_scales"] = optimizer_scale_bytes(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.model_shape import moe_block_params
+from dist_trainer.facts.model_shape import moe_block_params
 from dist_trainer.planner.params import expert_params, mlp_weights
 
 

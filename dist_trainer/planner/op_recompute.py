@@ -24,8 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import lora_target_leaves
-from dist_trainer.model_shape import kv_sharded
+from dist_trainer.facts.finetune import lora_target_leaves
+from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.planner.activations import ActivationSpec, SavedTensor, checkpointed_layer_saved_tensors
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import lora_shapes

@@ -14,8 +14,8 @@ is 5 iterations of 3 matmuls: X X^T (2A^2B), its square (2A^3), times X (2A^2B).
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.layout_rules import Layout
-from dist_trainer.model_shape import kv_sharded
 from dist_trainer.optim_entries import OptimizerEntry, split_bytes
 from dist_trainer.planner.axes.base import AxisTime, StepContext, ring_time
 from dist_trainer.planner.options import TrainingOptions

@@ -40,8 +40,8 @@ class TrainingOptions:
     # stage all-gathers it over the node's link (Megatron-LM's scatter-gather optimisation, Narayanan et al. 2021
     # section 4.1); False: every TP rank sends it whole (ours: torch.distributed.pipelining). SP shards it anyway.
     pp_scatter_gather: bool = False
-    freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/finetune.py): no grads or states for them
-    # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: quant/sizes.py)
+    freeze: tuple[str, ...] = ()  # train.freeze patterns (dist_trainer/facts/finetune.py): no grads or states for them
+    # optim.state_dtype: Adam's two moments in fp32 (8 bytes), bf16 (4) or int8 (2 + block scales: facts/quant_sizes.py)
     optim_state_dtype: str = "fp32"
     # an encoder-decoder's batch: the decoder's length (None: seq_len) and whether sources are padded (a mask)
     target_len: int | None = None

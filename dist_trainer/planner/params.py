@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.finetune import lora_target_leaves
-from dist_trainer.model_names import DECODER_LAYER_MODULES, LAYER_MODULES, MLP_LEAVES
-from dist_trainer.model_shape import (
+from dist_trainer.facts.finetune import lora_target_leaves
+from dist_trainer.facts.model_names import DECODER_LAYER_MODULES, LAYER_MODULES, MLP_LEAVES
+from dist_trainer.facts.model_shape import (
     decoder_first_params,
     decoder_layer_params,
     embedding_params,

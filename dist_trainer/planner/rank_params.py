@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules import check_tp, layers_per_stage, rank_layer_ids
-from dist_trainer.model_names import MLP_LEAVES
-from dist_trainer.model_shape import (
+from dist_trainer.facts.model_names import MLP_LEAVES
+from dist_trainer.facts.model_shape import (
     decoder_first_params,
     decoder_layer_params,
     embedding_params,
@@ -27,6 +26,7 @@ from dist_trainer.model_shape import (
     norm_params,
     tail_params,
 )
+from dist_trainer.layout_rules import check_tp, layers_per_stage, rank_layer_ids
 from dist_trainer.planner.moe import largest_moe_module, moe_holdings, moe_layer_ids
 from dist_trainer.planner.params import lora_layer_params, lora_replicated_params
 

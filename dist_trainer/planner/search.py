@@ -94,8 +94,7 @@ def runnable(model: ModelConfig, layout: Layout, *, seq_len: int,
     the two to agreement).
     """
     def check() -> None:
-        options.entry.check_zero_layout(layout.zero_stage, layout.tp_size, layout.pp_size, layout.ep_size,
-                                        layout.zero_offload)  # Config.validate's optimizer rule
+        options.entry.check_regime(layout)  # Config.validate's optimizer rule
         check_layout_for(model, layout, seq_len=seq_len, freeze=options.freeze,
                          precision=TRAIN_PRECISION[options.precision], device_type=options.device,
                          state_dtype=options.optim_state_dtype)
@@ -109,8 +108,10 @@ def config_check(model: ModelConfig, *, seq_len: int,
     would write for a layout and put it to the trainer's whole check (``layout_rules.check_layout``), as the search
     did before issue 26. ``plan_layouts(check=...)`` takes it to show both rank alike."""
     def check(layout: Layout) -> str | None:
-        cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options))
-        return _refusal(lambda: check_layout(cfg, layout.world_size, options.device))
+        def whole() -> None:
+            cfg = config_from_dict(run_config_dict(model, layout, seq_len=seq_len, options=options)).validate()
+            check_layout(cfg, layout.world_size, options.device)
+        return _refusal(whole)
     return check
 
 
@@ -144,14 +145,11 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     to show both rank alike).
     """
     start = time.perf_counter()
-    if model.encoder_decoder:  # op-level recomputation runs there, unpriced (planner/seq2seq.py)
-        checkpointing = tuple(ck for ck in checkpointing if ck != "op")
+    zero_stages, checkpointing = _priced_choices(model, options, zero_stages, checkpointing)
     _check_inputs(model, options, seq_len, n_gpus=n_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                   gpu_memory_bytes=gpu_memory_bytes, tp_size=tp_size, max_tp_size=max_tp_size, pp_size=pp_size)
     hw = get_hardware(hardware)
     host_memory = hw.host_memory_per_node(gpus_per_node) if host_memory_bytes is None else host_memory_bytes
-    entry_stages = options.entry.zero_stages  # an optimizer of whole matrices runs without DeepSpeed's ZeRO
-    zero_stages = tuple(z for z in zero_stages if entry_stages is None or z in entry_stages)
     space = SearchSpace(model, n_gpus, gpus_per_node, seq_len, global_batch, options, zero_stages, allow_offload,
                         pp_schedules, tp_size, max_tp_size, pp_size, max_cp_size)
     pl = Pricer(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes, host_memory)
@@ -284,3 +282,13 @@ def _nothing_fits_notes(closest: Measured | None, host_short: list[Measured], sk
         why = skipped.summary() or "the constraints exclude every layout"
         notes.append(f"no valid layout for {n_gpus} GPUs ({gpus_per_node} per node): {why}")
     return notes
+
+
+def _priced_choices(model: ModelConfig, options: TrainingOptions, zero_stages: tuple[int, ...],
+                    checkpointing: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The stages the optimizer's entry runs under (an optimizer of whole matrices: its own), and the recomputation
+    modes the planner prices for ``model`` (op-level recomputation runs on an encoder-decoder, unpriced:
+    planner/seq2seq.py)."""
+    entry_stages = options.entry.zero_stages
+    stages = tuple(z for z in zero_stages if entry_stages is None or z in entry_stages)
+    return stages, tuple(ck for ck in checkpointing if not (model.encoder_decoder and ck == "op"))

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 
 from dist_trainer.config import DataConfig, ModelConfig
-from dist_trainer.model_shape import kv_sharded
+from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activations import ActivationSpec, SavedTensor, per_token
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights
@@ -188,7 +188,7 @@ def _per_source(cfg: ModelConfig, spec: ActivationSpec, selective: bool, padded:
 def _amp_head(cfg: ModelConfig, spec: ActivationSpec) -> int:
     if not spec.precision.startswith("amp"):
         return 0
-    from dist_trainer.model_shape import padded_vocab
+    from dist_trainer.facts.model_shape import padded_vocab
 
     t = spec.tp_size
     return 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)

@@ -10,6 +10,7 @@ predicted per-rank memory and step time; after the first steps the plan check (e
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,6 @@ from dist_trainer.planner.memory import GiB, Layout, Overheads
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
 from dist_trainer.train.metrics import device_hardware
 from dist_trainer.train.plan_check import planner_options
-from dist_trainer.train.prelaunch import check_layout
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,14 @@ def _device_memory(cfg: Config, device: torch.device) -> int:
     raise ValueError("parallel.layout=auto on CPU needs parallel.device_memory_gb (the memory per rank to plan for)")
 
 
-def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> tuple[Config, AutoLayout]:
-    """A copy of ``cfg`` whose parallel section is the planner's fastest layout that this trainer runs.
+def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device,
+                  runs: Callable[[Config], Layout]) -> tuple[Config, Layout, AutoLayout]:
+    """A copy of ``cfg`` whose parallel section is the planner's fastest layout that this trainer runs, and its
+    Layout.
 
-    Layouts are tried in the planner's order and the first that passes every pre-launch check
-    of the regimes (TP against the model, pipeline schedule against the batch, ZeRO against
-    tp/pp and the device) is taken.
+    Layouts are tried in the planner's order and the first that ``runs`` (the pre-launch check's layout checks:
+    TP against the model, pipeline schedule against the batch, ZeRO against tp/pp and the device; ValueError
+    when not) returns a Layout for is taken.
     """
     memory = _device_memory(cfg, device)
     hardware = device_hardware(device, cfg.parallel.hardware).name
@@ -70,11 +72,11 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int, device: torc
     for planned in result.layouts:
         candidate = _config_for(cfg, planned.layout)
         try:
-            check_layout(candidate, world_size, device.type)
+            layout = runs(candidate)
         except ValueError as exc:
             refused.append(str(exc))
             continue
-        return candidate, AutoLayout(planned, hardware, memory, result.n_considered)
+        return candidate, layout, AutoLayout(planned, hardware, memory, result.n_considered)
     closest = result.closest or (result.layouts[0] if result.layouts else None)
     over = "" if closest is None else (
         f"; the closest (tp={closest.layout.tp_size}, pp={closest.layout.pp_size}, "

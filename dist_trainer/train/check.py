@@ -1,16 +1,19 @@
-"""The trainer's pre-launch validation, for the world it runs in or for any other (``dist-trainer check``).
+"""The trainer's pre-launch check, for the world it runs in or for any other (``dist-trainer check``).
 
-``resolve_launch`` is what ``Trainer.__init__`` runs before it creates a process group, and ``check_run`` runs the
-same functions for a world size and node shape given on the command line (so a 512-GPU job can be validated on a
-laptop): the config's own validation, ``parallel.layout=auto``'s choice (the planner's fastest layout that passes
-the trainer's rules), the micro-batch fitted to the data-parallel degree, the layout rules and the DeepSpeed JSON
-(``prelaunch.check_layout``), and the data checks that need only the data folder's meta.json (the vocabulary, the
-splits, one global batch of training windows and the eval set: ``data.dataset.split_samples``). No process group,
+``resolve_launch`` is the one pre-launch function: ``Trainer.__init__`` runs it before it creates a process group,
+and ``check_run`` runs it for a world size and node shape given on the command line (so a 512-GPU job can be
+validated on a laptop), then the data checks that need only the data folder's meta.json (the vocabulary, the
+splits, one global batch of training windows and the eval set: ``data.dataset.split_samples``). It takes the
+config validated (``load_config``: ``Config.validate``, each section's own fields and the rules between sections,
+once per launch) and asks, each once: ``parallel.layout=auto``'s choice (the planner's fastest layout that passes
+the checks below), the micro-batch fitted to the data-parallel degree, every layout rule
+(``layout_rules.check_layout``), a ZeRO run's DeepSpeed JSON, the start weights, the tokenizer. No process group,
 no shard read: the shards' sizes and checksums are checked when the run opens them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +23,8 @@ from dist_trainer.config import Config
 from dist_trainer.data.dataset import read_meta as read_data_meta
 from dist_trainer.data.dataset import split_samples
 from dist_trainer.data.objective import data_window
-from dist_trainer.layout_rules import Layout, check_nodes, fit_micro_batch, regime_of
+from dist_trainer.layout_rules import Layout, check_layout, check_nodes, fit_micro_batch, regime_of
 from dist_trainer.train.autolayout import AutoLayout, choose_layout
-from dist_trainer.train.prelaunch import check_layout
 
 
 @dataclass(frozen=True)
@@ -36,18 +38,35 @@ class Launch:
 
 
 def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: torch.device) -> Launch:
-    """Raise ValueError naming the values if ``cfg`` cannot run on ``world_size`` ranks of ``device`` (nodes of
-    ``gpus_per_node``); else the config it runs with."""
-    auto = None
-    if cfg.parallel.layout == "auto":  # the planner picks the layout for this world
-        cfg, auto = choose_layout(cfg, world_size, gpus_per_node, device)
-    cfg, fit_note = fit_micro_batch(cfg, world_size)
-    layout = check_layout(cfg, world_size, device.type)
+    """Raise ValueError naming the values if ``cfg`` (validated) cannot run on ``world_size`` ranks of ``device``
+    (nodes of ``gpus_per_node``); else the config it runs with and its Layout."""
+    auto, fit_note = None, None
+    runs = functools.partial(_runnable_layout, world_size=world_size, device_type=device.type)
+    if cfg.parallel.layout == "auto":  # the planner picks the layout for this world, the first that runs
+        cfg, layout, auto = choose_layout(cfg, world_size, gpus_per_node, device, runs)
+    else:
+        cfg, fit_note = fit_micro_batch(cfg, world_size)
+        layout = runs(cfg)
+    if cfg.train.init_from:
+        from dist_trainer.checkpoint.weights import check_start_weights
+
+        check_start_weights(cfg.train.init_from, cfg.model)
     for path in source_paths(cfg):
         if (Path(path) / "meta.json").is_file():
             check_hf_tokenizer(cfg, Path(path))
     notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
     return Launch(cfg, layout, auto, notes)
+
+
+def _runnable_layout(cfg: Config, world_size: int, device_type: str) -> Layout:
+    """The Layout ``cfg`` runs on ``world_size`` ranks of ``device_type``: every layout rule, and for a ZeRO run
+    its DeepSpeed JSON (unknown keys, contradictions with our config, offload devices); ValueError otherwise."""
+    layout = check_layout(cfg, world_size, device_type)
+    if cfg.parallel.zero_stage > 0:
+        from dist_trainer.parallel.zero.config import validate_zero_config  # DeepSpeed only when asked for
+
+        validate_zero_config(cfg, layout.dp_size, device_type)
+    return layout
 
 
 def source_paths(cfg: Config) -> list[str]:
@@ -121,7 +140,8 @@ def check_source_size(cfg: Config, index: int, path: str, n_train: int, n_val: i
 def _check_sources(cfg: Config, data_required: bool) -> list[str]:
     """``check_run``'s data check of a mixture: every folder there, one tokenizer, each source's splits large
     enough (``check_source_size``); a note per source."""
-    from dist_trainer.data.mixture import check_source_folders, parse_sources
+    from dist_trainer.data.mixture import check_source_folders
+    from dist_trainer.facts.sources import parse_sources
 
     sources = parse_sources(cfg.data.sources)
     notes = []
@@ -145,8 +165,8 @@ def _check_sources(cfg: Config, data_required: bool) -> list[str]:
 def check_hf_tokenizer(cfg: Config, data: Path) -> None:
     """A run from a Hugging Face folder that has a tokenizer trains on data tokenized with it (the same vocabulary
     hash); ValueError naming both otherwise."""
-    from dist_trainer.checkpoint.hf_config import is_hf_folder
     from dist_trainer.data.tokenizer import check_data_tokenizer
+    from dist_trainer.facts.hf_config import is_hf_folder
 
     source = cfg.train.init_from
     if source and is_hf_folder(source) and (Path(source) / "tokenizer.json").is_file():

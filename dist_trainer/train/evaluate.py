@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict
-from dist_trainer.data.mixture import Source, check_source_folders, parse_sources
+from dist_trainer.data.mixture import check_source_folders
+from dist_trainer.facts.hf_config import is_hf_folder
+from dist_trainer.facts.sources import Source, parse_sources
 
 
 @dataclass(frozen=True)

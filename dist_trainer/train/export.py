@@ -16,9 +16,9 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from dist_trainer.checkpoint.hf_config import is_hf_folder
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
+from dist_trainer.facts.hf_config import is_hf_folder
 from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
 from dist_trainer.model_lora import merge_adapters
 from dist_trainer.quant.int8 import quantize_per_channel

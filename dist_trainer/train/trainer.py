@@ -71,8 +71,8 @@ class Trainer:
     It owns what does not depend on the regime (the launch checks, the data and its sampler, the LR schedule,
     evaluation, metrics, checkpoint publication and resume, the health monitor), and hands the model, the
     optimizer and each step's micro-batches to the engine ``layout_rules.regime_of`` picks. So a new regime is a
-    new engine, not a new loop. Build it (a bad config fails before any process group exists), then ``train()``
-    and ``close()``.
+    new engine, not a new loop. Build it from a validated config (``load_config``, or ``Config.validate()``; a bad
+    layout, DeepSpeed JSON or data folder fails before any process group exists), then ``train()`` and ``close()``.
     """
 
     def __init__(self, cfg: Config, log: bool = True) -> None:

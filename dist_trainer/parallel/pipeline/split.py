@@ -36,18 +36,18 @@ import torch
 from torch import nn
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.layout_rules import layers_per_stage
-from dist_trainer.layout_rules.seq2seq import encoder_stage_count
-from dist_trainer.model import Transformer
-from dist_trainer.model_blocks import init_weights_
-from dist_trainer.model_moe import attach_aux_losses
-from dist_trainer.model_names import (
+from dist_trainer.facts.model_names import (
     DECODER_FIRST_MODULES,
     ENCODER_LAST_MODULES,
     FIRST_STAGE_MODULES,
     LAST_STAGE_MODULES,
     LAST_STAGE_PARAMETERS,
 )
+from dist_trainer.layout_rules import layers_per_stage
+from dist_trainer.layout_rules.seq2seq import encoder_stage_count
+from dist_trainer.model import Transformer
+from dist_trainer.model_blocks import init_weights_
+from dist_trainer.model_moe import attach_aux_losses
 from dist_trainer.parallel.pipeline.seq2seq import seq2seq_stage_forward
 
 PLACEMENTS = ("loop", "v")

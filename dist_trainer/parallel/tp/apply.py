@@ -48,10 +48,10 @@ import torch
 from torch import nn
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer
 from dist_trainer.model_blocks import RMSNorm, set_attrs
-from dist_trainer.model_shape import kv_sharded
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.comms import (

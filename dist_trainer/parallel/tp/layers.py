@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dist_trainer.facts.model_shape import padded_vocab
 from dist_trainer.model_blocks import IGNORE_INDEX, RMSNorm, set_attrs
 from dist_trainer.model_lora import BaseProduct, LoRALinear, lora_delta
-from dist_trainer.model_shape import padded_vocab
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.tp.comms import (
     enter_tp_region,

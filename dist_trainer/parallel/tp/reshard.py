@@ -38,7 +38,7 @@ class ShardSpec:
 
 def tp_shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     """{parameter name: ShardSpec} for a model (TP or plain: a plain one is all replicated), and the buffers that are
-    model state (int8 base weights and their scales, ``quant/modules.py``), which their module declares in
+    model state (int8 base weights and their scales, ``parallel/int8.py``), which their module declares in
     ``buffer_specs``."""
     specs = {}
     for name, p in model.named_parameters():

@@ -5,7 +5,7 @@ hyper-parameters and the LR schedule belong to our Config. A JSON may leave them
 filled in) or repeat them; a repeated value that disagrees raises ``ValueError`` naming both.
 Keys outside an allow-list raise too, so a typo (``"zero_optimisation"``) is never silently
 ignored by DeepSpeed's permissive parser. Everything here runs before any process group exists:
-``train/prelaunch.check_layout`` calls :func:`validate_zero_config`; ``plan --out`` writes its ds_config.json
+``train/check.resolve_launch`` calls :func:`validate_zero_config`; ``plan --out`` writes its ds_config.json
 through :func:`ds_config_for`, the one generator.
 """
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dist_trainer.finetune import layer_module_name, module_training
-from dist_trainer.model_names import LORA_LINEARS
-from dist_trainer.model_shape import ModelShape, kv_sharded
+from dist_trainer.facts.finetune import layer_module_name, module_training
+from dist_trainer.facts.model_names import LORA_LINEARS
+from dist_trainer.facts.model_shape import ModelShape, kv_sharded
 
 INT8_LEAVES = LORA_LINEARS  # the layer linears whose frozen weights int8 stores (q, k, v, o, up, gate, down)
 ROW_PARALLEL = ("o_proj", "down_proj")  # TP splits their input columns (the others' output rows)

@@ -1,6 +1,6 @@
 """Frozen linears with int8 weights: one module class per linear kind, swapped in by name (``model.base_weight_dtype``).
 
-``quantize_base_weights_`` replaces each frozen layer linear that ``quant/sizes.int8_modules`` names (LoRA's base,
+``apply_int8`` replaces each frozen layer linear that ``facts/quant_sizes.int8_modules`` names (LoRA's base,
 or what ``train.freeze`` covers) by its int8 class: the plain ``nn.Linear`` / ``LoRALinear``, or the TP layer that
 already cut this rank's shard (column-, row-parallel, replicated k/v). The new module keeps everything of the old
 one (its TP group and flags, its bias, its adapter and their names) but the weight, which becomes two buffers:
@@ -9,7 +9,7 @@ one (its TP group and flags, its bias, its adapter and their names) but the weig
     <module>.weight_scale   fp32 (out, in // g)              (g = model.base_weight_group)
 
 and its product, ``base_linear``, is ``quant/int8.int8_linear`` (dequantised a block of rows at a time). A TP
-rank quantises its own shard: groups never cross a shard's edge (``sizes.check_int8_layout``), so the codes and
+rank quantises its own shard: groups never cross a shard's edge (``quant_sizes.check_int8_layout``), so the codes and
 scales equal the full matrix's, sliced (tests/test_low_bit.py). Buffers, not parameters: no optimizer, DDP bucket
 or ZeRO partition sees them (DDP is told not to broadcast them: ``int8_buffer_names``), the owned-bytes count adds
 them (``int8_buffers``), and ``buffer_specs`` tells the checkpoint code how TP splits them.
@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from dist_trainer.facts.quant_sizes import int8_modules
 from dist_trainer.model_lora import LoRALinear
 from dist_trainer.parallel.tp.layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from dist_trainer.quant.int8 import int8_linear, quantize
-from dist_trainer.quant.sizes import int8_modules
 
 
 class Int8Weight:
@@ -118,7 +118,7 @@ def to_int8(module: nn.Module, group: int) -> nn.Module:
     return new
 
 
-def quantize_base_weights_(model: nn.Module, model_cfg: object, freeze: Sequence[str],
+def apply_int8(model: nn.Module, model_cfg: object, freeze: Sequence[str],
                            first_layer: int = 0) -> list[str]:
     """Swap every frozen layer linear of ``model`` (a rank's cut of the plain model, under the plain names; a pipeline
     stage's ``layers.i`` being global layer ``first_layer + i``) for its int8 class; the names swapped (none unless

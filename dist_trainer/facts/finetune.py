@@ -25,7 +25,7 @@ import fnmatch
 import re
 from collections.abc import Sequence
 
-from dist_trainer.model_names import (
+from dist_trainer.facts.model_names import (
     DECODER_FIRST_MODULES,
     DECODER_LAYER_MODULES,
     EMBEDDING_TABLES,
@@ -36,7 +36,7 @@ from dist_trainer.model_names import (
     MLP_LEAVES,
     TAIL_NAMES,
 )
-from dist_trainer.model_shape import ModelShape, is_moe_layer, moe_block_params
+from dist_trainer.facts.model_shape import ModelShape, is_moe_layer, moe_block_params
 
 PRESETS = ("embeddings", "bottom:N", "norms_only")
 _RANGE = re.compile(r"(\d+)-(\d+)")

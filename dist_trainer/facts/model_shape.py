@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dist_trainer.model_names import CROSS_ATTENTION_MODULES, MLP_LEAVES
+from dist_trainer.facts.model_names import CROSS_ATTENTION_MODULES, MLP_LEAVES
 
 
 class ModelShape(Protocol):
