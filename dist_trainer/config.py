@@ -201,8 +201,6 @@ class DataConfig:
 
     def validate(self) -> None:
         positive(self, "seq_len")
-        if not isinstance(self.document_masking, bool):
-            raise ValueError(f"data.document_masking={self.document_masking!r} must be true or false")
         if self.sources:
             from dist_trainer.data.mixture import parse_sources
 

@@ -25,6 +25,7 @@ adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is froz
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -229,15 +230,16 @@ class Transformer(nn.Module):
         for their self-attention (``model_seq2seq.attention_mask``); ``caches``: one KVCache per layer during
         generation (``x`` then follows the caches' length of earlier tokens); ``documents``: the (B, T) segment ids
         of packed sequences, each attending within its own."""
-        extra = {} if documents is None else {"documents": documents}
         for j, layer in enumerate(self.layers):
             i, rope = first_layer + j, self.rope(first_layer + j)
+            # the segment ids as a keyword: a recomputed layer keeps them by reference, not as a saved input
+            run = layer if documents is None else partial(layer, documents=documents)
             if caches is not None:
                 x = layer(x, rope, mask, caches[j])
             elif i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, use_reentrant=False, **extra)
+                x = checkpoint(run, x, rope, mask, use_reentrant=False)
             else:
-                x = layer(x, rope, mask, **extra)
+                x = run(x, rope, mask)
         return x
 
     def encoder_output(self, x: torch.Tensor) -> torch.Tensor:

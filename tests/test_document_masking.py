@@ -3,7 +3,8 @@
 In one process the per-token losses and the gradients of a packed batch equal those of its documents run one by
 one (RoPE, learned and sinusoidal positions; recomputation, LoRA, MoE). The layouts (tp=2 with SP, pp=2, cp=2 ring
 and all-to-all, ZeRO-3, MoE at ep=2) then train on EOS-packed data and must reproduce the single process's losses,
-eval losses and per-layer gradient norms: one spawn of 2 ranks runs them all.
+eval losses and per-layer gradient norms, with every rank's saved activations as the planner prices them: one spawn
+of 2 ranks runs them all. The planner's document-masking terms equal a saved-tensor-hook measurement.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from dist_trainer.data.dataset import TokenDataset, special_id
 from dist_trainer.data.documents import documents_from_eos
 from dist_trainer.model import build_model
 from dist_trainer.model_positions import document_positions
+from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import TINY_SEQ, TINY_VOCAB, assert_same_curves, curves, relative_diff, tiny_config
+from tests.planner_measure import measure_saved_bytes
 
 LLAMA = {"pos_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False,
          "n_kv_heads": 2}
@@ -131,7 +134,7 @@ def test_collate_carries_segments_after_each_eos(packed_data: Path) -> None:
 
 
 def test_config_refuses_document_masking_where_it_cannot_apply(packed_data: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="data.document_masking='yes' must be true or false"):
+    with pytest.raises(ValueError, match="data.document_masking='yes' must be of type bool"):
         tiny_config(packed_data, tmp_path, data={"document_masking": "yes"})
     with pytest.raises(ValueError, match="data.document_masking=true packs documents"):
         tiny_config(packed_data, tmp_path, model={"n_decoder_layers": 2, "pos_embedding": "relative"},
@@ -162,7 +165,8 @@ def _run(data: Path, out: Path, model: dict[str, Any], parallel: dict[str, Any])
             found = {k: v for k, v in rec.items() if k.startswith("health/grad_norm/")}
             if found:
                 norms[rec["step"]] = found
-    return {**result, "grad_norms": norms}
+    checked = json.loads((out / "plan_check.json").read_text())["ranks"] if trainer.env.rank == 0 else []
+    return {**result, "grad_norms": norms, "activations": [r["figures"]["activations"] for r in checked]}
 
 
 def _layouts(rank: int, world: int, data: Path, root: Path) -> dict[str, dict[str, Any]]:
@@ -182,3 +186,36 @@ def test_layouts_equal_one_process(packed_data: Path, tmp_path: Path) -> None:
         for step in want:
             keys = sorted(want[step])
             assert relative_diff([got[step][k] for k in keys], [want[step][k] for k in keys]) <= 1e-5, (name, step)
+        # every rank's saved activations at the check step, against the planner with document masking priced
+        for row in (*results[name]["activations"], *ref["activations"]):
+            assert abs(row["ratio"] - 1) <= 0.01, (name, row)
+
+
+PLANNED = {"gpt2": {"activation": "gelu_tanh"}, "llama": LLAMA, "bert": {"causal": False, "norm_placement": "post"},
+           "window": {**LLAMA, "sliding_window": 8, "sliding_window_pattern": 2},
+           "softcap": {**LLAMA, "attn_softcap": 20.0}, "lora": {**LLAMA, "lora_rank": 4}}
+PLAN_CASES = [(name, ckpt, prec, math) for name in PLANNED for ckpt in ("none", "selective", "every_k")
+              for prec in ("fp32", "amp_bf16") for math in (False, True) if not math or ckpt == "none"]
+
+
+@pytest.mark.parametrize(("name", "ckpt", "precision", "math"), PLAN_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{'math' if c[3] else 'flash'}" for c in PLAN_CASES])
+def test_planner_saved_bytes_match_a_hook_measurement(name: str, ckpt: str, precision: str, math: bool) -> None:
+    """The planner's saved bytes of a packed micro-batch equal what a saved-tensor hook sees, up to the loss's 4-byte
+    scalar, as tests/test_planner_activations.py checks unpacked ones; and the packing's own share is not zero."""
+    batch, seq = 3, 24
+    cfg = _tiny(vocab_size=96, d_model=48, max_seq_len=32, **PLANNED[name])
+    layout = Layout(micro_batch_size=batch, activation_checkpointing=ckpt, checkpoint_every=2)
+
+    def predicted(packed: bool) -> int:
+        opts = TrainingOptions(precision=precision, attention_kernel="math" if math else "flash", device="cpu",
+                               document_masking=packed)
+        terms = stage_activation_bytes(cfg, layout, seq_len=seq, options=opts, pp_rank=0)
+        return terms["saved"] + terms["amp_weight_copies"]
+
+    measured = measure_saved_bytes(cfg, batch=batch, seq_len=seq, checkpointing=ckpt, every=2, precision=precision,
+                                   math_kernel=math, documents=True)
+    assert 0 <= measured - predicted(True) <= 8, (name, measured, predicted(True))
+    plain = measure_saved_bytes(cfg, batch=batch, seq_len=seq, checkpointing=ckpt, every=2, precision=precision,
+                                math_kernel=math)
+    assert predicted(True) - predicted(False) == measured - plain > 0
