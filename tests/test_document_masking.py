@@ -2,9 +2,10 @@
 
 In one process the per-token losses and the gradients of a packed batch equal those of its documents run one by
 one (RoPE, learned and sinusoidal positions; recomputation, LoRA, MoE). The layouts (tp=2 with SP, pp=2, cp=2 ring
-and all-to-all, ZeRO-3, MoE at ep=2) then train on EOS-packed data and must reproduce the single process's losses,
-eval losses and per-layer gradient norms, with every rank's saved activations as the planner prices them: one spawn
-of 2 ranks runs them all. The planner's document-masking terms equal a saved-tensor-hook measurement.
+and all-to-all, ZeRO-3, MoE at ep=2, DDP, ZeRO-2 with LoRA and selective recomputation) then train on EOS-packed
+data and must reproduce the single process's losses, eval losses and per-layer gradient norms, with every rank's
+saved activations as the planner prices them: one spawn of 2 ranks runs them all. The planner's document-masking
+terms equal a saved-tensor-hook measurement.
 """
 
 from __future__ import annotations
@@ -141,14 +142,18 @@ def test_config_refuses_document_masking_where_it_cannot_apply(packed_data: Path
                     data={"document_masking": True, "objective": "span_corruption"})
 
 
-# name -> (model fields, parallel fields); every layout on 2 ranks
+# name -> (model fields, parallel fields); every layout on 2 ranks (LoRA and recomputation: also in one process above)
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tp2_sp": (LLAMA, {"tp_size": 2, "sequence_parallel": True}),
     "pp2": (LLAMA, {"pp_size": 2, "micro_batch_size": 2}),
     "ring_cp2": (LLAMA, {"cp_size": 2}),
     "a2a_cp2": (LLAMA, {"cp_size": 2, "cp_mode": "all_to_all"}),
-    "zero3": (LLAMA, {"zero_stage": 3}),
     "moe_ep2": (MOE, {"ep_size": 2}),
+    "dp2": (LLAMA, {}),
+    "zero2_lora_selective": ({**LLAMA, "lora_rank": 4}, {"zero_stage": 2, "activation_checkpointing": "selective"}),
+    # last: after a ZeRO-3 engine (DeepSpeed's patches stay in its process) a later run of the spawn saved more than
+    # the planner's figure (measured: 1.26x for zero2_lora_selective; its losses and gradients unchanged)
+    "zero3": (LLAMA, {"zero_stage": 3}),
 }
 
 
@@ -178,13 +183,16 @@ def test_layouts_equal_one_process(packed_data: Path, tmp_path: Path) -> None:
     refs: dict[str, dict[str, Any]] = {}
     for name, (model, parallel) in LAYOUTS.items():
         micro = parallel.get("micro_batch_size", 4)
-        key = f"single_{'moe' if model is MOE else 'llama'}_{micro}"
-        ref = refs[key] = refs.get(key) or _run(packed_data, tmp_path / key, model, {"micro_batch_size": micro})
+        key = json.dumps([model, micro], sort_keys=True)  # one single-process run per model and micro-batch
+        ref = refs[key] = refs.get(key) or _run(packed_data, tmp_path / f"single_{len(refs)}", model,
+                                                {"micro_batch_size": micro})
         assert_same_curves(results[name], ref, what=name)
         got, want = results[name]["grad_norms"], ref["grad_norms"]
         assert want and sorted(got) == sorted(want), name
         for step in want:
-            keys = sorted(want[step])
+            # ZeRO reports no norm for a group with nothing to train (LoRA's frozen embedding); the layers' are there
+            keys = sorted(got[step])
+            assert set(keys) <= set(want[step]) and any("layer" in k for k in keys), (name, step, keys)
             assert relative_diff([got[step][k] for k in keys], [want[step][k] for k in keys]) <= 1e-5, (name, step)
         # every rank's saved activations at the check step, against the planner with document masking priced
         for row in (*results[name]["activations"], *ref["activations"]):
