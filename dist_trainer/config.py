@@ -195,8 +195,9 @@ class DataConfig:
     # from a source in proportion to its weight, the same per (seed, step) in every layout (data/mixture.py)
     sources: list[dict[str, Any]] = field(default_factory=list)
     # packed documents kept apart: a token attends only within its document (the text between EOS tokens) and its
-    # positions restart there (data/documents.py). Off by default: the demo runs at 0.xx of its steps/s with it
-    # on the CPU, whose kernel loses its causal fast path to the explicit mask (docs/data.md, "Document masking")
+    # positions restart there (data/documents.py). Off by default: the demo runs at 0.94-0.97 of its steps/s with
+    # it on the CPU, whose kernel loses its causal fast path to the explicit mask (docs/data.md, "Document masking"),
+    # and its documents are far longer than its windows
     document_masking: bool = False
 
     def validate(self) -> None:
