@@ -88,14 +88,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # CPU seconds of one thread: the figure the load of a shared machine leaves alone
     print(f"torch {torch.__version__}, 1 thread, steps per CPU-second")
-    print(f"{'model':6s} {'tokens/step':>11s} {'documents/row':>13s} {'plain steps/s':>14s} {'masked steps/s':>15s} "
-          f"{'masked/plain':>13s}")
+    columns = ("model", "tokens/step", "documents/row", "plain steps/s", "masked steps/s", "masked/plain")
+    print("  ".join(f"{c:>14s}" for c in columns))
     for name in args.models.split(","):
-        model, micro, seq = MODELS[name]
-        r = measure(model, micro, seq, args.steps, args.rounds)
-        print(f"{name:6s} {r['tokens']:11d} {r['docs_per_row']:13.1f} {r['plain_steps_s']:14.3f} "
-              f"{r['masked_steps_s']:15.3f} {r['ratio']:13.3f}", flush=True)
-
+        r = measure(*MODELS[name], args.steps, args.rounds)
+        row = (name, r["tokens"], f"{r['docs_per_row']:.1f}", *(f"{r[k]:.3f}" for k in
+                                                                  ("plain_steps_s", "masked_steps_s", "ratio")))
+        print("  ".join(f"{v!s:>14s}" for v in row), flush=True)
 
 if __name__ == "__main__":
     main()
