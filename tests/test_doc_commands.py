@@ -235,6 +235,7 @@ RUN: list[tuple[str, Run]] = [
     (r"benchmarks/published_runs\.py", Run(expect=("torchtitan Llama 3.1 8B",))),
     (r"benchmarks/planner_speed\.py", Run(append="--repeat 1")),
     (r"benchmarks/cp_comm\.py", Run(append="--seq 512 --cp 2")),
+    (r"benchmarks/document_masking\.py", Run(append="--models demo --steps 1 --rounds 1")),
     (r"benchmarks/low_bit\.py", Run(append="--steps 3 --lora-steps 3", expect=("int8 export",))),
 ]
 
