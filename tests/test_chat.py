@@ -1,0 +1,132 @@
+"""Chat fine-tuning (issue 35 item 2): ``prepare --chat`` renders conversations with a model folder's chat template
+and stores which tokens the loss covers; a run trains on those only, the loss the mean over the covered tokens of
+the whole global batch in every layout.
+
+The references: ``transformers``' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` for the token ids
+and the mask (test-only), and one process's run for the layouts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dist_trainer.data.chat import ChatDataset
+from dist_trainer.data.prepare import prepare_chat
+
+LLAMA3 = {
+    "specials": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "config": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+    "template": (
+        "{{ bos_token }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+}
+QWEN = {
+    "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "config": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    "template": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+        "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}"
+        "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+        "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+STYLES = {"llama3": LLAMA3, "qwen": QWEN}
+WORDS = ("what is the capital of france paris is the capital how many legs does a spider have eight legs "
+         "tell me a joke why did the chicken cross the road to get to the other side thanks you are welcome").split()
+
+
+def conversation(i: int) -> dict[str, Any]:
+    """A conversation of 1 to 3 exchanges (some with a system turn) drawn from ``WORDS`` by its index."""
+    rng = np.random.default_rng(i)
+
+    def text() -> str:
+        return " ".join(WORDS[k] for k in rng.integers(0, len(WORDS), int(rng.integers(2, 9))))
+
+    messages = [{"role": "system", "content": text()}] if i % 3 == 0 else []
+    for _ in range(1 + i % 3):
+        messages += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+    return {"messages": messages}
+
+
+def tokenizer_folder(root: Path, style: str, template: str | None = None) -> Path:
+    """A Hugging Face folder: a byte-level BPE trained on ``WORDS`` with the style's special tokens, its
+    tokenizer_config.json naming them and holding the chat template."""
+    spec = STYLES[style]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=spec["specials"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder = root / style
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **spec["config"],
+              "chat_template": spec["template"] if template is None else template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def reference(folder: Path, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """transformers' ids and assistant mask of ``messages`` with the folder's tokenizer and template."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(folder / "tokenizer.json")),
+                                 **{k: v for k, v in config.items() if k.endswith("_token")},
+                                 chat_template=config["chat_template"])
+    out = hf.apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True, return_dict=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def packed(expected: list[tuple[list[int], list[int]]], window: int, pad_id: int) -> list[tuple[list, list, list]]:
+    """The windows the expected conversations pack into, in order and never split (an independent greedy packing):
+    (tokens, covered targets, documents) each, the padding its own last document."""
+    windows: list[list[tuple[list[int], list[int]]]] = [[]]
+    for ids, mask in expected:
+        if sum(len(i) for i, _ in windows[-1]) + len(ids) > window:
+            windows.append([])
+        windows[-1].append((ids, mask))
+    out = []
+    for convs in windows:
+        pad = window - sum(len(i) for i, _ in convs)
+        parts = [*convs, *([([pad_id] * pad, [0] * pad)] if pad else [])]
+        tokens = [t for ids, _ in parts for t in ids]
+        docs = [d for d, (ids, _) in enumerate(parts) for _ in ids]
+        mask = [m if d < len(convs) else 0 for d, (_, ms) in enumerate(parts) for m in ms]
+        covered = [bool(mask[t + 1]) and docs[t + 1] == docs[t] for t in range(window - 1)]
+        out.append((tokens, covered, docs[:-1]))
+    return out
+
+
+@pytest.mark.parametrize("style", ["llama3", "qwen"])
+def test_ids_and_loss_mask_equal_transformers(style: str, tmp_path: Path) -> None:
+    folder = tokenizer_folder(tmp_path, style)
+    records = [conversation(i) for i in range(12)]
+    prepare_chat([write_jsonl(tmp_path / "chat.jsonl", records)], tmp_path / "data", folder, 255, val_fraction=0.0)
+    data = ChatDataset(tmp_path / "data", "train", 255)
+    expected = [reference(folder, r["messages"]) for r in records]
+    assert all(any(mask) and not all(mask) for _, mask in expected)  # the mask selects, it is not trivial
+    pad_id = data.meta["special_roles"].get("pad", data.meta["special_roles"]["eos"])
+    windows = packed(expected, 256, pad_id)
+    assert len(data) == len(windows) > 1
+    for index, (tokens, covered, documents) in enumerate(windows):
+        window, got_covered, got_documents = data.sample(index)
+        assert window.tolist() == tokens
+        assert got_covered.tolist() == covered
+        assert got_documents.tolist() == documents
