@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dist_trainer.data.chat import ChatDataset
 from dist_trainer.data.prepare import prepare_chat
+from dist_trainer.model_blocks import IGNORE_INDEX
 
 LLAMA3 = {
     "specials": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
@@ -130,3 +132,114 @@ def test_ids_and_loss_mask_equal_transformers(style: str, tmp_path: Path) -> Non
         assert window.tolist() == tokens
         assert got_covered.tolist() == covered
         assert got_documents.tolist() == documents
+
+
+# ---------------------------------------------------------------------------------------------- training on it
+
+LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all_linear"}
+SEQ = 127  # windows of 128 tokens
+LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}}
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """300 Qwen-style conversations in windows of 128 tokens (the longer ones dropped), a fifth held out."""
+    root = tmp_path_factory.mktemp("chat")
+    folder = tokenizer_folder(root, "qwen")
+    records = [conversation(i) for i in range(300)]
+    out = root / "data"
+    prepare_chat([write_jsonl(root / "chat.jsonl", records)], out, folder, SEQ, long="skip", val_fraction=0.2)
+    return out
+
+
+def chat_config(data: Path, out: Path, parallel: dict | None = None, **train: Any) -> Any:
+    from tests.helpers import tiny_config
+
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    return tiny_config(data, out, model={"vocab_size": vocab, "max_seq_len": SEQ + 1, **LORA},
+                       data={"seq_len": SEQ}, parallel=parallel or {},
+                       train={"max_steps": 3, "eval_every": 3, "eval_batches": 1, "save_every": 0, **train})
+
+
+def test_lora_gradient_comes_from_assistant_tokens_only(chat_data: Path, tmp_path: Path) -> None:
+    """The LoRA gradient of a chat batch is the gradient of the mean cross-entropy over the assistant tokens
+    (the covered targets) alone; giving one prompt position its next token as a label changes it."""
+    from dist_trainer.data.batch import collate_chat
+    from dist_trainer.engines.base import seeded_model
+    from dist_trainer.model_lora import is_adapter
+
+    cfg = chat_config(chat_data, tmp_path)
+    model = seeded_model(cfg)
+    data = ChatDataset(chat_data, "train", SEQ)
+    batch = collate_chat(data, [0, 1])
+    tokens, targets = batch["tokens"], batch["targets"]
+
+    def grads(loss_of: Any) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        loss_of().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got = grads(lambda: model(tokens, targets))
+    assert got and all(is_adapter(n) for n in got)  # LoRA: only the adapters train
+
+    def covered_mean() -> torch.Tensor:  # by hand: the per-token losses at the covered targets, averaged
+        per_token = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.new_tensor(
+            np.stack([data.sample(i)[0][1:] for i in (0, 1)])).flatten(), reduction="none")
+        covered = (targets != IGNORE_INDEX).flatten()
+        return per_token[covered].mean()
+
+    reference = grads(covered_mean)
+    for name in got:
+        torch.testing.assert_close(got[name], reference[name], rtol=1e-5, atol=1e-7)
+    prompt = int(np.flatnonzero(targets[0].numpy() == IGNORE_INDEX)[0])
+    labelled = targets.clone()
+    labelled[0, prompt] = tokens[0, prompt + 1]
+    changed = grads(lambda: model(tokens, labelled))
+    assert any(not torch.allclose(changed[n], got[n]) for n in got)
+
+
+def test_the_loss_is_the_mean_over_the_global_batch_covered_tokens(chat_data: Path, tmp_path: Path) -> None:
+    """With 4 micro-batches of 2 windows holding different numbers of covered targets, the first step's loss (and
+    the first evaluation) is the mean over every covered target of the global batch, as one forward over it gives."""
+    from dist_trainer.data.batch import collate_chat
+    from dist_trainer.engines.base import seeded_model
+    from dist_trainer.train.trainer import Trainer
+
+    cfg = chat_config(chat_data, tmp_path / "run", {"micro_batch_size": 2}, max_steps=1, eval_every=1)
+    trainer = Trainer(cfg, log=False)
+    train_indices, val_indices = trainer.sampler.global_batch(0), trainer.val_samplers[0].global_batch(0)
+    counts = [int((collate_chat(trainer.train_data, train_indices[i:i + 2])["targets"] != IGNORE_INDEX).sum())
+              for i in range(0, 8, 2)]
+    assert len(set(counts)) > 1  # the micro-batches hold different counts: a mean of means would differ
+    result = trainer.train()
+    model = seeded_model(cfg)
+    with torch.no_grad():
+        whole = collate_chat(trainer.train_data, train_indices)
+        expected = float(model(whole["tokens"], whole["targets"]))
+        val = collate_chat(trainer.val_data, val_indices)
+        expected_eval = float(model(val["tokens"], val["targets"]))
+    assert result.losses[0] == pytest.approx(expected, rel=1e-6)
+    assert result.eval_losses[0] == pytest.approx(expected_eval, rel=1e-6)
+
+
+def _layout_runs(rank: int, world_size: int, data: Path, root: Path) -> dict[str, dict]:
+    from dist_trainer.train.trainer import Trainer
+    from tests.helpers import curves
+
+    return {name: curves(Trainer(chat_config(data, root / name, parallel), log=False).train())
+            for name, parallel in LAYOUTS.items()}
+
+
+def test_lora_losses_at_tp2_pp2_and_zero2_equal_one_process(chat_data: Path, tmp_path: Path) -> None:
+    """The LoRA run's training and evaluation losses at tp=2, pp=2 and ZeRO-2 (two data-parallel ranks whose
+    micro-batches hold different numbers of covered targets) equal one process's."""
+    from dist_trainer.testing import run_distributed
+    from dist_trainer.train.trainer import Trainer
+    from tests.helpers import assert_same_curves, curves
+
+    single = curves(Trainer(chat_config(chat_data, tmp_path / "single"), log=False).train())
+    runs = run_distributed(_layout_runs, 2, (chat_data, tmp_path / "two"), env={"DS_ACCELERATOR": "cpu"},
+                           timeout=600)
+    assert single["losses"][2] < single["losses"][0]
+    for name in LAYOUTS:
+        assert_same_curves(runs[0][name], single, what=name)
