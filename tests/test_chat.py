@@ -134,6 +134,89 @@ def test_ids_and_loss_mask_equal_transformers(style: str, tmp_path: Path) -> Non
         assert got_documents.tolist() == documents
 
 
+def test_a_template_without_generation_marks_covers_the_same_tokens(tmp_path: Path) -> None:
+    """Llama 3's template with its {% generation %} marks taken out (as published templates are): the assistant
+    turns found by rendering prefixes cover what transformers' marks cover."""
+    marked = tokenizer_folder(tmp_path / "marked", "llama3")
+    plain = tokenizer_folder(tmp_path / "plain", "llama3", LLAMA3["template"].replace("{% generation %}", "")
+                             .replace("{% endgeneration %}", ""))
+    records = [conversation(i) for i in range(6)]
+    prepare_chat([write_jsonl(tmp_path / "chat.jsonl", records)], tmp_path / "data", plain, 511, val_fraction=0.0)
+    data = ChatDataset(tmp_path / "data", "train", 511)
+    expected = [reference(marked, r["messages"]) for r in records]
+    for index, (tokens, covered, documents) in enumerate(packed(expected, 512, data.meta["special_roles"]["eos"])):
+        assert [x.tolist() for x in data.sample(index)] == [tokens, covered, documents]
+
+
+def test_loss_on_all_and_prompt_completion_lines(tmp_path: Path) -> None:
+    """--loss-on all covers every target of a conversation; a {"prompt", "completion"} line is a user turn and
+    the assistant's answer."""
+    folder = tokenizer_folder(tmp_path, "qwen")
+    lines = [{"prompt": "what is the capital", "completion": "paris is the capital"}, conversation(1)]
+    prepare_chat([write_jsonl(tmp_path / "chat.jsonl", lines)], tmp_path / "all", folder, 255, loss_on="all",
+                 val_fraction=0.0)
+    prepare_chat([write_jsonl(tmp_path / "chat.jsonl", lines)], tmp_path / "assistant", folder, 255,
+                 val_fraction=0.0)
+    as_messages = [{"role": "user", "content": "what is the capital"},
+                   {"role": "assistant", "content": "paris is the capital"}]
+    expected = [reference(folder, as_messages), reference(folder, lines[1]["messages"])]
+    everything = [(ids, [1] * len(ids)) for ids, _ in expected]
+    for name, conversations in (("assistant", expected), ("all", everything)):
+        data = ChatDataset(tmp_path / name, "train", 255)
+        window = packed(conversations, 256, data.meta["special_roles"]["pad"])[0]
+        assert [x.tolist() for x in data.sample(0)] == list(window)
+
+
+def test_a_conversation_longer_than_a_window_is_skipped_and_counted_or_refused(tmp_path: Path) -> None:
+    folder = tokenizer_folder(tmp_path, "qwen")
+    long = {"messages": [{"role": "user", "content": " ".join(WORDS * 4)}, {"role": "assistant", "content": "8"}]}
+    lines = write_jsonl(tmp_path / "chat.jsonl", [conversation(1), long, conversation(2)])
+    meta = prepare_chat([lines], tmp_path / "skip", folder, 255, long="skip", val_fraction=0.0)
+    assert meta["skipped_long"] == 1 and meta["splits"]["train"]["conversations"] == 2
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 2: the conversation is \d+ tokens, longer than"):
+        prepare_chat([lines], tmp_path / "error", folder, 255, long="error", val_fraction=0.0)
+    assert not (tmp_path / "error").exists()
+
+
+GOOD = {"role": "assistant", "content": "eight legs"}
+BAD_LINES = {  # a bad second line, and what the error says about it
+    "no role": ({"messages": [{"content": "hi"}, GOOD]}, r"message 0 has no \"role\""),
+    "unknown role": ({"messages": [{"role": "human", "content": "hi"}, GOOD]}, r"message 0 has role='human'"),
+    "non-string content": ({"messages": [{"role": "user", "content": [{"type": "text"}]}, GOOD]},
+                           r"message 0 \(user\) has content=.*must be a string"),
+    "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, r"the conversation has no assistant turn"),
+    "neither format": ({"text": "hi"}, r"expected \{\"messages\""),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINES)
+def test_bad_lines_are_refused_naming_file_and_line_and_nothing_is_written(case: str, tmp_path: Path) -> None:
+    folder = tokenizer_folder(tmp_path, "qwen")
+    record, message = BAD_LINES[case]
+    lines = write_jsonl(tmp_path / "chat.jsonl", [conversation(1), record, conversation(2)])
+    with pytest.raises(ValueError, match=rf"chat\.jsonl line 2: {message}"):
+        prepare_chat([lines], tmp_path / "out" / "data", folder, 255)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_template_that_raises_or_is_missing_is_refused(tmp_path: Path) -> None:
+    raising = tokenizer_folder(tmp_path / "raising", "qwen", QWEN["template"].replace(
+        "{% for message in messages %}", "{% for message in messages %}{% if message['role'] == 'tool' %}"
+        "{{ raise_exception('tool turns are not supported') }}{% endif %}"))
+    lines = write_jsonl(tmp_path / "chat.jsonl", [conversation(1), {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}, GOOD]}])
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 2: the chat template of .*tokenizer_config\.json raised "
+                                         r"TemplateError: tool turns are not supported"):
+        prepare_chat([lines], tmp_path / "out" / "data", raising, 255)
+    missing = tokenizer_folder(tmp_path / "missing", "qwen")
+    config = json.loads((missing / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (missing / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"missing/qwen has no chat template: neither chat_template\.jinja nor"):
+        prepare_chat([lines], tmp_path / "out" / "data", missing, 255)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 # ---------------------------------------------------------------------------------------------- training on it
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all_linear"}
