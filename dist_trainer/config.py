@@ -194,6 +194,10 @@ class DataConfig:
     # a weighted mixture of prepared folders instead of data.path: [{path: DIR, weight: W}, ...], each sample drawn
     # from a source in proportion to its weight, the same per (seed, step) in every layout (data/mixture.py)
     sources: list[dict[str, Any]] = field(default_factory=list)
+    # packed documents kept apart: a token attends only within its document (the text between EOS tokens) and its
+    # positions restart there (data/documents.py). Off by default: the demo runs at 0.xx of its steps/s with it
+    # on the CPU, whose kernel loses its causal fast path to the explicit mask (docs/data.md, "Document masking")
+    document_masking: bool = False
 
     def validate(self) -> None:
         positive(self, "seq_len")
@@ -385,6 +389,9 @@ class Config:
         if seq2seq and objective == "lm":
             raise ValueError("an encoder-decoder (model.n_decoder_layers > 0) trains on data.objective="
                              "span_corruption (T5, on token shards) or seq2seq (pairs from prepare --pairs), not lm")
+        if seq2seq and self.data.document_masking:
+            raise ValueError("data.document_masking=true packs documents into one stack's windows; an encoder-decoder "
+                             "(model.n_decoder_layers > 0) reads pairs or span-corrupted windows: set it to false")
         if not seq2seq and objective != "lm":
             raise ValueError(f"data.objective={objective} needs an encoder-decoder (model.n_decoder_layers > 0); "
                              "one stack trains on lm (causal or masked, as model.causal says)")

@@ -25,6 +25,7 @@ adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is froz
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +50,14 @@ from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinus
 from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
 
 SEQ2SEQ_INPUTS = ("decoder_tokens", "source_mask")  # an encoder-decoder batch's inputs beside tokens and targets
+# a packed batch's segment ids (B, T): tokens attend within their segment, positions restart at each (docs/data.md)
+DOCUMENTS = "documents"
 
 
 def seq2seq_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The keyword inputs ``Transformer.forward`` takes from a batch (none for one stack's batch)."""
-    return {k: batch[k] for k in SEQ2SEQ_INPUTS if k in batch}
+    """The keyword inputs ``Transformer.forward`` takes from a batch besides tokens and targets: an encoder-decoder's
+    and a packed batch's ``documents`` (none for one stack's plain batch)."""
+    return {k: batch[k] for k in (*SEQ2SEQ_INPUTS, DOCUMENTS) if k in batch}
 
 
 class Transformer(nn.Module):
@@ -174,10 +178,11 @@ class Transformer(nn.Module):
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k or full")
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, *, decoder: bool = False,
-              start: int = 0) -> torch.Tensor:
+              start: int = 0, documents: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) input of the first layer (of the decoder stack with ``decoder``; ``start``:
         the position of the first token, during generation; where the sequence is split over ranks: of this rank's
-        tokens, ``sequence.shard``, at their global positions)."""
+        tokens, ``sequence.shard``, at their global positions; ``documents`` (B, T): positions restart at each
+        segment)."""
         if start + tokens.shape[1] > self.cfg.max_seq_len:
             raise RuntimeError(f"sequence length {start + tokens.shape[1]} exceeds model.max_seq_len="
                                f"{self.cfg.max_seq_len}")
@@ -189,7 +194,10 @@ class Transformer(nn.Module):
         if self.cfg.embedding_multiplier != 1.0:  # Granite
             x = x * self.cfg.embedding_multiplier
         pos_emb = self.dec_pos_emb if decoder else self.pos_emb
-        if pos_emb is not None:
+        if documents is not None and (pos_emb is not None or self.cfg.pos_embedding == "sinusoidal"):
+            table = pos_emb.weight if pos_emb is not None else self.pos_table
+            x = x + self.sequence.rows_at(table, documents).to(x.dtype)
+        elif pos_emb is not None:
             x = x + self.sequence.rows(pos_emb.weight[start:], T)
         elif self.cfg.pos_embedding == "sinusoidal":
             x = x + self.sequence.rows(self.pos_table[start:], T).to(x.dtype)
@@ -217,18 +225,21 @@ class Transformer(nn.Module):
         return None if table is None else table(q_len, q_len if k_len is None else k_len, offset)
 
     def run_layers(self, x: torch.Tensor, first_layer: int = 0, mask: torch.Tensor | None = None,
-                   caches: list[KVCache] | None = None) -> torch.Tensor:
+                   caches: list[KVCache] | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The (encoder) stack's layers, ``layers[i]`` being global layer ``first_layer + i``; ``mask``: an SDPA mask
         for their self-attention (``model_seq2seq.attention_mask``); ``caches``: one KVCache per layer during
-        generation (``x`` then follows the caches' length of earlier tokens)."""
+        generation (``x`` then follows the caches' length of earlier tokens); ``documents``: the (B, T) segment ids
+        of packed sequences, each attending within its own."""
         for j, layer in enumerate(self.layers):
             i, rope = first_layer + j, self.rope(first_layer + j)
+            # the segment ids as a keyword: a recomputed layer keeps them by reference, not as a saved input
+            run = layer if documents is None else partial(layer, documents=documents)
             if caches is not None:
                 x = layer(x, rope, mask, caches[j])
             elif i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
+                x = checkpoint(run, x, rope, mask, use_reentrant=False)
             else:
-                x = layer(x, rope, mask)
+                x = run(x, rope, mask)
         return x
 
     def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,11 +282,13 @@ class Transformer(nn.Module):
                                        caches=caches)
 
     def hidden_states(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None,
-                      decoder_tokens: torch.Tensor | None = None,
-                      source_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      decoder_tokens: torch.Tensor | None = None, source_mask: torch.Tensor | None = None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
         """The last hidden state the head reads: one stack's, or the decoder's over the encoded ``tokens``."""
         if self.dec_layers is None:
-            return self.run_layers(self.embed(tokens, token_types))
+            return self.run_layers(self.embed(tokens, token_types, documents=documents), documents=documents)
+        if documents is not None:
+            raise ValueError("an encoder-decoder does not pack documents (data.document_masking is for one stack)")
         if decoder_tokens is None:
             raise ValueError("an encoder-decoder model needs decoder_tokens (the targets shifted right)")
         return self.decode(decoder_tokens, self.encode(tokens, source_mask), source_mask)
@@ -322,11 +335,13 @@ class Transformer(nn.Module):
         *,
         decoder_tokens: torch.Tensor | None = None,
         source_mask: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) when targets is None, else the scalar mean loss (in training, plus the MoE layers'
         router losses). An encoder-decoder reads source ``tokens`` (``source_mask``: False at padding) and
-        ``decoder_tokens``; its logits and targets are the decoder's."""
-        logits = self.logits(self.hidden_states(tokens, token_types, decoder_tokens, source_mask))
+        ``decoder_tokens``; its logits and targets are the decoder's. ``documents`` (B, T): the segment id of each
+        position of packed sequences (docs/data.md, "Document masking")."""
+        logits = self.logits(self.hidden_states(tokens, token_types, decoder_tokens, source_mask, documents))
         return self.full_logits(logits) if targets is None else add_aux_losses(self, self.loss(logits, targets))
 
 

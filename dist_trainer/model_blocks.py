@@ -15,7 +15,7 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
 from dist_trainer.model_lora import LoRALinear, init_adapter_
 from dist_trainer.model_moe import MoE
-from dist_trainer.model_positions import apply_rope
+from dist_trainer.model_positions import apply_rope, document_positions, same_document
 from dist_trainer.model_seq2seq import KVCache
 
 IGNORE_INDEX = -100
@@ -98,6 +98,11 @@ class Sequence(nn.Module):
     def rows(self, table: torch.Tensor, t: int) -> torch.Tensor:
         return table[:t]
 
+    def rows_at(self, table: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+        """(B, t, ...) rows of a per-position table for this rank's tokens of packed sequences whose positions
+        restart at each document (``documents``: (B, T) segment ids of the whole sequences)."""
+        return table[self.shard(document_positions(documents))]
+
 
 class SDPAttention(nn.Module):
     """The attention core after RoPE: the GQA repeat and SDPA over (B, H, T, D) heads, with an optional SDPA mask
@@ -107,7 +112,11 @@ class SDPAttention(nn.Module):
     ``window`` > 0 (sliding-window attention): query i sees keys j with i - window < j <= i. ``softcap`` > 0
     (Gemma 2): the scaled scores become c * tanh(s / c) before the mask, which SDPA cannot do, so that case runs
     the explicit softmax (fp32, as transformers' eager attention); everything else stays on SDPA. The queries are
-    the last T of the S keys' positions (S > T: generation over cached keys)."""
+    the last T of the S keys' positions (S > T: generation over cached keys).
+
+    ``documents`` (B, T) (packed sequences, docs/data.md "Document masking"): a query sees only keys of its own
+    segment; the block-diagonal mask is an explicit SDPA mask (the CPU kernel then loses its causal fast path and
+    computes, and saves, every score: the mask hides the cross-document ones, it does not skip them)."""
 
     def __init__(self, causal: bool, dropout: float, scale: float | None = None, window: int = 0,
                  softcap: float = 0.0) -> None:
@@ -115,19 +124,23 @@ class SDPAttention(nn.Module):
         self.causal, self.dropout, self.scale = causal, dropout, scale
         self.window, self.softcap = window, softcap
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         t, s = q.shape[2], k.shape[2]
         dropout = self.dropout if self.training else 0.0
+        if documents is not None:  # (B, 1, t, s): same document, and causal / within the window
+            same = same_document(documents, documents).unsqueeze(1)
+            mask = _and_mask(mask, same & self.visible(t, s, q.device) if self.causal or self.window else same)
         if not self.window and not self.softcap:
             # a causal mask without a mask tensor; one query row against cached keys (generation) sees them all
             causal = self.causal and mask is None and t == s
             if self.causal and mask is None and 1 < t < s:
                 mask = self.visible(t, s, q.device)
+            # a documents mask already holds causality (the plain path's other masks do too: attention_mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout,
                                                   scale=self.scale)
         mask = _and_mask(mask, self.visible(t, s, q.device)) if self.causal or self.window else mask
@@ -166,7 +179,8 @@ class Attention(nn.Module):
     o_proj maps back to d_model), k and v kv_heads * head_dim. ``mask``: an SDPA ``attn_mask`` (a position bias,
     padding; ``model_seq2seq.attention_mask``); ``cache``: a ``model_seq2seq.KVCache`` during generation (with RoPE,
     keys are cached rotated, at their positions). ``window``: this layer's sliding window (0: none), handed to the
-    ``attend`` seam with the score scale and ``model.attn_softcap``.
+    ``attend`` seam with the score scale and ``model.attn_softcap``. ``documents``: the (B, T) segment ids of whole
+    packed sequences (docs/data.md): RoPE restarts at each segment, and ``attend`` keeps queries in theirs.
     """
 
     def __init__(self, cfg: ModelConfig, causal: bool | None = None, window: int = 0) -> None:
@@ -209,7 +223,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, *,
                 memory: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         T = x.shape[1]
         q = self.heads(x, self.q_proj, self.q_norm)  # (B, Hq, T, D)
         if cache is not None and cache.cross and cache.k is not None and cache.v is not None:
@@ -228,23 +242,27 @@ class Attention(nn.Module):
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al. 2022, section 4.2): keep only the projections'
             # outputs and run the core again in backward (the RNG state is replayed, so dropout matches).
-            y = checkpoint(self.core, q, k, v, rope, mask, use_reentrant=False)
+            y = checkpoint(self.core, q, k, v, rope, mask, documents, use_reentrant=False)
         else:
-            y = self.core(q, k, v, rope, mask)
+            y = self.core(q, k, v, rope, mask, documents)
         return self.o_proj(y)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+             rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE, the GQA repeat, SDPA and the head merge: what selective recomputation runs twice.
 
         Everything here is cheap to recompute against what it saves: rotated q and k, full-width k and v
         after the repeat, and the kernel's own tensors (the s x s probabilities on the math path).
         """
         B, _, T, _ = q.shape
-        if rope is not None:
+        if rope is not None and documents is not None:  # positions restart per document: (B, 1, T, D/2) tables
+            cos, sin = (self.sequence.rows_at(table, documents).unsqueeze(1) for table in rope)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif rope is not None:
             cos, sin = self.sequence.rows(rope[0], T), self.sequence.rows(rope[1], T)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v, mask)
+        y = self.attend(q, k, v, mask) if documents is None else self.attend(q, k, v, mask, documents=documents)
         return y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hq*D)
 
 
@@ -329,21 +347,24 @@ class Block(nn.Module):
         return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mask: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         ffn = self.moe if hasattr(self, "moe") else self.mlp
+        # the attention's keywords: documents only when given, so the default call is the one it always was
+        seen = {"mask": mask, "cache": cache, **({} if documents is None else {"documents": documents})}
         if self.parallel_residual:  # transformers' order of the sum: mlp + attn + x
-            attn = self.branch(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache))
+            attn = self.branch(self.attn(self.attn_norm(x), rope, **seen))
             return self.branch(ffn(self.mlp_norm(x))) + attn + x
         if self.pre_norm:
-            x = x + self.branch(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache))
+            x = x + self.branch(self.attn(self.attn_norm(x), rope, **seen))
             return x + self.branch(ffn(self.mlp_norm(x)))
         if self.placement == "sandwich":
-            x = x + self.branch(self.attn_post_norm(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache)))
+            x = x + self.branch(self.attn_post_norm(self.attn(self.attn_norm(x), rope, **seen)))
             return x + self.branch(self.mlp_post_norm(ffn(self.mlp_norm(x))))
         if self.placement == "post_branch":
-            x = x + self.branch(self.attn_norm(self.attn(x, rope, mask=mask, cache=cache)))
+            x = x + self.branch(self.attn_norm(self.attn(x, rope, **seen)))
             return x + self.branch(self.mlp_norm(ffn(x)))
-        x = self.attn_norm(x + self.branch(self.attn(x, rope, mask=mask, cache=cache)))
+        x = self.attn_norm(x + self.branch(self.attn(x, rope, **seen)))
         return self.mlp_norm(x + self.branch(ffn(x)))
 
 

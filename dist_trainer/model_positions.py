@@ -4,6 +4,7 @@ Learned absolute positions are ``nn.Embedding`` tables of ``model.py`` itself; w
 
 - RoPE (Su et al. 2021): cos/sin tables computed as transformers computes them, applied to q and k;
 - sinusoidal positions (Vaswani et al. 2017, section 3.5), added to the embeddings, no parameters;
+- packed documents (docs/data.md): each token's position within its document, and which keys share it;
 - T5's relative position bias (Raffel et al. 2020, section 2.1): a learned scalar per head and bucket of the
   key-query distance, added to the attention scores; buckets exact for short distances, logarithmic up to
   ``model.rel_max_distance``; bidirectional in an encoder (half the buckets per direction), causal in a decoder.
@@ -82,6 +83,20 @@ def sinusoidal_table(seq_len: int, dim: int) -> torch.Tensor:
     table[:, 1::2] = torch.cos(pos * div)
     return table.float()
 
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) segment ids, nondecreasing along T -> (B, T) positions restarting at 0 where each segment starts
+    (Megatron's ``--reset-position-ids``). Always within [0, T), whatever the ids (a pipeline stage's shape inference
+    runs on uninitialised ones)."""
+    T = documents.shape[-1]
+    index = torch.arange(T, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
+def same_document(query_documents: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
+    """(B, Tq) and (B, Tk) segment ids -> (B, Tq, Tk) bool: True where the query and the key share a segment."""
+    return query_documents.unsqueeze(-1) == key_documents.unsqueeze(-2)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int,

@@ -26,11 +26,13 @@ from dist_trainer.model_lora import freeze_
 
 def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpointing: str = "none", every: int = 1,
                         precision: str = "fp32", math_kernel: bool = False, seed: int = 0,
-                        freeze: tuple[str, ...] = (), target_len: int | None = None, padded: bool = False) -> int:
+                        freeze: tuple[str, ...] = (), target_len: int | None = None, padded: bool = False,
+                        documents: bool = False) -> int:
     """Bytes of the distinct non-parameter storages saved for backward by one training forward on CPU
     (``freeze``: train.freeze patterns applied as the trainer applies them; LoRA comes with ``cfg``). An
     encoder-decoder reads ``seq_len`` source tokens and ``target_len`` decoder tokens, its sources ``padded`` (every
-    other one ends in padding: a source mask) or not."""
+    other one ends in padding: a source mask) or not. ``documents``: packed rows, each of three documents (document
+    masking)."""
     model = build_model(cfg, "cpu", seed=seed)
     freeze_(model, frozen_modules(cfg, list(freeze)))
     model.train()
@@ -54,6 +56,8 @@ def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpoin
         if padded:
             inputs["source_mask"] = torch.ones(batch, seq_len, dtype=torch.bool)
             inputs["source_mask"][::2, seq_len // 2:] = False
+    if documents:
+        inputs["documents"] = (torch.arange(seq_len) * 3 // seq_len).expand(batch, seq_len).contiguous()
     amp = precision.startswith("amp_")
     dtype = torch.float16 if precision == "amp_fp16" else torch.bfloat16
     kernel = sdpa_kernel(SDPBackend.MATH) if math_kernel else contextlib.nullcontext()

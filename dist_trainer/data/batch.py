@@ -9,6 +9,7 @@ import torch
 
 from dist_trainer.data.chat import ChatDataset
 from dist_trainer.data.dataset import TokenDataset, special_id
+from dist_trainer.data.documents import document_eos, documents_from_eos
 from dist_trainer.model_blocks import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -67,8 +68,10 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
 
 
 def collate(dataset: TokenDataset | MixtureDataset, indices: list[int], *, causal: bool, step: int, seed: int,
-            mlm_probability: float = 0.15) -> dict[str, torch.Tensor]:
-    """{"tokens": (B, T), "targets": (B, T)} int64 for the samples ``indices`` of ``dataset``.
+            mlm_probability: float = 0.15, document_masking: bool = False) -> dict[str, torch.Tensor]:
+    """{"tokens": (B, T), "targets": (B, T)} int64 for the samples ``indices`` of ``dataset``, with
+    ``document_masking`` also "documents" (B, T): each position's segment id, a new one after every EOS
+    (``documents.py``).
 
     Causal: next-token prediction, targets are the window shifted by one. Encoder: masked LM on the
     first T tokens of the window; the mask of a sample depends only on (seed, step, sample index),
@@ -77,6 +80,15 @@ def collate(dataset: TokenDataset | MixtureDataset, indices: list[int], *, causa
     if not indices:
         raise ValueError("collate needs at least one sample index")
     windows = torch.from_numpy(np.stack([dataset[i] for i in indices]))  # (B, T + 1) int64
+    batch = _collate_windows(dataset, windows, indices, causal=causal, step=step, seed=seed,
+                             mlm_probability=mlm_probability)
+    if document_masking:  # the window's own ids, not an encoder's masked inputs
+        batch["documents"] = documents_from_eos(windows[:, :-1], document_eos(dataset.meta, dataset.path))
+    return batch
+
+
+def _collate_windows(dataset: TokenDataset | MixtureDataset, windows: torch.Tensor, indices: list[int], *,
+                     causal: bool, step: int, seed: int, mlm_probability: float) -> dict[str, torch.Tensor]:
     if causal:
         return {"tokens": windows[:, :-1].contiguous(), "targets": windows[:, 1:].contiguous()}
     specials = dataset.special_tokens

@@ -75,7 +75,8 @@ def make_batch(cfg: Config, data: Dataset, indices: list[int], step: int) -> dic
         return collate_chat(data, indices)
     if d.objective == "lm":
         assert isinstance(data, TokenDataset | MixtureDataset)
-        return collate(data, indices, causal=cfg.model.causal, step=step, seed=seed, mlm_probability=d.mlm_probability)
+        return collate(data, indices, causal=cfg.model.causal, step=step, seed=seed, mlm_probability=d.mlm_probability,
+                       document_masking=d.document_masking)
     if d.objective == "seq2seq":
         assert isinstance(data, PairDataset | MixtureDataset)
         return collate_pairs([data[i] for i in indices], d.seq_len, d.decoder_len(), cfg.model.decoder_start_id)

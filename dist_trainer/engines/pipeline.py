@@ -95,7 +95,8 @@ class PipelineEngine(Engine):
     def _run(self, batches: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
         """The schedule over the sampler's micro-batches (``n_micro`` per pass: a step is one pass, the eval set
         several); the sum of their losses on every rank."""
-        keys = ("tokens", *seq2seq_inputs(batches[0]))  # an encoder-decoder's first stage reads its decoder inputs too
+        # an encoder-decoder's first stage reads its decoder inputs too; a packed batch's its segment ids
+        keys = ("tokens", *seq2seq_inputs(batches[0]))
         stage_ids = [s.stage_index for s in self.stages]
         aux_before = aux_loss_sum(self.model)
         losses: list[torch.Tensor] = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.model_shape import padded_vocab
+from dist_trainer.planner import documents
 from dist_trainer.planner.activations import (
     RECOMPUTE,
     ActivationSpec,
@@ -46,7 +47,8 @@ class LayerCost:
 def _layer_cost(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, moe: bool = False,
                 sliding: bool = False) -> LayerCost:
     flow = layer_flow(cfg, g)
-    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g, moe=moe, sliding=sliding)),
+    rope = documents.document_layer_tensors(cfg, spec, rotated=flow["core_q"] or flow["core_k"])
+    return LayerCost(full=per_token(layer_saved_tensors(cfg, spec, grads=g, moe=moe, sliding=sliding) + rope),
                      selective=per_token(layer_saved_tensors(cfg, spec, selective=True, grads=g, moe=moe,
                                                              sliding=sliding)),
                      checkpointed=per_token(checkpointed_layer_saved_tensors(cfg, spec)),
@@ -78,6 +80,7 @@ class LayerCosts:
     moe_ids: frozenset[int] = frozenset()
     sliding_ids: frozenset[int] = frozenset()
     kinds: dict[tuple[bool, bool], LayerCost] | None = None
+    selective_inputs: float = 0.0  # per stage under selective recomputation: the segment ids every core reads
 
     @property
     def full(self) -> float:
@@ -106,11 +109,13 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
     loss_backward = loss_backward_bytes_per_token(cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
+    selective_inputs = per_token(documents.document_stage_tensors(spec, selective=True))
     if plan is None:
-        return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
+        return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)
+                                                     + documents.document_embedding_tensors(cfg, spec)),
                           head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
                           amp_head_weights=amp_head + amp_dense, moe_layer=moe_layer, moe_ids=moe_ids,
-                          sliding_ids=sliding_ids, kinds=by_kind)
+                          sliding_ids=sliding_ids, kinds=by_kind, selective_inputs=selective_inputs)
     cache: dict[tuple[LayerGrads, bool, bool], LayerCost] = {}
 
     def cost(i: int, g: LayerGrads) -> LayerCost:
@@ -123,14 +128,17 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     # (the last layer's output), the head's is the transform's output when a transform module trains
     head = "head" in plan.tail or bool(plan.tail & {"mlm_transform.dense", "mlm_transform.norm"})
     return LayerCosts(
-        layer, loss_backward=loss_backward, embedding=per_token(embedding_saved_tensors(cfg, spec, plan.embedding)),
+        layer, loss_backward=loss_backward,
+        embedding=per_token(embedding_saved_tensors(cfg, spec, plan.embedding)
+                            + documents.document_embedding_tensors(cfg, spec, plan.embedding)),
         head=per_token(head_saved_tensors(cfg, spec, plan.head_input(False), plan.tail)),
         head_staged=per_token(head_saved_tensors(cfg, spec, True, plan.tail)),
         amp_head_weights=(amp_head if head or plan.head_input(False) else 0)
         + (amp_dense if plan.head_input(False) else 0),
         per_layer=tuple(cost(i, plan.layer(i, False)) for i in range(cfg.n_layers)),
         per_layer_staged=tuple(cost(i, plan.layer(i, True)) for i in range(cfg.n_layers)),
-        moe_layer=moe_layer, moe_ids=moe_ids, sliding_ids=sliding_ids, kinds=by_kind)
+        moe_layer=moe_layer, moe_ids=moe_ids, sliding_ids=sliding_ids, kinds=by_kind,
+        selective_inputs=selective_inputs)
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
@@ -161,6 +169,8 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
             per_token += c.selective if mode == "selective" else c.full
             weights += c.amp_weights
             recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
+    if mode == "selective" and layer_ids:
+        per_token += costs.selective_inputs
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
     weights += costs.amp_head_weights if last else 0

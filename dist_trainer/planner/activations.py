@@ -104,6 +104,8 @@ class ActivationSpec:
     cp_size: int = 1  # context parallelism: a rank's tokens are 1/cp of each sequence (seq_len stays the whole)
     cp_mode: str = "ring"  # ring attention keeps its own tensors (parallel/cp/ring.py); all_to_all runs the core
     micro_batch_size: int = 1  # sequences per micro-batch: what a per-sequence tensor (an (s, s) mask) is shared by
+    # data.document_masking: packed sequences, an (s, s) mask each (here); their positions: planner/documents.py
+    documents: bool = False
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -135,6 +137,11 @@ class ActivationSpec:
     def rep(self) -> float:
         """Share of a TP-replicated tensor one rank keeps: 1, or 1/t when SP splits the sequence."""
         return 1 / self.tp_size if self.sequence_parallel else 1.0
+
+    @property
+    def masks(self) -> int:
+        """(s, s) attention masks per micro-batch: one its sequences share (a window), or one each (documents)."""
+        return self.micro_batch_size if self.documents else 1
 
     def per_batch(self, name: str, elements: float, nbytes: int) -> SavedTensor:
         """A tensor of ``elements`` per micro-batch, not per token (a mask over the sequence, a norm's offset
@@ -199,7 +206,8 @@ def attention_core_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, grad_q:
         out = [SavedTensor(f"attn.{n}", q / t, spec.act) for n in ("q", "k", "v")]
         out += [SavedTensor("attn.logsumexp", a / t, 4), SavedTensor("attn.out", q / t, spec.act)]
         # the window's bool (s, s) mask reaches the kernel as an additive mask in q's dtype, which it keeps
-        return out + ([spec.per_batch("attn.window_mask", spec.seq_len ** 2, spec.act)] if sliding else [])
+        masked = sliding or spec.documents
+        return out + ([spec.per_batch("attn.window_mask", spec.masks * spec.seq_len ** 2, spec.act)] if masked else [])
     # math kernel: the scaled q, k^T and v it multiplies, computed in fp32 on CPU for 16-bit inputs; each matmul
     # keeps an operand only for the other operand's gradient
     inner = 4 if spec.device == "cpu" else spec.act
@@ -229,7 +237,8 @@ def _softcapped_core(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool, grad_
     out = [SavedTensor(f"attn.{n}", q / t, act) for n, kept in (("q", grad_k), ("k_t", grad_q), ("v", scores))
            if kept]
     if scores:
-        out += [SavedTensor("attn.softcap_tanh", aspect, act), spec.per_batch("attn.mask", spec.seq_len ** 2, 1)]
+        out += [SavedTensor("attn.softcap_tanh", aspect, act),
+                spec.per_batch("attn.mask", spec.masks * spec.seq_len ** 2, 1)]
     dropped = cfg.dropout > 0
     if scores or (grad_v and act == 4 and not dropped):  # p @ v reads the softmax's own output when it is fp32
         out.append(SavedTensor("attn.probs", aspect, 4))

@@ -183,6 +183,7 @@ def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> a
     SP, how the sequence is split, ...), the precision and the kernel."""
     return act.ActivationSpec(seq_len=seq_len, precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
+                              documents=options.document_masking,
                               **{name: getattr(layout, name) for name in _SPEC_LAYOUT_FIELDS})
 
 

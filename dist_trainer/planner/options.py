@@ -37,6 +37,7 @@ class TrainingOptions:
     # an encoder-decoder's batch: the decoder's length (None: seq_len) and whether sources are padded (a mask)
     target_len: int | None = None
     source_mask: bool = False
+    document_masking: bool = False  # data.document_masking: packed sequences' masks, positions (planner/documents.py)
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:

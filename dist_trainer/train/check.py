@@ -19,6 +19,7 @@ import torch
 from dist_trainer.config import Config
 from dist_trainer.data.dataset import read_meta as read_data_meta
 from dist_trainer.data.dataset import split_samples
+from dist_trainer.data.documents import document_eos
 from dist_trainer.data.objective import data_window
 from dist_trainer.layout_rules import Layout, check_nodes, fit_micro_batch, regime_of
 from dist_trainer.train.autolayout import AutoLayout, choose_layout
@@ -133,6 +134,8 @@ def _check_sources(cfg: Config, data_required: bool) -> list[str]:
             n_train = split_samples(Path(s.path), meta, "train", data_window(cfg), cfg.model.vocab_size)
             n_val = split_samples(Path(s.path), meta, "val", data_window(cfg)) if cfg.train.eval_every else 0
             check_source_size(cfg, i, s.path, n_train, n_val)
+            if cfg.data.document_masking:
+                document_eos(meta, s.path)
             notes.append(f"data source {s.name} ({s.path}, {s.weight / total:.1%} of the samples): {n_train:,} "
                          f"training and {n_val:,} validation windows of data.seq_len={cfg.data.seq_len}")
     except ValueError as e:
@@ -181,6 +184,8 @@ def check_run(cfg: Config, world_size: int, gpus_per_node: int | None = None, de
             n_train = split_samples(data, meta, "train", window, cfg.model.vocab_size)
             n_val = split_samples(data, meta, "val", window) if cfg.train.eval_every else 0
             check_data_sizes(cfg, n_train, n_val)
+            if cfg.data.document_masking:
+                document_eos(meta, data)
         except ValueError as e:
             if data_required:
                 raise

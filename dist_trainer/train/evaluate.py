@@ -106,6 +106,7 @@ def _folder_loss(model: torch.nn.Module, cfg: Config, folder: str, device: str |
     from dist_trainer.data.batch import collate
     from dist_trainer.data.dataset import TokenDataset
     from dist_trainer.data.sampler import GlobalBatchSampler
+    from dist_trainer.model import seq2seq_inputs
     from dist_trainer.train.check import check_data_sizes, check_source_size, eval_set_size
 
     train = TokenDataset(folder, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
@@ -117,9 +118,10 @@ def _folder_loss(model: torch.nn.Module, cfg: Config, folder: str, device: str |
     sampler = GlobalBatchSampler(len(val), eval_set_size(cfg), cfg.parallel.micro_batch_size, 0, 1, cfg.train.seed)
     losses = []
     for indices in sampler.micro_batches(0):
-        batch = collate(val, indices, causal=cfg.model.causal, step=0, seed=cfg.train.seed,
-                        mlm_probability=cfg.data.mlm_probability)
-        losses.append(float(model(batch["tokens"].to(device), batch["targets"].to(device))))
+        batch = {k: v.to(device) for k, v in collate(val, indices, causal=cfg.model.causal, step=0,
+                                                       seed=cfg.train.seed, mlm_probability=cfg.data.mlm_probability,
+                                                       document_masking=cfg.data.document_masking).items()}
+        losses.append(float(model(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))))
     return sum(losses) / len(losses)
 
 

@@ -125,7 +125,8 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
     return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel,
                            freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype,
                            target_len=cfg.data.decoder_len() if seq2seq else None,
-                           source_mask=seq2seq and cfg.data.objective == "seq2seq")
+                           source_mask=seq2seq and cfg.data.objective == "seq2seq",
+                           document_masking=cfg.data.document_masking)
 
 
 def peak_resident_bytes() -> int:

@@ -37,9 +37,9 @@ class RingAttention(nn.Module):
         scale = 1.0 / math.sqrt(head_dim) if core.scale is None else core.scale
         self.scores = Scores(scale, core.causal, getattr(core, "window", 0), getattr(core, "softcap", 0.0))
 
-    def forward(self, q, k, v, mask=None):  # noqa: ANN001, ANN201 - tensors, as SDPAttention.forward
+    def forward(self, q, k, v, mask=None, documents=None):  # noqa: ANN001, ANN201 - tensors, as SDPAttention.forward
         _no_mask(mask)
-        return ring_attention(q, k, v, self.sequence.group, self.ring, self.scores)
+        return ring_attention(q, k, v, self.sequence.group, self.ring, self.scores, documents)
 
 
 def _no_mask(mask: torch.Tensor | None) -> None:

@@ -8,7 +8,9 @@ Causal models split the sequence zigzag (2 x cp chunks, rank r holding chunks r 
 key chunk comes first, causal on the diagonal and skipped when it comes after. The core's options hold blockwise
 (``Scores``): its score scale, Gemma 2's soft-cap (on each block's scores before the mask, its slope taken in
 backward), and a sliding window, whose mask a pair of chunks gets from their global positions; a pair wholly past
-the window is skipped like one after the diagonal (the K/V still travel, for the ranks further on).
+the window is skipped like one after the diagonal (the K/V still travel, for the ranks further on). Packed
+sequences (``documents``: the (B, T) segment ids of the whole sequences, which every rank holds) mask each pair by
+segment too, and a pair whose queries share no segment with its keys is skipped as well.
 
 The backward pass recomputes each block from the saved queries, the output and the log-sum-exp (nothing of size
 T x T is kept between the passes), circulating K/V again and, with them, the dK/dV accumulated on the way, which
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dist_trainer.model_positions import same_document
 from dist_trainer.parallel.comm import AxisGroup
 
 Chunks = tuple[int, ...]  # the global chunk indices a rank holds, in the order its sequence lists them
@@ -52,11 +55,28 @@ class Scores:
     softcap: float = 0.0
 
 
-def _pairs(q_chunks: Chunks, k_chunks: Chunks, scores: Scores, c: int,
-           device: torch.device) -> list[tuple[int, int, torch.Tensor | None]]:
+def _pairs(q_chunks: Chunks, k_chunks: Chunks, scores: Scores, c: int, device: torch.device,
+           documents: torch.Tensor | None = None) -> list[tuple[int, int, torch.Tensor | None]]:
     """(query chunk slot, key chunk slot, visible) for every pair of chunks of ``c`` tokens in which some query
-    sees some key; ``visible`` is the (c, c) bool mask of the pair, None when every query sees every key. A pair
-    wholly after the query chunk (causal) or wholly past the window is skipped: its keys are never computed."""
+    sees some key; ``visible`` is the (c, c) bool mask of the pair ((B, 1, c, c) with ``documents``, the (B, T)
+    segment ids of packed sequences), None when every query sees every key. A pair wholly after the query chunk
+    (causal), wholly past the window or without a segment in common is skipped: its keys are never computed."""
+    pairs = _position_pairs(q_chunks, k_chunks, scores, c, device)
+    if documents is None:
+        return pairs
+    out: list[tuple[int, int, torch.Tensor | None]] = []
+    for a, b, visible in pairs:
+        qa, kb = q_chunks[a], k_chunks[b]
+        same = same_document(documents[:, qa * c:(qa + 1) * c], documents[:, kb * c:(kb + 1) * c]).unsqueeze(1)
+        seen = same if visible is None else same & visible
+        if bool(seen.any()):
+            out.append((a, b, None if bool(seen.all()) else seen))
+    return out
+
+
+def _position_pairs(q_chunks: Chunks, k_chunks: Chunks, scores: Scores, c: int,
+                    device: torch.device) -> list[tuple[int, int, torch.Tensor | None]]:
+    """``_pairs`` by positions alone (causality and the window)."""
     out: list[tuple[int, int, torch.Tensor | None]] = []
     for a, qa in enumerate(q_chunks):
         for b, kb in enumerate(k_chunks):
@@ -112,7 +132,7 @@ def _shift(group: AxisGroup, tensors: list[torch.Tensor]) -> Any:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                ring: RingLayout, scores: Scores) -> torch.Tensor:
+                ring: RingLayout, scores: Scores, documents: torch.Tensor | None) -> torch.Tensor:
         heads = q.shape[1]
         qf = q.float()
         q_chunks = ring.chunks(group.rank)
@@ -126,7 +146,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(group.size):
             pending = _shift(group, kv) if step < group.size - 1 else None
             ks, vs = _split(_expand(kv[0], heads).float(), n), _split(_expand(kv[1], heads).float(), n)
-            for a, b, visible in _pairs(q_chunks, ring.chunks(src), scores, c, q.device):
+            for a, b, visible in _pairs(q_chunks, ring.chunks(src), scores, c, q.device, documents):
                 s, _ = _block(qs[a], ks[b], visible, scores)
                 lse = torch.logsumexp(s, dim=-1)  # -inf on a row this block hides wholly (sliding window)
                 out = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), vs[b])
@@ -140,7 +160,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=2)
         lse = torch.cat(lses, dim=2)  # finite: every query sees at least itself (or, not causal, every key)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.ring, ctx.scores = group, ring, scores
+        ctx.group, ctx.ring, ctx.scores, ctx.documents = group, ring, scores, documents
         return out.to(q.dtype)
 
     @staticmethod
@@ -164,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = _split(kr, n), _split(vr, n)
             dk_rep, dv_rep = torch.zeros_like(kr), torch.zeros_like(vr)
             dks, dvs = _split(dk_rep, n), _split(dv_rep, n)
-            for a, b, visible in _pairs(q_chunks, ring.chunks(src), scores, c, q.device):
+            for a, b, visible in _pairs(q_chunks, ring.chunks(src), scores, c, q.device, ctx.documents):
                 s, slope = _block(qs[a], ks[b], visible, scores)
                 p = torch.exp(s - lses[a])
                 dvs[b] += torch.matmul(p.transpose(-1, -2), douts[a])
@@ -183,11 +203,12 @@ class _RingAttention(torch.autograd.Function):
                 src = (src - 1) % group.size
             dkv = moved.wait()
         dq = torch.cat(dqs, dim=2)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, ring: RingLayout,
-                   scores: Scores) -> torch.Tensor:
+                   scores: Scores, documents: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, T_local, D) queries and (B, Hkv, T_local, D) keys/values of this rank's chunks -> (B, H, T_local, D):
-    attention over the whole sequence."""
-    return _RingAttention.apply(q, k, v, group, ring, scores)
+    attention over the whole sequence (``documents``: the whole sequences' (B, T) segment ids, each query attending
+    within its segment)."""
+    return _RingAttention.apply(q, k, v, group, ring, scores, documents)

@@ -57,9 +57,11 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.core, self.group = core, group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         if mask is not None:  # layout_rules.check_cp refuses the models that attend with a mask tensor
             raise ValueError("all-to-all context parallelism attends without an attention mask")
         q, k, v = (_AllToAll.apply(x, self.group, True) for x in (q, k, v))
-        return _AllToAll.apply(self.core(q, k, v), self.group, False)
+        # the gathered tokens are the whole sequences in order: a packed batch's (B, T) segment ids apply as they are
+        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents=documents)
+        return _AllToAll.apply(out, self.group, False)

@@ -57,7 +57,9 @@ class StageModule(nn.Module):
     """One pipeline stage: a trimmed ``Transformer`` holding only this stage's modules.
 
     forward: (B, T) tokens on the first stage, else (B, T, C) hidden state -> (B, T, C)
-    hidden state, or (B, T, V) logits on the last stage. ``model.layers[i]`` is global layer
+    hidden state, or (B, T, V) logits on the last stage; with a packed batch's (B, T) segment ids after them
+    (``documents``), which every stage but the last sends on beside its hidden state (no gradient: int64).
+    ``model.layers[i]`` is global layer
     ``first_layer + i`` (activation checkpointing and checkpoints use global indices). An encoder-decoder's stage
     (``encoder_stages``: how many stages the encoder has) runs ``seq2seq.seq2seq_stage_forward`` (its tuples).
     """
@@ -93,13 +95,15 @@ class StageModule(nn.Module):
         if self.encoder_stages is not None:
             out = seq2seq_stage_forward(self, *args)
             return attach_aux_losses(self.model, out) if self.training and not isinstance(out, tuple) else out
-        (x,) = args
+        x, *documents = args  # packed sequences: their segment ids travel with the micro-batch, stage to stage
+        docs = documents[0] if documents else None
         if self.is_first:
-            x = self.model.embed(x)
-        x = self.model.run_layers(x, first_layer=self.first_layer)
+            x = self.model.embed(x, documents=docs)
+        x = self.model.run_layers(x, first_layer=self.first_layer, documents=docs)
         out = self.model.logits(x) if self.is_last else x
         # the stage's MoE router losses train through its output's backward (the loss is the last stage's)
-        return attach_aux_losses(self.model, out) if self.training else out
+        out = attach_aux_losses(self.model, out) if self.training else out
+        return out if self.is_last or docs is None else (out, docs)
 
 
 def stage_placement(pp_size: int, virtual_stages: int, placement: str = "loop") -> list[list[int]]:
