@@ -220,13 +220,13 @@ def test_a_template_that_raises_or_is_missing_is_refused(tmp_path: Path) -> None
 # ---------------------------------------------------------------------------------------------- training on it
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all_linear"}
-SEQ = 127  # windows of 128 tokens
+SEQ = 255  # windows of 256 tokens: two to four conversations each
 LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}}
 
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """300 Qwen-style conversations in windows of 128 tokens (the longer ones dropped), a fifth held out."""
+    """300 Qwen-style conversations packed into windows of 256 tokens, a fifth held out."""
     root = tmp_path_factory.mktemp("chat")
     folder = tokenizer_folder(root, "qwen")
     records = [conversation(i) for i in range(300)]
@@ -255,19 +255,21 @@ def test_lora_gradient_comes_from_assistant_tokens_only(chat_data: Path, tmp_pat
     model = seeded_model(cfg)
     data = ChatDataset(chat_data, "train", SEQ)
     batch = collate_chat(data, [0, 1])
-    tokens, targets = batch["tokens"], batch["targets"]
+    tokens, targets, documents = batch["tokens"], batch["targets"], batch["documents"]
+    assert int(documents.max()) > 1  # several conversations in a window, kept apart
 
     def grads(loss_of: Any) -> dict[str, torch.Tensor]:
         model.zero_grad()
         loss_of().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    got = grads(lambda: model(tokens, targets))
+    got = grads(lambda: model(tokens, targets, documents=documents))
     assert got and all(is_adapter(n) for n in got)  # LoRA: only the adapters train
 
     def covered_mean() -> torch.Tensor:  # by hand: the per-token losses at the covered targets, averaged
-        per_token = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.new_tensor(
-            np.stack([data.sample(i)[0][1:] for i in (0, 1)])).flatten(), reduction="none")
+        labels = torch.from_numpy(np.stack([data.sample(i)[0][1:] for i in (0, 1)]))  # every next token
+        per_token = torch.nn.functional.cross_entropy(model(tokens, documents=documents).flatten(0, 1),
+                                                      labels.flatten(), reduction="none")
         covered = (targets != IGNORE_INDEX).flatten()
         return per_token[covered].mean()
 
@@ -277,13 +279,14 @@ def test_lora_gradient_comes_from_assistant_tokens_only(chat_data: Path, tmp_pat
     prompt = int(np.flatnonzero(targets[0].numpy() == IGNORE_INDEX)[0])
     labelled = targets.clone()
     labelled[0, prompt] = tokens[0, prompt + 1]
-    changed = grads(lambda: model(tokens, labelled))
+    changed = grads(lambda: model(tokens, labelled, documents=documents))
     assert any(not torch.allclose(changed[n], got[n]) for n in got)
 
 
 def test_the_loss_is_the_mean_over_the_global_batch_covered_tokens(chat_data: Path, tmp_path: Path) -> None:
     """With 4 micro-batches of 2 windows holding different numbers of covered targets, the first step's loss (and
-    the first evaluation) is the mean over every covered target of the global batch, as one forward over it gives."""
+    the first evaluation) is the mean over every covered target of the global batch, as one forward over it gives
+    (each conversation attending within itself)."""
     from dist_trainer.data.batch import collate_chat
     from dist_trainer.engines.base import seeded_model
     from dist_trainer.train.trainer import Trainer
@@ -298,10 +301,12 @@ def test_the_loss_is_the_mean_over_the_global_batch_covered_tokens(chat_data: Pa
     model = seeded_model(cfg)
     with torch.no_grad():
         whole = collate_chat(trainer.train_data, train_indices)
-        expected = float(model(whole["tokens"], whole["targets"]))
+        expected = float(model(whole["tokens"], whole["targets"], documents=whole["documents"]))
         val = collate_chat(trainer.val_data, val_indices)
-        expected_eval = float(model(val["tokens"], val["targets"]))
+        expected_eval = float(model(val["tokens"], val["targets"], documents=val["documents"]))
+        across = float(model(whole["tokens"], whole["targets"]))  # conversations attending to each other
     assert result.losses[0] == pytest.approx(expected, rel=1e-6)
+    assert result.losses[0] != pytest.approx(across, rel=1e-6)  # the run kept the conversations apart
     assert result.eval_losses[0] == pytest.approx(expected_eval, rel=1e-6)
 
 
