@@ -243,9 +243,12 @@ def run(args: argparse.Namespace) -> int:
     inputs = [Path(p) for p in args.inputs] if args.inputs else None
     tokenizer = Path(args.tokenizer) if args.tokenizer is not None else None
     if args.chat is not None:
-        if tokenizer is None or args.seq_len is None or inputs or args.pairs or args.vocab_size is not None:
-            raise ValueError("--chat FILE.jsonl takes --tokenizer DIR (its chat template) and --seq-len N, and no "
-                             "--input, --pairs or --vocab-size")
+        others = [name for name, given in (("--input", inputs), ("--pairs", args.pairs), ("--vocab-size",
+                  args.vocab_size), ("--max-bytes", args.max_bytes), ("--workers", args.workers), ("--extra-ids",
+                  args.extra_ids), ("--model-vocab", args.model_vocab)) if given]
+        if tokenizer is None or args.seq_len is None or others:
+            raise ValueError("--chat FILE.jsonl takes --tokenizer DIR (its chat template) and --seq-len N"
+                             + (f", not {', '.join(others)}" if others else ""))
         prepare_chat([Path(p) for p in args.chat], Path(args.out), tokenizer, args.seq_len, loss_on=args.loss_on,
                      long=args.long, val_fraction=args.val_fraction, seed=args.seed, force=args.force)
         return 0

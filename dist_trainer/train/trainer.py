@@ -90,6 +90,8 @@ class Trainer:
         # Data is opened (and checked against the model) before the process group is created.
         self.train_data = open_split(cfg, "train")  # windows of the token shards, or seq2seq pairs (data.objective)
         self.val_data = open_split(cfg, "val")
+        if isinstance(self.train_data, ChatDataset):  # its windows always carry their conversations (data/chat.py):
+            cfg.data.document_masking = True  # what the plan check prices and the checkpoint records
         if isinstance(self.train_data, MixtureDataset) and isinstance(self.val_data, MixtureDataset):
             for i, (source, train, val) in enumerate(zip(self.train_data.sources, self.train_data.parts,
                                                          self.val_data.parts)):
