@@ -178,6 +178,12 @@ def test_a_conversation_longer_than_a_window_is_skipped_and_counted_or_refused(t
     assert not (tmp_path / "error").exists()
 
 
+def test_a_run_with_another_seq_len_than_prepared_is_refused(chat_data: Path) -> None:
+    with pytest.raises(ValueError, match=rf"packs conversations into windows of {SEQ + 1} tokens .*set "
+                                         rf"data.seq_len={SEQ}, or prepare again with --seq-len 64"):
+        ChatDataset(chat_data, "train", 64)
+
+
 GOOD = {"role": "assistant", "content": "eight legs"}
 BAD_LINES = {  # a bad second line, and what the error says about it
     "no role": ({"messages": [{"content": "hi"}, GOOD]}, r"message 0 has no \"role\""),
@@ -308,6 +314,11 @@ def test_the_loss_is_the_mean_over_the_global_batch_covered_tokens(chat_data: Pa
     assert result.losses[0] == pytest.approx(expected, rel=1e-6)
     assert result.losses[0] != pytest.approx(across, rel=1e-6)  # the run kept the conversations apart
     assert result.eval_losses[0] == pytest.approx(expected_eval, rel=1e-6)
+    # `dist-trainer eval` of the saved model reports what the run's last evaluation did
+    from dist_trainer.train.evaluate import evaluate
+
+    rows = json.loads(evaluate([str(result.checkpoint)], {}, as_json=True))["rows"]
+    assert rows[0]["eval_loss"] == pytest.approx(result.eval_losses[1], rel=1e-6)
 
 
 def _layout_runs(rank: int, world_size: int, data: Path, root: Path) -> dict[str, dict]:

@@ -155,13 +155,8 @@ class ChatDataset(TokenDataset):
     window, the targets the loss covers and each position's conversation (``sample``)."""
 
     def __init__(self, path: str | Path, split: str, seq_len: int, expect_vocab_size: int | None = None) -> None:
-        meta = read_meta(path)
-        if not is_chat(meta):
+        if not is_chat(read_meta(path)):
             raise ValueError(f"{path} holds no chat data (prepared without --chat)")
-        prepared = meta["chat"]["seq_len"]
-        if seq_len != prepared:
-            raise ValueError(f"{path} packs conversations into windows of {prepared + 1} tokens (prepare --seq-len "
-                             f"{prepared}); set data.seq_len={prepared}, or prepare again with --seq-len {seq_len}")
         super().__init__(path, split, seq_len, expect_vocab_size)
         entry = self.meta["splits"][split]["chat"]
         self._runs = np.fromfile(self.path / entry["file"], dtype=INDEX_DTYPE).reshape(-1, INDEX_FIELDS)

@@ -290,6 +290,10 @@ def split_samples(path: Path, meta: dict[str, Any], split: str, seq_len: int,
     if splits[split]["documents"] == 0:
         raise ValueError(f"split {split!r} of {path} is empty (prepared with val_fraction="
                          f"{meta.get('val_fraction')}); prepare again with a val_fraction > 0")
+    packed = meta.get("chat", {}).get("seq_len") if meta.get("format") == "chat" else None
+    if packed is not None and packed != seq_len:  # prepare --chat packed whole conversations into its windows
+        raise ValueError(f"{path} packs conversations into windows of {packed + 1} tokens (prepare --chat --seq-len "
+                         f"{packed}); set data.seq_len={packed}, or prepare again with --seq-len {seq_len}")
     if is_pairs(meta):  # one sample per pair, whatever the lengths (data/pairs.py)
         return int(splits[split]["pairs"]["count"])
     samples = sum(s["tokens"] // (seq_len + 1) for s in splits[split]["shards"])
