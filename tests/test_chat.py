@@ -226,13 +226,13 @@ def test_a_template_that_raises_or_is_missing_is_refused(tmp_path: Path) -> None
 # ---------------------------------------------------------------------------------------------- training on it
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all_linear"}
-SEQ = 255  # windows of 256 tokens: two to four conversations each
-LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}}
+SEQ = 256  # windows of 257 tokens: two to four conversations each, inputs that split into cp x 2 chunks
+LAYOUTS = {"tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}, "zero2": {"zero_stage": 2}, "cp2": {"cp_size": 2}}
 
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """300 Qwen-style conversations packed into windows of 256 tokens, a fifth held out."""
+    """300 Qwen-style conversations packed into windows of 257 tokens, a fifth held out."""
     root = tmp_path_factory.mktemp("chat")
     folder = tokenizer_folder(root, "qwen")
     records = [conversation(i) for i in range(300)]
@@ -329,9 +329,10 @@ def _layout_runs(rank: int, world_size: int, data: Path, root: Path) -> dict[str
             for name, parallel in LAYOUTS.items()}
 
 
-def test_lora_losses_at_tp2_pp2_and_zero2_equal_one_process(chat_data: Path, tmp_path: Path) -> None:
-    """The LoRA run's training and evaluation losses at tp=2, pp=2 and ZeRO-2 (two data-parallel ranks whose
-    micro-batches hold different numbers of covered targets) equal one process's."""
+def test_lora_losses_at_tp2_pp2_zero2_and_cp2_equal_one_process(chat_data: Path, tmp_path: Path) -> None:
+    """The LoRA run's training and evaluation losses at tp=2, pp=2, ZeRO-2 (two data-parallel ranks whose
+    micro-batches hold different numbers of covered targets) and cp=2 (ring attention, each rank a zigzag half of every
+    window) equal one process's."""
     from dist_trainer.testing import run_distributed
     from dist_trainer.train.trainer import Trainer
     from tests.helpers import assert_same_curves, curves
