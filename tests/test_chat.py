@@ -178,6 +178,20 @@ def test_a_conversation_longer_than_a_window_is_skipped_and_counted_or_refused(t
     assert not (tmp_path / "error").exists()
 
 
+def test_prepare_again_reuses_the_folder_until_the_template_changes(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tokenizer_folder(tmp_path, "qwen")
+    lines = write_jsonl(tmp_path / "chat.jsonl", [conversation(i) for i in range(4)])
+    first = prepare_chat([lines], tmp_path / "data", folder, 255, val_fraction=0.0)
+    assert prepare_chat([lines], tmp_path / "data", folder, 255, val_fraction=0.0) == first
+    assert "reusing" in capsys.readouterr().out
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("You are a helpful assistant.", "Be brief.")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    again = prepare_chat([lines], tmp_path / "data", folder, 255, val_fraction=0.0)
+    assert "reusing" not in capsys.readouterr().out
+    assert again["splits"]["train"]["shards"][0]["sha256"] != first["splits"]["train"]["shards"][0]["sha256"]
+
 def test_a_run_with_another_seq_len_than_prepared_is_refused(chat_data: Path) -> None:
     with pytest.raises(ValueError, match=rf"packs conversations into windows of {SEQ + 1} tokens .*set "
                                          rf"data.seq_len={SEQ}, or prepare again with --seq-len 64"):

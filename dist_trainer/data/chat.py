@@ -30,6 +30,7 @@ from dist_trainer.data.dataset import (
     INDEX_DTYPE,
     INDEX_FIELDS,
     TokenDataset,
+    file_sha256,
     read_meta,
     token_dtype,
     write_index,
@@ -214,7 +215,8 @@ def prepare_chat(inputs: list[Path], out: Path, tokenizer: str | Path, seq_len: 
                "input_fingerprint": corpus.fingerprint(sources), "vocab_size": vocab_size,
                "val_fraction": val_fraction, "max_bytes": None, "seed": seed, "shard_tokens": shard_tokens,
                "tokenizer_source": source(tokenizer, hf), "format": "chat", "extra_ids": 0,
-               "chat": {"seq_len": seq_len, "loss_on": loss_on, "long": long, "template": template.source.name}}
+               "chat": {"seq_len": seq_len, "loss_on": loss_on, "long": long, "template": template.source.name,
+                        "template_sha256": file_sha256(template.source)}}  # a changed template rebuilds
     if not force and (meta := reusable(out, request)) is not None:
         print(f"prepare: reusing {out} ({meta['splits']['train']['conversations']:,} train conversations); pass "
               "--force to rebuild", flush=True)

@@ -18,6 +18,7 @@ the span's edge is covered.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ class ChatTemplate:
             raise ValueError(f"the chat template of {source} does not compile: {exc}") from None
         vocab = {i: t for t, i in hf.tokenizer.get_vocab(with_added_tokens=True).items()}
         variables = {f"{role}_token": vocab[i] for role, i in hf.roles.items() if i in vocab}
-        marked = any(tok[1] == "name" and tok[2] == GENERATION_TAG for tok in env.lex(text))
+        marked = re.search(r"\{%-?\s*generation\s*-?%\}", text) is not None  # transformers' test for the mark
         return cls(template, source, hf.tokenizer, variables, marked)
 
     @contextmanager
