@@ -13,7 +13,8 @@ crash never leaves a half-written folder that looks complete.
 
 Running it again with the same inputs and settings reuses the folder (the demo runs
 prepare every time) once the folder passes the full check again; a corrupt one is
-rebuilt. ``--force`` rebuilds it.
+rebuilt. ``--force`` rebuilds it. The folder mechanics are ``folder.py``'s; ``--chat``
+(conversations and the tokens the loss covers) is ``chat.py``'s.
 """
 
 from __future__ import annotations
