@@ -335,6 +335,23 @@ def test_the_loss_is_the_mean_over_the_global_batch_covered_tokens(chat_data: Pa
     assert rows[0]["eval_loss"] == pytest.approx(result.eval_losses[1], rel=1e-6)
 
 
+def test_the_token_weighting_leaves_the_plain_loss_untouched() -> None:
+    """Without a step's token count (every objective but chat) and without split sequences the wrapped loss is the
+    model's own, bit for bit; with one, a micro-batch holding a third of the step's covered targets over 3 parts
+    is its own mean."""
+    from dist_trainer.model_blocks import LMLoss, Sequence
+    from dist_trainer.parallel.loss import TokenWeightedLoss
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 9, 17), torch.randint(0, 17, (2, 9))
+    targets[0, :4] = IGNORE_INDEX
+    wrapped = TokenWeightedLoss(LMLoss(), Sequence(), None)
+    assert torch.equal(wrapped(logits, targets), LMLoss()(logits, targets))
+    wrapped.step_tokens = (3 * int((targets != IGNORE_INDEX).sum()), 3)
+    torch.testing.assert_close(wrapped(logits, targets), LMLoss()(logits, targets))
+    wrapped.step_tokens = (6 * int((targets != IGNORE_INDEX).sum()), 3)  # the others hold more: half the weight
+    torch.testing.assert_close(wrapped(logits, targets), LMLoss()(logits, targets) / 2)
+
 def _layout_runs(rank: int, world_size: int, data: Path, root: Path) -> dict[str, dict]:
     from dist_trainer.train.trainer import Trainer
     from tests.helpers import curves
