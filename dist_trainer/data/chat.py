@@ -239,6 +239,9 @@ def prepare_chat(inputs: list[Path], out: Path, tokenizer: str | Path, seq_len: 
             skipped += 1
         else:
             encoded.append((ids, covered))
+    if not encoded:
+        raise ValueError(f"every conversation of {', '.join(map(str, inputs))} is longer than a window of --seq-len "
+                         f"{seq_len} + 1 tokens; use a larger --seq-len")
     val = choose_val_documents(len(encoded), val_fraction, seed)
     dtype = token_dtype(vocab_size)
     tmp = temporary_folder(out)
