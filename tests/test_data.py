@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dist_trainer.data import corpus, dataset
-from dist_trainer.data import prepare as prepare_mod
+from dist_trainer.data import folder as folder_mod
 from dist_trainer.data.dataset import EOS_TOKEN, SPECIAL_TOKENS, TokenDataset, load_tokenizer, token_dtype
 from dist_trainer.data.prepare import prepare, register
 from dist_trainer.data.shards import encode_stream
@@ -173,7 +173,7 @@ def test_crash_leaves_no_dataset_behind(tmp_path: Path, monkeypatch: pytest.Monk
     def crash(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated crash after the shards were written")
 
-    monkeypatch.setattr(prepare_mod, "verify_folder", crash)
+    monkeypatch.setattr(folder_mod, "verify_folder", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare([src], tmp_path / "out", VOCAB, val_fraction=0.0)
     assert list(tmp_path.iterdir()) == [tmp_path / "c"]  # neither the output nor its temp folder

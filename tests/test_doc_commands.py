@@ -173,7 +173,26 @@ def _write_hf_llama(folder: Path, corpus: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False}))
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False,
+         "chat_template": CHAT_TEMPLATE}))
+
+
+# `models/llama`'s chat template (README's chat section): plain text turns, the assistant's closed by EOS, no
+# {% generation %} marks (as most published templates): prepare finds the answers by rendering prefixes
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '### ' + m['role'] + ':\\n' + m['content'] + '\\n' }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}")
+
+
+def write_chat(path: Path, corpus: Path, n: int = 600) -> None:
+    """`chat.jsonl` (README's chat section): conversations of the corpus's lines, every fifth a prompt/completion."""
+    lines = [" ".join(x.split()) for p in sorted(corpus.iterdir()) for x in p.read_text().splitlines() if x.split()]
+    with open(path, "w") as f:
+        for i in range(n):
+            user, answer = lines[i % len(lines)][:80], lines[(7 * i + 3) % len(lines)][:80]
+            f.write(json.dumps({"prompt": user, "completion": answer} if i % 5 == 0 else {"messages": [
+                {"role": "system", "content": "answer with a line of Python"}, {"role": "user", "content": user},
+                {"role": "assistant", "content": answer}]}) + "\n")
 
 
 def _check_report(ws: Path, env: dict[str, str]) -> None:
@@ -203,6 +222,7 @@ def _check_memory_experiment(ws: Path, env: dict[str, str]) -> None:
 
 RUN: list[tuple[str, Run]] = [
     (r"^make demo\b", Run(append=f'PREPARE_ARGS="{PREPARE_SCALE}" DEMO_ARGS="{TRAIN_SCALE}"', expect=SUMMARY)),
+    (r"^dist-trainer prepare\b.*--chat\b", Run(expect=("covered by the loss",))),  # a small chat.jsonl already
     (r"^dist-trainer prepare\b", Run(append=PREPARE_SCALE)),
     (r"--train\.resume=true", Run(append=f"{TRAIN_SCALE} --train.max_steps=4", expect=SUMMARY)),
     (r"\bdist_trainer\.cli train\b|^dist-trainer train\b|launch/(torchrun|deepspeed)\.sh\b",
@@ -296,6 +316,7 @@ def _workspace(ws: Path) -> tuple[Path, dict[str, str]]:
                                           for n in ("fnmatch.py", "bisect.py")))
     _write_hf_llama(ws / "models" / "llama", ws / "corpus")  # `models/llama`: README's Hugging Face section
     reversal_pairs(ws / "pairs.jsonl")  # `prepare --input pairs.jsonl --pairs`: README's encoder-decoder section
+    write_chat(ws / "chat.jsonl", ws / "corpus")  # `prepare --chat chat.jsonl`: README's chat section
     # `--config run.yaml` (docs/launching.md): a user's run config; the demo's is one
     shutil.copy(ROOT / "configs" / "runs" / "demo.yaml", ws / "run.yaml")
     env = subprocess_env(ws, TORCH_EXTENSIONS_DIR=str(ROOT / ".torch_extensions"))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dist_trainer.data.chat import ChatDataset
 from dist_trainer.data.dataset import TokenDataset, special_id
 from dist_trainer.data.documents import document_eos, documents_from_eos
 from dist_trainer.model_blocks import IGNORE_INDEX
@@ -104,3 +105,19 @@ def _collate_windows(dataset: TokenDataset | MixtureDataset, windows: torch.Tens
         inputs.append(x)
         targets.append(y)
     return {"tokens": torch.stack(inputs), "targets": torch.stack(targets)}
+
+
+def collate_chat(dataset: ChatDataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """{"tokens", "targets", "documents"} (B, T) int64 for the windows ``indices`` of a chat folder: the causal shift,
+    IGNORE_INDEX at every target the loss does not cover (prompts, padding, a conversation's first token), and each
+    position's conversation (``ChatDataset.layout``) for document masking."""
+    if not indices:
+        raise ValueError("collate needs at least one sample index")
+    tokens, targets, documents = [], [], []
+    for index in indices:
+        window, covered, segments = dataset.sample(index)
+        tokens.append(window[:-1])
+        targets.append(np.where(covered, window[1:], IGNORE_INDEX))
+        documents.append(segments)
+    return {"tokens": torch.from_numpy(np.stack(tokens)), "targets": torch.from_numpy(np.stack(targets)),
+            "documents": torch.from_numpy(np.stack(documents))}

@@ -138,26 +138,32 @@ def _read_text(src: Source, limit: int | None) -> tuple[str, int]:
                          "convert it or leave it out of --input") from None
 
 
-def _read_jsonl(src: Source, fields: tuple[str, ...] = ("text",)) -> Iterator[Any]:
-    """Each record's ``fields`` (strings): the one field's text, or a tuple of them; ValueError naming the line."""
-    with open(src.path, "rb") as f:
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, the JSON value) of each non-blank line of a JSONL file; ValueError naming the line when one is
+    not UTF-8 or not JSON."""
+    with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
-                record = json.loads(line) if line.strip() else None
+                if not line.strip():  # blank lines (a separator, a trailing one) hold no record
+                    continue
+                yield lineno, json.loads(line)
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{src.path} line {lineno}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+                raise ValueError(f"{path} line {lineno}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{src.path} line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            if record is None and not line.strip():  # blank lines (a separator, a trailing one) hold no document
-                continue
-            values = [record.get(k) if isinstance(record, dict) else None for k in fields]
-            if not all(isinstance(v, str) for v in values):
-                found = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-                names = " and ".join(f'"{k}"' for k in fields)
-                raise ValueError(f"{src.path} line {lineno}: expected an object with string {names} field"
-                                 f"{'s' if len(fields) > 1 else ''}, got {found}")
-            yield values[0] if len(fields) == 1 else tuple(values)
+                raise ValueError(f"{path} line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def _read_jsonl(src: Source, fields: tuple[str, ...] = ("text",)) -> Iterator[Any]:
+    """Each record's ``fields`` (strings): the one field's text, or a tuple of them; ValueError naming the line."""
+    for lineno, record in jsonl_records(src.path):
+        values = [record.get(k) if isinstance(record, dict) else None for k in fields]
+        if not all(isinstance(v, str) for v in values):
+            found = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            names = " and ".join(f'"{k}"' for k in fields)
+            raise ValueError(f"{src.path} line {lineno}: expected an object with string {names} field"
+                             f"{'s' if len(fields) > 1 else ''}, got {found}")
+        yield values[0] if len(fields) == 1 else tuple(values)
 
 
 def iter_pairs(sources: list[Source], max_bytes: int | None = None) -> Iterator[tuple[str, str]]:

@@ -46,6 +46,8 @@ VERIFY_LOCK_FILE = ".verify.lock"  # held while one process runs the full check;
 # target length) records beside the token shards
 INDEX_DTYPE = np.dtype("<u8")
 INDEX_FIELDS = 3
+# the per-split entries that name such an index: seq2seq pairs, and a chat folder's runs (data/chat.py)
+INDEX_KEYS = ("pairs", "chat")
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
@@ -102,9 +104,20 @@ def is_pairs(meta: dict[str, Any]) -> bool:
 
 
 def index_files(meta: dict[str, Any], splits: list[str] | None = None) -> list[dict[str, Any]]:
-    """The pair index entries ({file, count, sha256}) of ``splits`` (default: all); [] for token shards."""
-    return [meta["splits"][s]["pairs"] for s in (meta["splits"] if splits is None else splits)
-            if "pairs" in meta["splits"][s]]
+    """The index entries ({file, count, sha256}: seq2seq pairs, chat runs) of ``splits`` (default: all); [] for
+    token shards alone."""
+    return [meta["splits"][s][key] for s in (meta["splits"] if splits is None else splits) for key in INDEX_KEYS
+            if key in meta["splits"][s]]
+
+
+def write_index(path: Path, records: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Write ``records`` as little-endian uint64 (INDEX_FIELDS per record) to ``path``, synced; its meta entry."""
+    data = np.asarray(records, dtype=INDEX_DTYPE).reshape(-1, INDEX_FIELDS).tobytes()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": path.name, "count": len(records), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def check_shard_sizes(path: Path, meta: dict[str, Any], splits: list[str] | None = None) -> None:
@@ -112,8 +125,8 @@ def check_shard_sizes(path: Path, meta: dict[str, Any], splits: list[str] | None
     for entry in index_files(meta, splits):
         file, expected = path / entry["file"], entry["count"] * INDEX_FIELDS * INDEX_DTYPE.itemsize
         if not file.is_file() or file.stat().st_size != expected:
-            raise ValueError(f"pair index {file} listed in {path / META_FILE} is missing or not {expected} bytes "
-                             f"({entry['count']} pairs); {_rebuild_hint(path)}")
+            raise ValueError(f"index {file} listed in {path / META_FILE} is missing or not {expected} bytes "
+                             f"({entry['count']} records); {_rebuild_hint(path)}")
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in meta["splits"] if splits is None else splits:
         for shard in meta["splits"][split]["shards"]:
@@ -141,7 +154,7 @@ def verify_checksums(path: str | Path, meta: dict[str, Any] | None = None,
             raise ValueError(f"{tok_path} is missing or its sha256 differs from meta's {sha}; {_rebuild_hint(path)}")
     for entry in index_files(meta, splits):
         if file_sha256(path / entry["file"]) != entry["sha256"]:
-            raise ValueError(f"pair index {path / entry['file']} differs from meta's sha256: the data is corrupted; "
+            raise ValueError(f"index {path / entry['file']} differs from meta's sha256: the data is corrupted; "
                              f"{_rebuild_hint(path)}")
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     largest: dict[str, int] = {}
@@ -277,6 +290,10 @@ def split_samples(path: Path, meta: dict[str, Any], split: str, seq_len: int,
     if splits[split]["documents"] == 0:
         raise ValueError(f"split {split!r} of {path} is empty (prepared with val_fraction="
                          f"{meta.get('val_fraction')}); prepare again with a val_fraction > 0")
+    packed = meta.get("chat", {}).get("seq_len") if meta.get("format") == "chat" else None
+    if packed is not None and packed != seq_len:  # prepare --chat packed whole conversations into its windows
+        raise ValueError(f"{path} packs conversations into windows of {packed + 1} tokens (prepare --chat --seq-len "
+                         f"{packed}); set data.seq_len={packed}, or prepare again with --seq-len {seq_len}")
     if is_pairs(meta):  # one sample per pair, whatever the lengths (data/pairs.py)
         return int(splits[split]["pairs"]["count"])
     samples = sum(s["tokens"] // (seq_len + 1) for s in splits[split]["shards"])

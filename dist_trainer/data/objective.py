@@ -2,7 +2,9 @@
 
 The split is one folder's (``data.path``) or a mixture's (``data.sources``: ``mixture.MixtureDataset``, read as one).
 
-``lm``: fixed windows of the token shards, causal shift or masked LM (``batch.collate``). An encoder-decoder:
+``lm``: fixed windows of the token shards, causal shift or masked LM (``batch.collate``); of a chat folder
+(``chat.ChatDataset``), the causal shift with the loss on the covered targets and each position's conversation
+(``batch.collate_chat``). An encoder-decoder:
 
 - ``span_corruption``: windows of the raw length ``span.span_lengths`` gives for ``data.seq_len``, corrupted per sample
   (``span.noise_mask``, seeded by (seed, step, sample index)): ``tokens`` (B, seq_len) the encoder input,
@@ -21,9 +23,11 @@ import numpy as np
 import torch
 
 from dist_trainer.config import Config
-from dist_trainer.data.batch import collate
-from dist_trainer.data.dataset import TokenDataset, load_tokenizer, special_id
+from dist_trainer.data.batch import collate, collate_chat
+from dist_trainer.data.chat import ChatDataset, is_chat
+from dist_trainer.data.dataset import TokenDataset, load_tokenizer, read_meta, special_id
 from dist_trainer.data.mixture import MixtureDataset, check_source_folders
+from dist_trainer.facts.sources import parse_sources
 from dist_trainer.data.pairs import PairDataset
 from dist_trainer.data.span import corrupt, noise_mask, sample_rng
 from dist_trainer.facts.sources import parse_sources
@@ -40,6 +44,10 @@ def open_split(cfg: Config, split: str) -> Dataset:
     if cfg.data.sources:
         sources = parse_sources(cfg.data.sources)
         check_source_folders(sources)
+        chat = [s.path for s in sources if is_chat(read_meta(s.path))]
+        if chat:
+            raise ValueError(f"data.sources holds chat data ({', '.join(chat)}): a mixture reads token folders; "
+                             "train on one chat folder with data.path")
         return MixtureDataset([_open(cfg, s.path, split) for s in sources], sources)
     return _open(cfg, cfg.data.path, split)
 
@@ -47,6 +55,11 @@ def open_split(cfg: Config, split: str) -> Dataset:
 def _open(cfg: Config, path: str, split: str) -> TokenDataset | PairDataset:
     if cfg.data.objective == "seq2seq":
         return PairDataset(path, split, expect_vocab_size=cfg.model.vocab_size)
+    if is_chat(read_meta(path)):
+        if cfg.data.objective != "lm" or not cfg.model.causal:
+            raise ValueError(f"{path} holds chat data (prepare --chat): it trains a causal LM with data.objective=lm, "
+                             f"not data.objective={cfg.data.objective} (model.causal={cfg.model.causal})")
+        return ChatDataset(path, split, cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
     return TokenDataset(path, split, data_window(cfg), expect_vocab_size=cfg.model.vocab_size)
 
 
@@ -61,6 +74,8 @@ def data_window(cfg: Config) -> int:
 def make_batch(cfg: Config, data: Dataset, indices: list[int], step: int) -> dict[str, torch.Tensor]:
     """The model inputs of the samples ``indices`` at ``step`` for ``data.objective`` (module docstring)."""
     d, seed = cfg.data, cfg.train.seed
+    if isinstance(data, ChatDataset):  # lm on a causal model (_open)
+        return collate_chat(data, indices)
     if d.objective == "lm":
         assert isinstance(data, TokenDataset | MixtureDataset)
         return collate(data, indices, causal=cfg.model.causal, step=step, seed=seed, mlm_probability=d.mlm_probability,
@@ -87,8 +102,9 @@ def span_tokens(data: TokenDataset | MixtureDataset, n_spans: int) -> tuple[list
         ids = [tokenizer.token_to_id(SENTINEL.format(k)) for k in range(n_spans)]
         if None in ids:
             raise ValueError(f"span corruption of data.seq_len windows needs {n_spans} sentinel tokens <extra_id_0.."
-                             f"{n_spans - 1}> in the tokenizer of {data.path}, which lacks <extra_id_{ids.index(None)}>: "
-                             f"prepare the data with --extra-ids {n_spans} (or more), or with a T5 tokenizer")
+                             f"{n_spans - 1}> in the tokenizer of {data.path}, which lacks "
+                             f"<extra_id_{ids.index(None)}>: prepare the data with --extra-ids {n_spans} (or more), "
+                             "or with a T5 tokenizer")
         eos = special_id(data.meta, "eos")
         if eos is None:
             raise ValueError(f"span corruption ends inputs and targets with EOS; the data {data.path} has none")

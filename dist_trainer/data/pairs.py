@@ -12,8 +12,6 @@ EOS) and pads shorter ones, with a source padding mask.
 from __future__ import annotations
 
 import bisect
-import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from dist_trainer.data.dataset import (
     read_meta,
     split_samples,
     verify_folder,
+    write_index,
 )
 from dist_trainer.data.shards import ShardWriter
 
@@ -59,13 +58,7 @@ class PairWriter:
 
     def close(self) -> dict[str, Any]:
         out = self.shards.close()
-        data = np.asarray(self.records, dtype=INDEX_DTYPE).reshape(-1, INDEX_FIELDS).tobytes()
-        path = self.folder / index_name(self.split)
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        out["pairs"] = {"file": path.name, "count": len(self.records), "sha256": hashlib.sha256(data).hexdigest()}
+        out["pairs"] = write_index(self.folder / index_name(self.split), self.records)
         return out
 
 

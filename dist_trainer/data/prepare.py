@@ -13,174 +13,38 @@ crash never leaves a half-written folder that looks complete.
 
 Running it again with the same inputs and settings reuses the folder (the demo runs
 prepare every time) once the folder passes the full check again; a corrupt one is
-rebuilt. ``--force`` rebuilds it.
+rebuilt. ``--force`` rebuilds it. The folder mechanics are ``folder.py``'s; ``--chat``
+(conversations and the tokens the loss covers) is ``chat.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 from dist_trainer.data import corpus
-from dist_trainer.data.dataset import (
-    CLS_TOKEN,
-    EOS_TOKEN,
-    FORMAT_VERSION,
-    MASK_TOKEN,
-    META_FILE,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    TOKENIZER_FILE,
-    check_shard_sizes,
-    file_sha256,
-    read_meta,
-    token_dtype,
-    verify_folder,
+from dist_trainer.data.bpe import BPE_TOKENIZER_CONFIG, MIN_VOCAB_SIZE, bpe_format, train_tokenizer
+from dist_trainer.data.chat import LONG, LOSS_ON, prepare_chat
+from dist_trainer.data.dataset import FORMAT_VERSION, SPECIAL_TOKENS, TOKENIZER_FILE, token_dtype
+from dist_trainer.data.folder import (
+    check_args,
+    check_out,
+    choose_val_documents,
+    copy_tokenizer,
+    finish,
+    reusable,
+    source,
+    temporary_folder,
+    tokenizer_meta,
+    tokenizer_request,
 )
 from dist_trainer.data.pairs import PairWriter
 from dist_trainer.data.shards import BATCH_BYTES, DEFAULT_SHARD_TOKENS, ShardWriter, encode_stream
-from dist_trainer.data.tokenizer import (
-    MODEL_CONFIG,
-    TOKENIZER_CONFIG,
-    HFTokenizer,
-    load_hf_tokenizer,
-    model_vocab_size,
-    vocab_extent,
-    vocab_hash,
-)
-
-BPE_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
-                        "mask_token": MASK_TOKEN, "cls_token": CLS_TOKEN}
-MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte is a token in byte-level BPE, plus the specials
-# meta fields that must match for an existing folder to be reused.
-REQUEST_KEYS = ("format_version", "inputs", "input_fingerprint", "vocab_size", "val_fraction", "max_bytes",
-                "seed", "shard_tokens", "tokenizer_source", "format", "extra_ids")
-SENTINEL = "<extra_id_{}>"  # T5's sentinel tokens: <extra_id_0> is the highest id (span corruption's first span)
-
-
-def train_tokenizer(texts: Any, vocab_size: int, length: int | None = None, extra_ids: int = 0) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style: Radford et al. 2019, section 2.2) with SPECIAL_TOKENS at ids 0..3.
-
-    The initial alphabet is all 256 byte symbols, so any text encodes without an unknown token
-    and decodes back exactly. ``extra_ids``: T5's sentinels ``<extra_id_k>`` take the top ``extra_ids`` ids of
-    ``vocab_size`` (``<extra_id_0>`` the highest, as in T5's vocabulary), the BPE the ids below them.
-    """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - extra_ids,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer, length=length)
-    if extra_ids:  # added in reverse so that <extra_id_0> gets the top id
-        tokenizer.add_special_tokens([SENTINEL.format(k) for k in reversed(range(extra_ids))])
-    return tokenizer
-
-
-def choose_val_documents(n_docs: int, val_fraction: float, seed: int) -> set[int]:
-    """Indices of the held-out documents: the first round(n * f) (at least 1 when f > 0) of a seeded permutation."""
-    if val_fraction == 0:
-        return set()
-    n_val = max(1, round(n_docs * val_fraction))
-    if n_val >= n_docs:
-        raise ValueError(f"val_fraction={val_fraction} of {n_docs} document(s) leaves no training document; "
-                         "use a smaller val_fraction (0 disables validation) or more documents")
-    return set(np.random.default_rng(seed).permutation(n_docs)[:n_val].tolist())
-
-
-def _check_args(vocab_size: int, val_fraction: float, max_bytes: int | None, workers: int | None,
-                shard_tokens: int, bpe: bool = True, extra_ids: int = 0) -> None:
-    vocab_size -= extra_ids  # the BPE's own share
-    if bpe and not MIN_VOCAB_SIZE <= vocab_size <= 2**32:
-        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens + "
-                         f"{len(SPECIAL_TOKENS)} special tokens {list(SPECIAL_TOKENS)}, so at least {MIN_VOCAB_SIZE}"
-                         if vocab_size < MIN_VOCAB_SIZE else f"vocab_size={vocab_size} exceeds 2**32")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
-    if max_bytes is not None and max_bytes < 1:
-        raise ValueError(f"max_bytes={max_bytes} must be >= 1 (or None for no cap)")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers={workers} must be >= 1 (or None for the tokenizers thread pool)")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens={shard_tokens} must be >= 1")
-
-
-def _check_out(out: Path) -> None:
-    """Refuse an ``out`` that is something else than a prepared dataset: we never delete what we did not write."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and not (out / META_FILE).is_file() and any(out.iterdir()):
-        raise ValueError(f"--out {out} exists, is not empty and has no {META_FILE}: it is not a prepared "
-                         "dataset; choose another --out or delete it")
-
-
-def _reusable(out: Path, request: dict[str, Any]) -> dict[str, Any] | None:
-    """meta of ``out`` if it is a complete preparation of ``request``; None if it must be (re)built."""
-    if not (out / META_FILE).is_file():
-        return None
-    try:
-        meta = read_meta(out)
-        check_shard_sizes(out, meta)
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"prepare: {out} is incomplete or stale ({exc}); rebuilding", flush=True)
-        return None
-    before = {"format": "tokens", "extra_ids": 0}  # what a folder prepared before these keys existed holds
-    changed = [k for k in REQUEST_KEYS if meta.get(k, before.get(k)) != request[k]]
-    if changed:
-        print(f"prepare: {out} was prepared with different {', '.join(changed)}; rebuilding", flush=True)
-        return None
-    if not (out / TOKENIZER_FILE).is_file():
-        return None
-    try:  # every byte, whatever verified.json says: a flipped byte must not be reused (issue 16)
-        verify_folder(out, meta, force=True)
-    except ValueError as exc:
-        print(f"prepare: {out} fails its check ({exc}); rebuilding", flush=True)
-        return None
-    return meta
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished folder to ``out``, replacing an old one; ``out`` is never half-written."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _tokenizer_request(tokenizer: str | Path, model_vocab: int | None) -> tuple[HFTokenizer, int]:
-    """The HF tokenizer and the vocabulary size the shards are prepared for (the model's); ValueError when the
-    tokenizer's ids do not fit the model, naming both sizes."""
-    hf = load_hf_tokenizer(tokenizer)
-    extent = vocab_extent(hf.tokenizer)
-    config_vocab = model_vocab_size(hf.folder)
-    config_file = hf.folder / MODEL_CONFIG
-    if model_vocab is not None and config_vocab is not None and model_vocab != config_vocab:
-        raise ValueError(f"--model-vocab {model_vocab} disagrees with vocab_size={config_vocab} of {config_file}")
-    target = model_vocab if model_vocab is not None else config_vocab
-    if target is None:
-        return hf, extent
-    if not 1 <= target <= 2**32:
-        raise ValueError(f"--model-vocab {target} must be in [1, 2**32]")
-    if extent > target:
-        where = f"--model-vocab {target}" if model_vocab is not None else f"vocab_size={target} of {config_file}"
-        raise ValueError(f"the tokenizer {hf.file} has a vocabulary of {extent} tokens (ids 0..{extent - 1}) but "
-                         f"the model's is {target} ({where}): its ids would index past the embedding")
-    return hf, target
+from dist_trainer.data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, vocab_extent
 
 
 def _check_vocab_args(vocab_size: int | None, tokenizer: str | Path | None, model_vocab: int | None) -> None:
@@ -194,24 +58,6 @@ def _check_vocab_args(vocab_size: int | None, tokenizer: str | Path | None, mode
     if tokenizer is None and model_vocab is not None:
         raise ValueError(f"--model-vocab {model_vocab} checks a --tokenizer against the model; without one the "
                          "vocabulary is --vocab-size")
-
-
-def _source(tokenizer: str | Path, hf: HFTokenizer) -> dict[str, Any]:
-    """Where an HF tokenizer came from and the sha256 of each of its files used (a changed file rebuilds)."""
-    return {"path": str(Path(tokenizer).resolve()),
-            "files": {name: file_sha256(hf.folder / (hf.file.name if name == TOKENIZER_FILE else name))
-                      for name in hf.companions}}
-
-
-def _bpe_format(tokenizer: Tokenizer) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
-    """special_tokens, special_roles and document_format of a tokenizer train_tokenizer made."""
-    special_ids: dict[str, int] = {}
-    for tok in SPECIAL_TOKENS:
-        token_id = tokenizer.token_to_id(tok)
-        assert token_id is not None, "the tokenizer was trained with every special token"
-        special_ids[tok] = token_id
-    roles = {role: special_ids[tok] for role, tok in zip(("eos", "pad", "mask", "cls"), SPECIAL_TOKENS)}
-    return special_ids, roles, {"bos_id": None, "eos_id": roles["eos"], "add_bos": False, "add_eos": True}
 
 
 def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None, val_fraction: float = 0.01,
@@ -236,13 +82,13 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
                          "--tokenizer brings its own, T5's <extra_id_k>)")
     hf = None
     if tokenizer is not None:
-        hf, vocab_size = _tokenizer_request(tokenizer, model_vocab)
+        hf, vocab_size = tokenizer_request(tokenizer, model_vocab)
         hf.check_document_boundary()
     assert vocab_size is not None
-    _check_args(vocab_size, val_fraction, max_bytes, workers, shard_tokens, bpe=hf is None, extra_ids=extra_ids)
+    check_args(vocab_size, val_fraction, max_bytes, workers, shard_tokens, bpe=hf is None, extra_ids=extra_ids)
     out = Path(out)
     sources = corpus.discover(None if inputs is None else [Path(p) for p in inputs])
-    _check_out(out)
+    check_out(out)
     request = {
         "format_version": FORMAT_VERSION,
         "inputs": [f"stdlib:{corpus.stdlib_root()}"] if inputs is None else [str(Path(p).resolve()) for p in inputs],
@@ -252,11 +98,12 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
         "max_bytes": max_bytes,
         "seed": seed,
         "shard_tokens": shard_tokens,
-        "tokenizer_source": None if hf is None else _source(tokenizer or "", hf),
+        "tokenizer_source": None if hf is None else source(tokenizer or "", hf),
         "format": "pairs" if pairs else "tokens",
         "extra_ids": extra_ids,
+        "chat": None,
     }
-    if not force and (meta := _reusable(out, request)) is not None:
+    if not force and (meta := reusable(out, request)) is not None:
         print(f"prepare: reusing {out} ({meta['splits']['train']['tokens']:,} train tokens, "
               f"vocab {vocab_size}); pass --force to rebuild", flush=True)
         return meta
@@ -276,28 +123,22 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
     val_docs = choose_val_documents(n_docs, val_fraction, seed)
     dtype = token_dtype(vocab_size)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = temporary_folder(out)
     try:
         if hf is None:
             train_texts = (t for i, d in enumerate(documents()) if i not in val_docs for t in (d if pairs else [d]))
             trained = train_tokenizer(train_texts, vocab_size, length=(n_docs - len(val_docs)) * (2 if pairs else 1),
                                       extra_ids=extra_ids)
             trained.save(str(tmp / TOKENIZER_FILE))
-            special_ids, roles, doc_format = _bpe_format(trained)
+            special_ids, roles, doc_format = bpe_format(trained)
             # its special tokens by role, as a Hugging Face folder names them: an export hands both files on
             (tmp / TOKENIZER_CONFIG).write_text(json.dumps(BPE_TOKENIZER_CONFIG, indent=2) + "\n")
             names = [TOKENIZER_FILE, TOKENIZER_CONFIG]
         else:  # the model's own files, byte for byte: what a run's export hands on
-            for name in hf.companions:
-                shutil.copyfile(hf.file if name == TOKENIZER_FILE else hf.folder / name, tmp / name)
-            special_ids, roles, doc_format = hf.special_tokens(), hf.roles, hf.document_format()
-            names = hf.companions
+            special_ids, roles, doc_format, names = copy_tokenizer(hf, tmp)
             print(f"prepare: tokenizing with {hf.file} ({vocab_extent(hf.tokenizer)} tokens, model vocabulary "
                   f"{vocab_size}); a document is {_describe(hf)}", flush=True)
         t_train = time.perf_counter() - start
-        used = Tokenizer.from_file(str(tmp / TOKENIZER_FILE))
 
         writer = PairWriter if pairs else ShardWriter
         writers: dict[str, Any] = {split: writer(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
@@ -314,27 +155,10 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
                 writers[split].add(tokens)
         splits = {split: w.close() for split, w in writers.items()}
 
-        meta = {
-            **request,
-            "tokenizer_vocab_size": vocab_extent(used),
-            "tokenizer_vocab_sha256": vocab_hash(used),
-            "tokenizer_files": {name: file_sha256(tmp / name) for name in names},
-            "document_format": doc_format,
-            "special_roles": roles,
-            "dtype": dtype.name,
-            "special_tokens": special_ids,
-            "tokenizer_sha256": file_sha256(tmp / TOKENIZER_FILE),
-            "text_bytes": n_bytes,
-            "documents": n_docs,
-            "tokens": sum(s["tokens"] for s in splits.values()),
-            "splits": splits,
-        }
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        verify_folder(tmp, meta, force=True)  # what we publish is what we wrote; recorded for training
-        _publish(tmp, out)
+        meta = {**request, **tokenizer_meta(tmp, names), "document_format": doc_format, "special_roles": roles,
+                "dtype": dtype.name, "special_tokens": special_ids, "text_bytes": n_bytes, "documents": n_docs,
+                "tokens": sum(s["tokens"] for s in splits.values()), "splits": splits}
+        finish(tmp, out, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -397,6 +221,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pairs", action="store_true",
                    help="the inputs are JSONL files of {\"source\": ..., \"target\": ...} pairs for an "
                         "encoder-decoder (data.objective=seq2seq)")
+    p.add_argument("--chat", nargs="+", default=None, metavar="FILE.jsonl",
+                   help="chat data instead of --input: JSONL of {\"messages\": [{\"role\", \"content\"}, ...]} "
+                        "or {\"prompt\", \"completion\"} per line, rendered with the --tokenizer folder's chat "
+                        "template and packed into windows of --seq-len + 1 tokens")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="with --chat: the run's data.seq_len (conversations are packed into windows of N + 1)")
+    p.add_argument("--loss-on", choices=LOSS_ON, default="assistant",
+                   help="with --chat: the tokens the loss covers (default: the assistant turns, their end included)")
+    p.add_argument("--long", choices=LONG, default="error",
+                   help="with --chat: a conversation longer than a window is refused (error, the default) or "
+                        "dropped and counted (skip)")
     p.add_argument("--extra-ids", type=int, default=0, metavar="N",
                    help="T5's sentinels <extra_id_0..N-1> at the top of the trained BPE's vocabulary, for "
                         "data.objective=span_corruption (default 0)")
@@ -408,6 +243,16 @@ def run(args: argparse.Namespace) -> int:
     # paths kept as typed until the CLI has refused empty ones (Path("") is ".": files.refuse_empty_paths)
     inputs = [Path(p) for p in args.inputs] if args.inputs else None
     tokenizer = Path(args.tokenizer) if args.tokenizer is not None else None
+    if args.chat is not None:
+        others = [name for name, given in (("--input", inputs), ("--pairs", args.pairs), ("--vocab-size",
+                  args.vocab_size), ("--max-bytes", args.max_bytes), ("--workers", args.workers), ("--extra-ids",
+                  args.extra_ids), ("--model-vocab", args.model_vocab)) if given]
+        if tokenizer is None or args.seq_len is None or others:
+            raise ValueError("--chat FILE.jsonl takes --tokenizer DIR (its chat template) and --seq-len N"
+                             + (f", not {', '.join(others)}" if others else ""))
+        prepare_chat([Path(p) for p in args.chat], Path(args.out), tokenizer, args.seq_len, loss_on=args.loss_on,
+                     long=args.long, val_fraction=args.val_fraction, seed=args.seed, force=args.force)
+        return 0
     prepare(inputs, Path(args.out), args.vocab_size, val_fraction=args.val_fraction, max_bytes=args.max_bytes,
             workers=args.workers, seed=args.seed, force=args.force, tokenizer=tokenizer, model_vocab=args.model_vocab,
             pairs=args.pairs, extra_ids=args.extra_ids)

@@ -41,6 +41,7 @@ from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.model_lora import freeze_
+from dist_trainer.parallel.loss import TokenWeightedLoss
 from dist_trainer.parallel.ownership import Piece
 from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.state import ParallelState
@@ -122,6 +123,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def eval_loss(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The summed no-grad loss of ``batches``, the same on every rank of a model replica."""
+
+    def loss_modules(self) -> list[TokenWeightedLoss]:
+        """The token-weighted losses of this rank's model (``parallel/loss.py``)."""
+        return [m for m in self.model.modules() if isinstance(m, TokenWeightedLoss)]
+
+    def set_step_tokens(self, step_tokens: tuple[int, int] | None) -> None:
+        """(covered targets of the coming step's global batch, the data-parallel ranks x micro-batches it is spread
+        over), or None: each micro-batch's loss its own mean (``parallel/loss.py``)."""
+        for module in self.loss_modules():
+            module.step_tokens = step_tokens
 
     def save_shards(self, folder: Path) -> dict[str, Any]:
         """Write this rank's files into ``folder``; return what meta.json should record."""

@@ -35,6 +35,7 @@ from dist_trainer.facts.model_names import (
 from dist_trainer.model import seq2seq_inputs
 from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.optim import build_optimizer
+from dist_trainer.parallel.loss import TokenWeightedLoss
 from dist_trainer.parallel.parallelize import parallelize
 from dist_trainer.parallel.pipeline.schedule import PipelineSchedule, build_schedule
 from dist_trainer.parallel.pipeline.split import StageModule, split_into_stages, stage_placement
@@ -119,6 +120,9 @@ class PipelineEngine(Engine):
             aux = torch.tensor((aux_loss_sum(self.model) - aux_before) / self.n_micro, device=self.device)
             out = out + self.state.pp.all_reduce(aux).to(out.dtype)
         return out * len(batches)
+
+    def loss_modules(self) -> list[TokenWeightedLoss]:
+        return [m for stage in self.stages for m in stage.model.modules() if isinstance(m, TokenWeightedLoss)]
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         loss_sum = self._run(batches, train=True)

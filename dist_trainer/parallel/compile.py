@@ -31,6 +31,8 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from dist_trainer.parallel.loss import TokenWeightedLoss
+
 # The model's modules compiled besides its blocks: the last stage's final norm, BERT's MLM transform and the loss.
 HEAD_MODULES = ("final_norm", "mlm_transform", "loss")
 
@@ -41,6 +43,8 @@ def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     targets = [(f"layers.{name}", block) for name, block in model.get_submodule("layers").named_children()]
     for name in HEAD_MODULES:
         module = getattr(model, name, None)
+        if isinstance(module, TokenWeightedLoss):  # its step's token count changes every step: eager, its loss not
+            module = module.inner
         if isinstance(module, nn.Module):
             targets.append((name, module))
     return targets

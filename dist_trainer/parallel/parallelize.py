@@ -8,6 +8,8 @@ here; what each parallelism does to it happens in this order, in one place:
        int8 base weights            ``parallel/int8.py``: frozen linears swapped for their int8 classes
                                     (model.base_weight_dtype), each rank quantising its own TP shard
     3. context parallelism          ``parallel/cp``: this rank's part of each sequence, ring or all-to-all attention
+       the loss by tokens           ``parallel/loss.py``: the mean over the covered tokens of a split sequence, or
+                                    of a step's global batch (chat data), whatever each rank holds
     4. activation recomputation     the layout's mode on the model's own switch (global layer indices)
        compilation                  ``train.compile``: each layer block and the loss head compiled in place
                                     (``parallel/compile.py``; the collectives inside stay eager and counted)
@@ -30,6 +32,7 @@ from dist_trainer.parallel.compile import apply_compile
 from dist_trainer.parallel.cp.apply import apply_context_parallel
 from dist_trainer.parallel.ep.apply import apply_expert_parallel
 from dist_trainer.parallel.int8 import apply_int8, materialize_int8_
+from dist_trainer.parallel.loss import TokenWeightedLoss
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.tp.apply import apply_tensor_parallel
 
@@ -43,6 +46,7 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     apply_expert_parallel(model, state)
     apply_int8(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
     apply_context_parallel(model, state, layout.cp_mode)
+    model.loss = TokenWeightedLoss(model.loss, model.sequence, getattr(model.sequence, "group", None))
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
     if compile_blocks:
         apply_compile(model)

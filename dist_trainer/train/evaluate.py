@@ -103,27 +103,36 @@ def _weighted(sources: list[Source], losses: dict[str, float]) -> float:
 
 def _folder_loss(model: torch.nn.Module, cfg: Config, folder: str, device: str | torch.device,
                  source: int | None = None) -> float:
-    """The mean loss over the eval set of one folder's val split, cut into micro-batches as at dp = 1."""
-    from dist_trainer.data.batch import collate
+    """The mean loss over the eval set of one folder's val split, cut into micro-batches as at dp = 1; of a chat
+    folder, the mean over the eval set's covered targets (``Trainer.evaluate``'s, as the run reports it)."""
+    from dist_trainer.data.batch import collate, collate_chat
+    from dist_trainer.data.chat import ChatDataset, is_chat
     from dist_trainer.data.dataset import TokenDataset
+    from dist_trainer.data.dataset import read_meta as read_data_meta
     from dist_trainer.data.sampler import GlobalBatchSampler
     from dist_trainer.model import seq2seq_inputs
+    from dist_trainer.model_blocks import IGNORE_INDEX
     from dist_trainer.train.check import check_data_sizes, check_source_size, eval_set_size
 
-    train = TokenDataset(folder, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
-    val = TokenDataset(folder, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
+    chat = is_chat(read_data_meta(folder))
+    dataset = ChatDataset if chat else TokenDataset
+    train = dataset(folder, "train", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
+    val = dataset(folder, "val", cfg.data.seq_len, expect_vocab_size=cfg.model.vocab_size)
     if source is None:
         check_data_sizes(cfg, len(train), len(val))
     else:  # named as data.sources[i], as the run names it
         check_source_size(cfg, source, folder, len(train), len(val))
     sampler = GlobalBatchSampler(len(val), eval_set_size(cfg), cfg.parallel.micro_batch_size, 0, 1, cfg.train.seed)
-    losses = []
+    total, weights = 0.0, 0
     for indices in sampler.micro_batches(0):
-        batch = {k: v.to(device) for k, v in collate(val, indices, causal=cfg.model.causal, step=0,
-                                                       seed=cfg.train.seed, mlm_probability=cfg.data.mlm_probability,
-                                                       document_masking=cfg.data.document_masking).items()}
-        losses.append(float(model(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))))
-    return sum(losses) / len(losses)
+        batch = collate_chat(val, indices) if isinstance(val, ChatDataset) else collate(
+            val, indices, causal=cfg.model.causal, step=0, seed=cfg.train.seed,
+            mlm_probability=cfg.data.mlm_probability, document_masking=cfg.data.document_masking)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        weight = int((batch["targets"] != IGNORE_INDEX).sum()) if chat else 1  # chat: by covered targets
+        total += float(model(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))) * weight
+        weights += weight
+    return total / weights
 
 
 def evaluate(paths: list[str], overrides: dict[str, Any], as_json: bool = False) -> str:

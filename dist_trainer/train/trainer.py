@@ -27,6 +27,7 @@ import torch.distributed as dist
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.convert import newest_readable
 from dist_trainer.config import Config
+from dist_trainer.data.chat import ChatDataset
 from dist_trainer.data.mixture import MixtureDataset, MixtureSampler
 from dist_trainer.data.objective import Dataset, make_batch, open_split
 from dist_trainer.data.sampler import GlobalBatchSampler
@@ -89,6 +90,8 @@ class Trainer:
         # Data is opened (and checked against the model) before the process group is created.
         self.train_data = open_split(cfg, "train")  # windows of the token shards, or seq2seq pairs (data.objective)
         self.val_data = open_split(cfg, "val")
+        if isinstance(self.train_data, ChatDataset):  # its windows always carry their conversations (data/chat.py):
+            cfg.data.document_masking = True  # what the plan check prices and the checkpoint records
         if isinstance(self.train_data, MixtureDataset) and isinstance(self.val_data, MixtureDataset):
             for i, (source, train, val) in enumerate(zip(self.train_data.sources, self.train_data.parts,
                                                          self.val_data.parts)):
@@ -162,9 +165,18 @@ class Trainer:
         batch = make_batch(self.cfg, data, indices, step)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def _weigh_tokens(self, data: Dataset, sampler: GlobalBatchSampler, step: int, n_micro: int) -> None:
+        """Chat data: the loss of each micro-batch its share of the mean over the covered targets of the whole
+        global batch (``parallel/loss.py``), counted from the data alone (every rank reads the same global batch's
+        layout, so no collective)."""
+        if isinstance(data, ChatDataset):
+            total = data.covered_targets(sampler.global_batch(step))
+            self.engine.set_step_tokens((total, self.layout.dp_size * n_micro))
+
     def train_step(self, step: int) -> dict[str, Any]:
         self.health.begin_step(step)
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
+        self._weigh_tokens(self.train_data, self.sampler, step, len(batches))
         reset_router_stats(self.engine.model)  # MoE layers count this step's routing (moe/* metrics)
         with self.plan_check.watch(step, _state_tensors(self.engine.model)):
             loss_sum = self.engine.forward_backward(batches)
@@ -193,6 +205,7 @@ class Trainer:
         for sampler, offset in zip(self.val_samplers, offsets):
             batches = [self._batch(self.val_data, [offset + i for i in indices], 0)
                        for indices in sampler.micro_batches(0)]
+            self._weigh_tokens(self.val_data, sampler, 0, len(batches))
             total = self.engine.eval_loss(batches)
             losses.append(float(self.state.replicas.all_reduce(total / len(batches)) / self.state.replicas.size))
         if not isinstance(self.val_data, MixtureDataset):

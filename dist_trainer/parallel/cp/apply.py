@@ -2,7 +2,6 @@
 
     model.sequence, layers.*.attn.sequence   this rank's tokens and their global positions (split.py)
     layers.*.attn.attend                      ring attention (ring.py) or all-to-all attention (ulysses.py)
-    loss                                      the token-weighted loss over the cp group (loss.py)
     layers.*.moe                              a MoE layer routes whole sequences: it gathers the cp ranks'
                                               tokens in order, computes them all, keeps its own
 
@@ -21,7 +20,6 @@ from torch import nn
 from dist_trainer.model import Transformer
 from dist_trainer.model_blocks import Attention, SDPAttention
 from dist_trainer.model_moe import moe_layers
-from dist_trainer.parallel.cp.loss import ContextParallelLoss
 from dist_trainer.parallel.cp.ring import RingLayout, Scores, ring_attention
 from dist_trainer.parallel.cp.split import ContextParallelSequence, gather_sequence, keep_local
 from dist_trainer.parallel.cp.ulysses import UlyssesAttention
@@ -63,7 +61,6 @@ def apply_context_parallel(model: Transformer, state: ParallelState, mode: str) 
             assert isinstance(module.attend, SDPAttention), "context parallelism replaces the plain attention core"
             module.attend = RingAttention(sequence, module.attend, module.head_dim) if mode == "ring" \
                 else UlyssesAttention(module.attend, group)
-    model.loss = ContextParallelLoss(model.loss, sequence)
     for layer in moe_layers(model):  # after TP's SP hooks: gather tp, then cp; keep cp's part, then tp's
         layer.register_forward_pre_hook(lambda _, args, seq=sequence: (gather_sequence(args[0], seq), *args[1:]))
         layer.register_forward_hook(partial(_keep_local, sequence), prepend=True)
