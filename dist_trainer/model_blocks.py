@@ -67,8 +67,9 @@ def build_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 # the bias group (ModelConfig.linear_bias) of each layer linear
-BIAS_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "out",
-               "up_proj": "mlp", "gate_proj": "mlp", "down_proj": "mlp"}
+# (latent attention's down projections q_a_proj, kv_a_proj: the q/k/v group, transformers' attention_bias)
+BIAS_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "out", "q_a_proj": "qkv",
+               "kv_a_proj": "qkv", "up_proj": "mlp", "gate_proj": "mlp", "down_proj": "mlp"}
 
 
 def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: int) -> nn.Linear:
@@ -301,9 +302,11 @@ class Block(nn.Module):
 
     Each branch output is multiplied by ``model.residual_multiplier`` before its add (Granite). A sliding layer
     (``cfg.is_sliding_layer``) attends within ``model.sliding_window`` and reads the local RoPE table the model
-    hands it."""
+    hands it. ``attn``: the attention the model built for it (latent attention, ``model_mla.py``), else the
+    ordinary one."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0, causal: bool | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, causal: bool | None = None,
+                 attn: nn.Module | None = None) -> None:
         super().__init__()
         self.placement = cfg.norm_placement
         self.pre_norm = cfg.norm_placement == "pre"
@@ -312,7 +315,7 @@ class Block(nn.Module):
         causal = cfg.causal if causal is None else causal
         self.sliding = causal and cfg.is_sliding_layer(layer_id)
         self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg, causal, cfg.sliding_window if self.sliding else 0)
+        self.attn = Attention(cfg, causal, cfg.sliding_window if self.sliding else 0) if attn is None else attn
         if cfg.norm_placement == "sandwich":
             self.attn_post_norm = build_norm(cfg)
         self.mlp_norm = build_norm(cfg)

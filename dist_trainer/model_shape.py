@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dist_trainer.mla_shape import MLAShape, mla_params, mla_replicated_params
 from dist_trainer.model_names import CROSS_ATTENTION_MODULES, MLP_LEAVES
 
 
-class ModelShape(Protocol):
+class ModelShape(MLAShape, Protocol):
     """The fields of ``config.ModelConfig`` that decide which modules exist and their sizes (config.py imports
     this module, so they are named here structurally)."""
 
@@ -147,7 +148,10 @@ def decoder_first_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
 def attention_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     """One attention block's projections on one TP rank: q/k/v column-parallel (k/v split when tp divides the kv
     heads) with their biases (model.attn_qkv_bias), o row-parallel (q_dim -> d_model) with its bias
-    (model.attn_out_bias) replicated, added after the all-reduce."""
+    (model.attn_out_bias) replicated, added after the all-reduce. Latent attention (model.kv_lora_rank > 0):
+    ``mla_shape.mla_params``'s modules instead."""
+    if cfg.kv_lora_rank:
+        return mla_params(cfg, tp_size)
     h, qkv_bias, out_bias = cfg.d_model, int(cfg.linear_bias("qkv")), int(cfg.linear_bias("out"))
     q_local, kv_local = cfg.q_dim // tp_size, kv_local_dim(cfg, tp_size)
     return {"q_proj": h * q_local + qkv_bias * q_local, "k_proj": h * kv_local + qkv_bias * kv_local,
@@ -209,6 +213,8 @@ def layer_replicated_params(cfg: ModelShape, tp_size: int, *, mlp: bool = True) 
     out = layer["attn_norm"] + layer["mlp_norm"] + layer["attn_post_norm"] + layer["mlp_post_norm"]
     out += qk_norm_replicated(cfg, tp_size) + int(cfg.linear_bias("out")) * cfg.d_model
     out += int(cfg.linear_bias("mlp")) * cfg.d_model if mlp else 0
+    if cfg.kv_lora_rank:  # latent attention: its down projections and their norms (o's bias is counted above)
+        return out + mla_replicated_params(cfg, tp_size) - int(cfg.linear_bias("out")) * cfg.d_model
     if not kv_sharded(cfg, tp_size):
         out += layer["k_proj"] + layer["v_proj"]
     return out

@@ -12,6 +12,7 @@ from typing import Any
 
 from dist_trainer.families import (
     bert,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3_text,
@@ -52,9 +53,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     granite.FAMILY,
     starcoder2.FAMILY,
     gpt_neox.FAMILY,
+    deepseek_v3.FAMILY,
 )}
 # mixture-of-experts families with shared experts or their own routing: another issue
-MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe")
 
 
 def family(model_type: Any, where: str = "config.json") -> Family:

@@ -15,7 +15,7 @@ MATHS_DEFAULTS: dict[str, Any] = {
     "sliding_window_pattern": 0, "rope_local_theta": None, "parallel_residual": False, "rotary_fraction": 1.0,
     "rope_scaling": "none", "scale_embeddings": False, "scale_head_input": False, "attn_scale": True,
     "n_experts": 0, "n_shared_experts": 0, "n_decoder_layers": 0, "mlm_head": False, "pooler": False,
-    "n_token_types": 0, "causal": True,
+    "n_token_types": 0, "causal": True, "kv_lora_rank": 0,
 }
 
 
