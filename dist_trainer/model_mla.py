@@ -34,7 +34,7 @@ class MLAttention(nn.Module):
         h, heads = cfg.d_model, cfg.n_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
-        qk = self.nope + self.rope
+        qk = self.head_dim = self.nope + self.rope
         if cfg.q_lora_rank:
             self.q_a_proj = build_linear(cfg, "q_a_proj", h, cfg.q_lora_rank)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, 1e-6)  # transformers' default eps for the latent norms

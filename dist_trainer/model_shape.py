@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dist_trainer.mla_shape import MLAShape, mla_params, mla_replicated_params
+from dist_trainer.mla_shape import MLA_MODULES, MLAShape, mla_params, mla_replicated_params
 from dist_trainer.model_names import CROSS_ATTENTION_MODULES, MLP_LEAVES
 
 
@@ -151,11 +151,13 @@ def attention_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     (model.attn_out_bias) replicated, added after the all-reduce. Latent attention (model.kv_lora_rank > 0):
     ``mla_shape.mla_params``'s modules instead."""
     if cfg.kv_lora_rank:
-        return mla_params(cfg, tp_size)
+        mla = mla_params(cfg, tp_size)
+        return {"q_proj": mla.pop("q_proj"), "k_proj": 0, "v_proj": 0, **mla}
     h, qkv_bias, out_bias = cfg.d_model, int(cfg.linear_bias("qkv")), int(cfg.linear_bias("out"))
     q_local, kv_local = cfg.q_dim // tp_size, kv_local_dim(cfg, tp_size)
     return {"q_proj": h * q_local + qkv_bias * q_local, "k_proj": h * kv_local + qkv_bias * kv_local,
-            "v_proj": h * kv_local + qkv_bias * kv_local, "o_proj": q_local * h + out_bias * h}
+            "v_proj": h * kv_local + qkv_bias * kv_local, **dict.fromkeys(MLA_MODULES[1:-1], 0),
+            "o_proj": q_local * h + out_bias * h}
 
 
 def qk_norm_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
@@ -225,8 +227,9 @@ def decoder_layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     modules with cross-attention (its norm, q over the decoder state, k/v over the encoder output, o) between
     self-attention and the MLP, split as self-attention is."""
     layer = layer_params(cfg, tp_size)
-    cross = dict(zip(CROSS_ATTENTION_MODULES, [norm_params(cfg), *attention_params(cfg, tp_size).values()],
-                     strict=True))
+    attn = attention_params(cfg, tp_size)
+    cross = dict(zip(CROSS_ATTENTION_MODULES, [norm_params(cfg), *(attn[k] for k in ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"))], strict=True))
     mlp_from = list(layer).index("mlp_norm")
     return {**dict(list(layer.items())[:mlp_from]), **cross, **dict(list(layer.items())[mlp_from:])}
 

@@ -57,6 +57,7 @@ from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig
 from dist_trainer.layout_rules import check_sequence_parallel
 from dist_trainer.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
 from dist_trainer.model_shape import has_final_norm, kv_sharded, padded_vocab
+from dist_trainer.planner.activations_mla import mla_input_leaves, mla_saved_tensors, mla_weight_sizes
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import lora_shapes, mlp_weights
 
@@ -259,6 +260,8 @@ def _qk_norms(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool, grad_k: bool
 
 def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool, g: LayerGrads, flow: dict[str, bool],
                sliding: bool = False) -> list[SavedTensor]:
+    if cfg.mla:  # latent attention (planner/activations_mla.py), every gradient computed
+        return [SavedTensor(*x) for x in mla_saved_tensors(cfg, spec, selective)]
     q, t = cfg.q_dim, spec.tp_size
     qkv = (flow["core_q"], flow["core_k"], flow["core_v"])
     o_input = [SavedTensor("o_proj.input", q / t, spec.act)] if g.reads_input("o_proj") else []
@@ -408,7 +411,7 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
     before = placement in ("pre", "sandwich")
     flow = layer_flow(cfg, g)
     attn = [*_linear_input(cfg, spec, "attn_norm.output" if before else "layer.input", g,
-                           ("q_proj", "k_proj", "v_proj")),
+                           mla_input_leaves(cfg) if cfg.mla else ("q_proj", "k_proj", "v_proj")),
             *_attention(cfg, spec, selective, g, flow, sliding),
             *_residual_mask(cfg, spec, "attn.residual_dropout_mask", flow["attn_branch"])]
     reads = {"pre": "mlp_norm.output", "sandwich": "mlp_norm.output", "post": "attn_norm.output",
@@ -449,6 +452,10 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
              "up_proj": h * f // t, "gate_proj": h * f // t if cfg.gated else 0,
              "down_proj": f * h // t}
     flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
+    if cfg.mla:  # latent attention's linears in place of q/k/v/o, whose inputs require grad when q's does
+        sizes = {**sizes, **{k: 0 for k in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+        sizes.update(mla_weight_sizes(cfg, t))
+        flow = {**flow, **{leaf: flow["q_proj"] for leaf in mla_weight_sizes(cfg, t)}}
     if moe:
         experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
         sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mlp_weights(cfg) * experts)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.finetune import lora_target_leaves
+from dist_trainer.mla_shape import mla_matmul_weights
 from dist_trainer.model_names import DECODER_LAYER_MODULES, LAYER_MODULES, MLP_LEAVES
 from dist_trainer.model_shape import (
     decoder_first_params,
@@ -205,7 +206,10 @@ def mlp_weights(cfg: ModelConfig) -> int:
 
 
 def layer_matmul_weights(cfg: ModelConfig) -> int:
-    """Matmul weights of one dense layer: q and o (h x n_heads * head_dim), k and v (h x kv heads' width), the MLP."""
+    """Matmul weights of one dense layer: q and o (h x n_heads * head_dim), k and v (h x kv heads' width), the MLP;
+    latent attention's projections (``mla_shape.mla_matmul_weights``) in place of q/k/v/o."""
+    if cfg.mla:
+        return mla_matmul_weights(cfg) + mlp_weights(cfg)
     h = cfg.d_model
     return 2 * h * cfg.q_dim + 2 * h * cfg.kv_heads * cfg.head_dim + mlp_weights(cfg)
 
