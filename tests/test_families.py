@@ -107,7 +107,8 @@ def test_rope_rows_permute_and_invert(rope_dims: int) -> None:
 
 
 def test_maths_defaults_are_the_model_configs() -> None:
-    fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+              for f in dataclasses.fields(ModelConfig)}
     assert {k: fields[k] for k in MATHS_DEFAULTS} == MATHS_DEFAULTS
 
 

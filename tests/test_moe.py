@@ -12,7 +12,16 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.model_blocks import Block
-from dist_trainer.model_moe import MoE, combine, dispatch, load_balancing_loss, moe_layers, route, z_loss
+from dist_trainer.model_moe import MoE, moe_layers
+from dist_trainer.model_moe_routing import (
+    Routing,
+    capacity_route,
+    combine,
+    dispatch,
+    load_balancing_loss,
+    select,
+    z_loss,
+)
 from dist_trainer.planner.params import count_params, param_breakdown
 
 MOE = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 32, "n_experts": 4, "top_k": 2,
@@ -21,6 +30,12 @@ MOE = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_le
 
 def _cfg(**fields: object) -> ModelConfig:
     return model_config("tiny", **{**MOE, **fields})
+
+
+def route(logits: torch.Tensor, top_k: int, capacity: int) -> Routing:
+    """Softmax top-k with renormalised gates, then GShard's slots (``capacity_route``)."""
+    E = logits.shape[-1]
+    return capacity_route(select(logits, _cfg(n_experts=E, top_k=top_k), None), E, capacity)
 
 
 def test_mixtral_counts_equal_the_published_figures_on_the_meta_device_and_in_closed_form() -> None:
@@ -107,9 +122,12 @@ def test_losses_follow_the_papers() -> None:
     E, T = 4, 64
     probs = torch.full((T, E), 1.0 / E)
     expert = torch.arange(T * 2).remainder(E).view(T, 2)  # every expert gets the same share
-    assert float(load_balancing_loss(probs, expert, E)) == pytest.approx(1.0)
-    skew = torch.zeros(T, 2, dtype=torch.long)  # all to expert 0, which has all the probability
-    assert float(load_balancing_loss(F.one_hot(skew[:, 0], E).float(), skew, E)) == pytest.approx(E)
+    for per_sequence in (False, True):
+        def loss(p: torch.Tensor, e: torch.Tensor, per_sequence: bool = per_sequence) -> float:
+            return float(load_balancing_loss(p[None], e[None], E, per_sequence=per_sequence, normalise=False))
+        assert loss(probs, expert) == pytest.approx(1.0)
+        skew = torch.zeros(T, 2, dtype=torch.long)  # all to expert 0, which has all the probability
+        assert loss(F.one_hot(skew[:, 0], E).float(), skew) == pytest.approx(E)
     logits = torch.tensor([[0.0, math.log(3.0)], [math.log(7.0), 0.0]])
     assert float(z_loss(logits)) == pytest.approx((math.log(4.0) ** 2 + math.log(8.0) ** 2) / 2)
 
