@@ -24,7 +24,9 @@ from dist_trainer.families import (
     olmo2,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
     starcoder2,
     t5,
 )
@@ -44,6 +46,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     t5.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     gemma3_text.FAMILY,
@@ -53,8 +57,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     starcoder2.FAMILY,
     gpt_neox.FAMILY,
 )}
-# mixture-of-experts families with shared experts or their own routing: another issue
-MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+# mixture-of-experts families with their own attention: another issue's
+MOE_ELSEWHERE = ("deepseek_v3",)
 
 
 def family(model_type: Any, where: str = "config.json") -> Family:
