@@ -7,8 +7,8 @@ of each); the result is each row through its expert's MLP, in the same order.
   (``offs`` their cumulative ends): three launches for every expert of the layer, the computation Megatron-core's
   GroupedMLP, torchtitan's and MaxText's MoE run. Taken where ``torch._grouped_mm`` runs the dtype (CPU; CUDA from
   compute capability 9.0 in bf16) and the experts are plain linears (no bias, LoRA adapter or int8 base). The
-  stacking copies the weights once per forward (the parameters stay one module per expert, under the names
-  checkpoints, optimizer states and expert parallelism use).
+  stacked weights are a transient copy in forward and again in backward, never saved (the parameters stay one
+  module per expert, under the names checkpoints, optimizer states and expert parallelism use).
 - loop: each expert's module on its segment (every other case; an empty segment still runs, so every expert's
   parameters get a gradient in every layout).
 
@@ -23,16 +23,30 @@ import torch
 from torch import nn
 
 
-class _Contiguous(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (``_grouped_mm``'s backward refuses expanded ones)."""
+class _GroupedLinear(torch.autograd.Function):
+    """Rows in segments (ending at ``offs``) times their expert's weight, transposed: one ``torch._grouped_mm``.
+
+    The stacked (E, in, out) weights are a transient copy, rebuilt in backward rather than saved: what stays for
+    backward is the rows and the parameters themselves, as with one linear per expert. Backward is
+    ``torch._grouped_mm``'s own rule: d rows = grad x W_e per segment, dW_e = (rows_e^T grad_e)^T."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+    def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offs, *weights)
+        return torch._grouped_mm(x, _stacked(weights, x.dtype), offs=offs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, offs, *weights = ctx.saved_tensors
+        grad = grad.contiguous().to(x.dtype)
+        dx = torch._grouped_mm(grad, _stacked(weights, x.dtype).transpose(-2, -1), offs=offs)
+        dw = torch._grouped_mm(x.t(), grad, offs=offs)  # (E, in, out)
+        return (dx, None, *(d.t().to(w.dtype) for d, w in zip(dw.unbind(0), weights, strict=True)))
+
+
+def _stacked(weights: tuple[torch.Tensor, ...] | list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """(E, in, out): each (out, in) weight transposed, in ``dtype``."""
+    return torch.stack([w.to(dtype) for w in weights]).transpose(-2, -1)
 
 
 def _plain(linear: nn.Module | None) -> bool:
@@ -53,8 +67,7 @@ def grouped_supported(experts: list[nn.Module], rows: torch.Tensor) -> bool:
 
 def _grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
     """(N, in) rows in segments ending at ``offs`` -> (N, out): segment e times weights[e].T."""
-    w = torch.stack(weights).to(x.dtype).transpose(-2, -1)  # (E, in, out)
-    return _Contiguous.apply(torch._grouped_mm(x, w, offs=offs))
+    return _GroupedLinear.apply(x, offs, *weights)
 
 
 def _weights(experts: list[nn.Module], name: str) -> list[torch.Tensor]:

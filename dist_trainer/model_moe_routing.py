@@ -10,8 +10,7 @@ Choice and gates (``select``):
 - the choice reads the scores plus the expert bias when the model has one (DeepSeek-V3's auxiliary-loss-free
   balancing, eq. 16: for selection only, never in a gate), limited to the ``router_topk_groups`` best of
   ``router_groups`` expert groups when there are several, a group scored by the sum of its two best experts
-  (DeepSeek-V3's node-limited routing as transformers' DeepseekV3TopkRouter computes it: the other groups' scores
-  set to 0);
+  (DeepSeek-V3's node-limited routing as transformers' DeepseekV3TopkRouter computes it);
 - the gates are the chosen experts' scores, renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always;
   Qwen2-MoE not by default), times ``routed_scaling_factor``.
 
@@ -47,7 +46,7 @@ def select(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None) ->
         groups = choice.unflatten(-1, (cfg.router_groups, -1))  # (B, T, G, E/G)
         best = groups.topk(2, dim=-1).values.sum(-1).topk(cfg.router_topk_groups, dim=-1).indices  # (B, T, g)
         mask = torch.zeros(groups.shape[:-1], dtype=torch.bool, device=logits.device).scatter_(-1, best, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(groups.shape[-1], dim=-1), 0.0)
+        choice = choice.masked_fill(~mask.repeat_interleave(groups.shape[-1], dim=-1), float("-inf"))
     expert = choice.topk(cfg.top_k, dim=-1).indices
     gate = scores.gather(-1, expert)
     if cfg.norm_topk_prob:
