@@ -228,6 +228,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Check a YAML value against the field's annotation (ints may stand for floats)."""
     # the members of a union (X | None); a generic's own arguments (list[str]) are not alternatives
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+        return None  # YAML reads ``none`` as a string; an optional field takes it as null (capacity_factor: none)
     if value is None:
         if type(None) in args:
             return None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dist_trainer.config_fields import choice, is_number, name_list, positive
+from dist_trainer.config_moe import validate_moe
 from dist_trainer.finetune import lora_target_leaves
 from dist_trainer.mla_shape import validate_mla, validate_yarn
 from dist_trainer.model_shape import is_moe_layer
@@ -135,12 +136,33 @@ class ModelConfig:
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
     # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
     n_experts: int = 0  # routed experts per MoE layer, each the model's own MLP (Mixtral: 8)
-    top_k: int = 2  # experts per token; their gates are renormalised to sum to 1 (Mixtral)
-    capacity_factor: float = 1.25  # slots per expert and sequence = ceil(factor * top_k * seq_len / n_experts)
+    top_k: int = 2  # experts per token (Mixtral: 2, Qwen3-30B-A3B: 8, DeepSeek-V3: 8)
+    # None (yaml: none) = dropless: every token reaches its top-k experts (Megatron-core's default, Mixtral, Qwen-MoE,
+    # DeepSeek-V3); a number = slots per expert and sequence = ceil(factor * top_k * seq_len / n_experts), the rest
+    # dropped (GShard, Switch)
+    capacity_factor: float | None = None
     moe_every: int = 1  # layer i is MoE when i % moe_every == 0 (Megatron's moe_layer_freq); 1 = every layer
+    # layers that keep a dense MLP whatever moe_every says: DeepSeek's first_k_dense_replace (0 .. k-1), Qwen-MoE's
+    # mlp_only_layers and the layers its decoder_sparse_step skips
+    moe_dense_layers: list[int] = field(default_factory=list)
+    moe_d_ff: int | None = None  # one routed expert's inner size; None = d_ff (Qwen-MoE, DeepSeek: smaller)
+    # router scores: softmax over the experts (Mixtral, Qwen-MoE) | sigmoid per expert (DeepSeek-V3)
+    router_score: str = "softmax"
+    norm_topk_prob: bool = True  # the k chosen scores renormalised to sum to 1 (Mixtral; Qwen2-MoE: false)
+    routed_scaling_factor: float = 1.0  # the routed experts' gates x this (DeepSeek-V3: 2.5)
+    router_groups: int = 1  # experts in this many groups; a token picks from router_topk_groups (DeepSeek-V3: 8, 4)
+    router_topk_groups: int = 1  # a group's score is the sum of its 2 best experts' (DeepSeek-V3)
+    # a per-expert bias on the scores, for the top-k choice only (DeepSeek-V3's e_score_correction_bias; a buffer
+    # kept in checkpoints), nudged toward balance after every step by moe_bias_update_rate (Wang et al. 2024's
+    # auxiliary-loss-free balancing: + rate for an expert below the mean load, - rate above); 0 = left as loaded
+    expert_bias: bool = False
+    moe_bias_update_rate: float = 0.0
     router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient alpha (Fedus et al. 2021, eq. 4)
+    router_aux_loss_scope: str = "batch"  # batch: over the micro-batch | sequence: per sequence (DeepSeek-V3 eq. 17)
     router_z_loss: float = 0.001  # router z-loss coefficient c_z (Zoph et al. 2022, eq. 5)
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times wide
+    # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times moe_d_ff wide
+    n_shared_experts: int = 0
+    shared_expert_gate: bool = False  # the shared expert's output x sigmoid(Linear(d_model, 1)(x)) (Qwen-MoE)
     # Multi-head latent attention (DeepSeek-V2/V3, model_mla.py; mla_shape.py validates): kv_lora_rank > 0 replaces
     # q/k/v_proj by x -> kv_a_proj -> [c_kv (kv_lora_rank), k_pe (qk_rope_head_dim, one rotated key every head
     # shares)], kv_a_norm(c_kv) -> kv_b_proj -> per head [k_nope (qk_nope_head_dim), v (v_head_dim)], and q by
@@ -168,6 +190,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.lora_targets = name_list(self.lora_targets)
+        if isinstance(self.capacity_factor, str) and self.capacity_factor.lower() in ("none", "null", "dropless"):
+            self.capacity_factor = None  # a command line's model.capacity_factor=none
 
     @property
     def mla(self) -> bool:
@@ -224,9 +248,22 @@ class ModelConfig:
         pipeline split ask here."""
         return is_moe_layer(self, layer)
 
+    @property
+    def expert_ffn_dim(self) -> int:
+        """One routed expert's inner size (model.moe_d_ff, else the dense MLP's)."""
+        return self.ffn_dim if self.moe_d_ff is None else self.moe_d_ff
+
+    @property
+    def dropless(self) -> bool:
+        """Every token reaches its top-k experts (no capacity)."""
+        return self.capacity_factor is None
+
     def expert_capacity(self, seq_len: int) -> int:
         """Slots of each expert per sequence: ceil(capacity_factor * top_k * seq_len / n_experts) (GShard's
-        expert capacity with one group per sequence, so it does not depend on the batch or the layout)."""
+        expert capacity with one group per sequence, so it does not depend on the batch or the layout); dropless:
+        the whole sequence (the most one expert can get)."""
+        if self.capacity_factor is None:
+            return seq_len
         return max(1, math.ceil(self.capacity_factor * self.top_k * seq_len / self.n_experts))
 
     def validate(self) -> None:
@@ -387,24 +424,7 @@ class ModelConfig:
                                  f"{self.rel_buckets // 2} (the distances the decoder counts exactly)")
 
     def _validate_moe(self) -> None:
-        for name in ("n_experts", "n_shared_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"model.{name}={value!r} must be an integer >= 0")
-        if self.n_experts == 0:
-            if self.n_shared_experts:
-                raise ValueError(f"model.n_shared_experts={self.n_shared_experts} needs routed experts "
-                                 "(model.n_experts > 0)")
-            return
-        positive(self, "top_k", "moe_every")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"model.capacity_factor={self.capacity_factor} must be > 0 "
-                             f"(>= n_experts / top_k = {self.n_experts / self.top_k:g} never drops a token)")
-        if self.router_aux_loss < 0 or self.router_z_loss < 0:
-            raise ValueError(f"model.router_aux_loss={self.router_aux_loss} and model.router_z_loss="
-                             f"{self.router_z_loss} must be >= 0")
+        validate_moe(self)
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:

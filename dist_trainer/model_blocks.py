@@ -262,11 +262,14 @@ class MLP(nn.Module):
         set_attrs(self.down_proj, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.up_proj(x)
-        if self.gate_proj is None:
-            return self.down_proj(activate(up, self.activation))
-        gate = self.gate_proj(x)  # swiglu: silu(gate) * up; geglu (T5 v1.1): gelu_tanh(gate) * up
-        return self.down_proj((F.silu(gate) if self.activation == "swiglu" else activate(gate, "gelu_tanh")) * up)
+        return self.down_proj(self.hidden(self.up_proj(x), None if self.gate_proj is None else self.gate_proj(x)))
+
+    def hidden(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The activated inner features of up_proj's and gate_proj's outputs (a MoE layer's grouped experts too)."""
+        if gate is None:
+            return activate(up, self.activation)
+        # swiglu: silu(gate) * up; geglu (T5 v1.1): gelu_tanh(gate) * up
+        return (F.silu(gate) if self.activation == "swiglu" else activate(gate, "gelu_tanh")) * up
 
 
 def activate(x: torch.Tensor, activation: str) -> torch.Tensor:

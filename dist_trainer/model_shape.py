@@ -46,7 +46,9 @@ class ModelShape(MLAShape, Protocol):
     lora_targets: list[str]
     n_experts: int
     moe_every: int
+    moe_dense_layers: list[int]
     n_shared_experts: int
+    shared_expert_gate: bool
     n_decoder_layers: int
     rel_buckets: int
 
@@ -65,6 +67,9 @@ class ModelShape(MLAShape, Protocol):
     def ffn_dim(self) -> int: ...
 
     @property
+    def expert_ffn_dim(self) -> int: ...
+
+    @property
     def gated(self) -> bool: ...
 
     @property
@@ -74,7 +79,7 @@ class ModelShape(MLAShape, Protocol):
 def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
     """Whether layer ``layer`` (0-based) is a mixture-of-experts layer (the rule's one home;
     ``ModelConfig.is_moe_layer`` asks here)."""
-    return cfg.n_experts > 0 and layer % cfg.moe_every == 0
+    return cfg.n_experts > 0 and layer % cfg.moe_every == 0 and layer not in cfg.moe_dense_layers
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -236,11 +241,13 @@ def decoder_layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
 
 def moe_block_params(cfg: ModelShape) -> dict[str, int]:
     """A MoE layer's ``moe`` module: ``router``, ONE expert's projections (``experts.*.up_proj``, ...; the layer
-    holds n_experts of them) and the shared expert. Never split by TP (the block is replicated on TP ranks)."""
-    shared = cfg.n_shared_experts * cfg.ffn_dim
+    holds n_experts of them, expert_ffn_dim wide), the shared expert (n_shared_experts x expert_ffn_dim wide) and
+    its gate (Qwen-MoE). Never split by TP (the block is replicated on TP ranks). The expert bias is a buffer."""
+    shared = cfg.n_shared_experts * cfg.expert_ffn_dim
     return {"router": cfg.d_model * cfg.n_experts,
-            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.ffn_dim).items()},
-            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()}}
+            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.expert_ffn_dim).items()},
+            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()},
+            "shared_expert_gate": cfg.d_model if cfg.shared_expert_gate else 0}
 
 
 def layer_param_counts(cfg: ModelShape) -> list[int]:

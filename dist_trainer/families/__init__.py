@@ -25,7 +25,9 @@ from dist_trainer.families import (
     olmo2,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
     starcoder2,
     t5,
 )
@@ -45,6 +47,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     t5.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     gemma3_text.FAMILY,
@@ -55,15 +59,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     gpt_neox.FAMILY,
     deepseek_v3.FAMILY,
 )}
-# mixture-of-experts families with shared experts or their own routing: another issue
-MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe")
 
 
 def family(model_type: Any, where: str = "config.json") -> Family:
     """The family of a config.json's ``model_type``; ValueError naming it and the supported ones."""
-    if model_type in MOE_ELSEWHERE:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported: mixture-of-experts families "
-                         f"({', '.join(MOE_ELSEWHERE)}) are another issue; supported: {', '.join(FAMILIES)}")
     if model_type not in FAMILIES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     return FAMILIES[model_type]

@@ -14,10 +14,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dist_trainer.families import llama
+from dist_trainer.families import llama, moe
 from dist_trainer.families.base import Family
 from dist_trainer.families.common import need, refuse, require, rope_fields, rope_hf
 from dist_trainer.families.decoder import family_misses
+from dist_trainer.families.moe import router_fields
 from dist_trainer.families.recipe import Recipe
 
 MODEL_TYPE = "deepseek_v3"
@@ -68,10 +69,18 @@ def to_model(hf: dict[str, Any], where: str, tensor_names: set[str]) -> dict[str
 
 
 def moe_fields(hf: dict[str, Any], where: str, dense_layers: int) -> dict[str, Any]:
-    """The MoE layers (``first_k_dense_replace`` on): refused until the router pieces of issue 36 are merged."""
-    raise refuse(where, "first_k_dense_replace", dense_layers, "DeepSeek-V3's MoE layers (sigmoid group-limited "
-                 "router, expert bias, shared experts) are not built on this branch; every layer dense "
-                 "(first_k_dense_replace = num_hidden_layers) is mapped")
+    """The MoE layers (``first_k_dense_replace`` on): sigmoid scores, the expert bias on them for the choice only
+    (``e_score_correction_bias``), the best 2 experts' sum picking ``topk_group`` of ``n_group`` groups, top-k within
+    them, the chosen scores renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``; dropless, no
+    auxiliary loss (transformers computes none)."""
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        key = "scoring_func" if hf.get("scoring_func", "sigmoid") != "sigmoid" else "topk_method"
+        raise refuse(where, key, hf[key], "DeepSeek-V3's router: sigmoid scores, noaux_tc top-k")
+    out = router_fields({**hf, "router_aux_loss_coef": 0.0}, where, "n_routed_experts", default_norm=True)
+    return {**out, "router_score": "sigmoid", "expert_bias": True, "n_shared_experts": int(hf.get("n_shared_experts")
+            or 0), "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+            "router_groups": int(hf.get("n_group") or 1), "router_topk_groups": int(hf.get("topk_group") or 1),
+            "moe_dense_layers": list(range(dense_layers))}
 
 
 def layer_index(name: str) -> int | None:
@@ -103,17 +112,26 @@ def read_plan(m: dict[str, Any], tensor_names: set[str]) -> dict[str, Recipe]:
 
 
 def mlp_recipes(m: dict[str, Any], h: str, o: str, layer: int) -> dict[str, Recipe]:
-    """A dense layer's MLP (``mlp.{gate,up,down}_proj``, as Llama's)."""
-    return {f"{o}mlp.{leaf}.weight": Recipe(f"{h}mlp.{leaf}.weight") for leaf in ("gate_proj", "up_proj",
-                                                                                   "down_proj")}
+    """A dense layer's MLP, or a sparse one's router (``mlp.gate``), its bias buffer, experts and shared experts."""
+    out = moe.mlp_recipes(m, h, o, shared="shared_experts")
+    if moe.is_moe(m, layer):
+        out[f"{o}moe.expert_bias"] = Recipe(f"{h}mlp.gate.e_score_correction_bias")
+    return out
 
 
 def misses(m: dict[str, Any]) -> list[str]:
     if not m.get("kv_lora_rank"):
         return ["kv_lora_rank=0 (deepseek_v3's attention is latent: needs kv_lora_rank > 0)"]
-    out = need(m, n_experts=0)  # until the MoE layers are mapped
-    return out + family_misses(m, MODEL_TYPE, FIXED, {(False, False, False), (True, True, False)},
-                               {"kv_lora_rank", "n_kv_heads"}, rope_scalings=("none", "linear", "yarn"))
+    out = []
+    if m.get("n_experts"):
+        dense = list(range(len(m.get("moe_dense_layers") or [])))
+        out = need(m, moe_every=1, router_score="sigmoid", expert_bias=True, shared_expert_gate=False,
+                   moe_dense_layers=dense, router_aux_loss=0.0, router_z_loss=0.0)
+    mapped = {"kv_lora_rank", "n_kv_heads", "n_experts", "n_shared_experts", "moe_d_ff", "moe_dense_layers",
+              "norm_topk_prob", "routed_scaling_factor", "router_groups", "router_topk_groups", "router_score",
+              "expert_bias"}
+    return out + family_misses(m, MODEL_TYPE, FIXED, {(False, False, False), (True, True, False)}, mapped,
+                               rope_scalings=("none", "linear", "yarn"))
 
 
 def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -125,8 +143,18 @@ def to_hf(m: dict[str, Any], dtype: str) -> dict[str, Any]:
     else:
         keys.update(rope_hf(m))
     return {**keys, **{k: m[k] or None if k == "q_lora_rank" else m[k] for k in MLA_KEYS},
-            "rope_interleave": True, "num_nextn_predict_layers": 0, "first_k_dense_replace": m["n_layers"],
-            "n_routed_experts": 0, "n_shared_experts": 0}
+            "rope_interleave": True, "num_nextn_predict_layers": 0, **moe_keys(m)}
+
+
+def moe_keys(m: dict[str, Any]) -> dict[str, Any]:
+    """The router keys of an export (every layer dense without experts)."""
+    if not m.get("n_experts"):
+        return {"first_k_dense_replace": m["n_layers"], "n_routed_experts": 0, "n_shared_experts": 0}
+    return {"first_k_dense_replace": len(m.get("moe_dense_layers") or []), "n_routed_experts": m["n_experts"],
+            "num_experts_per_tok": m["top_k"], "moe_intermediate_size": moe.expert_width(m),
+            "n_shared_experts": m.get("n_shared_experts", 0), "norm_topk_prob": m.get("norm_topk_prob", True),
+            "routed_scaling_factor": m.get("routed_scaling_factor", 1.0), "n_group": m.get("router_groups", 1),
+            "topk_group": m.get("router_topk_groups", 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 FAMILY = Family(MODEL_TYPE, "DeepseekV3ForCausalLM", to_model, read_plan, misses, to_hf, not_loaded=not_loaded)
