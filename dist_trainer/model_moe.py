@@ -111,6 +111,11 @@ class MoE(nn.Module):
         self.step_load: torch.Tensor | None = None
         self.record_stats = True  # off while a pipeline schedule infers shapes (paused_router_stats)
 
+    def buffer_specs(self) -> dict[str, tuple[int | None, int | None]]:
+        """The expert bias is model state, whole on every rank (read by ``parallel/tp/reshard.tp_shard_specs``, so
+        checkpoints list it and an export writes it: DeepSeek-V3's e_score_correction_bias)."""
+        return {"expert_bias": (None, None)} if self.expert_bias is not None else {}
+
     def run_experts(self, buf: torch.Tensor) -> torch.Tensor:
         """(E, N, d) dispatch buffer -> (E, N, d) outputs: the rows of this module's experts (all of them in one
         process) reach them through ``exchange``, expert i (ModuleDict order) runs on row block i, and back."""
