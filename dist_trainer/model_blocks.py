@@ -369,7 +369,7 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
     Normal(0, init_std) for linear and embedding weights, with residual output projections
     at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases (the model's own ``output_bias``
     too: it draws nothing, so where it sits in the draw order changes no other weight); unit norms (an RMSNorm's
-    weight 1 - model.norm_weight_offset, so (offset + weight) is 1).
+    weight 1 - model.norm_weight_offset, so (offset + weight) is 1); a MoE layer's expert bias zero.
     A LoRA adapter draws from its own generator (``model_lora.init_adapter_``), never from the global one.
     Other modules are left alone.
     """
@@ -392,3 +392,5 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
             nn.init.zeros_(bias)
     elif isinstance(output_bias := getattr(module, "output_bias", None), nn.Parameter):  # a model with mlm_head
         nn.init.zeros_(output_bias)
+    elif isinstance(module, MoE):
+        module.reset_expert_bias()

@@ -171,6 +171,12 @@ class MoE(nn.Module):
         extra = torch.stack([zero if dropped is None else dropped.double(), aux.double(), z.double(), zero + 1])
         self.router_stats[E:] += extra
 
+    @torch.no_grad()
+    def reset_expert_bias(self) -> None:
+        """Zero the expert bias (its initial value; also after ``to_empty`` left it uninitialised)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
     def reset_stats(self, device: torch.device | None = None) -> None:
         device = device or self.router.weight.device
         self.router_stats = torch.zeros(self.n_experts + 4, dtype=torch.float64, device=device)

@@ -112,10 +112,16 @@ def sort_by_expert(expert: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, 
     return flat.argsort(stable=True), torch.bincount(flat, minlength=n_experts)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The index that undoes ``order`` (gathering by it keeps only an index for backward; ``index_copy`` would keep
+    its whole source)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def dropless_combine(out: torch.Tensor, order: torch.Tensor, gate: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """(B*T*k, d) outputs in expert order -> (B, T, d): back in token order, each token's k weighted and summed."""
     B, T, k = gate.shape
-    unsorted = out.new_empty(out.shape).index_copy(0, order, out).view(B, T, k, -1)
+    unsorted = out.index_select(0, inverse_permutation(order)).view(B, T, k, -1)
     return (unsorted * gate.unsqueeze(-1)).sum(2).to(like.dtype)
 
 

@@ -222,8 +222,11 @@ def matmul_params(cfg: ModelConfig) -> int:
     (the pooler takes no part in the MLM loss). Used by cost.py.
     """
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    # a MoE layer's token meets the router, top_k experts and the shared expert instead of one MLP
-    moe = cfg.d_model * cfg.n_experts + mlp_weights(cfg) * (cfg.top_k + cfg.n_shared_experts - 1) if n_moe else 0
+    # a MoE layer's token meets the router (and the shared expert's gate), top_k experts and the shared expert
+    # (moe_d_ff wide each) instead of one MLP
+    expert = mlp_weights(cfg) * cfg.expert_ffn_dim // cfg.ffn_dim
+    moe = cfg.d_model * (cfg.n_experts + cfg.shared_expert_gate) + expert * (cfg.top_k + cfg.n_shared_experts) \
+        - mlp_weights(cfg) if n_moe else 0
     return cfg.n_layers * layer_matmul_weights(cfg) + n_moe * moe + head_matmul_weights(cfg)
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_moe import ExpertExchange, moe_layers
+from dist_trainer.model_moe_routing import inverse_permutation
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.comms import all_to_all, all_to_all_uneven
 from dist_trainer.parallel.state import ParallelState
@@ -101,5 +102,5 @@ class AllToAllExchange(ExpertExchange):
         """This rank's experts' (M, d) outputs -> the (N, d) outputs of this rank's rows, in ``send_sorted``'s
         input order."""
         send, recv, order = handle
-        by_source = out.new_empty(out.shape).index_copy(0, order, out)
+        by_source = out.index_select(0, inverse_permutation(order))
         return all_to_all_uneven(by_source, self.group, recv, send, tokens_in=False)
