@@ -45,6 +45,8 @@ class MLAShape(Protocol):
     qk_norm: str
     n_decoder_layers: int
     causal: bool
+    lora_rank: int
+    base_weight_dtype: str
 
     def linear_bias(self, group: str) -> bool: ...
 
@@ -69,7 +71,12 @@ def validate_mla(cfg: MLAShape) -> None:
                           "the shared latent (n_kv_heads = n_heads)"),
            "qk_norm": (cfg.qk_norm != "none", "its norms are q_a_norm and kv_a_norm on the latents"),
            "n_decoder_layers": (cfg.n_decoder_layers != 0, "latent attention is a decoder-only model's"),
-           "causal": (cfg.causal is not True, "latent attention is a causal decoder's")}
+           "causal": (cfg.causal is not True, "latent attention is a causal decoder's"),
+           # adapters and int8 bases are sized by q/k/v/o widths latent attention does not have: not built
+           "lora_rank": (cfg.lora_rank != 0, "LoRA adapters on latent attention are not built; fine-tune with "
+                         "train.freeze"),
+           "base_weight_dtype": (cfg.base_weight_dtype != "fp32", "int8 base weights of latent attention are not "
+                                 "built")}
     for name, (bad, reason) in why.items():
         if bad:
             raise ValueError(f"model.{name}={getattr(cfg, name)!r} with model.kv_lora_rank={cfg.kv_lora_rank}: "

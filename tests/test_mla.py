@@ -104,6 +104,8 @@ def test_planner_counts_a_latent_layer_as_transformers_builds_it() -> None:
     ({"kv_lora_rank": 0}, "model.q_lora_rank=12 is a latent-attention field"),
     ({"pos_embedding": "learned"}, "model.pos_embedding='learned' with model.kv_lora_rank=16"),
     ({"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_yarn_beta_fast": 1.0}, "rope_yarn_beta_fast=1.0"),
+    ({"lora_rank": 4, "lora_targets": ["o_proj"]}, "LoRA adapters on latent attention are not built"),
+    ({"base_weight_dtype": "int8"}, "int8 base weights of latent attention are not built"),
 ])
 def test_latent_attention_fields_are_checked_by_name(fields: dict, words: str) -> None:
     base = {"vocab_size": 64, "d_model": 32, "n_heads": 4, "pos_embedding": "rope", "norm": "rmsnorm",
@@ -123,3 +125,18 @@ def test_plan_finds_deepseek_v3_layouts_on_256_gpus_of_80_gb(capsys: pytest.Capt
     assert out["n_fit"] > 0 and out["layouts"], out["notes"]
     assert all(r["fits"] and r["memory"]["device_total"] <= 80 * 2**30 for r in out["layouts"])
     assert any(r["layout"]["ep_size"] > 1 for r in out["layouts"])  # the experts spread over the data-parallel ranks
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, 0])
+def test_module_names_are_the_latent_models_modules(q_lora_rank: int) -> None:
+    """Freeze patterns, the planner's fine-tuning counts and health groups name a latent layer's modules as the model
+    builds them (q_proj alone without a q latent; no k_proj / v_proj)."""
+    from dist_trainer.finetune import module_names
+    from dist_trainer.model import build_model
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, pos_embedding="rope", norm="rmsnorm",
+                      activation="swiglu", bias=False, kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_nope_head_dim=8,
+                      qk_rope_head_dim=4, v_head_dim=6)
+    model = build_model(cfg, "meta")
+    assert set(module_names(cfg)) == {n for n, m in model.named_modules() if list(m.parameters(recurse=False))}
+    assert param_breakdown(cfg).total == sum(p.numel() for p in model.parameters())
