@@ -47,8 +47,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     if files is not None:  # a tensor no parameter reads is refused here too: counts and plans hold every one
         from dist_trainer.checkpoint.hf_files import check_all_read
 
-        plan = family(hf.get("model_type"), where).read_plan(fields, set(files))
-        check_all_read(folder, files, {r.hf_name for r in plan.values()})
+        check_all_read(folder, files, family(hf.get("model_type"), where).accounted(fields, set(files)))
     return fields
 
 

@@ -443,6 +443,10 @@ ROUND_TRIPS = {  # config.json keys past the tiny folders' that an export must w
     "granite": {"attention_multiplier": 0.0078125, "mlp_bias": False},
     "olmo2": {"attention_bias": True},
     "gemma": {"head_dim": 8, "num_key_value_heads": 1},
+    # no q latent (DeepSeek-V2-Lite's q_proj), biased down projections, transformers 4's rope_scaling spelling
+    "deepseek_v3": {"q_lora_rank": None, "attention_bias": True, "rope_parameters": None, "rope_theta": 5e4,
+                    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
 }
 
 

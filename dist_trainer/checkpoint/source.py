@@ -116,8 +116,8 @@ class HFSource:
                              f"{self.family.model_type} config.json implies) is in none of the folder's files")
         self._check_files()
         # tensors the family leaves unread on purpose (DeepSeek-V3's multi-token-prediction layers): named, not read
-        self.not_loaded = self.family.not_loaded(self.model, hf_names) if self.family.not_loaded else {}
-        check_all_read(self.folder, self.files.files, {r.hf_name for r in self.plan.values()} | set(self.not_loaded))
+        self.not_loaded = self.family.unread(self.model, hf_names)
+        check_all_read(self.folder, self.files.files, self.family.accounted(self.model, hf_names))
         if self.not_loaded:
             reasons = sorted(set(self.not_loaded.values()))
             print(f"note: {self.folder}: {len(self.not_loaded)} tensors not loaded: {'; '.join(reasons)}",

@@ -47,6 +47,16 @@ class Family:
     presets: tuple[str, ...] = ()
     not_loaded: Callable[[Fields, set[str]], dict[str, str]] | None = None
 
+    def unread(self, model: Fields, tensor_names: set[str]) -> dict[str, str]:
+        """{HF tensor: why} of the folder's tensors left unread on purpose (``not_loaded``; {} for most families)."""
+        return self.not_loaded(model, tensor_names) if self.not_loaded else {}
+
+    def accounted(self, model: Fields, tensor_names: set[str]) -> set[str]:
+        """The HF tensors of a folder holding ``tensor_names`` that are read (the recipes') or left unread on
+        purpose: any other is refused (``checkpoint/hf_files.check_all_read``)."""
+        plan = self.read_plan(model, tensor_names)
+        return {r.hf_name for r in plan.values()} | set(self.unread(model, tensor_names))
+
     def export_recipes(self, model: Fields) -> dict[str, Recipe]:
         """{our name: Recipe} under the names an export writes."""
         return self.write_plan(model) if self.write_plan else self.read_plan(model, set())
