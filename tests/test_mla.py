@@ -140,3 +140,28 @@ def test_module_names_are_the_latent_models_modules(q_lora_rank: int) -> None:
     model = build_model(cfg, "meta")
     assert set(module_names(cfg)) == {n for n, m in model.named_modules() if list(m.parameters(recurse=False))}
     assert param_breakdown(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_a_folder_without_q_latent_and_with_biases_gives_transformers_logits(tmp_path) -> None:  # noqa: ANN001
+    """DeepSeek-V2-Lite's shape of latent attention: q_proj straight from x (q_lora_rank null), biased down
+    projections and o_proj (attention_bias), every layer dense, plain RoPE."""
+    from dist_trainer.checkpoint.plain import load_plain_model
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, first_k_dense_replace=2, attention_bias=True, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    theirs = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.ndim == 1:  # biases and norm weights off their zeros and ones
+                p.add_(0.3 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path)
+    ours, cfg = load_plain_model(tmp_path)
+    assert (cfg.model.q_lora_rank, cfg.model.linear_bias("qkv"), cfg.model.linear_bias("out")) == (0, True, True)
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = theirs.eval()(tokens).logits, ours(tokens)
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
