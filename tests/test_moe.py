@@ -246,3 +246,40 @@ def test_qwen3_30b_a3b_counts_are_the_published_configs() -> None:
     bd = param_breakdown(model_config("qwen3-30b-a3b"))
     assert bd.total == total == 30_532_122_624  # "30.5B"
     assert bd.active == total - 48 * (128 - 8) * one_expert == 3_353_032_704  # "3.3B activated"
+
+
+def test_expert_bias_balances_a_skewed_router_without_an_auxiliary_loss() -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a router whose first expert outscores the others for every token
+    starts far from balance; the bias alone (no aux loss, no weight update) brings every layer's max/mean load
+    below 1.2 within a few hundred steps, and the same in both layers."""
+    from dist_trainer.parallel.state import ParallelState
+    from dist_trainer.train.moe_balance import update_expert_bias
+
+    cfg = _cfg(capacity_factor=None, router_score="sigmoid", expert_bias=True, moe_bias_update_rate=0.001,
+               router_aux_loss=0.0, router_z_loss=0.0, n_experts=8, top_k=2)
+    model = build_model(cfg, seed=0)
+    layers = list(moe_layers(model))
+    state, g = ParallelState.single(), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in model.layers:  # every router input shares the norm's bias c; expert 0's weight reads it
+            block.mlp_norm.bias.fill_(2.0)
+            block.moe.router.weight[0] += 1.5 * block.mlp_norm.bias / block.mlp_norm.bias.square().sum()
+
+    def step() -> list[torch.Tensor]:
+        with torch.no_grad():
+            model(torch.randint(0, 64, (32, 32), generator=g), torch.randint(0, 64, (32, 32), generator=g))
+        loads = [m.step_load.clone() for m in layers if m.step_load is not None]
+        update_expert_bias(model, cfg, state)
+        return loads
+
+    def imbalance(loads: list[torch.Tensor]) -> list[float]:
+        return [float(x.max() / x.mean()) for x in loads]
+
+    model.train()
+    first = imbalance(step())
+    assert min(first) > 2.0, first  # skewed on purpose
+    for _ in range(290):
+        step()
+    window = [sum(x) for x in zip(*(step() for _ in range(10)), strict=True)]  # steps 291-300 together
+    assert max(imbalance(window)) < 1.2, imbalance(window)
+    assert all(m.expert_bias is not None and float(m.expert_bias[0]) < 0 for m in layers)  # expert 0 pushed down

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dist_trainer.checkpoint.plain import load_plain_model
+from dist_trainer.cli import main
 from dist_trainer.layout_rules.layout import layout_of
 from dist_trainer.planner.memory import predict_rank_memory, stage_activation_bytes
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
@@ -40,7 +41,7 @@ DROPLESS = {**MOE, "capacity_factor": None, "router_score": "sigmoid", "router_g
             "routed_scaling_factor": 2.0, "expert_bias": True, "moe_bias_update_rate": 0.01,
             "router_aux_loss_scope": "sequence", "shared_expert_gate": True, "moe_d_ff": 48}
 GLOBAL_BATCH = 16  # micro-batches of 4 in every layout: 4 on one process, 2 per rank at dp 2, 1 at dp 4
-ROUTING = ("tokens_per_expert", "dropped_frac")
+ROUTING = ("tokens_per_expert", "load_max_mean", "dropped_tokens", "dropped_frac", "bias_spread")
 
 
 def _model(name: str) -> dict:
@@ -150,8 +151,15 @@ def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, spawns: dict[
         loads = [v for k, v in step.items() if k.endswith("tokens_per_expert")]
         assert len(loads) == 2 and all(sum(x) == GLOBAL_BATCH * TINY_SEQ * 2 for x in loads), step
     dropless = _run(0, tiny_data, spawns["root"] / "dropless", {}, DROPLESS)
-    assert _routing(dropless) and all(v == 0 for step in _routing(dropless).values()  # nothing dropped
-                                      for k, v in step.items() if k.endswith("dropped_frac"))
+    for step, row in _routing(dropless).items():  # health: nothing dropped, the load's max/mean, the bias moving
+        for i in range(2):
+            load = row[f"moe/layer{i}/tokens_per_expert"]
+            assert row[f"moe/layer{i}/dropped_tokens"] == 0 and row[f"moe/layer{i}/dropped_frac"] == 0, row
+            assert row[f"moe/layer{i}/load_max_mean"] == pytest.approx(max(load) * len(load) / sum(load)), row
+            spread = row[f"moe/layer{i}/bias_spread"]  # each step moves every expert's bias by +-0.01 (or 0)
+            assert 0 <= spread <= 0.02 * (step + 1) + 1e-6 and (step or spread == pytest.approx(0.02)), row
+    assert main(["report", str(spawns["root"] / "dropless")]) == 0  # the health report draws them
+    assert (spawns["root"] / "dropless" / "report" / "moe.png").is_file()
     results = {**spawns["two"]["layouts"], **spawns["four"]["layouts"]}
     for name, parallel in TWO.items():
         _check(name, results[name], dropless if name.startswith("dropless") else single, parallel, world=2)
