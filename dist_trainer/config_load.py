@@ -46,8 +46,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     if files is not None:  # a tensor no parameter reads is refused here too: counts and plans hold every one
         from dist_trainer.facts.hf_files import check_all_read
 
-        plan = family(hf.get("model_type"), where).read_plan(fields, set(files))
-        check_all_read(folder, files, {r.hf_name for r in plan.values()})
+        check_all_read(folder, files, family(hf.get("model_type"), where).accounted(fields, set(files)))
     return fields
 
 
@@ -230,6 +229,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Check a YAML value against the field's annotation (ints may stand for floats)."""
     # the members of a union (X | None); a generic's own arguments (list[str]) are not alternatives
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+        return None  # YAML reads ``none`` as a string; an optional field takes it as null (capacity_factor: none)
     if value is None:
         if type(None) in args:
             return None

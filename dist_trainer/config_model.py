@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dist_trainer.config_fields import choice, is_number, name_list, positive
+from dist_trainer.config_mla import validate_mla, validate_yarn
+from dist_trainer.config_moe import validate_moe
 from dist_trainer.facts.finetune import lora_target_leaves
 from dist_trainer.facts.model_shape import is_moe_layer
 
@@ -20,7 +22,7 @@ NORM_PLACEMENTS = ("pre", "post", "post_branch", "sandwich")
 QK_NORMS = ("none", "head", "full")  # model.qk_norm
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # a gate projection beside up: act(gate(x)) * up(x) (Shazeer 2020)
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 BASE_WEIGHT_DTYPES = ("fp32", "int8")  # model.base_weight_dtype: frozen layer linears as parameters, or int8
 
 
@@ -54,7 +56,15 @@ class ModelConfig:
     rope_scaling_factor: float = 1.0  # linear and llama3: the factor the (long-wavelength) frequencies are divided by
     rope_low_freq_factor: float = 1.0  # llama3: original_max_seq_len / this is the longest wavelength kept unscaled..
     rope_high_freq_factor: float = 4.0  # ..and original_max_seq_len / this the shortest scaled; must exceed low
-    rope_original_max_seq_len: int = 8192  # llama3: the context length the model was pretrained on
+    rope_original_max_seq_len: int = 8192  # llama3 and yarn: the context length the model was pretrained on
+    # yarn (Peng et al. 2023, arXiv 2309.00071; DeepSeek-V3): frequencies blended between kept and divided by factor
+    # over the dims rotating between beta_slow and beta_fast times in rope_original_max_seq_len; cos and sin times
+    # mscale(factor, rope_yarn_mscale) / mscale(factor, rope_yarn_mscale_all_dim) (mscale(s, m) = 0.1 m ln s + 1;
+    # 0 and 0: mscale(factor, 1)), and latent attention's scores times mscale(factor, mscale_all_dim)^2 (model_mla.py)
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 0.0
+    rope_yarn_mscale_all_dim: float = 0.0
     norm: str = "layernorm"  # layernorm (GPT-2, BERT) | rmsnorm (Llama)
     norm_eps: float = 1e-5  # epsilon of every norm (BERT uses 1e-12, Llama 1e-5/1e-6)
     norm_placement: str = "pre"  # pre (GPT-2, Llama: final norm) | post (BERT: embedding norm, none final)
@@ -126,12 +136,42 @@ class ModelConfig:
     scaled_residual_init: bool = True  # residual output projections use std / sqrt(2 * n_layers) (GPT-2)
     # Mixture of experts (model_moe.py; docs/moe.md). 0 = dense: every layer has one MLP and nothing below applies.
     n_experts: int = 0  # routed experts per MoE layer, each the model's own MLP (Mixtral: 8)
-    top_k: int = 2  # experts per token; their gates are renormalised to sum to 1 (Mixtral)
-    capacity_factor: float = 1.25  # slots per expert and sequence = ceil(factor * top_k * seq_len / n_experts)
+    top_k: int = 2  # experts per token (Mixtral: 2, Qwen3-30B-A3B: 8, DeepSeek-V3: 8)
+    # None (yaml: none) = dropless: every token reaches its top-k experts (Megatron-core's default, Mixtral, Qwen-MoE,
+    # DeepSeek-V3); a number = slots per expert and sequence = ceil(factor * top_k * seq_len / n_experts), the rest
+    # dropped (GShard, Switch)
+    capacity_factor: float | None = None
     moe_every: int = 1  # layer i is MoE when i % moe_every == 0 (Megatron's moe_layer_freq); 1 = every layer
+    # layers that keep a dense MLP whatever moe_every says: DeepSeek's first_k_dense_replace (0 .. k-1), Qwen-MoE's
+    # mlp_only_layers and the layers its decoder_sparse_step skips
+    moe_dense_layers: list[int] = field(default_factory=list)
+    moe_d_ff: int | None = None  # one routed expert's inner size; None = d_ff (Qwen-MoE, DeepSeek: smaller)
+    # router scores: softmax over the experts (Mixtral, Qwen-MoE) | sigmoid per expert (DeepSeek-V3)
+    router_score: str = "softmax"
+    norm_topk_prob: bool = True  # the k chosen scores renormalised to sum to 1 (Mixtral; Qwen2-MoE: false)
+    routed_scaling_factor: float = 1.0  # the routed experts' gates x this (DeepSeek-V3: 2.5)
+    router_groups: int = 1  # experts in this many groups; a token picks from router_topk_groups (DeepSeek-V3: 8, 4)
+    router_topk_groups: int = 1  # a group's score is the sum of its 2 best experts' (DeepSeek-V3)
+    # a per-expert bias on the scores, for the top-k choice only (DeepSeek-V3's e_score_correction_bias; a buffer
+    # kept in checkpoints), nudged toward balance after every step by moe_bias_update_rate (Wang et al. 2024's
+    # auxiliary-loss-free balancing: + rate for an expert below the mean load, - rate above); 0 = left as loaded
+    expert_bias: bool = False
+    moe_bias_update_rate: float = 0.0
     router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient alpha (Fedus et al. 2021, eq. 4)
+    router_aux_loss_scope: str = "batch"  # batch: over the micro-batch | sequence: per sequence (DeepSeek-V3 eq. 17)
     router_z_loss: float = 0.001  # router z-loss coefficient c_z (Zoph et al. 2022, eq. 5)
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times wide
+    # always-on experts beside the routed ones (DeepSeekMoE), one MLP this many times moe_d_ff wide
+    n_shared_experts: int = 0
+    shared_expert_gate: bool = False  # the shared expert's output x sigmoid(Linear(d_model, 1)(x)) (Qwen-MoE)
+    # Multi-head latent attention (DeepSeek-V2/V3, model_mla.py; mla_shape.py validates): kv_lora_rank > 0 replaces
+    # q/k/v_proj by x -> kv_a_proj -> [c_kv (kv_lora_rank), k_pe (qk_rope_head_dim, one rotated key every head
+    # shares)], kv_a_norm(c_kv) -> kv_b_proj -> per head [k_nope (qk_nope_head_dim), v (v_head_dim)], and q by
+    # x -> q_a_proj -> q_a_norm -> q_b_proj (q_lora_rank > 0; 0: q_proj from x) -> per head [q_nope, q_pe]
+    kv_lora_rank: int = 0  # 0 = ordinary attention, nothing below applies
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # LoRA (Hu et al. 2021, arXiv 2106.09685): every layer's target linears compute W0 x + (alpha / r) B A x with
     # A (r x in) Kaiming-uniform and B (out x r) zero, so step 0 is the base model; the base weights are frozen.
     lora_rank: int = 0  # r; 0 = no adapters
@@ -150,9 +190,19 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.lora_targets = name_list(self.lora_targets)
+        if isinstance(self.capacity_factor, str) and self.capacity_factor.lower() in ("none", "null", "dropless"):
+            self.capacity_factor = None  # a command line's model.capacity_factor=none
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (model.kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
 
     @property
     def head_dim(self) -> int:
+        """Width of one query (and key) head: latent attention's qk_nope_head_dim + qk_rope_head_dim."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.d_model // self.n_heads if self.attn_head_dim is None else self.attn_head_dim
 
     @property
@@ -162,8 +212,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head RoPE rotates (even): head_dim * rotary_fraction."""
-        return int(self.head_dim * self.rotary_fraction)
+        """Dims of each head RoPE rotates (even): head_dim * rotary_fraction; latent attention's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim * self.rotary_fraction)
 
     def linear_bias(self, group: str) -> bool:
         """Whether the linears of ``group`` (qkv, out, mlp) have biases."""
@@ -198,9 +248,22 @@ class ModelConfig:
         pipeline split ask here."""
         return is_moe_layer(self, layer)
 
+    @property
+    def expert_ffn_dim(self) -> int:
+        """One routed expert's inner size (model.moe_d_ff, else the dense MLP's)."""
+        return self.ffn_dim if self.moe_d_ff is None else self.moe_d_ff
+
+    @property
+    def dropless(self) -> bool:
+        """Every token reaches its top-k experts (no capacity)."""
+        return self.capacity_factor is None
+
     def expert_capacity(self, seq_len: int) -> int:
         """Slots of each expert per sequence: ceil(capacity_factor * top_k * seq_len / n_experts) (GShard's
-        expert capacity with one group per sequence, so it does not depend on the batch or the layout)."""
+        expert capacity with one group per sequence, so it does not depend on the batch or the layout); dropless:
+        the whole sequence (the most one expert can get)."""
+        if self.capacity_factor is None:
+            return seq_len
         return max(1, math.ceil(self.capacity_factor * self.top_k * seq_len / self.n_experts))
 
     def validate(self) -> None:
@@ -209,7 +272,7 @@ class ModelConfig:
         choice(self, "norm", NORMS)
         choice(self, "norm_placement", NORM_PLACEMENTS)
         choice(self, "activation", ACTIVATIONS)
-        if self.attn_head_dim is None and self.d_model % self.n_heads:
+        if self.attn_head_dim is None and not self.mla and self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 f"choose n_heads among the divisors of {self.d_model}"
@@ -219,7 +282,7 @@ class ModelConfig:
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                 f"n_kv_heads must be a divisor of {self.n_heads} (1 = MQA, {self.n_heads} = MHA)"
             )
-        if self.pos_embedding == "rope" and self.head_dim % 2:
+        if self.pos_embedding == "rope" and self.head_dim % 2 and not self.mla:
             raise ValueError(f"rope needs an even head_dim, got d_model/n_heads = {self.head_dim}")
         self._validate_family_features()
         self._validate_rope_scaling()
@@ -243,6 +306,7 @@ class ModelConfig:
         if self.init_std <= 0 or self.norm_eps <= 0:
             raise ValueError(f"model.init_std={self.init_std} and model.norm_eps={self.norm_eps} must be > 0")
         self._validate_moe()
+        validate_mla(self)
         self._validate_lora()
         choice(self, "base_weight_dtype", BASE_WEIGHT_DTYPES)
         positive(self, "base_weight_group")
@@ -313,7 +377,11 @@ class ModelConfig:
         if not is_number(self.rope_scaling_factor) or self.rope_scaling_factor < 1.0:
             raise ValueError(f"model.rope_scaling_factor={self.rope_scaling_factor!r} must be a number >= 1 "
                              f"(with model.rope_scaling={self.rope_scaling!r})")
-        if self.rope_scaling != "llama3":
+        if self.rope_scaling not in ("llama3", "yarn"):
+            return
+        if self.rope_scaling == "yarn":
+            positive(self, "rope_original_max_seq_len")
+            validate_yarn(self)
             return
         low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
         if not is_number(low) or not is_number(high) or not 0 < low < high:
@@ -356,24 +424,7 @@ class ModelConfig:
                                  f"{self.rel_buckets // 2} (the distances the decoder counts exactly)")
 
     def _validate_moe(self) -> None:
-        for name in ("n_experts", "n_shared_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"model.{name}={value!r} must be an integer >= 0")
-        if self.n_experts == 0:
-            if self.n_shared_experts:
-                raise ValueError(f"model.n_shared_experts={self.n_shared_experts} needs routed experts "
-                                 "(model.n_experts > 0)")
-            return
-        positive(self, "top_k", "moe_every")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"model.capacity_factor={self.capacity_factor} must be > 0 "
-                             f"(>= n_experts / top_k = {self.n_experts / self.top_k:g} never drops a token)")
-        if self.router_aux_loss < 0 or self.router_z_loss < 0:
-            raise ValueError(f"model.router_aux_loss={self.router_aux_loss} and model.router_z_loss="
-                             f"{self.router_z_loss} must be >= 0")
+        validate_moe(self)
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:

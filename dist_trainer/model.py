@@ -46,6 +46,7 @@ from dist_trainer.model_blocks import (
     softcap,
 )
 from dist_trainer.model_lora import LoRALinear, is_adapter
+from dist_trainer.model_mla import MLAttention
 from dist_trainer.model_moe import add_aux_losses
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
 from dist_trainer.model_recompute import op_recompute_contexts
@@ -93,7 +94,8 @@ class Transformer(nn.Module):
         self.rel_emb = self._relative_bias(bidirectional=True) if relative else None
         self.emb_norm = build_norm(cfg) if post and not seq2seq else None  # BERT normalises the embedding sum
         self.emb_drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg, i, causal=False if seq2seq else None) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, causal=False if seq2seq else None,
+                                          attn=MLAttention(cfg) if cfg.mla else None) for i in range(cfg.n_layers))
         self.enc_norm = build_norm(cfg) if seq2seq and not post else None  # the encoder stack's final norm
         self.dec_pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if seq2seq and learned else None
         self.dec_rel_emb = self._relative_bias(bidirectional=False) if relative else None
@@ -170,7 +172,7 @@ class Transformer(nn.Module):
         loops are given too, so every_k recomputes the same layers as the single model whatever the stages."""
         ids = range(first_layer, first_layer + len(self.layers) + len(self.dec_layers or ()))
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, Attention | MLAttention):
                 module.recompute_core = mode == "selective"
         self.recompute_ops = mode == "op"
         if mode in ("none", "selective"):

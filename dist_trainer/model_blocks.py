@@ -67,8 +67,9 @@ def build_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 # the bias group (ModelConfig.linear_bias) of each layer linear
-BIAS_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "out",
-               "up_proj": "mlp", "gate_proj": "mlp", "down_proj": "mlp"}
+# (latent attention's down projections q_a_proj, kv_a_proj: the q/k/v group, transformers' attention_bias)
+BIAS_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "out", "q_a_proj": "qkv",
+               "kv_a_proj": "qkv", "up_proj": "mlp", "gate_proj": "mlp", "down_proj": "mlp"}
 
 
 def build_linear(cfg: ModelConfig, leaf: str, in_features: int, out_features: int) -> nn.Linear:
@@ -279,11 +280,14 @@ class MLP(nn.Module):
         set_attrs(self.down_proj, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.up_proj(x)
-        if self.gate_proj is None:
-            return self.down_proj(activate(up, self.activation))
-        gate = self.gate_proj(x)  # swiglu: silu(gate) * up; geglu (T5 v1.1): gelu_tanh(gate) * up
-        return self.down_proj((F.silu(gate) if self.activation == "swiglu" else activate(gate, "gelu_tanh")) * up)
+        return self.down_proj(self.hidden(self.up_proj(x), None if self.gate_proj is None else self.gate_proj(x)))
+
+    def hidden(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The activated inner features of up_proj's and gate_proj's outputs (a MoE layer's grouped experts too)."""
+        if gate is None:
+            return activate(up, self.activation)
+        # swiglu: silu(gate) * up; geglu (T5 v1.1): gelu_tanh(gate) * up
+        return (F.silu(gate) if self.activation == "swiglu" else activate(gate, "gelu_tanh")) * up
 
 
 def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -319,9 +323,11 @@ class Block(nn.Module):
 
     Each branch output is multiplied by ``model.residual_multiplier`` before its add (Granite). A sliding layer
     (``cfg.is_sliding_layer``) attends within ``model.sliding_window`` and reads the local RoPE table the model
-    hands it."""
+    hands it. ``attn``: the attention the model built for it (latent attention, ``model_mla.py``), else the
+    ordinary one."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0, causal: bool | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, causal: bool | None = None,
+                 attn: nn.Module | None = None) -> None:
         super().__init__()
         self.placement = cfg.norm_placement
         self.pre_norm = cfg.norm_placement == "pre"
@@ -330,7 +336,7 @@ class Block(nn.Module):
         causal = cfg.causal if causal is None else causal
         self.sliding = causal and cfg.is_sliding_layer(layer_id)
         self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg, causal, cfg.sliding_window if self.sliding else 0)
+        self.attn = Attention(cfg, causal, cfg.sliding_window if self.sliding else 0) if attn is None else attn
         if cfg.norm_placement == "sandwich":
             self.attn_post_norm = build_norm(cfg)
         self.mlp_norm = build_norm(cfg)
@@ -384,7 +390,7 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
     Normal(0, init_std) for linear and embedding weights, with residual output projections
     at init_std / sqrt(2 * n_layers) (GPT-2 paper, section 2.3); zero biases (the model's own ``output_bias``
     too: it draws nothing, so where it sits in the draw order changes no other weight); unit norms (an RMSNorm's
-    weight 1 - model.norm_weight_offset, so (offset + weight) is 1).
+    weight 1 - model.norm_weight_offset, so (offset + weight) is 1); a MoE layer's expert bias zero.
     A LoRA adapter draws from its own generator (``model_lora.init_adapter_``), never from the global one.
     Other modules are left alone.
     """
@@ -407,3 +413,5 @@ def init_weights_(module: nn.Module, cfg: ModelConfig) -> None:
             nn.init.zeros_(bias)
     elif isinstance(output_bias := getattr(module, "output_bias", None), nn.Parameter):  # a model with mlm_head
         nn.init.zeros_(output_bias)
+    elif isinstance(module, MoE):
+        module.reset_expert_bias()

@@ -1,107 +1,57 @@
-"""Mixture-of-experts feed-forward layer: router, experts, expert capacity, auxiliary losses. Pure torch.
+"""Mixture-of-experts feed-forward layer: router, experts, shared expert, expert bias, auxiliary losses. Pure torch.
 
 A layer ``i`` with ``cfg.is_moe_layer(i)`` holds ``moe`` where a dense layer holds ``mlp``:
 
   layers.{i}.moe.router                             Linear(d_model, n_experts, bias=False), computed in fp32
-  layers.{i}.moe.experts.{e}.{up,gate,down}_proj    expert ``e`` (its GLOBAL index) is the model's own MLP
-  layers.{i}.moe.shared_expert.{up,gate,down}_proj  optional: an MLP n_shared_experts x d_ff wide, every token
+  layers.{i}.moe.expert_bias                        buffer (n_experts,) fp32 with model.expert_bias (DeepSeek-V3)
+  layers.{i}.moe.experts.{e}.{up,gate,down}_proj    expert ``e`` (its GLOBAL index): an MLP moe_d_ff wide
+  layers.{i}.moe.shared_expert.{up,gate,down}_proj  optional: an MLP n_shared_experts x moe_d_ff wide, every token
+  layers.{i}.moe.shared_expert_gate                 optional: Linear(d_model, 1, bias=False) (Qwen-MoE)
 
-Routing is one function (``route``) of the router logits, so it is the same in every layout:
+Routing is a function of the router logits alone (``model_moe_routing.py``: scores, top-k, gates), so it is the
+same in every layout. Then either
 
-1. softmax over the experts, top-k, the k gates renormalised to sum to 1 (Mixtral, Jiang et al. 2024, eq. 2;
-   Megatron-core's default softmax-after-top-k gives the same numbers; with k = 1 the gate is 1);
-2. expert capacity ``cfg.expert_capacity(T)`` slots per expert and *sequence* (GShard's groups, Lepikhin et al.
-   2020, with one group per sequence): the assignments of a sequence claim slots choice-major, then by position
-   (every token's first choice before any second choice: GShard's Algorithm 1, DeepSpeed's top2gating), so
-   which tokens are dropped depends on the sequence alone, not on the micro-batch, the dp/ep/tp/pp layout or
-   sequence parallelism;
-3. an assignment beyond capacity is dropped: the token keeps its other experts' outputs (gates not renormalised
-   again) and its residual stream.
+- dropless (``capacity_factor: none``, the default): every assignment, sorted by expert, runs through its expert
+  (``model_moe_experts.py``: grouped matmuls or a segment loop) and comes back weighted by its gate; under expert
+  parallelism the seam ``exchange`` moves the sorted rows with an uneven all-to-all (``parallel/ep/``);
+- or with a capacity: GShard's dispatch buffer (E, sequences x capacity, d_model), an assignment beyond its
+  expert's capacity dropped (the token keeps its other experts' outputs and its residual stream); padded slots are
+  computed too, as in every capacity-based implementation.
 
-The experts run on a dispatch buffer (E, sequences x capacity, d_model) through ``MoE.run_experts``; expert
-parallelism (``parallel/ep/``) rebinds it to move the buffer with all-to-all. Padded slots are computed too, as
-in every capacity-based implementation (the planner charges them).
+The shared expert adds its output for every token (times sigmoid of its gate with Qwen-MoE's gate).
 
-Training adds, per MoE layer, ``router_aux_loss`` x the Switch load-balancing loss (Fedus et al. 2021, eq. 4-6:
-N sum_i f_i P_i, f_i the share of the micro-batch's assignments routed to expert i before capacity, all k choices
-counted and divided by k as Megatron and DeepSpeed's top-k gate do; P_i the mean router probability) and
-``router_z_loss`` x the router z-loss (Zoph et al. 2022, eq. 5: the mean squared log-sum-exp of the logits).
-``add_aux_losses`` adds them to the LM loss (the model's forward); a pipeline stage attaches them to its output
-with ``attach_aux_losses`` instead (Megatron's MoEAuxLossAutoScaler). Evaluation reports the LM loss alone.
+Training adds, per MoE layer, ``router_aux_loss`` x the load-balancing loss (Switch, Fedus et al. 2021 eq. 4 over
+the micro-batch, or per sequence: ``router_aux_loss_scope``) and ``router_z_loss`` x the router z-loss (Zoph et
+al. 2022, eq. 5). ``add_aux_losses`` adds them to the LM loss (the model's forward); a pipeline stage attaches
+them to its output with ``attach_aux_losses`` instead (Megatron's MoEAuxLossAutoScaler). Evaluation reports the
+LM loss alone. The expert bias is nudged after each optimizer step (``moe_balance.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.model_moe_experts import run_experts_sorted
+from dist_trainer.model_moe_routing import (
+    Choice,
+    capacity_route,
+    combine,
+    dispatch,
+    dropless_combine,
+    load_balancing_loss,
+    select,
+    sort_by_expert,
+    z_loss,
+)
 
 # RouterStats columns after the n_experts token counts
 DROPPED, AUX, Z, CALLS = range(4)
-
-
-@dataclass
-class Routing:
-    """Where each (sequence, choice, position) assignment goes; ``route`` computes it."""
-
-    expert: torch.Tensor  # (B, k, T) int64: the chosen expert
-    keep: torch.Tensor  # (B, k, T) bool: within the expert's capacity
-    gate: torch.Tensor  # (B, k, T) fp32: the renormalised gate (carries the router's gradient)
-    rows: torch.Tensor  # (B*k*T,) int64: row of the flat (E*B*capacity + 1, d) buffer; dropped -> the last row
-    capacity: int
-
-
-def route(logits: torch.Tensor, top_k: int, capacity: int) -> Routing:
-    """(B, T, E) fp32 router logits -> the routing of every token (module docstring: steps 1-3)."""
-    B, T, E = logits.shape
-    top_p, top_e = logits.softmax(-1).topk(top_k, dim=-1)  # (B, T, k)
-    gate = (top_p / top_p.sum(-1, keepdim=True)).transpose(1, 2)  # (B, k, T)
-    expert = top_e.transpose(1, 2).contiguous()  # (B, k, T): choice-major order, then position
-    onehot = F.one_hot(expert.view(B, top_k * T), E)  # (B, k*T, E)
-    slot = ((onehot.cumsum(1) - 1) * onehot).sum(-1).view(B, top_k, T)  # the assignment's place in its expert
-    keep = slot < capacity
-    seq = torch.arange(B, device=logits.device).view(B, 1, 1)
-    rows = torch.where(keep, (expert * B + seq) * capacity + slot, E * B * capacity)  # buffer (E, B, capacity)
-    return Routing(expert, keep, gate, rows.flatten(), capacity)
-
-
-def dispatch(x: torch.Tensor, r: Routing, n_experts: int) -> torch.Tensor:
-    """(B, T, d) tokens -> (E, B*capacity, d) expert inputs; empty slots are zeros."""
-    B, T, d = x.shape
-    k = r.expert.shape[1]
-    src = x.unsqueeze(1).expand(B, k, T, d).reshape(B * k * T, d)
-    # one spill row takes every dropped assignment, then is cut off (slicing the end keeps it contiguous)
-    buf = x.new_zeros(n_experts * B * r.capacity + 1, d).index_put((r.rows,), src)
-    return buf[:-1].view(n_experts, B * r.capacity, d)
-
-
-def combine(out: torch.Tensor, r: Routing, like: torch.Tensor) -> torch.Tensor:
-    """(E, B*capacity, d) expert outputs -> (B, T, d): each token's kept outputs weighted by their gates."""
-    B, k, T = r.expert.shape
-    flat = out.reshape(-1, out.shape[-1])
-    picked = flat.index_select(0, r.rows.clamp(max=flat.shape[0] - 1)).view(B, k, T, -1)
-    weight = (r.gate * r.keep).unsqueeze(-1)  # a dropped assignment contributes nothing (and gets no gradient)
-    return (picked * weight).sum(1).to(like.dtype)
-
-
-def load_balancing_loss(probs: torch.Tensor, expert: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Switch Transformer eq. 4: N sum_i f_i P_i over the micro-batch (1 under uniform routing).
-
-    ``probs`` (tokens, E) router probabilities; ``expert`` every assignment's expert (all k choices)."""
-    f = torch.bincount(expert.flatten(), minlength=n_experts).to(probs.dtype) / expert.numel()
-    return n_experts * (f * probs.mean(0)).sum()
-
-
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE eq. 5: the mean over tokens of log(sum_j exp(x_j))^2."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def _in_backward() -> bool:
@@ -111,8 +61,12 @@ def _in_backward() -> bool:
 
 class ExpertExchange(nn.Module):
     """Where the experts' rows travel: nowhere in one process, every expert being here. The declared seam of expert
-    parallelism, which swaps in its all-to-all (``parallel/ep/apply.py``): ``send`` takes the (E, N, d) dispatch
-    buffer to the rows of this rank's experts, ``receive`` takes their outputs back to (E, N, d)."""
+    parallelism, which swaps in its all-to-alls (``parallel/ep/apply.py``).
+
+    Capacity routing: ``send`` takes the (E, N, d) dispatch buffer to the rows of this rank's experts, ``receive``
+    takes their outputs back to (E, N, d). Dropless: ``send_sorted`` takes (rows sorted by expert, rows per
+    expert) to this rank's experts' rows sorted by its own experts and their counts, plus what ``receive_sorted``
+    needs to send their outputs back in the original order."""
 
     def send(self, buf: torch.Tensor) -> torch.Tensor:
         return buf
@@ -120,13 +74,21 @@ class ExpertExchange(nn.Module):
     def receive(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
+    def send_sorted(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return rows, counts, None
+
+    def receive_sorted(self, out: torch.Tensor, handle: Any) -> torch.Tensor:
+        return out
+
 
 class MoE(nn.Module):
-    """Top-k routed experts with capacity (module docstring); the same module in every regime.
+    """Top-k routed experts, dropless or with capacity, and the shared expert (module docstring); the same module
+    in every regime.
 
     ``router_stats`` accumulates, over the training forwards since ``reset_stats``, the assignments per expert
     (before capacity), the dropped assignments and the coefficient-weighted aux and z losses (float64, on the
-    layer's device): the per-layer load metrics of metrics.jsonl.
+    layer's device): the per-layer load metrics of metrics.jsonl. ``step_load`` counts the assignments per expert
+    since the last expert-bias update (``moe_balance.update_expert_bias``).
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, make_mlp: Callable[[int], nn.Module]) -> None:
@@ -135,12 +97,24 @@ class MoE(nn.Module):
         self.layer_id = layer_id  # the global layer index (pipeline stages keep it)
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)  # Mixtral, Switch: no bias
-        self.experts = nn.ModuleDict({str(e): make_mlp(cfg.ffn_dim) for e in range(cfg.n_experts)})
-        self.shared_expert = make_mlp(cfg.n_shared_experts * cfg.ffn_dim) if cfg.n_shared_experts else None
+        # DeepSeek-V3's e_score_correction_bias: selection only, no gradient, saved with the model
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if cfg.expert_bias else None)
+        self.experts = nn.ModuleDict({str(e): make_mlp(cfg.expert_ffn_dim) for e in range(cfg.n_experts)})
+        shared = cfg.n_shared_experts * cfg.expert_ffn_dim
+        self.shared_expert = make_mlp(shared) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.exchange = ExpertExchange()  # expert parallelism's seam
+        self.grouped = True  # dropless experts as grouped matmuls where supported (benchmarks/moe_grouped.py)
         self.aux_loss: torch.Tensor | None = None  # the last training forward's weighted aux + z loss
         self.router_stats: torch.Tensor | None = None
+        self.step_load: torch.Tensor | None = None
         self.record_stats = True  # off while a pipeline schedule infers shapes (paused_router_stats)
+
+    def buffer_specs(self) -> dict[str, tuple[int | None, int | None]]:
+        """The expert bias is model state, whole on every rank (read by ``parallel/tp/reshard.tp_shard_specs``, so
+        checkpoints list it and an export writes it: DeepSeek-V3's e_score_correction_bias)."""
+        return {"expert_bias": (None, None)} if self.expert_bias is not None else {}
 
     def run_experts(self, buf: torch.Tensor) -> torch.Tensor:
         """(E, N, d) dispatch buffer -> (E, N, d) outputs: the rows of this module's experts (all of them in one
@@ -149,36 +123,65 @@ class MoE(nn.Module):
         out = torch.stack([expert(rows[i]) for i, expert in enumerate(self.experts.values())])
         return self.exchange.receive(out)
 
+    def run_dropless(self, x: torch.Tensor, c: Choice) -> torch.Tensor:
+        """Every assignment through its expert: sorted by expert, exchanged, computed, back, weighted, summed."""
+        order, counts = sort_by_expert(c.expert, self.n_experts)
+        rows = x.flatten(0, 1).index_select(0, order // self.top_k)  # (B*T*k, d) in expert order
+        here, here_counts, handle = self.exchange.send_sorted(rows, counts)
+        out = run_experts_sorted(list(self.experts.values()), here, here_counts, grouped=self.grouped)
+        return dropless_combine(self.exchange.receive_sorted(out, handle), order, c.gate, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32 (Switch, section 2.4)
             logits = self.router(x).float()  # (B, T, E)
-        r = route(logits, self.top_k, self.cfg.expert_capacity(x.shape[1]))
-        y = combine(self.run_experts(dispatch(x, r, self.n_experts)), r, x)
+        c = select(logits, self.cfg, self.expert_bias)
+        dropped = None
+        if self.cfg.dropless:
+            y = self.run_dropless(x, c)
+        else:
+            r = capacity_route(c, self.n_experts, self.cfg.expert_capacity(x.shape[1]))
+            y = combine(self.run_experts(dispatch(x, r, self.n_experts)), r, x)
+            dropped = (~r.keep).sum()
         if self.shared_expert is not None:
-            y = y + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            y = y + shared
         if self.training:
-            flat = logits.flatten(0, 1)
-            aux = self.cfg.router_aux_loss * load_balancing_loss(flat.softmax(-1), r.expert, self.n_experts)
-            z = self.cfg.router_z_loss * z_loss(flat)
+            aux = self.cfg.router_aux_loss * load_balancing_loss(
+                c.scores, c.expert, self.n_experts, per_sequence=self.cfg.router_aux_loss_scope == "sequence",
+                normalise=self.cfg.router_score == "sigmoid") if self.cfg.router_aux_loss else logits.new_zeros(())
+            z = self.cfg.router_z_loss * z_loss(logits.flatten(0, 1)) if self.cfg.router_z_loss else \
+                logits.new_zeros(())
             self.aux_loss = aux + z
             if self.record_stats and not _in_backward():  # a recomputed forward: the same tokens again
-                self._record(r, aux, z)
+                self._record(c, dropped, aux, z)
         return y
 
     @torch.no_grad()
-    def _record(self, r: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
-        if self.router_stats is None:
-            self.reset_stats(r.gate.device)
-        assert self.router_stats is not None
+    def _record(self, c: Choice, dropped: torch.Tensor | None, aux: torch.Tensor, z: torch.Tensor) -> None:
+        if self.router_stats is None or self.step_load is None:
+            self.reset_stats(c.gate.device)
+        assert self.router_stats is not None and self.step_load is not None
         E = self.n_experts
-        self.router_stats[:E] += torch.bincount(r.expert.flatten(), minlength=E).double()
-        extra = torch.stack([(~r.keep).sum().double(), aux.double(), z.double(), torch.ones((), device=aux.device,
-                                                                                              dtype=torch.float64)])
+        load = torch.bincount(c.expert.flatten(), minlength=E).double()
+        self.router_stats[:E] += load
+        self.step_load += load
+        zero = torch.zeros((), device=aux.device, dtype=torch.float64)
+        extra = torch.stack([zero if dropped is None else dropped.double(), aux.double(), z.double(), zero + 1])
         self.router_stats[E:] += extra
+
+    @torch.no_grad()
+    def reset_expert_bias(self) -> None:
+        """Zero the expert bias (its initial value; also after ``to_empty`` left it uninitialised)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
 
     def reset_stats(self, device: torch.device | None = None) -> None:
         device = device or self.router.weight.device
         self.router_stats = torch.zeros(self.n_experts + 4, dtype=torch.float64, device=device)
+        if self.step_load is None or self.step_load.device != device:
+            self.step_load = torch.zeros(self.n_experts, dtype=torch.float64, device=device)
 
 
 def moe_layers(model: nn.Module) -> Iterator[MoE]:

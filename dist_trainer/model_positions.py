@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.mla_shape import yarn_attention_factor
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -50,15 +51,39 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, blended, scaled)
+    if cfg.rope_scaling == "yarn":
+        return yarn_inv_freq(cfg, inv_freq, d, theta)
     return inv_freq
+
+
+def yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor, d: int, theta: float) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, section 3.2; transformers' ``_compute_yarn_parameters``, its operations
+    in its order): dims rotating fewer than beta_slow times over the pretraining length are interpolated (divided by
+    factor), those above beta_fast kept, a linear ramp between (the correction range truncated to whole dims)."""
+    factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_seq_len
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), d - 1)
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high)
+                                                                          - low), 0, 1)
+    keep = 1 - ramp
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
 def rope_cache(cfg: ModelConfig, seq_len: int | None = None, local: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (seq_len or max_seq_len, rotary_dim/2) for rotary embeddings, fp32 as transformers computes
-    them (``rope_inv_freq``): angle = float(position) * inv_freq, rounded to fp32, then its cos and sin."""
+    them (``rope_inv_freq``): angle = float(position) * inv_freq, rounded to fp32, then its cos and sin (times
+    YaRN's attention factor under yarn)."""
     positions = torch.arange(cfg.max_seq_len if seq_len is None else seq_len).float()
     angles = positions[:, None] * rope_inv_freq(cfg, local)
+    if cfg.rope_scaling == "yarn" and not local:  # YaRN's temperature on the rotated dims (mla_shape.py)
+        factor = yarn_attention_factor(cfg)
+        return angles.cos() * factor, angles.sin() * factor
     return angles.cos(), angles.sin()
 
 

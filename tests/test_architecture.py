@@ -113,11 +113,13 @@ def test_no_import_cycles() -> None:
 # package or one of its top-level modules; every unit is placed, so a new one says where it stands.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("facts", "families"),  # torch-free facts; the model families (config.json and tensor names as plain data)
-    ("config_fields", "config_model", "config", "config_load", "files", "optim_entries"),  # the run's config, read and
+    ("config_fields", "config_moe", "config_mla", "config_model", "config", "config_load", "files",
+     "optim_entries"),  # the run's config, read and
     # validated; the optimizers' entries (torch-free: what each takes, keeps and costs)
     ("layout_rules",),  # which layouts run, torch-free
     ("quant", "model_positions", "model_lora", "model_moe", "model_seq2seq", "model_blocks", "model",
-     "model_recompute", "optim_lowbit"),  # one process's model and AdamW's low-bit states, pure torch
+     "model_recompute", "model_mla", "model_moe_routing", "model_moe_experts",
+     "optim_lowbit"),  # one process's model and AdamW's low-bit states, pure torch
     # the token data; the mechanisms that cut the model over ranks; the optimizers (Muon's owners gather over them)
     ("data", "parallel", "optim_muon", "optim"),
     ("planner",),  # torch-free arithmetic over layouts; writes DeepSpeed JSON through parallel/zero/config.py
@@ -399,9 +401,9 @@ def test_family_names_are_written_only_in_the_families_folder() -> None:
     module, its registry line, its presets and its tests, and nothing else. Prose naming a family (a docstring or a
     message mentioning Llama) is not a name: only a string that is exactly a model_type counts. Presets
     (configs/models/), tests and docs name families freely."""
-    from dist_trainer.families import FAMILIES, MOE_ELSEWHERE
+    from dist_trainer.families import FAMILIES
 
-    names = ISSUE_33_FAMILIES | set(FAMILIES) | set(MOE_ELSEWHERE)
+    names = ISSUE_33_FAMILIES | set(FAMILIES)
     scanned = [p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(PACKAGE / "families")]
     assert PACKAGE / "checkpoint" / "hf_export.py" in scanned  # the scan sees the folder readers and writers
     found = sorted(f"{p.relative_to(ROOT)}:{line}: {value!r}" for p in scanned for line, value in _string_constants(p)

@@ -21,7 +21,7 @@ from dist_trainer.checkpoint.hf_export import _to_hf
 from dist_trainer.checkpoint.source import HFSource, SafetensorsFiles, interleave_rope_rows, rotate_half_rope_rows
 from dist_trainer.config_load import load_preset
 from dist_trainer.config_model import ModelConfig
-from dist_trainer.families import FAMILIES, MOE_ELSEWHERE, Recipe, family, family_for_model, model_fields
+from dist_trainer.families import FAMILIES, Recipe, family, family_for_model, model_fields
 from dist_trainer.families.common import MATHS_DEFAULTS
 
 H, D, R, IN = 3, 8, 4, 5  # heads, head_dim, rotary dims (partial), input features
@@ -107,18 +107,15 @@ def test_rope_rows_permute_and_invert(rope_dims: int) -> None:
 
 
 def test_maths_defaults_are_the_model_configs() -> None:
-    fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+              for f in dataclasses.fields(ModelConfig)}
     assert {k: fields[k] for k in MATHS_DEFAULTS} == MATHS_DEFAULTS
 
 
-def test_lookup_names_the_supported_families_and_refuses_moe_in_one_line() -> None:
+def test_lookup_names_the_supported_families_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"model_type 'falcon' is not supported; supported: gpt2, llama") as info:
         family("falcon", "x/config.json")
     assert str(info.value).startswith("x/config.json: ")
-    for name in MOE_ELSEWHERE:
-        with pytest.raises(ValueError, match=f"model_type '{name}' is not supported: mixture-of-experts") as info:
-            family(name)
-        assert "another issue" in str(info.value) and "\n" not in str(info.value)
     assert all(FAMILIES[name].model_type == name for name in FAMILIES)
 
 

@@ -119,6 +119,9 @@ for _family in ("mixtral", "mistral", "bert"):
     LAYOUTS[f"{_family}:tp2xpp2"] = (_family, {"tp_size": 2, "pp_size": 2, "micro_batch_size": 2})
     LAYOUTS[f"{_family}:zero3"] = (_family, {"zero_stage": 3, "micro_batch_size": 2})
 LAYOUTS["mixtral:ep2"] = ("mixtral", {"ep_size": 2, "micro_batch_size": 2})
+# dropless (issue 36): expert parallelism with TP, and ZeRO-2 over the expert-data-parallel groups
+LAYOUTS["mixtral:ep2xtp2"] = ("mixtral", {"ep_size": 2, "tp_size": 2, "micro_batch_size": 2})
+LAYOUTS["mixtral:zero2"] = ("mixtral", {"zero_stage": 2, "ep_size": 2, "micro_batch_size": 2})
 LAYOUTS["llama3:tp2"] = ("llama3", {"tp_size": 2})
 
 

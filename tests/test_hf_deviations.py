@@ -2,7 +2,7 @@
 nothing. Against ``transformers`` itself (a test-only dependency), single-process, tiny folders.
 
 - a Mixtral folder beside a preset (``model.preset=tiny-moe``, capacity_factor 1.25) or a model section that sets
-  ``capacity_factor``: the run's model has the folder's dropless capacity, no expert slot is dropped at step 1, the
+  ``capacity_factor``: the run's model routes dropless as the folder's, no expert slot is dropped at step 1, the
   step-1 loss is transformers', and the note on stderr names every replaced field;
 - a BERT folder saved as ``BertForPreTraining`` keeps its next-sentence head (``cls.seq_relationship``): loaded with
   transformers' logits, counted by ``params``, trained on (it gets no gradient from the MLM loss) or frozen, and
@@ -87,12 +87,12 @@ def test_a_mixtral_folder_keeps_its_dropless_routing(model: dict[str, Any], data
                                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trainer, loss, hf_loss = _step(data, tmp_path / "run", mixtral, {**model, **NO_ROUTER_LOSS})
     cfg = trainer.cfg.model
-    assert cfg.capacity_factor == 4 / 2  # n_experts / top_k: one expert can take every token of a sequence
+    assert cfg.capacity_factor is None  # dropless (issue 36), as transformers' Mixtral
     assert _dropped(trainer) == 0.0
     assert math.isclose(loss, hf_loss, rel_tol=1e-5), (loss, hf_loss)
     note = capsys.readouterr().err
     given = model.get("capacity_factor", 1.25)
-    assert f"capacity_factor={given!r} (" in note and "-> 2.0" in note, note
+    assert f"capacity_factor={given!r} (" in note and "-> None" in note, note
 
 
 def test_the_capacity_the_folder_replaces_would_drop_tokens(data: Path, mixtral: Path, tmp_path: Path) -> None:
@@ -273,7 +273,7 @@ def test_a_folder_as_a_preset_alone_keeps_the_runs_capacity(mixtral: Path) -> No
     """``model.preset=DIR`` without its weights (the seed draws them): the capacity is a training choice there."""
     cfg = load_config(None, [f"--model.preset={mixtral}", "--model.capacity_factor=1.25", "--data.seq_len=32"])
     assert cfg.model.capacity_factor == 1.25 and cfg.model.n_experts == 4
-    assert load_config(None, [f"--model.preset={mixtral}", "--data.seq_len=32"]).model.capacity_factor == 2.0
+    assert load_config(None, [f"--model.preset={mixtral}", "--data.seq_len=32"]).model.capacity_factor is None
 
 
 BERT_LAYOUTS = {"tp2": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2, "micro_batch_size": 2},

@@ -98,7 +98,8 @@ def test_rope_tables_equal_transformers(case: str) -> None:
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(rope_scaling="yarn"), "rope_scaling='yarn'"),
+    (dict(rope_scaling="longrope"), "rope_scaling='longrope'"),  # yarn is mapped (DeepSeek-V3: tests/test_mla.py)
+    (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_yarn_beta_slow=40.0), "rope_yarn_beta_fast=32.0"),
     (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope_scaling_factor=0.5"),
     (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
      "rope_low_freq_factor=4.0 and model.rope_high_freq_factor=1.0"),

@@ -12,7 +12,16 @@ from dist_trainer.config import ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.model import build_model, count_parameters
 from dist_trainer.model_blocks import Block
-from dist_trainer.model_moe import MoE, combine, dispatch, load_balancing_loss, moe_layers, route, z_loss
+from dist_trainer.model_moe import MoE, moe_layers
+from dist_trainer.model_moe_routing import (
+    Routing,
+    capacity_route,
+    combine,
+    dispatch,
+    load_balancing_loss,
+    select,
+    z_loss,
+)
 from dist_trainer.planner.params import count_params, param_breakdown
 
 MOE = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 32, "n_experts": 4, "top_k": 2,
@@ -21,6 +30,12 @@ MOE = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_le
 
 def _cfg(**fields: object) -> ModelConfig:
     return model_config("tiny", **{**MOE, **fields})
+
+
+def route(logits: torch.Tensor, top_k: int, capacity: int) -> Routing:
+    """Softmax top-k with renormalised gates, then GShard's slots (``capacity_route``)."""
+    E = logits.shape[-1]
+    return capacity_route(select(logits, _cfg(n_experts=E, top_k=top_k), None), E, capacity)
 
 
 def test_mixtral_counts_equal_the_published_figures_on_the_meta_device_and_in_closed_form() -> None:
@@ -107,9 +122,12 @@ def test_losses_follow_the_papers() -> None:
     E, T = 4, 64
     probs = torch.full((T, E), 1.0 / E)
     expert = torch.arange(T * 2).remainder(E).view(T, 2)  # every expert gets the same share
-    assert float(load_balancing_loss(probs, expert, E)) == pytest.approx(1.0)
-    skew = torch.zeros(T, 2, dtype=torch.long)  # all to expert 0, which has all the probability
-    assert float(load_balancing_loss(F.one_hot(skew[:, 0], E).float(), skew, E)) == pytest.approx(E)
+    for per_sequence in (False, True):
+        def loss(p: torch.Tensor, e: torch.Tensor, per_sequence: bool = per_sequence) -> float:
+            return float(load_balancing_loss(p[None], e[None], E, per_sequence=per_sequence, normalise=False))
+        assert loss(probs, expert) == pytest.approx(1.0)
+        skew = torch.zeros(T, 2, dtype=torch.long)  # all to expert 0, which has all the probability
+        assert loss(F.one_hot(skew[:, 0], E).float(), skew) == pytest.approx(E)
     logits = torch.tensor([[0.0, math.log(3.0)], [math.log(7.0), 0.0]])
     assert float(z_loss(logits)) == pytest.approx((math.log(4.0) ** 2 + math.log(8.0) ** 2) / 2)
 
@@ -137,7 +155,131 @@ def test_training_loss_adds_the_router_losses_and_eval_does_not() -> None:
     ({"router_aux_loss": -1.0}, "model.router_aux_loss=-1.0"),
     ({"n_experts": 0, "n_shared_experts": 1}, "model.n_shared_experts=1 needs routed experts"),
     ({"n_experts": -2}, "model.n_experts=-2 must be an integer >= 0"),
+    ({"router_score": "tanh"}, "model.router_score='tanh' is not one of softmax, sigmoid"),
+    ({"router_groups": 3}, "model.router_groups=3 must divide model.n_experts=4"),
+    ({"router_groups": 2, "router_topk_groups": 1, "top_k": 3}, "cannot hold model.top_k=3"),
+    ({"moe_bias_update_rate": 0.01}, "needs model.expert_bias: true"),
+    ({"shared_expert_gate": True}, "needs model.n_shared_experts > 0"),
+    ({"moe_dense_layers": [2]}, "are not layer indices 0 .. 1"),
+    ({"router_aux_loss_scope": "token"}, "model.router_aux_loss_scope='token' is not one of batch, sequence"),
 ])
 def test_bad_moe_config_is_a_value_error_naming_it(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         _cfg(**fields)
+
+
+@pytest.mark.parametrize("fields", [
+    {},  # Mixtral: softmax top-2, renormalised
+    {"norm_topk_prob": False, "n_shared_experts": 2, "shared_expert_gate": True, "moe_d_ff": 8},  # Qwen2-MoE
+    {"router_score": "sigmoid", "router_groups": 2, "router_topk_groups": 1, "expert_bias": True,  # DeepSeek-V3
+     "routed_scaling_factor": 2.5, "n_shared_experts": 1, "moe_d_ff": 8},
+])
+def test_a_dropless_layer_is_the_gated_sum_of_its_experts_grouped_or_looped(fields: dict) -> None:
+    """Dropless: every token's output is sum_k gate_k expert_k(x) (+ the shared expert, gated), whether the experts
+    run as grouped matmuls or one module per segment, and the two give the same gradients."""
+    torch.manual_seed(2)
+    cfg = _cfg(capacity_factor=None, activation="swiglu", bias=False, **fields)
+    layer = Block(cfg, 0).moe
+    if layer.expert_bias is not None:
+        layer.expert_bias.copy_(torch.randn(4) * 0.1)
+    x = torch.randn(3, 32, 16, requires_grad=True)
+    c = select(layer.router(x).float(), cfg, layer.expert_bias)
+    want = torch.zeros(3, 32, 16)
+    for j in range(cfg.top_k):
+        for e in range(4):
+            mask = (c.expert[..., j] == e).unsqueeze(-1)
+            want = want + mask * c.gate[..., j:j + 1] * layer.experts[str(e)](x)
+    if layer.shared_expert is not None:
+        gate = torch.sigmoid(layer.shared_expert_gate(x)) if layer.shared_expert_gate is not None else 1.0
+        want = want + gate * layer.shared_expert(x)
+    grads = []
+    for grouped in (True, False):
+        layer.grouped = grouped
+        layer.zero_grad()
+        x.grad = None
+        got = layer(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        got.square().sum().backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in layer.parameters())])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sigmoid_group_limited_routing_is_deepseek_v3s() -> None:
+    """Sigmoid scores plus the expert bias for the choice only, the best 2 of 4 groups by their top-2 sums, gates
+    renormalised then scaled: transformers' DeepseekV3TopkRouter on the same weights, bias and tokens."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    hf = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                       topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    theirs = DeepseekV3TopkRouter(hf)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.e_score_correction_bias.normal_(std=0.2)
+    cfg = _cfg(n_experts=16, top_k=4, router_score="sigmoid", router_groups=4, router_topk_groups=2,
+               routed_scaling_factor=2.5, expert_bias=True)
+    x = torch.randn(2, 32, 16)
+    ours = select(torch.nn.functional.linear(x, theirs.weight), cfg, theirs.e_score_correction_bias)
+    _, weights, indices = theirs(x)
+    order = indices.argsort(-1)
+    assert torch.equal(ours.expert.flatten(0, 1).sort(-1).values, indices.gather(-1, order))
+    torch.testing.assert_close(ours.gate.flatten(0, 1).gather(-1, ours.expert.flatten(0, 1).argsort(-1)),
+                               weights.gather(-1, order))
+    assert not torch.equal(ours.expert, select(ours.scores.logit(), cfg, None).expert)  # the bias changed choices
+
+
+def test_qwen3_30b_a3b_counts_are_the_published_configs() -> None:
+    """``dist-trainer params --model qwen3-30b-a3b``: transformers' model of the published config.json (on the meta
+    device), and the active count (8 of the 128 experts of each layer) read off it."""
+    transformers = pytest.importorskip("transformers")
+    published = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+                 "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+                 "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+                 "norm_topk_prob": True, "mlp_only_layers": []}  # Qwen/Qwen3-30B-A3B config.json
+    with torch.device("meta"):
+        theirs = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**published))
+    total = theirs.num_parameters()
+    one_expert = 3 * 2048 * 768
+    bd = param_breakdown(model_config("qwen3-30b-a3b"))
+    assert bd.total == total == 30_532_122_624  # "30.5B"
+    assert bd.active == total - 48 * (128 - 8) * one_expert == 3_353_032_704  # "3.3B activated"
+
+
+def test_expert_bias_balances_a_skewed_router_without_an_auxiliary_loss() -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a router whose first expert outscores the others for every token
+    starts far from balance; the bias alone (no aux loss, no weight update) brings every layer's max/mean load
+    below 1.2 within a few hundred steps, and the same in both layers."""
+    from dist_trainer.parallel.state import ParallelState
+    from dist_trainer.train.moe_balance import update_expert_bias
+
+    cfg = _cfg(capacity_factor=None, router_score="sigmoid", expert_bias=True, moe_bias_update_rate=0.001,
+               router_aux_loss=0.0, router_z_loss=0.0, n_experts=8, top_k=2)
+    model = build_model(cfg, seed=0)
+    layers = list(moe_layers(model))
+    state, g = ParallelState.single(), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in model.layers:  # every router input shares the norm's bias c; expert 0's weight reads it
+            block.mlp_norm.bias.fill_(2.0)
+            block.moe.router.weight[0] += 1.5 * block.mlp_norm.bias / block.mlp_norm.bias.square().sum()
+
+    def step() -> list[torch.Tensor]:
+        with torch.no_grad():
+            model(torch.randint(0, 64, (32, 32), generator=g), torch.randint(0, 64, (32, 32), generator=g))
+        loads = [m.step_load.clone() for m in layers if m.step_load is not None]
+        update_expert_bias(model, cfg, state)
+        return loads
+
+    def imbalance(loads: list[torch.Tensor]) -> list[float]:
+        return [float(x.max() / x.mean()) for x in loads]
+
+    model.train()
+    first = imbalance(step())
+    assert min(first) > 2.0, first  # skewed on purpose
+    for _ in range(290):
+        step()
+    window = [sum(x) for x in zip(*(step() for _ in range(10)), strict=True)]  # steps 291-300 together
+    assert max(imbalance(window)) < 1.2, imbalance(window)
+    assert all(m.expert_bias is not None and float(m.expert_bias[0]) < 0 for m in layers)  # expert 0 pushed down

@@ -54,6 +54,10 @@ FAMILIES = {
     # a window on every layer; the soft-capped explicit attention with dropout
     "mistral_window": {"sliding_window": 8},
     "softcap_dropout": {"attn_softcap": 20.0, "dropout": 0.1, "sliding_window": 8, "sliding_window_pattern": 2},
+    # DeepSeek-V3's latent attention with YaRN: low-rank q and kv, values narrower than keys (CPU's math kernel)
+    "deepseek_mla": {"n_kv_heads": None, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                     "qk_rope_head_dim": 4, "v_head_dim": 6, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+                     "rope_original_max_seq_len": 8, "rope_yarn_mscale_all_dim": 1.0},
     # biases everywhere and the multipliers (no tensor of their own)
     "granite": {"attn_qkv_bias": True, "attn_out_bias": True, "mlp_bias": True, "embedding_multiplier": 12.0,
                 "residual_multiplier": 0.2, "attn_score_scale": 0.1, "logits_divisor": 8.0},

@@ -52,6 +52,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
               "scale_embeddings": True, "attn_softcap": 2.0, "final_softcap": 3.0, "attn_score_scale": 0.3,
               "sliding_window": 8, "sliding_window_pattern": 2, "rope_local_theta": 100.0, "qk_norm": "head",
               "attn_head_dim": 12, "tie_embeddings": True},
+    # DeepSeek-V3's latent attention (YaRN RoPE): q_b / kv_b split by head, the down projections replicated
+    "mla": {**ROPE, "activation": "swiglu", "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4, "v_head_dim": 6, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+            "rope_original_max_seq_len": 16, "rope_yarn_mscale": 1.0, "rope_yarn_mscale_all_dim": 0.8},
     "neox": {"pos_embedding": "rope", "norm": "layernorm", "activation": "gelu", "bias": True, "tie_embeddings": False,
              "parallel_residual": True, "rotary_fraction": 0.5, "embedding_multiplier": 2.0,
              "residual_multiplier": 0.5, "logits_divisor": 2.0},
@@ -69,6 +73,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma_a2a_cp2": ("gemma", {"cp_size": 2, "cp_mode": "all_to_all"}, {"model": {"n_kv_heads": 2}}),
     "olmo2_ring_cp2": ("olmo2", {"cp_size": 2}, {}),
     "neox_a2a_cp2": ("neox", {"cp_size": 2, "cp_mode": "all_to_all"}, {}),
+    "mla_ring_cp2": ("mla", {"cp_size": 2}, {}),  # the ring carries per-head k and v, v narrower than k
+    "mla_pp2": ("mla", {"pp_size": 2, "micro_batch_size": 2}, {}),
 }
 
 

@@ -83,7 +83,8 @@ def _zero3_partition(source: WeightSource, name: str, p: torch.Tensor) -> torch.
 def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_size: int = 1,
                 what: str = "train.init_from") -> None:
     """Every base parameter of ``model`` (a rank's cut of the plain model, under its names) from ``source``; an int8
-    linear's weight (``parallel/int8.py``) quantised from its slice as that one tensor streams in."""
+    linear's weight (``parallel/int8.py``) quantised from its slice as that one tensor streams in; a saved buffer
+    the source holds (a MoE layer's ``expert_bias``, whole on every rank) copied as it is."""
     named = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
     int8 = list(int8_layers(model))
     check_fits(source, named, tp_size, what, int8)
@@ -92,6 +93,10 @@ def load_owned_(model: nn.Module, source: WeightSource, tp_rank: int = 0, tp_siz
             p.ds_tensor.copy_(_zero3_partition(source, name, p).to(p.ds_tensor.dtype))
         else:
             p.copy_(_tp_slice(source, name, p, tp_rank, tp_size).to(p.dtype))
+    saved = set(model.state_dict(keep_vars=True)) & source.names()
+    for name, buf in model.named_buffers():
+        if name in saved and not any(name.startswith(f"{m}.") for m, _ in int8):
+            buf.copy_(source.read(name).to(buf.dtype))
     for name, module in int8:
         dim, full = module.weight_split
         read = lambda d, a, b, n=f"{name}.weight": source.read(n, d, a, b)  # noqa: E731

@@ -15,6 +15,7 @@ stage's layers or a ZeRO-3 partition never holds the whole model (``load.py`` as
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -114,7 +115,13 @@ class HFSource:
             raise ValueError(f"{self.folder}: tensor {missing[0]!r} (one of {len(missing)} the "
                              f"{self.family.model_type} config.json implies) is in none of the folder's files")
         self._check_files()
-        check_all_read(self.folder, self.files.files, {r.hf_name for r in self.plan.values()})
+        # tensors the family leaves unread on purpose (DeepSeek-V3's multi-token-prediction layers): named, not read
+        self.not_loaded = self.family.unread(self.model, hf_names)
+        check_all_read(self.folder, self.files.files, self.family.accounted(self.model, hf_names))
+        if self.not_loaded:
+            reasons = sorted(set(self.not_loaded.values()))
+            print(f"note: {self.folder}: {len(self.not_loaded)} tensors not loaded: {'; '.join(reasons)}",
+                  file=sys.stderr)
 
     def _check_files(self) -> None:
         """Every tensor the index names is in its file, and every shape is the one config.json implies: a

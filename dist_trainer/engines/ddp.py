@@ -53,8 +53,11 @@ class DataParallelEngine(Engine):
         if dp.size == 1:
             return model
         # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads); int8
-        # base weights are the same frozen codes on every rank: not broadcast before each forward
-        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model) + int8_buffer_names(model))
+        # base weights are the same frozen codes on every rank, the expert bias moves alike on every rank
+        # (train/moe_balance.py): not broadcast before each forward
+        bias = [n for n, _ in model.named_buffers() if n.endswith("moe.expert_bias")]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model) + int8_buffer_names(model)
+                                                        + bias)
         ddp = DDP(model, process_group=dp.group,
                   device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=model.pooler is not None)  # the pooler takes no part in the MLM loss

@@ -189,6 +189,8 @@ class DeepSpeedZero:
             moments[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone().cpu(),
                              **{k: safe_get_full_optimizer_state(p, k).detach().cpu()
                                 for k in param_states(name, p, self.cfg.optim)}}
+        buffers = dict(self.module.named_buffers())  # the model state modules declare (a MoE layer's expert bias)
+        weights.update({n: buffers[n].detach().cpu() for n in tp_shard_specs(self.module) if n not in weights})
         return weights, moments
 
     def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
@@ -265,6 +267,9 @@ class DeepSpeedZero:
                 adopt(base.state[flat])
         for name, buf in zip(int8_buffer_names(self.module), int8_buffers(self.module), strict=True):
             buf.copy_(model_state[name])  # int8 base weights and scales (ZeRO-1/2), as saved
+        for name, buf in self.module.named_buffers():  # the other declared buffers (a MoE layer's expert bias)
+            if name.endswith("expert_bias") and name in model_state:
+                buf.copy_(model_state[name])
 
 
 # ---------------------------------------------------------------- DeepSpeed's MoE conventions

@@ -25,6 +25,7 @@ import fnmatch
 import re
 from collections.abc import Sequence
 
+from dist_trainer.facts.mla_shape import MLA_MODULES
 from dist_trainer.facts.model_names import (
     DECODER_FIRST_MODULES,
     DECODER_LAYER_MODULES,
@@ -54,14 +55,17 @@ def layer_module_name(layer: int, leaf: str, stack: str = "layers") -> str:
     """``layers.{i}.attn.q_proj`` for leaf ``q_proj``: the full name of a layer module (norms sit on the layer);
     ``stack`` ``dec_layers`` for an encoder-decoder's decoder layer, whose cross-attention modules are named under
     the layer already (``cross_attn.q_proj``, ``cross_norm``)."""
-    parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm") else \
+    parent = "attn." if leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", *MLA_MODULES) else \
         "mlp." if leaf in ("up_proj", "gate_proj", "down_proj") else ""
     return f"{stack}.{layer}.{parent}{leaf}"
 
 
 def _present(cfg: ModelShape, name: str) -> bool:
     relative, pre = cfg.pos_embedding == "relative", cfg.norm_placement == "pre"
+    mla, q_latent = cfg.kv_lora_rank > 0, cfg.kv_lora_rank > 0 and cfg.q_lora_rank > 0  # latent attention's leaves
     return {
+        "q_proj": not q_latent, "k_proj": not mla, "v_proj": not mla, "q_a_proj": q_latent, "q_a_norm": q_latent,
+        "q_b_proj": q_latent, "kv_a_proj": mla, "kv_a_norm": mla, "kv_b_proj": mla,
         "pos_emb": cfg.pos_embedding == "learned", "type_emb": cfg.n_token_types > 0, "rel_emb": relative,
         "emb_norm": cfg.norm_placement == "post" and not cfg.encoder_decoder,
         "final_norm": cfg.norm_placement != "post", "q_norm": cfg.qk_norm != "none", "k_norm": cfg.qk_norm != "none",
@@ -101,6 +105,8 @@ def lora_target_leaves(cfg: ModelShape) -> tuple[str, ...]:
     targets = cfg.lora_targets
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"model.lora_targets={targets!r} must be a non-empty list of linear names or all_linear")
+    if not cfg.lora_rank:  # no adapters: the targets name nothing (the default's q_proj, v_proj in any model)
+        return ()
     linears = [leaf for leaf in LORA_LINEARS if _present(cfg, leaf)]
     if cfg.lora_rank and cfg.n_experts:
         # Decision (docs/moe.md): adapters on the experts' linears would be expert-parallel parameters the planner
@@ -118,7 +124,7 @@ def lora_target_leaves(cfg: ModelShape) -> tuple[str, ...]:
             raise ValueError(f"model.lora_targets={targets!r}: {unknown or 'repeated names'} are not among this "
                              f"model's layer linears {', '.join(linears)} (or give all_linear alone)")
         chosen = set(targets)
-    return tuple(leaf for leaf in linears if leaf in chosen) if cfg.lora_rank else ()
+    return tuple(leaf for leaf in linears if leaf in chosen)
 
 
 def lora_module_names(cfg: ModelShape) -> list[str]:

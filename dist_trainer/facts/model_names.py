@@ -10,9 +10,12 @@ from __future__ import annotations
 FIRST_STAGE_MODULES = ("tok_emb", "pos_emb", "type_emb", "rel_emb", "emb_norm")
 EMBEDDING_TABLES = FIRST_STAGE_MODULES[:3]  # the lookup tables (freeze preset `embeddings`), not rel_emb, emb_norm
 # one transformer block's parameterised modules (leaf names): q_norm / k_norm (model.qk_norm) sit in ``attn``,
-# attn_post_norm / mlp_post_norm (norm_placement sandwich) on the layer, after their branch
-LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "attn_post_norm",
-                 "mlp_norm", "up_proj", "gate_proj", "down_proj", "mlp_post_norm")
+# attn_post_norm / mlp_post_norm (norm_placement sandwich) on the layer, after their branch; latent attention
+# (model.kv_lora_rank, model_mla.py) has q_a_proj .. kv_b_proj in place of k_proj / v_proj (and of q_proj with a
+# q_lora_rank)
+LAYER_MODULES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj",
+                 "kv_a_norm", "kv_b_proj", "o_proj", "q_norm", "k_norm", "attn_post_norm", "mlp_norm", "up_proj",
+                 "gate_proj", "down_proj", "mlp_post_norm")
 # after the layers (the last pipeline stage): the Transformer's attributes, in module order; ``output_bias`` (BERT's
 # decoder bias, model.mlm_head) is a parameter the Transformer holds itself, the others are modules
 LAST_STAGE_MODULES = ("final_norm", "mlm_transform", "head", "output_bias", "pooler", "nsp_head")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dist_trainer.facts.mla_shape import MLA_MODULES, MLAShape, mla_params, mla_replicated_params
 from dist_trainer.facts.model_names import CROSS_ATTENTION_MODULES, MLP_LEAVES
 
 
-class ModelShape(Protocol):
+class ModelShape(MLAShape, Protocol):
     """The fields of ``config.ModelConfig`` that decide which modules exist and their sizes (config.py imports
     this module, so they are named here structurally)."""
 
@@ -45,7 +46,9 @@ class ModelShape(Protocol):
     lora_targets: list[str]
     n_experts: int
     moe_every: int
+    moe_dense_layers: list[int]
     n_shared_experts: int
+    shared_expert_gate: bool
     n_decoder_layers: int
     rel_buckets: int
 
@@ -64,6 +67,9 @@ class ModelShape(Protocol):
     def ffn_dim(self) -> int: ...
 
     @property
+    def expert_ffn_dim(self) -> int: ...
+
+    @property
     def gated(self) -> bool: ...
 
     @property
@@ -73,7 +79,7 @@ class ModelShape(Protocol):
 def is_moe_layer(cfg: ModelShape, layer: int) -> bool:
     """Whether layer ``layer`` (0-based) is a mixture-of-experts layer (the rule's one home;
     ``ModelConfig.is_moe_layer`` asks here)."""
-    return cfg.n_experts > 0 and layer % cfg.moe_every == 0
+    return cfg.n_experts > 0 and layer % cfg.moe_every == 0 and layer not in cfg.moe_dense_layers
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -147,11 +153,16 @@ def decoder_first_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
 def attention_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     """One attention block's projections on one TP rank: q/k/v column-parallel (k/v split when tp divides the kv
     heads) with their biases (model.attn_qkv_bias), o row-parallel (q_dim -> d_model) with its bias
-    (model.attn_out_bias) replicated, added after the all-reduce."""
+    (model.attn_out_bias) replicated, added after the all-reduce. Latent attention (model.kv_lora_rank > 0):
+    ``mla_shape.mla_params``'s modules instead."""
+    if cfg.kv_lora_rank:
+        mla = mla_params(cfg, tp_size)
+        return {"q_proj": mla.pop("q_proj"), "k_proj": 0, "v_proj": 0, **mla}
     h, qkv_bias, out_bias = cfg.d_model, int(cfg.linear_bias("qkv")), int(cfg.linear_bias("out"))
     q_local, kv_local = cfg.q_dim // tp_size, kv_local_dim(cfg, tp_size)
     return {"q_proj": h * q_local + qkv_bias * q_local, "k_proj": h * kv_local + qkv_bias * kv_local,
-            "v_proj": h * kv_local + qkv_bias * kv_local, "o_proj": q_local * h + out_bias * h}
+            "v_proj": h * kv_local + qkv_bias * kv_local, **dict.fromkeys(MLA_MODULES[1:-1], 0),
+            "o_proj": q_local * h + out_bias * h}
 
 
 def qk_norm_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
@@ -209,6 +220,8 @@ def layer_replicated_params(cfg: ModelShape, tp_size: int, *, mlp: bool = True) 
     out = layer["attn_norm"] + layer["mlp_norm"] + layer["attn_post_norm"] + layer["mlp_post_norm"]
     out += qk_norm_replicated(cfg, tp_size) + int(cfg.linear_bias("out")) * cfg.d_model
     out += int(cfg.linear_bias("mlp")) * cfg.d_model if mlp else 0
+    if cfg.kv_lora_rank:  # latent attention: its down projections and their norms (o's bias is counted above)
+        return out + mla_replicated_params(cfg, tp_size) - int(cfg.linear_bias("out")) * cfg.d_model
     if not kv_sharded(cfg, tp_size):
         out += layer["k_proj"] + layer["v_proj"]
     return out
@@ -219,19 +232,22 @@ def decoder_layer_params(cfg: ModelShape, tp_size: int = 1) -> dict[str, int]:
     modules with cross-attention (its norm, q over the decoder state, k/v over the encoder output, o) between
     self-attention and the MLP, split as self-attention is."""
     layer = layer_params(cfg, tp_size)
-    cross = dict(zip(CROSS_ATTENTION_MODULES, [norm_params(cfg), *attention_params(cfg, tp_size).values()],
-                     strict=True))
+    attn = attention_params(cfg, tp_size)
+    cross = dict(zip(CROSS_ATTENTION_MODULES, [norm_params(cfg), *(attn[k] for k in ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"))], strict=True))
     mlp_from = list(layer).index("mlp_norm")
     return {**dict(list(layer.items())[:mlp_from]), **cross, **dict(list(layer.items())[mlp_from:])}
 
 
 def moe_block_params(cfg: ModelShape) -> dict[str, int]:
     """A MoE layer's ``moe`` module: ``router``, ONE expert's projections (``experts.*.up_proj``, ...; the layer
-    holds n_experts of them) and the shared expert. Never split by TP (the block is replicated on TP ranks)."""
-    shared = cfg.n_shared_experts * cfg.ffn_dim
+    holds n_experts of them, expert_ffn_dim wide), the shared expert (n_shared_experts x expert_ffn_dim wide) and
+    its gate (Qwen-MoE). Never split by TP (the block is replicated on TP ranks). The expert bias is a buffer."""
+    shared = cfg.n_shared_experts * cfg.expert_ffn_dim
     return {"router": cfg.d_model * cfg.n_experts,
-            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.ffn_dim).items()},
-            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()}}
+            **{f"experts.*.{k}": v for k, v in mlp_params(cfg, cfg.expert_ffn_dim).items()},
+            **{f"shared_expert.{k}": v if shared else 0 for k, v in mlp_params(cfg, shared).items()},
+            "shared_expert_gate": cfg.d_model if cfg.shared_expert_gate else 0}
 
 
 def layer_param_counts(cfg: ModelShape) -> list[int]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from dist_trainer.families import (
     bert,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3_text,
@@ -24,7 +25,9 @@ from dist_trainer.families import (
     olmo2,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
     starcoder2,
     t5,
 )
@@ -44,6 +47,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     t5.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     gemma3_text.FAMILY,
@@ -52,16 +57,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     granite.FAMILY,
     starcoder2.FAMILY,
     gpt_neox.FAMILY,
+    deepseek_v3.FAMILY,
 )}
-# mixture-of-experts families with shared experts or their own routing: another issue
-MOE_ELSEWHERE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def family(model_type: Any, where: str = "config.json") -> Family:
     """The family of a config.json's ``model_type``; ValueError naming it and the supported ones."""
-    if model_type in MOE_ELSEWHERE:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported: mixture-of-experts families "
-                         f"({', '.join(MOE_ELSEWHERE)}) are another issue; supported: {', '.join(FAMILIES)}")
     if model_type not in FAMILIES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     return FAMILIES[model_type]

@@ -30,6 +30,9 @@ class Family:
     - ``peft_task_type``, ``fan_in_fan_out``: the PEFT ``adapter_config.json`` of an adapter-only export
       (``fan_in_fan_out``: the HF linears store (in, out), as GPT-2's ``Conv1D``).
     - ``presets``: the configs/models/ presets of this family (names without ``.yaml``).
+    - ``not_loaded(model, tensor_names)``: {HF tensor: why} for a folder's tensors the model leaves unread on
+      purpose, as transformers does (DeepSeek-V3's multi-token-prediction layers); named when a folder is read,
+      never dropped silently. Any other tensor no recipe reads is refused.
     """
 
     model_type: str
@@ -42,6 +45,17 @@ class Family:
     peft_task_type: str = "CAUSAL_LM"
     fan_in_fan_out: bool = False
     presets: tuple[str, ...] = ()
+    not_loaded: Callable[[Fields, set[str]], dict[str, str]] | None = None
+
+    def unread(self, model: Fields, tensor_names: set[str]) -> dict[str, str]:
+        """{HF tensor: why} of the folder's tensors left unread on purpose (``not_loaded``; {} for most families)."""
+        return self.not_loaded(model, tensor_names) if self.not_loaded else {}
+
+    def accounted(self, model: Fields, tensor_names: set[str]) -> set[str]:
+        """The HF tensors of a folder holding ``tensor_names`` that are read (the recipes') or left unread on
+        purpose: any other is refused (``checkpoint/hf_files.check_all_read``)."""
+        plan = self.read_plan(model, tensor_names)
+        return {r.hf_name for r in plan.values()} | set(self.unread(model, tensor_names))
 
     def export_recipes(self, model: Fields) -> dict[str, Recipe]:
         """{our name: Recipe} under the names an export writes."""

@@ -14,8 +14,10 @@ MATHS_DEFAULTS: dict[str, Any] = {
     "logits_divisor": 1.0, "attn_softcap": 0.0, "final_softcap": 0.0, "sliding_window": 0,
     "sliding_window_pattern": 0, "rope_local_theta": None, "parallel_residual": False, "rotary_fraction": 1.0,
     "rope_scaling": "none", "scale_embeddings": False, "scale_head_input": False, "attn_scale": True,
-    "n_experts": 0, "n_shared_experts": 0, "n_decoder_layers": 0, "mlm_head": False, "pooler": False,
-    "n_token_types": 0, "causal": True,
+    "n_experts": 0, "n_shared_experts": 0, "moe_d_ff": None, "moe_dense_layers": [], "router_score": "softmax",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.0, "router_groups": 1, "router_topk_groups": 1,
+    "expert_bias": False, "shared_expert_gate": False, "n_decoder_layers": 0, "mlm_head": False, "pooler": False,
+    "n_token_types": 0, "causal": True, "kv_lora_rank": 0,
 }
 
 

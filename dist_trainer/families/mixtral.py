@@ -1,9 +1,9 @@
 """Mixtral (``MixtralForCausalLM``): Llama's attention, a sparse MoE MLP in every layer.
 
-Its experts ``w1, w3, w2`` are our ``gate_proj, up_proj, down_proj``, its ``gate`` our ``router``. Mixtral's experts
-are dropless (every token reaches its top-k experts); ours have a capacity per sequence, so a Mixtral folder maps
-to ``capacity_factor = n_experts / top_k``: one expert can take every token of a sequence, nothing is dropped, and
-the forward pass is Mixtral's (``docs/huggingface.md``).
+Its experts ``w1, w3, w2`` are our ``gate_proj, up_proj, down_proj``, its ``gate`` our ``router``: softmax top-k,
+the chosen gates renormalised. Mixtral's experts are dropless (every token reaches its top-k experts), so a Mixtral
+folder maps to ``capacity_factor: none`` (dropless routing) and the forward pass is Mixtral's; a run may still set
+a capacity (``docs/huggingface.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def to_model(hf: dict[str, Any], where: str, tensor_names: set[str]) -> dict[str
     if float(hf.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
         raise refuse(where, "router_jitter_noise", hf["router_jitter_noise"], "the router here has no jitter")
     experts, top_k = int(hf["num_local_experts"]), int(hf.get("num_experts_per_tok", 2))
-    out.update(n_experts=experts, top_k=top_k, capacity_factor=experts / top_k, moe_every=1,
+    out.update(n_experts=experts, top_k=top_k, capacity_factor=None, moe_every=1,
                router_aux_loss=float(hf.get("router_aux_loss_coef", 0.001)), router_z_loss=0.0, n_shared_experts=0)
     return out
 

@@ -8,6 +8,7 @@
                      update-to-data ratio, L1 change (rows: each layer's attn / mlp / norm, and the embeddings)
     health.png       gradient noise scale, MLP gradient quantiles per layer, embedding cosine similarity, the
                      slowest rank's busy time over the median's
+    moe.png          per MoE layer: expert load max/mean, dropped assignments, the expert bias's spread
 
 Figures whose metrics the run does not have are left out (a run shorter than ``health.every`` has no
 health records). Key names: ``health/names.py`` and README, "Watching a run".
@@ -126,14 +127,28 @@ def _heatmaps(path: Path, records: list[dict[str, Any]]) -> Path | None:
 
 def _health_panels(path: Path, records: list[dict[str, Any]]) -> Path | None:
     layers = _layers(records, r"health/mlp_grad_abs/(layers|dec_layers)\.(\d+)/")
-    panels: list[tuple[str, dict[str, str], bool]] = [
+    return _panels(path, records, [
         ("gradient noise scale B_simple (sequences)", {f"{PREFIX}noise/b_simple": "EMA",
                                                         f"{PREFIX}noise/b_simple_raw": "this record"}, True),
         ("MLP |gradient| quantiles", {quantile_key(i, q): f"layer {i} {q}" for i in layers for q in ("p50", "p99")},
          True),
         ("token-embedding sample: mean pairwise cosine", {f"{PREFIX}embed_cos": "cosine"}, False),
         ("slowest rank's busy time / median", {f"{PREFIX}straggler/ratio": "ratio"}, False),
-    ]
+    ])
+
+
+def _moe_panels(path: Path, records: list[dict[str, Any]]) -> Path | None:
+    """Per MoE layer (``train/moe_metrics.py``): expert load max/mean, dropped assignments, the bias's spread."""
+    layers = sorted({int(m.group(1)) for r in records for k in r if (m := re.match(r"moe/layer(\d+)/", k))})
+    return _panels(path, records, [
+        (f"expert load: max / mean ({title})", {f"moe/layer{i}/{key}": f"layer {i}" for i in layers}, False)
+        for key, title in (("load_max_mean", "1 = balanced"), ("dropped_tokens", "dropped assignments"),
+                           ("bias_spread", "expert bias max - min"))])
+
+
+def _panels(path: Path, records: list[dict[str, Any]], panels: list[tuple[str, dict[str, str], bool]]
+            ) -> Path | None:
+    """One figure of up to four panels (title, {metric key: label}, log scale); None when no key was recorded."""
     if not any(_series(records, key)[0] for _, keys, _ in panels for key in keys):
         return None
     plt = _plt()
@@ -149,6 +164,8 @@ def _health_panels(path: Path, records: list[dict[str, Any]]) -> Path | None:
         if ax.lines:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -170,5 +187,6 @@ def write_report(run: str | Path, out: str | Path | None = None) -> list[Path]:
         _line_figure(folder / "throughput.png", "throughput", records, {"tokens_per_s": "tokens/s"}, "tokens/s"),
         _heatmaps(folder / "layers.png", records),
         _health_panels(folder / "health.png", records),
+        _moe_panels(folder / "moe.png", records),
     ]
     return [p for p in written if p is not None]

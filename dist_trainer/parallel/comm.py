@@ -260,6 +260,24 @@ class AxisGroup:
         return out
 
     @_eager
+    def all_to_all_uneven(self, t: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                          counted: int) -> torch.Tensor:
+        """Rows ``send_splits[i]`` of ``t`` (dim 0, in order) go to axis rank ``i``; the result holds, in rank order,
+        the ``recv_splits[j]`` rows rank ``j`` sent (dropless expert parallelism's exchange, whose split sizes the
+        caller exchanged first). Counts ``counted`` bytes: the caller says which side it charges
+        (``parallel/ep/comms.py``: the rows of this rank's own tokens)."""
+        if self.size == 1:
+            return t
+        if sum(send_splits) != t.shape[0] or len(send_splits) != self.size or len(recv_splits) != self.size:
+            raise RuntimeError(f"all_to_all_uneven on axis {self.axis}: send splits {send_splits} and receive "
+                               f"splits {recv_splits} do not fit {self.size} ranks and dim 0 of {tuple(t.shape)}")
+        t = t.contiguous()
+        out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+        self._run("all_to_all", counted, lambda: dist.all_to_all_single(
+            out, t, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=self.group))
+        return out
+
+    @_eager
     def ring_shift(self, tensors: list[torch.Tensor]) -> RingShift:
         """Start sending ``tensors`` to the next rank of the axis and receiving the previous rank's (same shapes);
         ``.wait()`` on the result gives them. Ring attention's K/V exchange, overlapped with a block's compute;

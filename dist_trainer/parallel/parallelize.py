@@ -73,5 +73,9 @@ def materialize_(model: nn.Module, device: str | torch.device = "cpu") -> None:
     if init_buffers is not None:
         init_buffers()
     materialize_int8_(model, device)  # int8 base weights: filled by the start weights, quantised as they stream
+    for module in model.modules():  # saved buffers (a MoE layer's expert bias): their initial zeros, then the source's
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     meta = [n for n, b in model.named_buffers() if b.is_meta]
     assert not meta, f"buffers left on the meta device: {meta[:5]}"

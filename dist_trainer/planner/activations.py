@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from dist_trainer.config import CHECKPOINTING, PP_SCHEDULES, ModelConfig, check_sequence_parallel
 from dist_trainer.facts.model_names import FIRST_STAGE_MODULES, TAIL_NAMES
 from dist_trainer.facts.model_shape import has_final_norm, kv_sharded, padded_vocab
+from dist_trainer.planner.activations_mla import mla_input_leaves, mla_saved_tensors, mla_weight_sizes
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import lora_shapes, mlp_weights
 
@@ -106,6 +107,8 @@ class ActivationSpec:
     micro_batch_size: int = 1  # sequences per micro-batch: what a per-sequence tensor (an (s, s) mask) is shared by
     # data.document_masking: packed sequences, an (s, s) mask each (here); their positions: planner/documents.py
     documents: bool = False
+    # dropless MoE: rows per token this rank's experts receive; None: top_k, the balanced expectation
+    moe_expert_rows: float | None = None
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -268,6 +271,8 @@ def _qk_norms(cfg: ModelConfig, spec: ActivationSpec, grad_q: bool, grad_k: bool
 
 def _attention(cfg: ModelConfig, spec: ActivationSpec, selective: bool, g: LayerGrads, flow: dict[str, bool],
                sliding: bool = False) -> list[SavedTensor]:
+    if cfg.mla:  # latent attention (planner/activations_mla.py), every gradient computed
+        return [SavedTensor(*x) for x in mla_saved_tensors(cfg, spec, selective)]
     q, t = cfg.q_dim, spec.tp_size
     qkv = (flow["core_q"], flow["core_k"], flow["core_v"])
     o_input = [SavedTensor("o_proj.input", q / t, spec.act)] if g.reads_input("o_proj") else []
@@ -339,28 +344,52 @@ def _mlp(cfg: ModelConfig, spec: ActivationSpec, g: LayerGrads, flow: dict[str, 
 
 
 def moe_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
-    """What a MoE layer's ``moe`` block keeps for backward, per token of the micro-batch (module docstring)."""
+    """What a MoE layer's ``moe`` block keeps for backward, per token of the micro-batch (module docstring).
+
+    Dropless, the experts keep their tensors on the rows per token this rank's experts receive
+    (``spec.moe_expert_rows``): top_k at the balanced expectation (the default), up to ``dropless_peak_rows`` when
+    the routing is skewed."""
     E, k, d = cfg.n_experts, cfg.top_k, cfg.d_model
-    slots = E * cfg.expert_capacity(spec.seq_len) / spec.seq_len  # expert slots per token, padding included
     amp = spec.precision.startswith("amp")
     whole = dataclasses.replace(spec, tp_size=1, sequence_parallel=False)  # replicated on the TP ranks
-    copies = 2 if amp and cfg.gated else 1  # autocast casts the input for up and gate apart
-    out = [SavedTensor("moe.router_probs", 2 * E, 4),  # softmax for the routing and for the aux loss
-           SavedTensor("moe.router_logits", E, 4), SavedTensor("moe.logsumexp", 2, 4),  # z-loss (and its square)
-           SavedTensor("moe.top_k", k, 8), SavedTensor("moe.top_p", k + 1, 4), SavedTensor("moe.keep", k, 1),
-           SavedTensor("moe.expert_input", d * slots * copies, spec.act)]
+    out = [SavedTensor("moe.router_scores", E, 4), SavedTensor("moe.top_k", k, 8)]  # softmax / sigmoid output
+    if cfg.router_z_loss:
+        out += [SavedTensor("moe.router_logits", E, 4), SavedTensor("moe.logsumexp", 2, 4)]  # and its square
+    if cfg.router_aux_loss and cfg.router_score == "sigmoid":  # the scores' sum, to normalise them for the aux loss
+        out.append(SavedTensor("moe.aux_norm", 1, 4))
+    if cfg.norm_topk_prob:
+        out.append(SavedTensor("moe.top_p", k + 1, 4))  # the chosen scores and their sum
     if amp:  # the router runs outside autocast on the fp32 norm output
         out.append(SavedTensor("moe.router_input", d, 4))
     every = layer_flow(cfg, ALL_TRAIN)
-    out += [SavedTensor(f"moe.experts.{x.name}", x.per_token * slots, x.nbytes)
-            for x in _mlp(cfg, whole, ALL_TRAIN, every)]
+    expert = dataclasses.replace(cfg, d_ff=cfg.expert_ffn_dim)
+    if cfg.dropless:  # rows sorted by expert: the sort's index, the rows, once for the grouped matmuls
+        rows = k if spec.moe_expert_rows is None else spec.moe_expert_rows
+        out += [SavedTensor("moe.sort_index", 2 * k, 8), SavedTensor("moe.expert_input", d * rows, spec.act)]
+        if spec.ep_size > 1:  # the received rows regrouped by this rank's experts, and back
+            out.append(SavedTensor("moe.ep_order", 2 * rows, 8))
+    else:  # every slot of the dispatch buffer, padding included
+        rows = E * cfg.expert_capacity(spec.seq_len) / spec.seq_len
+        copies = 2 if amp and cfg.gated else 1  # autocast casts the input for up and gate apart
+        out += [SavedTensor("moe.keep", k, 1), SavedTensor("moe.expert_input", d * rows * copies, spec.act)]
+    out += [SavedTensor(f"moe.experts.{x.name}", x.per_token * rows, x.nbytes)
+            for x in _mlp(expert, whole, ALL_TRAIN, every)]
     out += [SavedTensor("moe.picked_outputs", k * d, spec.act), SavedTensor("moe.gates", k, 4)]
     if cfg.n_shared_experts:
-        wide = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.ffn_dim)
+        wide = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * cfg.expert_ffn_dim)
         out += [SavedTensor(f"moe.shared_{x.name}", x.per_token, x.nbytes) for x in _mlp(wide, whole, ALL_TRAIN, every)]
+        if cfg.shared_expert_gate:  # sigmoid(gate(x)) x shared(x) keeps both factors
+            out += [SavedTensor("moe.shared_gate", 1, spec.act), SavedTensor("moe.shared_output", d, spec.act)]
     if spec.cp_size > 1:  # the block routes whole sequences: each cp rank computes all cp x its tokens
         out = [dataclasses.replace(x, per_token=x.per_token * spec.cp_size) for x in out]
     return out
+
+
+def dropless_peak_rows(cfg: ModelConfig, ep_size: int) -> float:
+    """Rows per token of the micro-batch that this rank's experts can receive at most, dropless: every token of the
+    ep group sending each of its k choices here, at most one per expert (ep x min(top_k, E / ep); top_k alone
+    without expert parallelism, where every row stays)."""
+    return ep_size * min(cfg.top_k, cfg.n_experts // ep_size)
 
 
 def _moe(cfg: ModelConfig, spec: ActivationSpec, mlp_input: list[SavedTensor], kept: bool) -> list[SavedTensor]:
@@ -417,7 +446,7 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
     before = placement in ("pre", "sandwich")
     flow = layer_flow(cfg, g)
     attn = [*_linear_input(cfg, spec, "attn_norm.output" if before else "layer.input", g,
-                           ("q_proj", "k_proj", "v_proj")),
+                           mla_input_leaves(cfg) if cfg.mla else ("q_proj", "k_proj", "v_proj")),
             *_attention(cfg, spec, selective, g, flow, sliding),
             *_residual_mask(cfg, spec, "attn.residual_dropout_mask", flow["attn_branch"])]
     reads = {"pre": "mlp_norm.output", "sandwich": "mlp_norm.output", "post": "attn_norm.output",
@@ -458,6 +487,10 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
              "up_proj": h * f // t, "gate_proj": h * f // t if cfg.gated else 0,
              "down_proj": f * h // t}
     flow, lora = layer_flow(cfg, grads), lora_shapes(cfg, t)
+    if cfg.mla:  # latent attention's linears in place of q/k/v/o, whose inputs require grad when q's does
+        sizes = {**sizes, **{k: 0 for k in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+        sizes.update(mla_weight_sizes(cfg, t))
+        flow = {**flow, **{leaf: flow["q_proj"] for leaf in mla_weight_sizes(cfg, t)}}
     if moe:
         experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
         sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mlp_weights(cfg) * experts)

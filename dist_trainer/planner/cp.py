@@ -30,6 +30,12 @@ def _heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return cfg.n_heads // tp, kv
 
 
+def _widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(q and k, v) width of one head: head_dim each, latent attention's v_head_dim apart (its k and v travel the
+    ring per head, as the attention core reads them)."""
+    return cfg.head_dim, cfg.v_head_dim if cfg.mla else cfg.head_dim
+
+
 def recomputed_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes: int,
                      layer_ids: Sequence[int]) -> int:
     """Bytes the recomputed forwards send again, per micro-batch: every layer's attention core under selective
@@ -40,7 +46,8 @@ def recomputed_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_byte
     if layout.activation_checkpointing == "selective":
         if layout.cp_mode == "all_to_all":
             hq, hkv = _heads(cfg, layout.tp_size)
-            fwd = fwd * (hq + 2 * hkv) // (2 * hq + 2 * hkv)
+            qk, v = _widths(cfg)
+            fwd = fwd * (hq * qk + hkv * (qk + v)) // ((hq + hkv) * (qk + v))
         return len(layer_ids) * fwd
     return len(recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, layer_ids)) * fwd
 
@@ -49,11 +56,12 @@ def cp_layer_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes:
     """(forward, backward) bytes one layer's attention sends on the cp axis per micro-batch."""
     cp, b = layout.cp_size, layout.micro_batch_size
     hq, hkv = _heads(cfg, layout.tp_size)
-    tokens = b * (seq_len // cp) * cfg.head_dim  # per head
+    qk, v = _widths(cfg)
+    tokens = b * (seq_len // cp)
     if layout.cp_mode == "ring":
-        kv = 2 * hkv * tokens
+        kv = hkv * (qk + v) * tokens
         return (cp - 1) * kv * act_bytes, (cp - 1) * kv * act_bytes + cp * kv * 4
-    moved = (2 * hq + 2 * hkv) * tokens * act_bytes  # q, k, v in; the output back
+    moved = (hq + hkv) * (qk + v) * tokens * act_bytes  # q, k, v in; the output back
     return moved, moved
 
 
@@ -99,7 +107,8 @@ def cp_exposed_seconds(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_by
         again = one
         if layout.activation_checkpointing == "selective":  # q, k, v again, not the output (recomputed_bytes)
             hq, hkv = _heads(cfg, layout.tp_size)
-            again = one * (hq + 2 * hkv) / (2 * hq + 2 * hkv)
+            qk, v = _widths(cfg)
+            again = one * (hq * qk + hkv * (qk + v)) / ((hq + hkv) * (qk + v))
         per_layer, redo = (2 * one, 2 * one), (again, again)
     total = m * (layers * per_layer[0] + recomputed * redo[0])
     exposed = m * (layers * per_layer[1] + recomputed * redo[1])

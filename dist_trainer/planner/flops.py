@@ -35,7 +35,10 @@ def attention_keys_per_query(cfg: ModelConfig, seq_len: int, layer: int) -> floa
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> float:
-    """Forward FLOPs of layer ``layer``'s scores (q.k) and weighted sum (p.v) per token: 2 x 2 x keys x q_dim."""
+    """Forward FLOPs of layer ``layer``'s scores (q.k) and weighted sum (p.v) per token: 2 x 2 x keys x q_dim;
+    latent attention 2 x keys x n_heads x (qk_head_dim + v_head_dim), its values narrower than its keys."""
+    if cfg.mla:
+        return 2.0 * attention_keys_per_query(cfg, seq_len, layer) * cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
     return 4.0 * attention_keys_per_query(cfg, seq_len, layer) * cfg.q_dim
 
 

@@ -23,7 +23,7 @@ states, DeepSpeed's partitions and step buffers and DDP's buckets exist for the 
 from __future__ import annotations
 
 import operator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.finetune import trainable_expert_params
@@ -33,6 +33,7 @@ from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import layer_costs, stage_activations
 from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
+from dist_trainer.planner.moe import moe_layer_ids
 from dist_trainer.planner.optimizer import state_saving
 from dist_trainer.planner.options import (  # re-exported: the planner's callers import them from here
     DEFAULT_OPTIONS,
@@ -166,9 +167,10 @@ def zero_step_buffers(n_params: int, layout: Layout, options: TrainingOptions, o
 
 
 def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
-                           pp_rank: int) -> dict[str, int]:
-    """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies."""
-    spec = activation_spec(layout, seq_len, options)
+                           pp_rank: int, expert_rows: float | None = None) -> dict[str, int]:
+    """Activation terms of one rank: saved tensors at the peak, the recompute working set, autocast weight copies
+    (``expert_rows``: a dropless MoE layer's rows per token on this rank's experts; None: the balanced top_k)."""
+    spec = replace(activation_spec(layout, seq_len, options), moe_expert_rows=expert_rows)
     if cfg.encoder_decoder:
         return seq2seq_activation_bytes(cfg, layout, spec, options, pp_rank, _in_flight(layout, pp_rank))
     costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
@@ -250,6 +252,10 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
     # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
     per_dp = trainable - expert + expert * layout.ep_size
     detail: dict[str, int] = {}
+    if cfg.n_experts and cfg.expert_bias:  # each MoE layer's expert bias: a buffer, whole on every rank
+        detail["params.expert_bias"] = len(moe_layer_ids(cfg, layout.rank_layer_ids(cfg, pp_rank))) * \
+            cfg.n_experts * options.param_bytes
+        p += detail["params.expert_bias"]
     if int8[0]:  # what the params term holds of int8 base weights (facts/quant_sizes.py)
         detail.update({"params.int8_weights": int8[0], "params.int8_scales": int8[1] * options.param_bytes})
     if options.optim_state_dtype == "int8" and trainable:  # within the optimizer term: the int8 moments' scales
@@ -322,9 +328,25 @@ def predict_all_stages(cfg: ModelConfig, layout: Layout, *, seq_len: int,
     for r in range(layout.pp_size):
         rp = layout_rank_params(cfg, layout, r)
         acts = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=r)
-        out.append(rank_memory(cfg, layout, rp, acts, seq_len=seq_len, options=options, overheads=overheads,
-                               pp_rank=r, ep_rank=ep_rank))
+        mem = rank_memory(cfg, layout, rp, acts, seq_len=seq_len, options=options, overheads=overheads,
+                          pp_rank=r, ep_rank=ep_rank)
+        out.append(with_dropless_peak(cfg, layout, mem, seq_len=seq_len, options=options))
     return out
+
+
+def with_dropless_peak(cfg: ModelConfig, layout: Layout, mem: RankMemory, *, seq_len: int,
+                       options: TrainingOptions) -> RankMemory:
+    """``mem`` (priced at the balanced expectation: top_k rows per token on every rank's experts) naming, for a
+    dropless MoE stage, its activations and device total when every routed row it can receive comes to its experts
+    (``activations.dropless_peak_rows``): the worst case, which no layout choice bounds."""
+    if not cfg.n_experts or not cfg.dropless or not moe_layer_ids(cfg, layout.rank_layer_ids(cfg, mem.pp_rank)):
+        return mem
+    peak = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=mem.pp_rank,
+                                  expert_rows=act.dropless_peak_rows(cfg, layout.ep_size))
+    extra = sum(peak.values()) - mem.activations
+    detail = {**mem.detail, "worst_case.dropless_activations": mem.activations + extra,
+              "worst_case.dropless_device_total": mem.device_total + extra}
+    return replace(mem, detail=detail)
 
 
 def predict_rank_memory(cfg: ModelConfig, layout: Layout, *, seq_len: int,

@@ -5,13 +5,18 @@ the FLOPs a MoE layer costs and the all-to-all volume. Torch-free; read off ``mo
 * Holdings: the MoE block (router, experts, shared expert) is replicated on every TP rank; expert parallelism
   leaves a rank n_experts / ep_size experts, whose model states DDP does not all-reduce and ZeRO-1/2 partition
   over the expert-data-parallel group (dp / ep ranks) instead of dp (DeepSpeed's MoE param groups).
-* Dispatch: each expert gets ``cfg.expert_capacity(s)`` slots per sequence, so a micro-batch of b sequences fills
-  a buffer of E x b x capacity x d_model per MoE layer (the issue's "capacity x d_model per expert"); the experts
-  run on every slot, empty or not, so their FLOPs are slots x MLP, not top_k x MLP.
-* All-to-all (parallel/ep/apply.py): the buffer goes out and the experts' outputs come back, 2 exchanges forward
-  and their 2 gradients backward per MoE layer and micro-batch (2 more per recomputed MoE layer); each sends
-  (ep - 1)/ep of the buffer. Under autocast the buffer leaves in the residual's dtype (fp32) and the outputs come
-  back in 16 bits. They sit between the router and the experts and between the experts and the combine: exposed.
+* Dispatch with a capacity: each expert gets ``cfg.expert_capacity(s)`` slots per sequence, so a micro-batch of b
+  sequences fills a buffer of E x b x capacity x d_model per MoE layer; the experts run on every slot, empty or
+  not, so their FLOPs are slots x MLP, not top_k x MLP. Dropless (``capacity_factor: none``): the b x s x top_k
+  rows sorted by expert, top_k x MLP per token. Where the rows land depends on the routing: the planner prices the
+  balanced expectation (top_k rows per token on every ep rank's experts) and names the worst case
+  (``memory.with_dropless_peak``: every row the ep group can send to one rank's experts).
+* All-to-all (parallel/ep/apply.py): the buffer (the rows) goes out and the experts' outputs come back, 2
+  exchanges forward and their 2 gradients backward per MoE layer and micro-batch (2 more per recomputed MoE
+  layer). Under autocast the rows leave in the residual's dtype (fp32) and the outputs come back in 16 bits. A
+  capacity exchange is counted whole; a dropless one is charged the rows of the rank's own tokens (b x s x top_k
+  each way, whatever the routing: ``parallel/ep/comms.py``), after one exchange of the E row counts (int64) per
+  forward. They sit between the router and the experts and between the experts and the combine: exposed.
 """
 
 from __future__ import annotations
@@ -61,12 +66,18 @@ def largest_moe_module(cfg: ModelConfig) -> int:
 
 
 def slots_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Expert slots computed per token: n_experts x capacity / seq_len (top_k x capacity_factor, rounded up)."""
+    """Expert rows computed per token: n_experts x capacity / seq_len (top_k x capacity_factor, rounded up);
+    top_k dropless."""
+    if cfg.dropless:
+        return cfg.top_k
     return cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len
 
 
 def dispatch_elements(cfg: ModelConfig, *, micro_batch: int, seq_len: int) -> int:
-    """Elements of one MoE layer's dispatch buffer: E x b x capacity x d_model (the experts' outputs alike)."""
+    """Elements of one MoE layer's dispatch buffer: E x b x capacity x d_model (the experts' outputs alike);
+    dropless, the b x s x top_k rows of d_model."""
+    if cfg.dropless:
+        return micro_batch * seq_len * cfg.top_k * cfg.d_model
     return cfg.n_experts * micro_batch * cfg.expert_capacity(seq_len) * cfg.d_model
 
 
@@ -78,22 +89,29 @@ def all_to_all_bytes(cfg: ModelConfig, *, n_moe_layers: int, micro_batch: int, s
     backward (the outputs' gradient in 16 bits under autocast, the inputs' in the residual's dtype), and one more
     forward pair per fully recomputed MoE layer."""
     elems = dispatch_elements(cfg, micro_batch=micro_batch, seq_len=seq_len)
-    per_layer = 2 * elems * (in_bytes + out_bytes)
-    recompute = elems * (in_bytes + out_bytes)
+    counts = 8 * cfg.n_experts if cfg.dropless else 0  # the row counts exchanged before the rows, each forward
+    per_layer = 2 * elems * (in_bytes + out_bytes) + counts
+    recompute = elems * (in_bytes + out_bytes) + counts
     return n_microbatches * (n_moe_layers * per_layer + n_recomputed * recompute)
 
 
 def moe_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(model, hardware) forward matmul FLOPs of a MoE layer's ``moe`` block per token, beyond the attention:
-    the router, top_k experts (model) or every slot (hardware: padding is computed), the shared expert."""
-    mlp = dense_mlp_flops_per_token(cfg)
-    router = 2.0 * cfg.d_model * cfg.n_experts
+    the router, top_k experts (model) or every slot (hardware: padding is computed), the shared expert (and its
+    gate)."""
+    mlp = expert_flops_per_token(cfg)
+    router = 2.0 * cfg.d_model * (cfg.n_experts + cfg.shared_expert_gate)
     shared = cfg.n_shared_experts * mlp
     return router + cfg.top_k * mlp + shared, router + slots_per_token(cfg, seq_len) * mlp + shared
 
 
 def dense_mlp_flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * mlp_weights(cfg)
+
+
+def expert_flops_per_token(cfg: ModelConfig) -> float:
+    """One routed expert's forward matmul FLOPs on one token (moe_d_ff wide)."""
+    return 2.0 * mlp_weights(cfg) * cfg.expert_ffn_dim / cfg.ffn_dim
 
 
 def ep_link_is_intra(*, ep_size: int, tp_size: int, pp_size: int, gpus_per_node: int) -> bool:

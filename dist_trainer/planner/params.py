@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.finetune import lora_target_leaves
+from dist_trainer.facts.mla_shape import mla_matmul_weights
 from dist_trainer.facts.model_names import DECODER_LAYER_MODULES, LAYER_MODULES, MLP_LEAVES
 from dist_trainer.facts.model_shape import (
     decoder_first_params,
@@ -205,7 +206,10 @@ def mlp_weights(cfg: ModelConfig) -> int:
 
 
 def layer_matmul_weights(cfg: ModelConfig) -> int:
-    """Matmul weights of one dense layer: q and o (h x n_heads * head_dim), k and v (h x kv heads' width), the MLP."""
+    """Matmul weights of one dense layer: q and o (h x n_heads * head_dim), k and v (h x kv heads' width), the MLP;
+    latent attention's projections (``mla_shape.mla_matmul_weights``) in place of q/k/v/o."""
+    if cfg.mla:
+        return mla_matmul_weights(cfg) + mlp_weights(cfg)
     h = cfg.d_model
     return 2 * h * cfg.q_dim + 2 * h * cfg.kv_heads * cfg.head_dim + mlp_weights(cfg)
 
@@ -218,8 +222,11 @@ def matmul_params(cfg: ModelConfig) -> int:
     (the pooler takes no part in the MLM loss). Used by cost.py.
     """
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    # a MoE layer's token meets the router, top_k experts and the shared expert instead of one MLP
-    moe = cfg.d_model * cfg.n_experts + mlp_weights(cfg) * (cfg.top_k + cfg.n_shared_experts - 1) if n_moe else 0
+    # a MoE layer's token meets the router (and the shared expert's gate), top_k experts and the shared expert
+    # (moe_d_ff wide each) instead of one MLP
+    expert = mlp_weights(cfg) * cfg.expert_ffn_dim // cfg.ffn_dim
+    moe = cfg.d_model * (cfg.n_experts + cfg.shared_expert_gate) + expert * (cfg.top_k + cfg.n_shared_experts) \
+        - mlp_weights(cfg) if n_moe else 0
     return cfg.n_layers * layer_matmul_weights(cfg) + n_moe * moe + head_matmul_weights(cfg)
 
 

@@ -49,6 +49,7 @@ from dist_trainer.train.check import (
 )
 from dist_trainer.train.distributed import detect_launch_env, init_distributed, pick_device
 from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_per_step, peak_flops
+from dist_trainer.train.moe_balance import update_expert_bias
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
 from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
@@ -188,6 +189,7 @@ class Trainer:
         self.health.loss_ready(local_loss, mean_loss)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.engine.optimizer_step(lr)
+        update_expert_bias(self.engine.model, self.cfg.model, self.state)  # auxiliary-loss-free balancing
         # the monitor's grad norm: the engine's, or measured before DeepSpeed's step (also when it was skipped)
         return {"loss": mean_loss, "grad_norm": self.health.grad_norm, "lr": lr,
                 **router_metrics(self.engine.model, self.cfg.model, self.state)}

@@ -19,6 +19,7 @@ from torch import nn
 
 from dist_trainer.model import Transformer
 from dist_trainer.model_blocks import Attention, SDPAttention
+from dist_trainer.model_mla import MLAttention
 from dist_trainer.model_moe import moe_layers
 from dist_trainer.parallel.cp.ring import RingLayout, Scores, ring_attention
 from dist_trainer.parallel.cp.split import ContextParallelSequence, gather_sequence, keep_local
@@ -56,7 +57,7 @@ def apply_context_parallel(model: Transformer, state: ParallelState, mode: str) 
     sequence = ContextParallelSequence(group, zigzag=causal and mode == "ring")
     model.sequence = sequence
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention | MLAttention):  # latent attention: its per-head k and v travel the ring
             module.sequence = sequence
             assert isinstance(module.attend, SDPAttention), "context parallelism replaces the plain attention core"
             module.attend = RingAttention(sequence, module.attend, module.head_dim) if mode == "ring" \

@@ -139,7 +139,7 @@ class _RingAttention(torch.autograd.Function):
         n = len(q_chunks)
         c = q.shape[2] // n
         qs = _split(qf, n)
-        outs = [torch.zeros_like(x) for x in qs]
+        outs = [x.new_zeros(*x.shape[:-1], v.shape[-1]) for x in qs]  # v may be narrower (latent attention)
         lses = [torch.full(x.shape[:-1], float("-inf"), device=x.device) for x in qs]
         kv = [k.contiguous(), v.contiguous()]
         src = group.rank
@@ -208,7 +208,7 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, ring: RingLayout,
                    scores: Scores, documents: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, H, T_local, D) queries and (B, Hkv, T_local, D) keys/values of this rank's chunks -> (B, H, T_local, D):
-    attention over the whole sequence (``documents``: the whole sequences' (B, T) segment ids, each query attending
-    within its segment)."""
+    """(B, H, T_local, D) queries, (B, Hkv, T_local, D) keys and (B, Hkv, T_local, Dv) values of this rank's chunks
+    -> (B, H, T_local, Dv): attention over the whole sequence (``documents``: the whole sequences' (B, T) segment
+    ids, each query attending within its segment)."""
     return _RingAttention.apply(q, k, v, group, ring, scores, documents)

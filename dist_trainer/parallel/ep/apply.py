@@ -5,7 +5,9 @@ checkpoints, optimizer states and the planner see the same names in every layout
 ``exchange`` (``model_moe.ExpertExchange``) becomes an ``AllToAllExchange``: the (E, N, d) dispatch buffer is cut
 into ep chunks of E/ep experts, chunk i goes to ep rank i, each rank runs its experts on the ep x N rows it
 received, and the outputs go back the same way (two all-to-alls forward, two backward: Lepikhin et al. 2020,
-section 2.2; DeepSpeed-MoE's MOELayer).
+section 2.2; DeepSpeed-MoE's MOELayer). Dropless, the rows sorted by expert go out in uneven splits: the rows per
+expert first (one all-to-all of E counts), then the rows, which arrive by source rank and are regrouped by this
+rank's experts for the grouped computation, and go back the same way (Megatron-core's AlltoAll token dispatcher).
 
 The kept experts' parameters follow DeepSpeed's convention (deepspeed/moe/experts.py): ``allreduce = False`` and
 ``group_name = "ep_size_{ep}"``, plus this project's ``ep_expert``: their gradients are reduced over the
@@ -15,13 +17,16 @@ experts are ordinary parameters of an ordinary model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_moe import ExpertExchange, moe_layers
+from dist_trainer.model_moe_routing import inverse_permutation
 from dist_trainer.parallel.comm import AxisGroup
-from dist_trainer.parallel.ep.comms import all_to_all
+from dist_trainer.parallel.ep.comms import all_to_all, all_to_all_uneven
 from dist_trainer.parallel.state import ParallelState
 
 
@@ -78,3 +83,24 @@ class AllToAllExchange(ExpertExchange):
         N = rows // self.group.size
         back = out.view(here, self.group.size, N, d).transpose(0, 1).reshape(self.n_experts, N, d)  # chunk i: source i
         return all_to_all(back, self.group)
+
+    def send_sorted(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(N, d) rows sorted by global expert and (E,) rows per expert -> (M, d) the rows of this rank's experts
+        from every source, sorted by local expert, their (E/ep,) counts, and the handle ``receive_sorted`` needs."""
+        ep = self.group.size
+        here = self.n_experts // ep
+        got_counts = self.group.all_to_all(counts).view(ep, here)  # row j: source j's rows for each expert here
+        send = counts.view(ep, here).sum(1).tolist()
+        recv = got_counts.sum(1).tolist()
+        got = all_to_all_uneven(rows, self.group, send, recv, tokens_in=True)
+        # source-major (j, e) segments -> expert-major (e, j): a stable sort of the rows by their expert
+        segment = torch.repeat_interleave(torch.arange(ep * here, device=rows.device), got_counts.flatten())
+        order = (segment % here).argsort(stable=True)
+        return got.index_select(0, order), got_counts.sum(0), (send, recv, order)
+
+    def receive_sorted(self, out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """This rank's experts' (M, d) outputs -> the (N, d) outputs of this rank's rows, in ``send_sorted``'s
+        input order."""
+        send, recv, order = handle
+        by_source = out.index_select(0, inverse_permutation(order))
+        return all_to_all_uneven(by_source, self.group, recv, send, tokens_in=False)

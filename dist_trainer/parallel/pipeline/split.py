@@ -47,7 +47,7 @@ from dist_trainer.layout_rules import layers_per_stage
 from dist_trainer.layout_rules.seq2seq import encoder_stage_count
 from dist_trainer.model import Transformer
 from dist_trainer.model_blocks import init_weights_
-from dist_trainer.model_moe import attach_aux_losses
+from dist_trainer.model_moe import attach_aux_losses, moe_layers
 from dist_trainer.parallel.pipeline.seq2seq import seq2seq_stage_forward
 
 PLACEMENTS = ("loop", "v")
@@ -196,6 +196,8 @@ def split_into_stages(
     kept_roots = {id(m): m for p in pieces.values() for m in p.values() if m is not None}
     for m in kept_roots.values():
         m.to_empty(device="cpu")
+        for layer in moe_layers(m):  # a buffer no parameter draw reaches: its initial value (a checkpoint's later)
+            layer.reset_expert_bias()
     kept = {id(sub) for m in kept_roots.values() for sub in m.modules()}
     torch.manual_seed(seed)  # build_model(cfg, seed=seed) seeds the same way, then draws on CPU
     if draw:

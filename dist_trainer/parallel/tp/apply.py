@@ -12,6 +12,9 @@ decorates the module it matches. Megatron's layout (Shoeybi et al. 2019, section
     layers.*.attn.q_norm   QK-norm (model.qk_norm), and k_norm: per head ("head": one weight every head shares,
                            replicated, each rank's gradient a partial sum over its heads), or over the full width
                            ("full": the weight split with the projection's rows, the sum of squares summed over TP)
+    layers.*.attn.q_b_proj latent attention (model.kv_lora_rank, model_mla.py): q_b_proj and kv_b_proj column-parallel
+    layers.*.attn.kv_b_proj  by whole heads; q_a_proj, kv_a_proj and their norms replicated, each rank's gradient a
+                           partial sum over its heads (summed over TP), as the f before them sums the input's
     layers.*.mlp           enter the TP region once for up and gate
     layers.*.mlp.up/gate   column-parallel
     layers.*.mlp.down_proj row-parallel
@@ -48,6 +51,7 @@ import torch
 from torch import nn
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.mla_shape import MLA_REPLICATED
 from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.layout_rules import check_tp
 from dist_trainer.model import Transformer
@@ -198,6 +202,16 @@ class QKNorm(Style):
         return module
 
 
+class HeadShared(Style):
+    """Latent attention's down projections and their norms: whole on every rank, their output read by this rank's
+    heads only, so each rank's gradient is a partial sum over heads (summed by ``finalize_tp_grads``)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        for p in module.parameters():
+            mark_partial_grad(p, ctx.group)
+        return module
+
+
 class SequenceSharded(Style):
     """SP: the module runs on a sequence shard, so its parameters' gradients are partial."""
 
@@ -221,6 +235,9 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]
             (f"{stack}.*.attn.o_proj", Rowwise()),
             (f"{stack}.*.attn.q_norm", QKNorm()),
             (f"{stack}.*.attn.k_norm", QKNorm()),
+            *[(f"{stack}.*.attn.{leaf}", HeadShared()) for leaf in MLA_REPLICATED],
+            (f"{stack}.*.attn.q_b_proj", Colwise()),
+            (f"{stack}.*.attn.kv_b_proj", Colwise()),
             (f"{stack}.*.mlp", EnterRegion()),
             (f"{stack}.*.mlp.up_proj", Colwise()),
             (f"{stack}.*.mlp.gate_proj", Colwise()),
