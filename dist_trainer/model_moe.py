@@ -166,6 +166,11 @@ class MoE(nn.Module):
         extra = torch.stack([zero if dropped is None else dropped.double(), aux.double(), z.double(), zero + 1])
         self.router_stats[E:] += extra
 
+    def buffer_specs(self) -> dict[str, tuple[int | None, int | None]]:
+        """The buffers that are model state, as checkpoints merge them (``parallel/tp/reshard.tp_shard_specs``):
+        the expert bias, whole on every rank."""
+        return {"expert_bias": (None, None)} if self.expert_bias is not None else {}
+
     @torch.no_grad()
     def reset_expert_bias(self) -> None:
         """Zero the expert bias (its initial value; also after ``to_empty`` left it uninitialised)."""
@@ -182,6 +187,11 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> Iterator[MoE]:
     """The MoE layers of ``model`` (a whole model, a pipeline stage or a rank's stages), in module order."""
     return (m for m in model.modules() if isinstance(m, MoE))
+
+
+def expert_bias_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The MoE layers' expert-bias buffers by their ``state_dict`` names (model state beside the parameters)."""
+    return {name: buf for name, buf in model.named_buffers() if name.endswith("moe.expert_bias")}
 
 
 def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:

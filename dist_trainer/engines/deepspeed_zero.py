@@ -28,6 +28,7 @@ from dist_trainer.config import Config
 from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model_blocks import set_attrs
+from dist_trainer.model_moe import expert_bias_buffers
 from dist_trainer.optim import build_optimizer, param_groups, set_lr
 from dist_trainer.optim_lowbit import build_adamw, canonical_states
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
@@ -185,6 +186,7 @@ class DeepSpeedZero:
             weights[name] = safe_get_full_fp32_param(p).detach().cpu()
             moments[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone().cpu(),
                              **{k: safe_get_full_optimizer_state(p, k).detach().cpu() for k in MOMENTS}}
+        weights.update({name: buf.detach().cpu() for name, buf in expert_bias_buffers(self.module).items()})
         return weights, moments
 
     def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
@@ -258,6 +260,8 @@ class DeepSpeedZero:
                 adopt(base.state[flat])
         for name, buf in zip(int8_buffer_names(self.module), int8_buffers(self.module), strict=True):
             buf.copy_(model_state[name])  # int8 base weights and scales (ZeRO-1/2), as saved
+        for name, buf in expert_bias_buffers(self.module).items():
+            buf.copy_(model_state[name])  # the MoE layers' expert bias (train/moe_balance.py), as saved
 
 
 # ---------------------------------------------------------------- DeepSpeed's MoE conventions
