@@ -35,15 +35,16 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[MoE, torch.Te
                        router_aux_loss=0.0, router_z_loss=0.0, norm="rmsnorm")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    layer = Block(cfg, 0).moe.to(device=device, dtype=dtype)
+    layer = Block(cfg, 0).moe
     assert isinstance(layer, MoE)
+    layer.to(device=device, dtype=dtype)
     with torch.no_grad():  # uneven segments: some experts favoured, as a router in training is
         layer.router.weight.mul_(1 + torch.rand(args.experts, 1, device=device, dtype=dtype))
     x = torch.randn(1, args.tokens, args.d_model, device=device, dtype=dtype, requires_grad=True)
     return layer.train(), x
 
 
-def timed(layer: torch.nn.Module, x: torch.Tensor, steps: int, device: torch.device) -> float:
+def timed(layer: MoE, x: torch.Tensor, steps: int, device: torch.device) -> float:
     """Seconds per forward+backward of ``layer`` on ``x`` over ``steps`` passes (after one warm-up)."""
     def one() -> None:
         layer(x).float().square().mean().backward()

@@ -111,11 +111,6 @@ class MoE(nn.Module):
         self.step_load: torch.Tensor | None = None
         self.record_stats = True  # off while a pipeline schedule infers shapes (paused_router_stats)
 
-    def buffer_specs(self) -> dict[str, tuple[int | None, int | None]]:
-        """The expert bias is model state, whole on every rank (read by ``parallel/tp/reshard.tp_shard_specs``, so
-        checkpoints list it and an export writes it: DeepSeek-V3's e_score_correction_bias)."""
-        return {"expert_bias": (None, None)} if self.expert_bias is not None else {}
-
     def run_experts(self, buf: torch.Tensor) -> torch.Tensor:
         """(E, N, d) dispatch buffer -> (E, N, d) outputs: the rows of this module's experts (all of them in one
         process) reach them through ``exchange``, expert i (ModuleDict order) runs on row block i, and back."""
@@ -171,6 +166,11 @@ class MoE(nn.Module):
         extra = torch.stack([zero if dropped is None else dropped.double(), aux.double(), z.double(), zero + 1])
         self.router_stats[E:] += extra
 
+    def buffer_specs(self) -> dict[str, tuple[int | None, int | None]]:
+        """The buffers that are model state, as checkpoints merge them (``parallel/tp/reshard.tp_shard_specs``):
+        the expert bias, whole on every rank."""
+        return {"expert_bias": (None, None)} if self.expert_bias is not None else {}
+
     @torch.no_grad()
     def reset_expert_bias(self) -> None:
         """Zero the expert bias (its initial value; also after ``to_empty`` left it uninitialised)."""
@@ -187,6 +187,11 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> Iterator[MoE]:
     """The MoE layers of ``model`` (a whole model, a pipeline stage or a rank's stages), in module order."""
     return (m for m in model.modules() if isinstance(m, MoE))
+
+
+def expert_bias_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The MoE layers' expert-bias buffers by their ``state_dict`` names (model state beside the parameters)."""
+    return {name: buf for name, buf in model.named_buffers() if name.endswith("moe.expert_bias")}
 
 
 def add_aux_losses(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:

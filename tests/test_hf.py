@@ -327,7 +327,7 @@ BAD_CONFIGS = {  # on the llama folder, but those named in BAD_CONFIG_FOLDERS
     "rope type": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
     "attention_bias": ({"attention_bias": True}, "attention_bias: true"),  # transformers' Mistral has no biases
     "hidden_act": ({"hidden_act": "gelu"}, 'hidden_act: "gelu"'),
-    "model_type": ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
+    "model_type": ({"model_type": "mamba"}, "model_type 'mamba' is not supported"),
 }
 BAD_CONFIG_FOLDERS = {"attention_bias": "mistral"}
 

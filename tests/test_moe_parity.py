@@ -22,6 +22,7 @@ import torch
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.cli import main
 from dist_trainer.layout_rules.layout import layout_of
+from dist_trainer.model_moe import moe_layers
 from dist_trainer.planner.memory import predict_rank_memory, stage_activation_bytes
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
 from dist_trainer.testing import run_distributed
@@ -160,6 +161,14 @@ def test_moe_layouts_match_one_process_with_drops(tiny_data: Path, spawns: dict[
             assert 0 <= spread <= 0.02 * (step + 1) + 1e-6 and (step or spread == pytest.approx(0.02)), row
     assert main(["report", str(spawns["root"] / "dropless")]) == 0  # the health report draws them
     assert (spawns["root"] / "dropless" / "report" / "moe.png").is_file()
+    # the expert bias is in every layout's checkpoint (a buffer: pipeline stages and ZeRO's files alike), as moved
+    last = spawns["root"] / "dropless" / "checkpoints" / "step_00000005"  # the bias alternates: nonzero at odd steps
+    want = [m.expert_bias for m in moe_layers(load_plain_model(last)[0])]
+    assert len(want) == 2 and all(b is not None and b.abs().sum() > 0 for b in want), want
+    for name in ("dropless_ep2_pp2", "dropless_zero2_ep2"):
+        got = [m.expert_bias for m in moe_layers(load_plain_model(spawns["root"] / "layouts" / name / "checkpoints"
+                                                                  / last.name)[0])]
+        assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
     results = {**spawns["two"]["layouts"], **spawns["four"]["layouts"]}
     for name, parallel in TWO.items():
         _check(name, results[name], dropless if name.startswith("dropless") else single, parallel, world=2)

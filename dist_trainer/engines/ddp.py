@@ -16,6 +16,7 @@ from dist_trainer.config import Config
 from dist_trainer.engines.base import Engine, autocast_for, clip_norm, sharded_model
 from dist_trainer.engines.update import DenseUpdate
 from dist_trainer.model import seq2seq_inputs
+from dist_trainer.model_moe import expert_bias_buffers
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.grad import expert_param_names
@@ -55,7 +56,7 @@ class DataParallelEngine(Engine):
         # expert-parallel experts differ across dp ranks: reduced over their own group (reduce_expert_grads); int8
         # base weights are the same frozen codes on every rank, the expert bias moves alike on every rank
         # (train/moe_balance.py): not broadcast before each forward
-        bias = [n for n, _ in model.named_buffers() if n.endswith("moe.expert_bias")]
+        bias = list(expert_bias_buffers(model))
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model) + int8_buffer_names(model)
                                                         + bias)
         ddp = DDP(model, process_group=dp.group,

@@ -28,6 +28,7 @@ from dist_trainer.config import Config
 from dist_trainer.engines.update import nothing, write_named_shards
 from dist_trainer.health.hooks import StepHooks
 from dist_trainer.model_blocks import set_attrs
+from dist_trainer.model_moe import expert_bias_buffers
 from dist_trainer.optim import build_from_groups, build_optimizer, group_states, param_groups, param_states, set_lr
 from dist_trainer.optim_lowbit import canonical_states
 from dist_trainer.parallel.comm import AxisGroup
@@ -189,8 +190,7 @@ class DeepSpeedZero:
             moments[name] = {"step": torch.as_tensor(step, dtype=torch.float32).clone().cpu(),
                              **{k: safe_get_full_optimizer_state(p, k).detach().cpu()
                                 for k in param_states(name, p, self.cfg.optim)}}
-        buffers = dict(self.module.named_buffers())  # the model state modules declare (a MoE layer's expert bias)
-        weights.update({n: buffers[n].detach().cpu() for n in tp_shard_specs(self.module) if n not in weights})
+        weights.update({name: buf.detach().cpu() for name, buf in expert_bias_buffers(self.module).items()})
         return weights, moments
 
     def _same_partitioning(self, saved: list[dict[str, Any]]) -> bool:
@@ -267,9 +267,8 @@ class DeepSpeedZero:
                 adopt(base.state[flat])
         for name, buf in zip(int8_buffer_names(self.module), int8_buffers(self.module), strict=True):
             buf.copy_(model_state[name])  # int8 base weights and scales (ZeRO-1/2), as saved
-        for name, buf in self.module.named_buffers():  # the other declared buffers (a MoE layer's expert bias)
-            if name.endswith("expert_bias") and name in model_state:
-                buf.copy_(model_state[name])
+        for name, buf in expert_bias_buffers(self.module).items():
+            buf.copy_(model_state[name])  # the MoE layers' expert bias (train/moe_balance.py), as saved
 
 
 # ---------------------------------------------------------------- DeepSpeed's MoE conventions

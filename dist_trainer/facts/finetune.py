@@ -48,7 +48,8 @@ def moe_module_names(cfg: ModelShape, layer: int) -> list[str]:
     leaves = [leaf for leaf in MLP_LEAVES if _present(cfg, leaf)]
     names = [f"layers.{layer}.moe.router"]
     names += [f"layers.{layer}.moe.experts.{e}.{leaf}" for e in range(cfg.n_experts) for leaf in leaves]
-    return names + ([f"layers.{layer}.moe.shared_expert.{leaf}" for leaf in leaves] if cfg.n_shared_experts else [])
+    names += [f"layers.{layer}.moe.shared_expert.{leaf}" for leaf in leaves] if cfg.n_shared_experts else []
+    return names + ([f"layers.{layer}.moe.shared_expert_gate"] if cfg.shared_expert_gate else [])
 
 
 def layer_module_name(layer: int, leaf: str, stack: str = "layers") -> str:

@@ -476,8 +476,9 @@ def layer_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, selective: bo
 def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads = ALL_TRAIN, moe: bool = False) -> int:
     """Bytes of the 16-bit weight casts autocast makes in one layer that the graph keeps: a linear keeps its cast
     weight for its input's gradient, so only where that input requires grad (frozen or not; an adapter's B always).
-    A MoE layer (``moe``) casts every expert this rank runs (n_experts / ep_size) and the shared expert, whole on
-    every TP rank, in place of the MLP shard; its router runs outside autocast. 0 unless the precision is amp_*."""
+    A MoE layer (``moe``) casts every expert this rank runs (n_experts / ep_size; none dropless: the grouped
+    matmuls' casts are transient) and the shared expert, whole on every TP rank, in place of the MLP shard; its
+    router runs outside autocast. 0 unless the precision is amp_*."""
     if not spec.precision.startswith("amp"):
         return 0
     t, h, f = spec.tp_size, cfg.d_model, cfg.ffn_dim
@@ -492,8 +493,10 @@ def amp_weight_copies(cfg: ModelConfig, spec: ActivationSpec, grads: LayerGrads 
         sizes.update(mla_weight_sizes(cfg, t))
         flow = {**flow, **{leaf: flow["q_proj"] for leaf in mla_weight_sizes(cfg, t)}}
     if moe:
-        experts = cfg.n_experts // spec.ep_size + cfg.n_shared_experts
-        sizes.update(up_proj=0, gate_proj=0, down_proj=0, moe=mlp_weights(cfg) * experts)
+        # dropless, the routed experts run as grouped matmuls whose cast weights are rebuilt in backward, not kept
+        experts = (0 if cfg.dropless else cfg.n_experts // spec.ep_size) + cfg.n_shared_experts
+        sizes.update(up_proj=0, gate_proj=0, down_proj=0,
+                     moe=mlp_weights(cfg) * cfg.expert_ffn_dim // cfg.ffn_dim * experts)
         flow = {**flow, "moe": flow["mlp_out"]}
     total = sum(n for leaf, n in sizes.items() if flow[leaf])
     total += sum(grads.rank * (lora[leaf][0] * flow[leaf] + lora[leaf][1]) for leaf in grads.adapters)

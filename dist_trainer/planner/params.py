@@ -15,8 +15,9 @@ embedding 16,449,536; encoder 18,880,512 + relative table 256 + final norm 512; 
 
 Mixture of experts (``dist_trainer/model_moe.py``): a MoE layer has the dense layer's attention and norms, and in
 place of the MLP a router ``Linear(h, E, bias=False)``, E experts that are each the MLP, and an optional shared
-expert (an MLP n_shared_experts x d_ff wide). Per token only top_k experts run: the *active* count is the total
-less (E - top_k) experts per MoE layer (Mixtral 8x7B: 46,702,792,704 total, 12,879,925,248 active, the whole
+expert (an MLP n_shared_experts x moe_d_ff wide, and Qwen's gate). Per token only top_k experts run: the *active*
+count is the total less (E - top_k) experts per MoE layer (Mixtral 8x7B: 46,702,792,704 total, 12,879,925,248
+active, the whole
 embedding table and the untied head included, as Mistral counts them).
 LoRA (``model.lora_rank`` r > 0, Hu et al. 2021): each target linear (in k, out d) adds A (r x k) and B (d x r).
 Under TP a column-parallel target keeps A whole and splits B's rows, a row-parallel one splits A's columns and
