@@ -45,6 +45,7 @@ from dist_trainer.model_blocks import (
     softcap,
 )
 from dist_trainer.model_lora import LoRALinear, is_adapter
+from dist_trainer.model_loss import ChunkedLoss
 from dist_trainer.model_moe import add_aux_losses
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
 from dist_trainer.model_recompute import op_recompute_contexts
@@ -103,6 +104,8 @@ class Transformer(nn.Module):
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
         self.nsp_head = nn.Linear(cfg.d_model, 2) if cfg.nsp_head else None  # BERT's cls.seq_relationship
         self.loss: nn.Module = LMLoss()
+        if cfg.loss_chunk_tokens:  # the loss takes the head's input and projects it chunk by chunk (model_loss.py)
+            self.loss = ChunkedLoss(self.loss, self.project, cfg.loss_chunk_tokens)
         # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
         # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
         # all-gather), generation gathers the vocabulary shards of the logits, the pooler gathers SP's shards.
@@ -306,7 +309,11 @@ class Transformer(nn.Module):
         """(B, T, C) last hidden state -> (B, T, V) logits (``pre_head``, then the head; under TP this rank's
         vocabulary shard, which ``loss`` consumes), divided by model.logits_divisor (Granite) and soft-capped by
         model.final_softcap (Gemma 2): both elementwise, so a vocabulary shard is treated as the whole."""
-        logits = F.linear(self.head_input(self.pre_head(x)), self.output_weight(), self.output_bias)
+        return self.project(self.head_input(self.pre_head(x)))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's input (after ``pre_head`` and the ``head_input`` seam) -> logits (module ``logits``)."""
+        logits = F.linear(x, self.output_weight(), self.output_bias)
         if self.cfg.logits_divisor != 1.0:
             logits = logits / self.cfg.logits_divisor
         return softcap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
@@ -336,8 +343,17 @@ class Transformer(nn.Module):
         """Logits (B, T, V) when targets is None, else the scalar mean loss (in training, plus the MoE layers'
         router losses). An encoder-decoder reads source ``tokens`` (``source_mask``: False at padding) and
         ``decoder_tokens``; its logits and targets are the decoder's."""
-        logits = self.logits(self.hidden_states(tokens, token_types, decoder_tokens, source_mask))
-        return self.full_logits(logits) if targets is None else add_aux_losses(self, self.loss(logits, targets))
+        hidden = self.hidden_states(tokens, token_types, decoder_tokens, source_mask)
+        if targets is None:
+            return self.full_logits(self.logits(hidden))
+        return add_aux_losses(self, self.loss(self.loss_input(hidden), targets))
+
+    def loss_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) last hidden state -> what ``loss`` takes: the logits, or with model.loss_chunk_tokens the head's
+        input, which the chunked loss projects a chunk at a time (``model_loss.py``)."""
+        if self.cfg.loss_chunk_tokens:
+            return self.head_input(self.pre_head(x))
+        return self.logits(x)
 
 
 def count_parameters(model: nn.Module) -> int:

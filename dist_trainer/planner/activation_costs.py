@@ -10,8 +10,9 @@ a sliding-window layer (``cfg.is_sliding_layer``: its mask).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.model_shape import padded_vocab
@@ -25,11 +26,11 @@ from dist_trainer.planner.activations import (
     head_saved_tensors,
     layer_flow,
     layer_saved_tensors,
-    loss_backward_bytes_per_token,
     per_token,
     recomputed_layers,
 )
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
+from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.op_recompute import op_saved_tensors
 
 
@@ -72,7 +73,7 @@ class LayerCosts:
     layer: LayerCost
     embedding: float
     head: float
-    loss_backward: float  # the loss's gradients at the start of the last stage's backward
+    loss_backward: Callable[[int], float]  # tokens -> the loss's working set in backward (loss_costs.py)
     amp_head_weights: int
     per_layer: tuple[LayerCost, ...] = ()
     per_layer_staged: tuple[LayerCost, ...] = ()
@@ -100,14 +101,16 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     amp_head = amp_dense = 0
     if spec.precision.startswith("amp"):
         t = spec.tp_size
-        amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+        # the head's cast weight; a chunked loss casts it inside each chunk's checkpoint (kept by none)
+        amp_head = 0 if cfg.loss_chunk_tokens else 2 * cfg.d_model * (
+            padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
         amp_dense = 2 * cfg.d_model * cfg.d_model if cfg.mlm_head else 0  # the MLM transform's dense, whole
     moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
     sliding_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_sliding_layer(i))
     kinds = {(i in moe_ids, i in sliding_ids) for i in range(cfg.n_layers)}
     by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
-    loss_backward = loss_backward_bytes_per_token(cfg, spec)
+    loss_backward = partial(loss_working_set, cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     if plan is None:
         return LayerCosts(layer, embedding=per_token(embedding_saved_tensors(cfg, spec)),
@@ -144,7 +147,7 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers, nor
     under op-level recomputation, which recomputes them);
     ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
-    the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
+    the loss's gradients on the last stage (``loss_costs.loss_working_set``: its backward ends before the
     first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core; op: the
     whole layer's, beside what the policy kept), alive
     while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
@@ -175,5 +178,5 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     return {
         "saved": round(per_token * tokens * in_flight),
         "amp_weight_copies": round(weights * in_flight),
-        "backward_working_set": round(max(recompute, costs.loss_backward if last else 0.0) * tokens),
+        "backward_working_set": round(max(recompute * tokens, costs.loss_backward(tokens) if last else 0.0)),
     }

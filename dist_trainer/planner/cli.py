@@ -152,6 +152,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="model.base_weight_dtype: int8 stores the frozen layer linears as int8 + fp32 group scales")
     p.add_argument("--base-weight-group", type=int, default=64,
                    help="model.base_weight_group: input columns per int8 scale")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="N",
+                   help="model.loss_chunk_tokens: the head and the loss N tokens at a time (0: the whole micro-batch)")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -182,7 +184,8 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
     cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group)
+                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group,
+                       loss_chunk_tokens=args.loss_chunk_tokens)
     frozen_modules(cfg, _freeze(args))
     check_int8_base(cfg, _freeze(args))
     return cfg
