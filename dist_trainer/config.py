@@ -65,6 +65,9 @@ class ParallelConfig:
     # keeping its attention kernel's and every other matmul's outputs: torchtitan's op-level policy, model_recompute)
     activation_checkpointing: str = "none"
     checkpoint_every: int = 1  # with every_k: recompute layers whose index % k == 0
+    # share of each rank's layers (the first ones) whose saved activations go to host memory in forward and come back
+    # one layer ahead of their backward (model_offload.py); 0 = none, 1 = every layer
+    activation_offload: float = 0.0
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)

@@ -24,6 +24,7 @@ adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is froz
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -47,6 +48,7 @@ from dist_trainer.model_blocks import (
 from dist_trainer.model_lora import LoRALinear, is_adapter
 from dist_trainer.model_loss import ChunkedLoss
 from dist_trainer.model_moe import add_aux_losses
+from dist_trainer.model_offload import ActivationOffload
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
 from dist_trainer.model_recompute import op_recompute_contexts
 from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
@@ -115,6 +117,8 @@ class Transformer(nn.Module):
         self.pool_input: nn.Module = nn.Identity()
         self.checkpointed: frozenset[int] = frozenset()
         self.recompute_ops = False  # op-level: the checkpointed layers keep matmul and attention outputs
+        self.offloaded: frozenset[int] = frozenset()  # layers whose saved tensors go to host memory
+        self.offload = ActivationOffload()
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
                 module.lora_key = name  # the adapter's generator is seeded by its name (model_lora.init_adapter_)
@@ -181,6 +185,17 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k, full or op")
 
+    def set_activation_offload(self, share: float, first_layer: int = 0) -> None:
+        """Offload the saved tensors of the first ceil(share x n) of the n layers this model holds (global indices
+        from ``first_layer``; decoder layers after the encoder's): the earliest forward, the latest backward."""
+        n = len(self.layers) + len(self.dec_layers or ())
+        self.offloaded = frozenset(range(first_layer, first_layer + math.ceil(share * n - 1e-9)))
+
+    def _offloading(self, i: int, x: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        if i in self.offloaded and torch.is_grad_enabled():
+            return self.offload.layer(x)
+        return contextlib.nullcontext()
+
     def checkpoint_options(self) -> dict[str, Any]:
         """``torch.utils.checkpoint`` keywords of a checkpointed layer: op-level recomputation's selective policy."""
         return {"context_fn": op_recompute_contexts} if self.recompute_ops else {}
@@ -237,10 +252,12 @@ class Transformer(nn.Module):
             i, rope = first_layer + j, self.rope(first_layer + j)
             if caches is not None:
                 x = layer(x, rope, mask, caches[j])
-            elif i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, use_reentrant=False, **self.checkpoint_options())
-            else:
-                x = layer(x, rope, mask)
+                continue
+            with self._offloading(i, x):
+                if i in self.checkpointed and torch.is_grad_enabled():
+                    x = checkpoint(layer, x, rope, mask, use_reentrant=False, **self.checkpoint_options())
+                else:
+                    x = layer(x, rope, mask)
         return x
 
     def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -256,11 +273,15 @@ class Transformer(nn.Module):
         first = self.cfg.n_layers if first_layer is None else first_layer
         for j, layer in enumerate(self.dec_layers):
             cache = None if caches is None else caches[j]
-            if first + j in self.checkpointed and torch.is_grad_enabled() and cache is None:
-                y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False,
-                               **self.checkpoint_options())
-            else:
+            if cache is not None:
                 y = layer(y, memory, self_mask, cross_mask, cache)
+                continue
+            with self._offloading(first + j, y):
+                if first + j in self.checkpointed and torch.is_grad_enabled():
+                    y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False,
+                                   **self.checkpoint_options())
+                else:
+                    y = layer(y, memory, self_mask, cross_mask, cache)
         return y
 
     def encode(self, tokens: torch.Tensor, source_mask: torch.Tensor | None = None) -> torch.Tensor:

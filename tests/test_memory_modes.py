@@ -7,7 +7,9 @@ matmul's outputs (``model_recompute.py``). The model is pure torch, so every eng
 ``set_activation_checkpointing``; each run's training and eval losses must equal one process's run *without*
 recomputation (10 steps, evaluation every 5, checkpoints on). ``model.loss_chunk_tokens`` projects and scores the
 head's input a chunk of tokens at a time (``model_loss.py``), here in chunks that do not divide the micro-batch's
-tokens (tests/test_chunked_loss.py checks ignored targets, the masked-LM head and the soft-cap on the model).
+tokens (tests/test_chunked_loss.py checks ignored targets, the masked-LM head and the soft-cap on the model);
+``parallel.activation_offload`` moves the first layers' saved tensors to host memory and back (``model_offload.py``).
+The 2-rank runs of the last two go together: each layout chunks its loss and offloads half of its layers.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def _curves(rank: int, world: int, data: Path, out: Path, parallel: dict, model:
     models = [getattr(m, "model", m) for m in modules]  # a pipeline stage's split holds its part of the model
     ops = [m.recompute_ops and len(m.checkpointed) == len(m.layers) for m in models]
     chunked = [any(isinstance(x, ChunkedLoss) for x in m.modules()) for m in models if hasattr(m, "loss")]
-    return {**curves(trainer.train()), "recomputed_cores": cores, "recomputed_ops": ops, "chunked": chunked}
+    out = curves(trainer.train())
+    # bytes went out and came back (a forward without backward, the pipeline's shape inference, sends some only out)
+    moved = [m.offload.to_host_bytes > 0 and m.offload.to_device_bytes > 0 for m in models]
+    return {**out, "recomputed_cores": cores, "recomputed_ops": ops, "chunked": chunked, "offloaded": moved}
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +77,18 @@ def test_one_process_chunked_loss(reference: dict, tiny_data: Path, tmp_path: Pa
     assert_same_curves(got, reference, what="chunked loss, one process")
 
 
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_one_process_offload(mode: str, reference: dict, tiny_data: Path, tmp_path: Path) -> None:
+    got = _curves(0, 1, tiny_data, tmp_path, {"activation_offload": 1.0, "activation_checkpointing": mode})
+    assert got["offloaded"] == [True] and reference["offloaded"] == [False]
+    assert_same_curves(got, reference, what=f"offload, {mode}, one process")
+
+
 TWO_RANKS = {f"{name}-{mode}": {**parallel, "activation_checkpointing": mode} for mode in ("selective", "op")
              for name, parallel in (("tp2-sp", {"tp_size": 2, "sequence_parallel": True}), ("pp2", {"pp_size": 2}),
                                     ("zero3", {"zero_stage": 3}))}
 TWO_RANKS["cp2-op"] = {"cp_size": 2, "activation_checkpointing": "op"}
-CHUNKED = {f"{name}-chunked": parallel for name, parallel in (
+CHUNKED = {f"{name}-chunked-offload": {**parallel, "activation_offload": 0.5} for name, parallel in (
     ("tp2-sp", {"tp_size": 2, "sequence_parallel": True}), ("pp2", {"pp_size": 2}), ("cp2", {"cp_size": 2}),
     ("zero3", {"zero_stage": 3}))}
 
@@ -100,7 +112,8 @@ def test_two_ranks(name: str, reference: dict, two_ranks: list[dict[str, dict]])
 
 
 @pytest.mark.parametrize("name", list(CHUNKED))
-def test_two_ranks_chunked_loss(name: str, reference: dict, two_ranks: list[dict[str, dict]]) -> None:
+def test_two_ranks_chunked_loss_and_offload(name: str, reference: dict, two_ranks: list[dict[str, dict]]) -> None:
     runs = [rank[name] for rank in two_ranks]
     assert any(flag for run in runs for flag in run["chunked"])  # the rank(s) holding the loss
+    assert all(all(run["offloaded"]) for run in runs)  # every rank's first layer went to the host and back
     assert_same_curves(runs[-1], reference, what=name)

@@ -66,6 +66,7 @@ class Layout:
     n_microbatches: int = 1  # micro-batches per dp rank per step
     activation_checkpointing: str = "none"  # none | selective | every_k | full | op (config.CHECKPOINTING)
     checkpoint_every: int = 1  # every_k: layers whose index % k == 0
+    activation_offload: float = 0.0  # share of each rank's layers whose saved activations go to host memory
     sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # config.PP_SCHEDULES
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved schedules)
@@ -126,6 +127,7 @@ class Layout:
         ck = self.activation_checkpointing + (f"/{self.checkpoint_every}" if self.activation_checkpointing ==
                                               "every_k" else "")
         s = f"{self.degrees()} mb={self.micro_batch_size} m={self.n_microbatches} ckpt={ck}"
+        s += f" act_offload={self.activation_offload:g}" if self.activation_offload else ""
         s += " sp" if self.sequence_parallel else ""
         if self.pp_size > 1:
             s += f" {self.pp_schedule}" + (f"(v={self.pp_virtual_stages})" if self.pp_virtual_stages > 1 else "")
@@ -198,6 +200,9 @@ def check_fields(p: Layout | ParallelConfig) -> None:
         raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
                          f"parallel.micro_batch_size={p.micro_batch_size}")
     check_sequence_parallel(p.tp_size, p.sequence_parallel)
+    offload = p.activation_offload
+    if isinstance(offload, bool) or not isinstance(offload, int | float) or not 0 <= offload <= 1:
+        raise ValueError(f"parallel.activation_offload={offload!r} must be a share of the layers in [0, 1]")
     stages = p.pp_size * p.pp_virtual_stages
     layers = p.pp_stage_layers
     if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):

@@ -44,6 +44,7 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     quantize_base_weights_(model, model.cfg, freeze, first_layer)  # a no-op unless model.base_weight_dtype=int8
     apply_context_parallel(model, state, layout.cp_mode)
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
+    model.set_activation_offload(layout.activation_offload, first_layer)
     if compile_blocks:
         apply_compile(model)
     if any(p.is_meta for p in model.parameters()):

@@ -10,6 +10,7 @@ a sliding-window layer (``cfg.is_sliding_layer``: its mask).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +33,8 @@ from dist_trainer.planner.activations import (
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
 from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.op_recompute import op_saved_tensors
+
+OFFLOADED = "offloaded_to_host"  # stage_activations' term of host memory, apart from the device's
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
-                      first: bool, last: bool, in_flight: float) -> dict[str, int]:
+                      first: bool, last: bool, in_flight: float, offload: float = 0.0) -> dict[str, int]:
     """Activation terms of one pipeline stage at its peak, in bytes.
 
     ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
@@ -152,31 +155,45 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     whole layer's, beside what the policy kept), alive
     while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
     on the rank that holds the embeddings; every other layer sits on a later stage.
+
+    ``offload``: the share of the rank's layers (the first ceil(share x n), ``Transformer.set_activation_offload``)
+    whose saved tensors go to host memory (``model_offload.py``): what the hooks see of them (their saved tensors and
+    autocast's weight casts; a recomputed layer its input, also under op-level recomputation, whose kept outputs
+    stay) leaves ``saved`` and ``amp_weight_copies`` for ``offloaded_to_host`` (host memory, not the device's);
+    one layer of prefetch brings one layer's back before its backward, within the backward working set's bound.
     """
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
     chained = 0
     while first and chained < len(layer_ids) and layer_ids[chained] == chained:
         chained += 1
-    per_token = weights = recompute = 0.0
+    per_token = weights = recompute = host = 0.0
     redone = set(recomputed_layers(mode, every, layer_ids))
+    offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
         if mode == "op":
-            per_token += c.op
+            kept, cast = c.op, 0
+            host += c.checkpointed * tokens if i in offloaded else 0.0
+            per_token -= c.checkpointed if i in offloaded else 0.0
             recompute = max(recompute, c.full)
         elif i in redone:
-            per_token += c.checkpointed
+            kept, cast = c.checkpointed, 0
             recompute = max(recompute, c.full)
         else:
-            per_token += c.selective if mode == "selective" else c.full
-            weights += c.amp_weights
+            kept, cast = (c.selective if mode == "selective" else c.full), c.amp_weights
             recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
+        if i in offloaded and mode != "op":  # the hooks move everything the layer keeps
+            host += kept * tokens + cast
+            continue
+        per_token += kept
+        weights += cast
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
     weights += costs.amp_head_weights if last else 0
-    return {
+    terms = {
         "saved": round(per_token * tokens * in_flight),
         "amp_weight_copies": round(weights * in_flight),
         "backward_working_set": round(max(recompute * tokens, costs.loss_backward(tokens) if last else 0.0)),
     }
+    return terms | ({OFFLOADED: round(host * in_flight)} if offloaded else {})

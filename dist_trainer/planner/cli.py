@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction,
     m.add_argument("--seq-len", type=int, default=None, help="default: model.max_seq_len")
     m.add_argument("--checkpointing", default="none", choices=RECOMPUTE)
     m.add_argument("--checkpoint-every", type=int, default=1)
+    m.add_argument("--activation-offload", type=float, default=0.0, metavar="SHARE",
+                   help="parallel.activation_offload: the share of each rank's layers whose saved activations go to "
+                        "host memory")
     m.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
     m.add_argument("--pp-schedule", default="1f1b")
     m.add_argument("--virtual-stages", type=int, default=1)
@@ -260,6 +263,7 @@ def run_memory(args: argparse.Namespace) -> int:
                     cp_mode=args.cp_mode, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
+                    activation_offload=args.activation_offload,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)
     if args.seq_len is not None and args.seq_len < 1:  # 0 planned for max_seq_len (`args.seq_len or ...`)
         raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (leave it out for model.max_seq_len="
