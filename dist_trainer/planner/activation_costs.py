@@ -172,22 +172,21 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
-        if mode == "op":
-            kept, cast = c.op, 0
-            host += c.checkpointed * tokens if i in offloaded else 0.0
-            per_token -= c.checkpointed if i in offloaded else 0.0
+        if mode == "op":  # the hooks see its input; the policy's cache holds the rest, which stays
+            stays, moves, cast = c.op - c.checkpointed, c.checkpointed, 0
             recompute = max(recompute, c.full)
         elif i in redone:
-            kept, cast = c.checkpointed, 0
+            stays, moves, cast = 0.0, c.checkpointed, 0
             recompute = max(recompute, c.full)
         else:
-            kept, cast = (c.selective if mode == "selective" else c.full), c.amp_weights
+            stays, moves, cast = 0.0, (c.selective if mode == "selective" else c.full), c.amp_weights
             recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
-        if i in offloaded and mode != "op":  # the hooks move everything the layer keeps
-            host += kept * tokens + cast
-            continue
-        per_token += kept
-        weights += cast
+        per_token += stays
+        if i in offloaded:  # the hooks move what they see of the layer, autocast's weight casts too
+            host += moves * tokens + cast
+        else:
+            per_token += moves
+            weights += cast
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
     weights += costs.amp_head_weights if last else 0
