@@ -68,6 +68,9 @@ class ParallelConfig:
     # keeping its attention kernel's and every other matmul's outputs: torchtitan's op-level policy, model_recompute)
     activation_checkpointing: str = "none"
     checkpoint_every: int = 1  # with every_k: recompute layers whose index % k == 0
+    # share of each rank's layers (the first ones) whose saved activations go to host memory in forward and come back
+    # one layer ahead of their backward (model_offload.py); 0 = none, 1 = every layer
+    activation_offload: float = 0.0
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms/dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
@@ -179,6 +182,9 @@ def check_fields(p: Any) -> None:
         raise ValueError(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of "
                          f"parallel.micro_batch_size={p.micro_batch_size}")
     check_sequence_parallel(p.tp_size, p.sequence_parallel)
+    offload = p.activation_offload
+    if isinstance(offload, bool) or not isinstance(offload, int | float) or not 0 <= offload <= 1:
+        raise ValueError(f"parallel.activation_offload={offload!r} must be a share of the layers in [0, 1]")
     stages = p.pp_size * p.pp_virtual_stages
     layers = p.pp_stage_layers
     if layers is not None and (len(layers) != stages or not all(_positive_int(n) for n in layers)):

@@ -24,7 +24,7 @@ from dist_trainer.files import read_text
 # ModelConfig fields a run may set beside a Hugging Face folder's: they change no weight's name, shape or meaning
 FREE_MODEL_FIELDS = ("preset", "dropout", "init_std", "scaled_residual_init", "lora_rank", "lora_alpha",
                      "lora_dropout", "lora_targets", "capacity_factor", "router_aux_loss", "router_z_loss",
-                     "base_weight_dtype", "base_weight_group")
+                     "base_weight_dtype", "base_weight_group", "loss_chunk_tokens")
 
 
 def hf_model_fields(path: str | Path) -> dict[str, Any]:

@@ -116,6 +116,9 @@ class ModelConfig:
     # mlm_transform = LayerNorm(activation(dense(x))) (dense h x h, biases and norm as model.bias / model.norm),
     # and the logits get a vocab-sized output_bias. False: the head is the bare projection (BertModel's count)
     mlm_head: bool = False
+    # The head and the loss a chunk of this many tokens at a time, forward and backward (model_loss.ChunkedLoss):
+    # the full (tokens x vocab) logits are never held. 0 = the whole micro-batch at once
+    loss_chunk_tokens: int = 0
     # BERT's next-sentence head (BertForPreTraining's cls.seq_relationship): Linear(h, 2) on the pooled output, so it
     # needs model.pooler. Loaded, exported and counted; the MLM loss gives it no gradient (it stays as loaded
     # unless a loss of its own is added: frozen or trained, it changes only what Transformer.next_sentence returns)
@@ -268,6 +271,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
+            raise ValueError(f"model.loss_chunk_tokens={self.loss_chunk_tokens!r} must be an integer >= 0 "
+                             "(0 = the whole micro-batch at once)")
         choice(self, "pos_embedding", POS_EMBEDDINGS)
         choice(self, "norm", NORMS)
         choice(self, "norm_placement", NORM_PLACEMENTS)

@@ -24,6 +24,7 @@ adapters are ``<linear>.lora_A`` / ``.lora_B``) and every base parameter is froz
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 from typing import Any
@@ -46,8 +47,10 @@ from dist_trainer.model_blocks import (
     softcap,
 )
 from dist_trainer.model_lora import LoRALinear, is_adapter
+from dist_trainer.model_loss import ChunkedLoss
 from dist_trainer.model_mla import MLAttention
 from dist_trainer.model_moe import add_aux_losses
+from dist_trainer.model_offload import ActivationOffload
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
 from dist_trainer.model_recompute import op_recompute_contexts
 from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
@@ -109,6 +112,8 @@ class Transformer(nn.Module):
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) if cfg.pooler else None
         self.nsp_head = nn.Linear(cfg.d_model, 2) if cfg.nsp_head else None  # BERT's cls.seq_relationship
         self.loss: nn.Module = LMLoss()
+        if cfg.loss_chunk_tokens:  # the loss takes the head's input and projects it chunk by chunk (model_loss.py)
+            self.loss = ChunkedLoss(self.loss, self.project, cfg.loss_chunk_tokens)
         # Declared seams (identities in one process) where tensor parallelism swaps in its collectives
         # (parallel/tp/apply.py), so what runs is read here: the head's input enters the TP region (f, or SP's
         # all-gather), generation gathers the vocabulary shards of the logits, the pooler gathers SP's shards.
@@ -118,6 +123,8 @@ class Transformer(nn.Module):
         self.pool_input: nn.Module = nn.Identity()
         self.checkpointed: frozenset[int] = frozenset()
         self.recompute_ops = False  # op-level: the checkpointed layers keep matmul and attention outputs
+        self.offloaded: frozenset[int] = frozenset()  # layers whose saved tensors go to host memory
+        self.offload = ActivationOffload()
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
                 module.lora_key = name  # the adapter's generator is seeded by its name (model_lora.init_adapter_)
@@ -184,6 +191,17 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"activation checkpointing mode {mode!r} is not none, selective, every_k, full or op")
 
+    def set_activation_offload(self, share: float, first_layer: int = 0) -> None:
+        """Offload the saved tensors of the first ceil(share x n) of the n layers this model holds (global indices
+        from ``first_layer``; decoder layers after the encoder's): the earliest forward, the latest backward."""
+        n = len(self.layers) + len(self.dec_layers or ())
+        self.offloaded = frozenset(range(first_layer, first_layer + math.ceil(share * n - 1e-9)))
+
+    def _offloading(self, i: int, x: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        if i in self.offloaded and torch.is_grad_enabled():
+            return self.offload.layer(x)
+        return contextlib.nullcontext()
+
     def checkpoint_options(self) -> dict[str, Any]:
         """``torch.utils.checkpoint`` keywords of a checkpointed layer: op-level recomputation's selective policy."""
         return {"context_fn": op_recompute_contexts} if self.recompute_ops else {}
@@ -247,10 +265,12 @@ class Transformer(nn.Module):
             run = layer if documents is None else partial(layer, documents=documents)
             if caches is not None:
                 x = layer(x, rope, mask, caches[j])
-            elif i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(run, x, rope, mask, use_reentrant=False, **self.checkpoint_options())
-            else:
-                x = run(x, rope, mask)
+                continue
+            with self._offloading(i, x):
+                if i in self.checkpointed and torch.is_grad_enabled():
+                    x = checkpoint(run, x, rope, mask, use_reentrant=False, **self.checkpoint_options())
+                else:
+                    x = run(x, rope, mask)
         return x
 
     def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,11 +286,15 @@ class Transformer(nn.Module):
         first = self.cfg.n_layers if first_layer is None else first_layer
         for j, layer in enumerate(self.dec_layers):
             cache = None if caches is None else caches[j]
-            if first + j in self.checkpointed and torch.is_grad_enabled() and cache is None:
-                y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False,
-                               **self.checkpoint_options())
-            else:
+            if cache is not None:
                 y = layer(y, memory, self_mask, cross_mask, cache)
+                continue
+            with self._offloading(first + j, y):
+                if first + j in self.checkpointed and torch.is_grad_enabled():
+                    y = checkpoint(layer, y, memory, self_mask, cross_mask, use_reentrant=False,
+                                   **self.checkpoint_options())
+                else:
+                    y = layer(y, memory, self_mask, cross_mask, cache)
         return y
 
     def encode(self, tokens: torch.Tensor, source_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -321,7 +345,11 @@ class Transformer(nn.Module):
         """(B, T, C) last hidden state -> (B, T, V) logits (``pre_head``, then the head; under TP this rank's
         vocabulary shard, which ``loss`` consumes), divided by model.logits_divisor (Granite) and soft-capped by
         model.final_softcap (Gemma 2): both elementwise, so a vocabulary shard is treated as the whole."""
-        logits = F.linear(self.head_input(self.pre_head(x)), self.output_weight(), self.output_bias)
+        return self.project(self.head_input(self.pre_head(x)))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's input (after ``pre_head`` and the ``head_input`` seam) -> logits (module ``logits``)."""
+        logits = F.linear(x, self.output_weight(), self.output_bias)
         if self.cfg.logits_divisor != 1.0:
             logits = logits / self.cfg.logits_divisor
         return softcap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
@@ -353,8 +381,17 @@ class Transformer(nn.Module):
         router losses). An encoder-decoder reads source ``tokens`` (``source_mask``: False at padding) and
         ``decoder_tokens``; its logits and targets are the decoder's. ``documents`` (B, T): the segment id of each
         position of packed sequences (docs/data.md, "Document masking")."""
-        logits = self.logits(self.hidden_states(tokens, token_types, decoder_tokens, source_mask, documents))
-        return self.full_logits(logits) if targets is None else add_aux_losses(self, self.loss(logits, targets))
+        hidden = self.hidden_states(tokens, token_types, decoder_tokens, source_mask, documents)
+        if targets is None:
+            return self.full_logits(self.logits(hidden))
+        return add_aux_losses(self, self.loss(self.loss_input(hidden), targets))
+
+    def loss_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) last hidden state -> what ``loss`` takes: the logits, or with model.loss_chunk_tokens the head's
+        input, which the chunked loss projects a chunk at a time (``model_loss.py``)."""
+        if self.cfg.loss_chunk_tokens:
+            return self.head_input(self.pre_head(x))
+        return self.logits(x)
 
 
 def count_parameters(model: nn.Module) -> int:

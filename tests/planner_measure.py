@@ -142,3 +142,35 @@ def loss_backward_per_logit(rank: int, world: int, kind: str, dtype_name: str, n
         growth.append(measure_backward_growth(loss))
         del logits, loss
     return growth[-1] / (n * vocab)
+
+
+def loss_peak_bytes(rank: int, world: int, dtype_name: str, n: int, vocab: int, width: int, chunk: int) -> int:
+    """``run_distributed`` entry: the peak bytes that the head's projection and the model's loss add, forward and
+    backward, over their input (``n`` x ``width`` of ``dtype_name``) and weight (``vocab`` x ``width``): whole
+    logits (``chunk`` 0), or ``model_loss.ChunkedLoss`` in chunks of ``chunk`` tokens."""
+    import torch.nn.functional as F
+
+    from dist_trainer.model_loss import ChunkedLoss
+
+    torch.set_num_threads(1)
+    libc = mmap_large_allocations()
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    peaks = []
+    for _ in range(2):  # the first pass also pays one-off costs (thread pools, first-use buffers)
+        x = torch.randn(n, width, generator=gen).to(dtype).requires_grad_()  # stands for the head's input
+        weight = torch.nn.Parameter((torch.randn(vocab, width, generator=gen) * 0.02).to(dtype))
+        targets = torch.randint(0, vocab, (n,), generator=gen)
+
+        def project(a: torch.Tensor, w: torch.Tensor = weight) -> torch.Tensor:
+            return F.linear(a, w)
+
+        gc.collect()
+        libc.malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        base = status_bytes("VmRSS")
+        loss = ChunkedLoss(LMLoss(), project, chunk)(x, targets) if chunk else LMLoss()(project(x), targets)
+        loss.backward()
+        peaks.append(status_bytes("VmHWM") - base)
+        del x, weight, loss
+    return peaks[-1]

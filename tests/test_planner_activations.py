@@ -9,9 +9,10 @@ import pytest
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner import activation_costs, op_recompute
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
 from dist_trainer.testing import run_distributed
-from tests.planner_measure import loss_backward_per_logit, measure_saved_bytes
+from tests.planner_measure import loss_backward_per_logit, loss_peak_bytes, measure_saved_bytes
 
 GPT2 = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, max_seq_len=32, activation="gelu_tanh")
 LLAMA = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=80, max_seq_len=32,
@@ -265,3 +266,65 @@ def test_op_level_recomputed_flops_match_flop_counter(cfg: ModelConfig) -> None:
     recomputed = step_flops(cfg, seq_len=S, global_batch=B, recompute="op")[1] - step_flops(cfg, seq_len=S,
                                                                                           global_batch=B)[1]
     assert recomputed == pytest.approx(planned)  # what the step's time is priced on
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_chunked_loss_working_set_matches_measurement(precision: str) -> None:
+    """The loss's peak working set, whole and in chunks (model.loss_chunk_tokens): the peak resident growth of the
+    head's projection and the loss, forward and backward (tests/planner_measure.loss_peak_bytes), against the
+    planner's vocabulary-wide saved tensors plus its backward working set (planner/loss_costs.py)."""
+    n, vocab, width, chunk = 2048, 8192, 256, 256
+    cfg = ModelConfig(vocab_size=vocab, d_model=width, n_layers=1, n_heads=4, max_seq_len=32)
+    spec = act.ActivationSpec(seq_len=32, precision=precision, device="cpu")
+    dtype = "float32" if precision == "fp32" else "bfloat16"
+    whole = act.per_token(act.head_vocab_saved_tensors(cfg, spec)) * n + loss_working_set(cfg, spec, n)
+    chunked_cfg = dataclasses.replace(cfg, loss_chunk_tokens=chunk)
+    chunked = loss_working_set(chunked_cfg, spec, n)  # a chunk's vocabulary-wide tensors are in it, none saved
+    measured = {c: run_distributed(loss_peak_bytes, 1, (dtype, n, vocab, width, c))[0] for c in (0, chunk)}
+    print(f"{precision}: whole {measured[0]} (planned {whole:.0f}), chunks of {chunk}: {measured[chunk]} "
+          f"(planned {chunked:.0f})")
+    assert measured[0] == pytest.approx(whole, rel=0.02)
+    assert measured[chunk] == pytest.approx(chunked, rel=0.02)
+    assert measured[chunk] < measured[0] / 4  # the logits term shrinks with the chunk
+
+
+CHUNKED = {"gpt2": GPT2, "llama": LLAMA, "bert_mlm_head": dataclasses.replace(BERT, mlm_head=True),
+           "gemma2_softcap": dataclasses.replace(LLAMA, **FAMILIES["gemma2"])}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_chunked_loss_saved_tensors_match_measurement(name: str, precision: str) -> None:
+    # the chunks' checkpoints keep the head's input and the targets; no log-softmax, no cast of the head's weight
+    cfg = dataclasses.replace(CHUNKED[name], loss_chunk_tokens=10)
+    measured = measure_saved_bytes(cfg, batch=B, seq_len=S, precision=precision)
+    pred = predicted(cfg, "none", precision, "flash")
+    assert measured == pred, f"{name}: predicted {pred} measured {measured}"
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("ckpt", ["none", "selective", "full", "op"])
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_offload_moves_the_bytes_the_planner_frees(cfg: ModelConfig, ckpt: str, precision: str) -> None:
+    """parallel.activation_offload: the bytes the saved-tensor hooks copy to the host (and back) in one training
+    step against the planner's ``offloaded_to_host``, the device bytes the offloaded layers no longer hold."""
+    import torch
+
+    from dist_trainer.model import build_model
+
+    model = build_model(cfg, "cpu", seed=0)
+    model.set_activation_checkpointing(ckpt)
+    model.set_activation_offload(0.5)  # the first of the two layers
+    tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+        loss = model(tokens, tokens)
+    loss.backward()
+    opts = TrainingOptions(precision=precision, attention_kernel="flash", device="cpu")
+    layout = Layout(micro_batch_size=B, activation_checkpointing=ckpt, activation_offload=0.5)
+    terms = stage_activation_bytes(cfg, layout, seq_len=S, options=opts, pp_rank=0)
+    whole = stage_activation_bytes(cfg, layout.derive(activation_offload=0.0), seq_len=S, options=opts, pp_rank=0)
+    planned = terms["offloaded_to_host"]
+    assert terms["saved"] + terms["amp_weight_copies"] + planned == whole["saved"] + whole["amp_weight_copies"]
+    assert model.offload.to_device_bytes == model.offload.to_host_bytes  # all of it came back for backward
+    # the RoPE tables' rows (a buffer, not an activation) are copied too: 0.6% for the Llama shape
+    assert model.offload.to_host_bytes == pytest.approx(planned, rel=0.02)

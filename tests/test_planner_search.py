@@ -292,9 +292,9 @@ def test_gpipe_may_run_fewer_micro_batches_than_stages() -> None:
 
 
 def test_a_128k_sequence_plans_context_parallelism_that_passes_the_check(tmp_path: Path) -> None:
-    """Llama-3-8B at 131,072 tokens on 64 GPUs (issue 23): without splitting the sequence only whole-layer
-    recomputation fits (op-level, the faster of the two, issue 37), so the best layout splits it (cp > 1), and the run
-    config plan --out writes passes the pre-launch check."""
+    """Llama-3-8B at 131,072 tokens on 64 GPUs (issue 23): without splitting the sequence the activations fit only
+    recomputed layer by layer or offloaded to the host (issue 37), so the best layout splits it (cp > 1), and the
+    run config plan --out writes passes the pre-launch check."""
     from dist_trainer.train.check import check_run
 
     model = model_config("llama3-8b")
@@ -306,8 +306,9 @@ def test_a_128k_sequence_plans_context_parallelism_that_passes_the_check(tmp_pat
     assert "cp" in best.time.axes and best.time.axes["cp"].bytes > 0
     without = plan_layouts(model, n_gpus=64, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=131072,
                            global_batch=64, hardware="H100-80GB", max_cp_size=1).best
-    # without cp only op-level (or full) recomputation of TP x SP shards fits: slower than splitting the sequence
-    assert without is not None and without.layout.activation_checkpointing == "op"
+    # without cp the activations fit only offloaded or recomputed whole: slower than splitting the sequence
+    assert without is not None
+    assert without.layout.activation_offload > 0 or without.layout.activation_checkpointing in ("op", "full")
     assert best.time.total < without.time.total, (best.layout.describe(), without.layout.describe())
     cfg = config_from_dict(run_config_dict(model, best.layout, seq_len=131072,
                                            options=TrainingOptions())).validate()

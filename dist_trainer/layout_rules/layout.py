@@ -66,6 +66,7 @@ class Layout:
     n_microbatches: int = 1  # micro-batches per dp rank per step
     activation_checkpointing: str = "none"  # none | selective | every_k | full | op (config.CHECKPOINTING)
     checkpoint_every: int = 1  # every_k: layers whose index % k == 0
+    activation_offload: float = 0.0  # share of each rank's layers whose saved activations go to host memory
     sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
     pp_schedule: str = "1f1b"  # config.PP_SCHEDULES
     pp_virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved schedules)
@@ -129,6 +130,7 @@ class Layout:
         ck = self.activation_checkpointing + (f"/{self.checkpoint_every}" if self.activation_checkpointing ==
                                               "every_k" else "")
         s = f"{self.degrees()} mb={self.micro_batch_size} m={self.n_microbatches} ckpt={ck}"
+        s += f" act_offload={self.activation_offload:g}" if self.activation_offload else ""
         s += " sp" if self.sequence_parallel else ""
         if self.pp_size > 1:
             s += f" {self.pp_schedule}" + (f"(v={self.pp_virtual_stages})" if self.pp_virtual_stages > 1 else "")
@@ -179,7 +181,7 @@ def _changes_pass(new: Layout, changes: dict[str, Any]) -> bool:
         elif name == "zero_stage":
             if value not in ZERO_STAGES or isinstance(value, bool):
                 return False
-        elif name == "pp_stage_layers":
+        elif name in ("pp_stage_layers", "activation_offload"):
             return False
     return new.pp_stage_layers is None and not (new.sequence_parallel and new.tp_size == 1)
 

@@ -48,6 +48,7 @@ def parallelize(model: Transformer, layout: Layout, state: ParallelState, device
     apply_context_parallel(model, state, layout.cp_mode)
     model.loss = TokenWeightedLoss(model.loss, model.sequence, getattr(model.sequence, "group", None))
     model.set_activation_checkpointing(layout.activation_checkpointing, layout.checkpoint_every, first_layer)
+    model.set_activation_offload(layout.activation_offload, first_layer)
     if compile_blocks:
         apply_compile(model)
     if any(p.is_meta for p in model.parameters()):

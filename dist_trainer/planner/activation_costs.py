@@ -10,8 +10,10 @@ a sliding-window layer (``cfg.is_sliding_layer``: its mask).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.model_shape import padded_vocab
@@ -26,12 +28,14 @@ from dist_trainer.planner.activations import (
     head_saved_tensors,
     layer_flow,
     layer_saved_tensors,
-    loss_backward_bytes_per_token,
     per_token,
     recomputed_layers,
 )
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
+from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.op_recompute import op_saved_tensors
+
+OFFLOADED = "offloaded_to_host"  # stage_activations' term of host memory, apart from the device's
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class LayerCosts:
     layer: LayerCost
     embedding: float
     head: float
-    loss_backward: float  # the loss's gradients at the start of the last stage's backward
+    loss_backward: Callable[[int], float]  # tokens -> the loss's working set in backward (loss_costs.py)
     amp_head_weights: int
     per_layer: tuple[LayerCost, ...] = ()
     per_layer_staged: tuple[LayerCost, ...] = ()
@@ -103,14 +107,16 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     amp_head = amp_dense = 0
     if spec.precision.startswith("amp"):
         t = spec.tp_size
-        amp_head = 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+        # the head's cast weight; a chunked loss casts it inside each chunk's checkpoint (kept by none)
+        amp_head = 0 if cfg.loss_chunk_tokens else 2 * cfg.d_model * (
+            padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
         amp_dense = 2 * cfg.d_model * cfg.d_model if cfg.mlm_head else 0  # the MLM transform's dense, whole
     moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
     sliding_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_sliding_layer(i))
     kinds = {(i in moe_ids, i in sliding_ids) for i in range(cfg.n_layers)}
     by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
-    loss_backward = loss_backward_bytes_per_token(cfg, spec)
+    loss_backward = partial(loss_working_set, cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     selective_inputs = per_token(documents.document_stage_tensors(spec, selective=True))
     if plan is None:
@@ -145,68 +151,58 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
-                      first: bool, last: bool, in_flight: float) -> dict[str, int]:
+                      first: bool, last: bool, in_flight: float, offload: float = 0.0) -> dict[str, int]:
     """Activation terms of one pipeline stage at its peak, in bytes.
 
     ``saved``: what the autograd graph holds for ``in_flight`` micro-batches (the saved-tensor-hook figure);
     ``amp_weight_copies``: autocast's 16-bit weight casts held by the graph (not made inside recomputed layers, nor
     under op-level recomputation, which recomputes them);
     ``backward_working_set``: the larger of two transients of one micro-batch's backward that never coexist:
-    the loss's gradients on the last stage (``loss_backward_bytes_per_token``: its backward ends before the
+    the loss's gradients on the last stage (``loss_costs.loss_working_set``: its backward ends before the
     first layer's starts) and one recomputed layer's full saved tensors (selective: its attention core; op: the
     whole layer's, beside what the policy kept), alive
     while that layer's backward runs. The first stage's layers are the leading run 0, 1, 2, ... of ``layer_ids``
     on the rank that holds the embeddings; every other layer sits on a later stage.
+
+    ``offload``: the share of the rank's layers (the first ceil(share x n), ``Transformer.set_activation_offload``)
+    whose saved tensors go to host memory (``model_offload.py``): what the hooks see of them (their saved tensors and
+    autocast's weight casts; a recomputed layer its input, also under op-level recomputation, whose kept outputs
+    stay) leaves ``saved`` and ``amp_weight_copies`` for ``offloaded_to_host`` (host memory, not the device's);
+    one layer of prefetch brings one layer's back before its backward, within the backward working set's bound.
     """
-    return stage_terms(stage_rates(costs, mode=mode, every=every, layer_ids=layer_ids, first=first, last=last),
-                       tokens=tokens, in_flight=in_flight)
-
-
-def stage_rates(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], first: bool,
-                last: bool) -> tuple[float, float, float]:
-    """A stage's (saved bytes per token, weight copies, backward working set per token) of one micro-batch:
-    ``stage_activations`` before the batch shape, which the search reuses over every shape of a split."""
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
     chained = 0
     while first and chained < len(layer_ids) and layer_ids[chained] == chained:
         chained += 1
-    per_token = weights = recompute = 0.0
+    per_token = weights = recompute = host = 0.0
     redone = set(recomputed_layers(mode, every, layer_ids))
-    if not (costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: the sums at once
-        c, n_redone, n_kept = costs.layer, len(redone), len(layer_ids) - len(redone)
-        if mode == "op":
-            per_token, recompute = len(layer_ids) * c.op, c.full if layer_ids else 0.0
-        else:
-            per_token = n_redone * c.checkpointed + n_kept * (c.selective if mode == "selective" else c.full)
-            weights = n_kept * c.amp_weights
-            recompute = max(c.full if n_redone else 0.0, c.attention_core if mode == "selective" and n_kept else 0.0)
-        layer_ids = ()
+    offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
-        if mode == "op":
-            per_token += c.op
+        if mode == "op":  # the hooks see its input; the policy's cache holds the rest, which stays
+            stays, moves, cast = c.op - c.checkpointed, c.checkpointed, 0
             recompute = max(recompute, c.full)
         elif i in redone:
-            per_token += c.checkpointed
+            stays, moves, cast = 0.0, c.checkpointed, 0
             recompute = max(recompute, c.full)
         else:
-            per_token += c.selective if mode == "selective" else c.full
-            weights += c.amp_weights
+            stays, moves, cast = 0.0, (c.selective if mode == "selective" else c.full), c.amp_weights
             recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
+        per_token += stays
+        if i in offloaded:  # the hooks move what they see of the layer, autocast's weight casts too
+            host += moves * tokens + cast
+        else:
+            per_token += moves
+            weights += cast
     if mode == "selective" and layer_ids:
         per_token += costs.selective_inputs
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
     weights += costs.amp_head_weights if last else 0
-    return per_token, weights, max(recompute, costs.loss_backward if last else 0.0)
-
-
-def stage_terms(rates: tuple[float, float, float], *, tokens: int, in_flight: float) -> dict[str, int]:
-    """``stage_activations`` of a stage's ``stage_rates`` for ``in_flight`` micro-batches of ``tokens`` each."""
-    per_token, weights, working = rates
-    return {
+    terms = {
         "saved": round(per_token * tokens * in_flight),
         "amp_weight_copies": round(weights * in_flight),
-        "backward_working_set": round(working * tokens),
+        "backward_working_set": round(max(recompute * tokens, costs.loss_backward(tokens) if last else 0.0)),
     }
+    return terms | ({OFFLOADED: round(host * in_flight)} if offloaded else {})

@@ -152,6 +152,16 @@ class ActivationSpec:
         return SavedTensor(name, elements * self.cp_size / (self.micro_batch_size * self.seq_len), nbytes)
 
     @property
+    def sequence_copies(self) -> int:
+        """Times a block that routes whole sequences (MoE) computes this rank's tokens: its split's degree."""
+        return self.cp_size
+
+    @property
+    def ring_attention(self) -> bool:
+        """The attention runs over a ring of sequence shards (its own kernel, batched matmuls), not SDPA."""
+        return self.cp_size > 1 and self.cp_mode == "ring"
+
+    @property
     def lin_in(self) -> float:
         """Share of a column-parallel linear's input kept: Megatron keeps the SP shard and re-gathers."""
         return 1.0 if self.sp_saves_gathered_input else self.rep
@@ -547,14 +557,34 @@ def head_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, input_grad: bool 
     if cfg.mlm_head:
         out += _mlm_transform(cfg, spec, grad, trains)
         grad = grad or bool(trains & {"mlm_transform.dense", "mlm_transform.norm"})
+    chunked = bool(cfg.loss_chunk_tokens)
+    if chunked and (grad or "head" in trains or "output_bias" in trains):
+        # model_loss.ChunkedLoss: each chunk's checkpoint keeps its slice of the head's input (in its own dtype:
+        # the residual stream's, the MLM transform's dense output's with one) and of the targets; the projection
+        # and the loss run again in backward
+        return [*out, SavedTensor("head.input", cfg.d_model * spec.lin_in, head_input_bytes(cfg, spec)),
+                SavedTensor("loss.targets", 1, 8)]
     if "head" in trains:
         out.append(SavedTensor("head.input", cfg.d_model * spec.lin_in, spec.act))
     if not (grad or "head" in trains or "output_bias" in trains):
         return out  # the logits need no gradient: the loss keeps nothing
+    return [*out, *head_vocab_saved_tensors(cfg, spec), SavedTensor("loss.targets", 1, 8)]
+
+
+def head_input_bytes(cfg: ModelConfig, spec: ActivationSpec) -> int:
+    """Bytes per element of the head's input as ``pre_head`` returns it: the residual stream's dtype, or the MLM
+    transform's (its norm casts back to the dense's output dtype: 16-bit under autocast)."""
+    return spec.act if cfg.mlm_head else spec.residual
+
+
+def head_vocab_saved_tensors(cfg: ModelConfig, spec: ActivationSpec) -> list[SavedTensor]:
+    """The vocabulary-wide tensors the head and the loss keep per token (when their whole micro-batch runs at once,
+    or per token of one chunk in its backward): a final soft-cap's tanh, the fp32 log-softmax, TP's bool masks."""
     vocab = padded_vocab(cfg.vocab_size, spec.tp_size) if spec.tp_size > 1 else cfg.vocab_size
+    out = []
     if cfg.final_softcap:  # c * tanh(logits / c): tanh keeps its output, in the logits' dtype
         out.append(SavedTensor("head.softcap_tanh", vocab / spec.tp_size, spec.act))
-    out += [SavedTensor("loss.log_softmax", vocab / spec.tp_size, 4), SavedTensor("loss.targets", 1, 8)]
+    out.append(SavedTensor("loss.log_softmax", vocab / spec.tp_size, 4))
     if spec.tp_size > 1:  # the vocab-parallel cross-entropy keeps two bool target-outside-shard masks
         out.append(SavedTensor("loss.vocab_masks", 2, 1))
     return out

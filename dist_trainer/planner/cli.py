@@ -68,6 +68,9 @@ def register(subparsers: argparse._SubParsersAction,
     m.add_argument("--seq-len", type=int, default=None, help="default: model.max_seq_len")
     m.add_argument("--checkpointing", default="none", choices=RECOMPUTE)
     m.add_argument("--checkpoint-every", type=int, default=1)
+    m.add_argument("--activation-offload", type=float, default=0.0, metavar="SHARE",
+                   help="parallel.activation_offload: the share of each rank's layers whose saved activations go to "
+                        "host memory")
     m.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
     m.add_argument("--pp-schedule", default="1f1b")
     m.add_argument("--virtual-stages", type=int, default=1)
@@ -153,6 +156,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="model.base_weight_dtype: int8 stores the frozen layer linears as int8 + fp32 group scales")
     p.add_argument("--base-weight-group", type=int, default=64,
                    help="model.base_weight_group: input columns per int8 scale")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="N",
+                   help="model.loss_chunk_tokens: the head and the loss N tokens at a time (0: the whole micro-batch)")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -185,7 +190,8 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
     cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group)
+                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group,
+                       loss_chunk_tokens=args.loss_chunk_tokens)
     frozen_modules(cfg, _freeze(args))
     check_int8_base(cfg, _freeze(args))
     return cfg
@@ -260,6 +266,7 @@ def run_memory(args: argparse.Namespace) -> int:
                     cp_mode=args.cp_mode, zero_stage=args.zero,
                     zero_offload=args.offload, micro_batch_size=args.micro_batch, n_microbatches=args.microbatches,
                     activation_checkpointing=args.checkpointing, checkpoint_every=args.checkpoint_every,
+                    activation_offload=args.activation_offload,
                     sequence_parallel=args.sp, pp_schedule=args.pp_schedule, pp_virtual_stages=args.virtual_stages)
     if args.seq_len is not None and args.seq_len < 1:  # 0 planned for max_seq_len (`args.seq_len or ...`)
         raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (leave it out for model.max_seq_len="

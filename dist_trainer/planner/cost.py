@@ -11,6 +11,7 @@ data-sheet profiles). This module names no axis: a new one is a new entry, summe
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.planner.activation_offload import activation_offload_time
 from dist_trainer.planner.axes import AXES, AxisTime, StepContext, StepTime, ring_time
 from dist_trainer.planner.compute import bubble_seconds, compute_seconds, step_model_flops
 from dist_trainer.planner.hardware import HardwareProfile
@@ -68,6 +69,10 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     for axis in AXES:
         axes.update(axis.time(ctx))
     axes.update(optimizer_time(ctx))  # an optimizer of whole matrices: its Newton-Schulz and its owners' traffic
+    offload = activation_offload_time(cfg, layout, seq_len=seq_len, options=options, hardware=hardware,
+                                      compute=compute, most_layers=most_layers)
+    if offload is not None:  # the host link's, no axis's
+        axes["activation_offload"] = offload
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * layout.world_size * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)

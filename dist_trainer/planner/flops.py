@@ -4,7 +4,8 @@
   attention scores and weighted sum, 2 * 2 * s * q_dim per layer and token forward (q_dim = n_heads * head_dim,
   h unless model.attn_head_dim sets it apart), counted in full as Megatron does (Narayanan et al. 2021, eq. 3;
   Korthikanti et al. 2022, appendix A: 72 B s L h^2 (1 + s/(6h) + V/(12 h L)) for a GPT layer with d_ff = 4h);
-  recomputation adds the recomputed forwards. Norms, soft-caps, RoPE and masks are not matmuls and not counted.
+  recomputation adds the recomputed forwards, a chunked loss its second projection. Norms, soft-caps, RoPE and
+  masks are not matmuls and not counted.
 * Sliding-window layers (``cfg.is_sliding_layer``, window W < s): query i sees min(i + 1, W) keys instead of the
   i + 1 of causal attention, so such a layer's score and weighted-sum FLOPs are the global count times
   sum_i min(i + 1, W) / sum_i (i + 1) (the causal work the window keeps, on the same full-count convention;
@@ -95,6 +96,8 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
         extra = sum(kind[i in moe_set] + (0.0 if fused_attention else attn[i]) for i in range(cfg.n_layers))
     else:
         extra = 0.0
+    if cfg.loss_chunk_tokens:  # model_loss.ChunkedLoss projects each chunk again in backward
+        extra += 2.0 * head_matmul_weights(cfg)
     return model, model + padding + extra * tokens
 
 

@@ -30,7 +30,7 @@ from dist_trainer.facts.finetune import trainable_expert_params
 from dist_trainer.facts.quant_sizes import INT8_QMAPS_BYTES, adam_moment_bytes, int8_weights
 from dist_trainer.layout_rules import Layout, check_low_bit, check_shape
 from dist_trainer.planner import activations as act
-from dist_trainer.planner.activation_costs import layer_costs, stage_activations
+from dist_trainer.planner.activation_costs import OFFLOADED, layer_costs, stage_activations
 from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.moe import moe_layer_ids
@@ -172,13 +172,13 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
     (``expert_rows``: a dropless MoE layer's rows per token on this rank's experts; None: the balanced top_k)."""
     spec = replace(activation_spec(layout, seq_len, options), moe_expert_rows=expert_rows)
     if cfg.encoder_decoder:
-        return seq2seq_activation_bytes(cfg, layout, spec, options, pp_rank, _in_flight(layout, pp_rank))
+        return seq2seq_activation_bytes(cfg, layout, spec, options, pp_rank, in_flight_of(layout, pp_rank))
     costs = layer_costs(cfg, spec, grad_plan(cfg, options.freeze))
     return stage_activations(costs, mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                              layer_ids=layout.rank_layer_ids(cfg, pp_rank),
                              tokens=layout.rank_tokens(seq_len), first=pp_rank == 0,
                              last=pp_rank == layout.pp_size - 1,
-                             in_flight=_in_flight(layout, pp_rank))
+                             in_flight=in_flight_of(layout, pp_rank), offload=layout.activation_offload)
 
 
 def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> act.ActivationSpec:
@@ -214,7 +214,7 @@ def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.Activat
                                      encoder_last=cfg.n_layers - 1 in ids)
 
 
-def _in_flight(layout: Layout, pp_rank: int) -> float:
+def in_flight_of(layout: Layout, pp_rank: int) -> float:
     if layout.pp_size == 1:
         return 1.0  # gradient accumulation runs one micro-batch's forward and backward at a time
     return act.in_flight_microbatches(layout.pp_schedule, pp_size=layout.pp_size, pp_rank=pp_rank,
@@ -283,12 +283,13 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
 
 def with_activations(states: RankMemory, activations: dict[str, int], overheads: Overheads) -> RankMemory:
     """``states`` (``rank_states``) with the activation terms and the allocator's fragmentation over both."""
-    act_total = sum(activations.values())
+    act_total = sum(v for k, v in activations.items() if k != OFFLOADED)  # offloaded ones are host bytes
     frag = round(overheads.fragmentation * (states.model_states + act_total + states.step_buffers))
     detail = {**{f"activations.{k}": v for k, v in activations.items()}, **states.detail,
               "overheads.fragmentation": frag}
     return RankMemory(params=states.params, grads=states.grads, optimizer=states.optimizer, activations=act_total,
-                      overheads=states.overheads + frag, host=states.host, step_buffers=states.step_buffers,
+                      overheads=states.overheads + frag, host=states.host + activations.get(OFFLOADED, 0),
+                      step_buffers=states.step_buffers,
                       pp_rank=states.pp_rank, detail=detail)
 
 

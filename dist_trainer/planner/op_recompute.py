@@ -10,7 +10,7 @@ Each layer runs under a checkpoint whose policy keeps the outputs of its attenti
   base matmul. Widths as the rank's matmul produces them: a column-parallel output's shard, a row-parallel
   output's full d_model (the partial sum before its all-reduce or reduce-scatter), for every token of the sequence
   (SP gathers before the column-parallel linears); a replicated kv projection the kv heads its query heads read;
-* the attention kernel's output and fp32 log-sum-exp when a fused kernel runs (flash, and a CP all-to-all's
+* the attention kernel's output and fp32 log-sum-exp when a fused kernel runs (flash, and the head-split all-to-all's
   SDPA); the math kernel, soft-capped scores and ring attention run batched matmuls, which the policy recomputes.
 
 The matmul outputs are in the activations' dtype (autocast's 16-bit result under amp). Nothing else: autocast's
@@ -84,8 +84,8 @@ def _moe_matmuls(cfg: ModelConfig, spec: ActivationSpec) -> list[Matmul]:
     shared = cfg.n_shared_experts * f
     out += [Matmul(SavedTensor(f"moe.shared.{x}.output", shared if x != "down" else d, act),
                    flops * cfg.n_shared_experts) for x in mlp] if cfg.n_shared_experts else []
-    if spec.cp_size > 1:  # the block routes whole sequences: each cp rank computes all cp x its tokens
-        out = [Matmul(dataclasses.replace(x.output, per_token=x.output.per_token * spec.cp_size), x.flops)
+    if spec.sequence_copies > 1:  # the block routes whole sequences: each rank computes them all
+        out = [Matmul(dataclasses.replace(x.output, per_token=x.output.per_token * spec.sequence_copies), x.flops)
                for x in out]
     return out
 
@@ -108,8 +108,7 @@ def op_recomputed_matmul_flops(cfg: ModelConfig, seq_len: int, layer: int) -> fl
 
 def fused_attention_kernel(cfg: ModelConfig, spec: ActivationSpec) -> bool:
     """The layer's attention is one fused SDPA kernel, whose outputs the policy keeps."""
-    ring = spec.cp_size > 1 and spec.cp_mode == "ring"
-    return spec.attention_kernel == "flash" and not cfg.attn_softcap and not ring
+    return spec.attention_kernel == "flash" and not cfg.attn_softcap and not spec.ring_attention
 
 
 def op_saved_tensors(cfg: ModelConfig, spec: ActivationSpec, *, grads: LayerGrads = ALL_TRAIN,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
 from dist_trainer.planner import activations as act
-from dist_trainer.planner.activation_costs import LayerCosts, layer_costs, stage_rates, stage_terms
+from dist_trainer.planner.activation_costs import OFFLOADED, LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.compute import step_model_flops
 from dist_trainer.planner.cost import StepTime, estimate_step_time
 from dist_trainer.planner.finetune import grad_plan
@@ -33,7 +33,8 @@ from dist_trainer.planner.rank_params import RankParams
 
 # what decides a rank's memory but its activations: every Layout field but the recomputation's
 _BUT_RECOMPUTATION = operator.attrgetter(*(f.name for f in fields(Layout)
-                                           if f.name not in ("activation_checkpointing", "checkpoint_every")))
+                                           if f.name not in ("activation_checkpointing", "checkpoint_every",
+                                                             "activation_offload")))
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Pricer:
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
         self._states: dict[tuple[object, int], RankMemory] = {}
         self._worst: dict[tuple[int, int], list[int]] = {}
-        self._rates: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self._acts: dict[tuple[object, ...], dict[str, int]] = {}
         self._flops: dict[tuple[int, str, int], tuple[float, float]] = {}
 
     def params(self, layout: Layout, rank: int) -> RankParams:
@@ -134,16 +135,18 @@ class Pricer:
                 acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
                                                 self.options, r, in_flight)
             else:  # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
-                key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every, p,
-                       layout.pp_virtual_stages, r)
-                if key not in self._rates:
-                    self._rates[key] = stage_rates(
+                tokens = layout.rank_tokens(self.seq_len)
+                key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every,
+                       layout.activation_offload, p, layout.pp_virtual_stages, r, tokens, in_flight)
+                if key not in self._acts:
+                    self._acts[key] = stage_activations(
                         self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                        layer_ids=layers[r], first=r == 0, last=r == p - 1)
-                acts = stage_terms(self._rates[key], tokens=layout.rank_tokens(self.seq_len), in_flight=in_flight)
+                        layer_ids=layers[r], tokens=tokens, first=r == 0, last=r == p - 1, in_flight=in_flight,
+                        offload=layout.activation_offload)
+                acts = self._acts[key]
             states = self.states(layout, r)
             # with_activations' device total, without building the rank's whole report
-            held = states.model_states + sum(acts.values()) + states.step_buffers
+            held = states.model_states + sum(v for k, v in acts.items() if k != OFFLOADED) + states.step_buffers
             total = held + states.overheads + round(self.overheads.fragmentation * held)
             if worst is None or total > worst[0]:
                 worst = (total, states, acts)

@@ -117,6 +117,7 @@ def config_check(model: ModelConfig, *, seq_len: int,
 
 # The largest problem the planner takes: ten times the largest clusters and batches in use, so that the search
 # (every divisor of the GPU count and of each replica's batch) ends in seconds for any input.
+OFFLOAD_SHARES = (0.5, 1.0)  # parallel.activation_offload the search tries where the activations do not fit
 MAX_GPUS = 1 << 20
 MAX_GPUS_PER_NODE = 1024
 MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
@@ -177,10 +178,14 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             for ck in checkpointing:
                 lay = shape if ck == "none" else shape.derive(activation_checkpointing=ck,
                                                               checkpoint_every=2 if ck == "every_k" else 1)
-                measured, considered = pl.measure(lay), considered + 1
-                if measured.fits:
-                    fitting.append(pl.price(measured))
-                else:
+                # a layout that keeps its layers' activations and does not fit may fit offloading them (half, then
+                # all of its layers, model_offload.py); one that fits only loses time by it
+                for share in (0.0, *OFFLOAD_SHARES) if ck in ("none", "selective") else (0.0,):
+                    measured, considered = pl.measure(lay.derive(activation_offload=share) if share else lay), \
+                        considered + 1
+                    if measured.fits:
+                        fitting.append(pl.price(measured))
+                        break
                     closest = _closer(closest, measured)
     # Equal times (communication hidden behind backward): prefer the simpler layout, then the smaller one.
     fitting.sort(key=lambda x: (round(x.time.total, 9), *x.layout.simplicity, x.memory.device_total))

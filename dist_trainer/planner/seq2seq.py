@@ -32,6 +32,7 @@ from dist_trainer.config import DataConfig, ModelConfig
 from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activations import ActivationSpec, SavedTensor, per_token
+from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights
 
 
@@ -155,7 +156,7 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
     head = per_token(act.head_saved_tensors(cfg, dec)) * B * T if last else 0.0
     saved += head
     weights += _amp_head(cfg, spec) if last else 0
-    loss = act.loss_backward_bytes_per_token(cfg, spec) * B * T if last else 0.0
+    loss = loss_working_set(cfg, spec, B * T) if last else 0.0
     return {"saved": round(saved * in_flight), "amp_weight_copies": round(weights * in_flight),
             "backward_working_set": round(max(working, loss))}
 
@@ -186,7 +187,7 @@ def _per_source(cfg: ModelConfig, spec: ActivationSpec, selective: bool, padded:
 
 
 def _amp_head(cfg: ModelConfig, spec: ActivationSpec) -> int:
-    if not spec.precision.startswith("amp"):
+    if not spec.precision.startswith("amp") or cfg.loss_chunk_tokens:  # a chunked loss casts it in its checkpoints
         return 0
     from dist_trainer.facts.model_shape import padded_vocab
 

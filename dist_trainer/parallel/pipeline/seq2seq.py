@@ -55,7 +55,7 @@ def seq2seq_stage_forward(stage: Any, *args: torch.Tensor) -> torch.Tensor | tup
     y = m.run_decoder_layers(y, memory, attention_mask(dec_bias, None, causal=True),
                              attention_mask(None, mask, causal=False), stage.first_layer)
     if stage.is_last:
-        return m.logits(y)
+        return m.loss_input(y)
     # the memory goes on as it came (the received leaf itself: no copy): the next stage's gradient for it and this
     # stage's cross-attentions' sum in its gradient, which goes back with the hidden state's
     return (y, memory, *_opt(dec_bias, mask))

@@ -100,7 +100,7 @@ class StageModule(nn.Module):
         if self.is_first:
             x = self.model.embed(x, documents=docs)
         x = self.model.run_layers(x, first_layer=self.first_layer, documents=docs)
-        out = self.model.logits(x) if self.is_last else x
+        out = self.model.loss_input(x) if self.is_last else x  # the logits, or the chunked loss's input
         # the stage's MoE router losses train through its output's backward (the loss is the last stage's)
         out = attach_aux_losses(self.model, out) if self.training else out
         return out if self.is_last or docs is None else (out, docs)

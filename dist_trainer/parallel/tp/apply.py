@@ -252,7 +252,7 @@ def tp_plan(cfg: ModelConfig, sequence_parallel: bool) -> list[tuple[str, Style]
         ("dec_layers.*.cross_attn.q_norm", QKNorm()),
         ("dec_layers.*.cross_attn.k_norm", QKNorm()),
         ("head", Colwise()),  # entered by the bound logits(), after the final norm
-        ("loss", VocabLoss()),
+        ("loss.inner" if cfg.loss_chunk_tokens else "loss", VocabLoss()),  # model_loss.ChunkedLoss wraps it
     ]
     if sequence_parallel:
         # every norm between the TP regions, wherever it is placed (before a branch, after it: post_branch and
