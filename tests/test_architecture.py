@@ -118,7 +118,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # validated; the optimizers' entries (torch-free: what each takes, keeps and costs)
     ("layout_rules",),  # which layouts run, torch-free
     ("quant", "model_positions", "model_lora", "model_moe", "model_seq2seq", "model_blocks", "model",
-     "model_recompute", "model_mla", "model_moe_routing", "model_moe_experts",
+     "model_recompute", "model_loss", "model_offload", "model_mla", "model_moe_routing", "model_moe_experts",
      "optim_lowbit"),  # one process's model and AdamW's low-bit states, pure torch
     # the token data; the mechanisms that cut the model over ranks; the optimizers (Muon's owners gather over them)
     ("data", "parallel", "optim_muon", "optim"),
@@ -359,7 +359,6 @@ CP_FILES = {
     "layout_rules/early.py",  # the world's rule on tp x pp x cp, asked as the search chooses
     "planner/axes/base.py", "planner/search.py", "planner/cli.py",  # the user's max_cp_size
     "planner/activations.py",  # its saved tensors
-    "planner/op_recompute.py",  # a MoE block's kept matmul outputs under cp (op-level recomputation, issue 37)
 }
 CP_NAMED = re.compile(r"\bcp\b|cp_size|cp_mode|dp_cp|context.parallel|parallel[/.]cp", re.IGNORECASE)
 

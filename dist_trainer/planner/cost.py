@@ -69,10 +69,10 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
     for axis in AXES:
         axes.update(axis.time(ctx))
     axes.update(optimizer_time(ctx))  # an optimizer of whole matrices: its Newton-Schulz and its owners' traffic
-    offload = activation_offload_time(cfg, layout, seq_len=seq_len, options=options, hardware=hardware,
+    host_link = activation_offload_time(cfg, layout, seq_len=seq_len, options=options, hardware=hardware,
                                       compute=compute, most_layers=most_layers)
-    if offload is not None:  # the host link's, no axis's
-        axes["activation_offload"] = offload
+    if host_link is not None:  # saved activations to host memory and back: the host link's, no axis's
+        axes["activation_offload"] = host_link
     total = compute + bubble + sum(a.exposed for a in axes.values())
     mfu = model_f / (total * layout.world_size * hardware.peak_flops(options.precision))
     return StepTime(compute=compute, bubble=bubble, axes=axes, total=total, model_flops=model_f, mfu=mfu)

@@ -176,17 +176,13 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
             if refused(shape) is not None:
                 continue  # the trainer refuses it (whatever the recomputation): never ranked
             for ck in checkpointing:
-                lay = shape if ck == "none" else shape.derive(activation_checkpointing=ck,
-                                                              checkpoint_every=2 if ck == "every_k" else 1)
-                # a layout that keeps its layers' activations and does not fit may fit offloading them (half, then
-                # all of its layers, model_offload.py); one that fits only loses time by it
-                for share in (0.0, *OFFLOAD_SHARES) if ck in ("none", "selective") else (0.0,):
-                    measured, considered = pl.measure(lay.derive(activation_offload=share) if share else lay), \
-                        considered + 1
+                tried = _recomputed(pl, shape, ck)
+                considered += len(tried)
+                for measured in tried:
                     if measured.fits:
                         fitting.append(pl.price(measured))
-                        break
-                    closest = _closer(closest, measured)
+                    else:
+                        closest = _closer(closest, measured)
     # Equal times (communication hidden behind backward): prefer the simpler layout, then the smaller one.
     fitting.sort(key=lambda x: (round(x.time.total, 9), *x.layout.simplicity, x.memory.device_total))
     fitting = fitting if top_k is None else fitting[:top_k]
@@ -297,3 +293,17 @@ def _priced_choices(model: ModelConfig, options: TrainingOptions, zero_stages: t
     entry_stages = options.entry.zero_stages
     stages = tuple(z for z in zero_stages if entry_stages is None or z in entry_stages)
     return stages, tuple(ck for ck in checkpointing if not (model.encoder_decoder and ck == "op"))
+
+
+def _recomputed(pl: Pricer, shape: Layout, ck: str) -> list[Measured]:
+    """``shape`` with recomputation ``ck`` measured; a layout that keeps its layers' activations and does not fit
+    measured again offloading them (half, then all of its layers, model_offload.py) until one fits (one that fits
+    only loses time by it). The last measured may fit; the others do not."""
+    every = 2 if ck == "every_k" else 1
+    lay = shape if ck == "none" else shape.derive(activation_checkpointing=ck, checkpoint_every=every)
+    tried: list[Measured] = []
+    for share in (0.0, *OFFLOAD_SHARES) if ck in ("none", "selective") else (0.0,):
+        tried.append(pl.measure(lay.derive(activation_offload=share) if share else lay))
+        if tried[-1].fits:
+            break
+    return tried
