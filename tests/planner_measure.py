@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dist_trainer.config import ModelConfig
+from dist_trainer.config import Config, ModelConfig
 from dist_trainer.facts.finetune import frozen_modules
+from dist_trainer.layout_rules.layout import layout_of
 from dist_trainer.model import build_model
 from dist_trainer.model_blocks import LMLoss
 from dist_trainer.model_lora import freeze_
+from dist_trainer.planner.memory import predict_rank_memory, stage_activation_bytes
+from dist_trainer.train.plan_check import planner_options
 
 
 def measure_saved_bytes(cfg: ModelConfig, *, batch: int, seq_len: int, checkpointing: str = "none", every: int = 1,
@@ -174,3 +177,16 @@ def loss_peak_bytes(rank: int, world: int, dtype_name: str, n: int, vocab: int, 
         peaks.append(status_bytes("VmHWM") - base)
         del x, weight, loss
     return peaks[-1]
+
+
+def dropless_bounds(cfg: Config, world: int, pp_rank: int) -> tuple[float, float]:
+    """The planner's dropless activations of stage ``pp_rank`` when this rank's experts get no row, and at its
+    named worst case, over its balanced expectation (what one rank under expert parallelism saves depends on where
+    the routing sends the rows)."""
+    layout = layout_of(cfg.parallel, world)
+    options = planner_options(cfg, torch.device("cpu"))
+    seq_len = cfg.data.seq_len
+    mem = predict_rank_memory(cfg.model, layout, seq_len=seq_len, options=options, pp_rank=pp_rank)
+    empty = stage_activation_bytes(cfg.model, layout, seq_len=seq_len, options=options, pp_rank=pp_rank,
+                                   expert_rows=0)
+    return sum(empty.values()) / mem.activations, mem.detail["worst_case.dropless_activations"] / mem.activations

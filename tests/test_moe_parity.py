@@ -21,14 +21,12 @@ import torch
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.cli import main
-from dist_trainer.layout_rules.layout import layout_of
 from dist_trainer.model_moe import moe_layers
-from dist_trainer.planner.memory import predict_rank_memory, stage_activation_bytes
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements
 from dist_trainer.testing import run_distributed
-from dist_trainer.train.plan_check import planner_options
 from dist_trainer.train.trainer import Trainer, TrainResult
 from tests.helpers import STEP3, TINY_SEQ, assert_same_curves, curves, relative_diff, share_checkpoint, tiny_config
+from tests.planner_measure import dropless_bounds
 
 # A Mixtral in miniature with a shared expert; capacity factor 1 and large router-loss coefficients, so tokens
 # are dropped and the router losses are a visible part of the loss.
@@ -115,15 +113,7 @@ def _check(name: str, got: dict, ref: dict, parallel: dict, world: int, frozen_m
 
 
 def _dropless_bounds(parallel: dict, world: int, pp_rank: int) -> tuple[float, float]:
-    """The planner's dropless activations of stage ``pp_rank`` when this rank's experts get no row, and at its
-    named worst case, over its balanced expectation."""
-    cfg = _config(Path("."), Path("."), parallel, DROPLESS)
-    layout = layout_of(cfg.parallel, world)
-    options = planner_options(cfg, torch.device("cpu"))
-    mem = predict_rank_memory(cfg.model, layout, seq_len=TINY_SEQ, options=options, pp_rank=pp_rank)
-    empty = stage_activation_bytes(cfg.model, layout, seq_len=TINY_SEQ, options=options, pp_rank=pp_rank,
-                                   expert_rows=0)
-    return sum(empty.values()) / mem.activations, mem.detail["worst_case.dropless_activations"] / mem.activations
+    return dropless_bounds(_config(Path("."), Path("."), parallel, DROPLESS), world, pp_rank)
 
 
 # The parity layouts on 2 and on 4 ranks, and the resume cases of the checkpoint test at 4 ranks (ep4, ep2 x pp2,
