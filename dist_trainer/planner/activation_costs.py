@@ -178,6 +178,15 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     per_token = weights = recompute = host = 0.0
     redone = set(recomputed_layers(mode, every, layer_ids))
     offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
+    if not (offloaded or costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: at once
+        c, n_redone, n_kept = costs.layer, len(redone), len(layer_ids) - len(redone)
+        if mode == "op":
+            per_token, recompute = len(layer_ids) * c.op, c.full if layer_ids else 0.0
+        else:
+            per_token = n_redone * c.checkpointed + n_kept * (c.selective if mode == "selective" else c.full)
+            weights = n_kept * c.amp_weights
+            recompute = max(c.full if n_redone else 0.0, c.attention_core if mode == "selective" and n_kept else 0.0)
+        layer_ids = ()
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
         if mode == "op":  # the hooks see its input; the policy's cache holds the rest, which stays
