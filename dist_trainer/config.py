@@ -444,6 +444,13 @@ class Config:
             optimizer_entry(self.optim.name).check_regime(par, stage)
         return self
 
+    def check_document_masking(self) -> None:
+        """ValueError when data.document_masking is on (set, or by chat data) for a model that cannot take it."""
+        if self.data.document_masking and self.model.kv_lora_rank:
+            raise ValueError(f"data.document_masking=true (and chat data, which packs conversations) is not taken by "
+                             f"latent attention yet (model.kv_lora_rank={self.model.kv_lora_rank}: its attention "
+                             "neither masks nor restarts positions per document): set it to false")
+
     def _validate_objective(self) -> None:
         """The objective fits the model: an encoder-decoder trains on span_corruption or seq2seq, one stack on lm."""
         objective, seq2seq = self.data.objective, self.model.encoder_decoder
@@ -453,6 +460,7 @@ class Config:
         if seq2seq and self.data.document_masking:
             raise ValueError("data.document_masking=true packs documents into one stack's windows; an encoder-decoder "
                              "(model.n_decoder_layers > 0) reads pairs or span-corrupted windows: set it to false")
+        self.check_document_masking()
         if not seq2seq and objective != "lm":
             raise ValueError(f"data.objective={objective} needs an encoder-decoder (model.n_decoder_layers > 0); "
                              "one stack trains on lm (causal or masked, as model.causal says)")

@@ -141,6 +141,11 @@ def test_config_refuses_document_masking_where_it_cannot_apply(packed_data: Path
     with pytest.raises(ValueError, match="data.document_masking=true packs documents"):
         tiny_config(packed_data, tmp_path, model={"n_decoder_layers": 2, "pos_embedding": "relative"},
                     data={"document_masking": True, "objective": "span_corruption"})
+    latent = {"pos_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "kv_lora_rank": 16,
+              "q_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
+    tiny_config(packed_data, tmp_path, model=latent)  # latent attention itself is accepted
+    with pytest.raises(ValueError, match="not taken by latent attention yet \\(model.kv_lora_rank=16"):
+        tiny_config(packed_data, tmp_path, model=latent, data={"document_masking": True})
 
 
 # name -> (model fields, parallel fields); every layout on 2 ranks (LoRA and recomputation: also in one process above)

@@ -93,6 +93,7 @@ class Trainer:
         self.val_data = open_split(cfg, "val")
         if isinstance(self.train_data, ChatDataset):  # its windows always carry their conversations (data/chat.py):
             cfg.data.document_masking = True  # what the plan check prices and the checkpoint records
+            cfg.check_document_masking()  # its rules hold for chat data too (latent attention refuses it)
         if isinstance(self.train_data, MixtureDataset) and isinstance(self.val_data, MixtureDataset):
             for i, (source, train, val) in enumerate(zip(self.train_data.sources, self.train_data.parts,
                                                          self.val_data.parts)):
