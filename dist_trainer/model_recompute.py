@@ -10,7 +10,9 @@ q_proj, v_proj, up_proj and down_proj, the recomputed ones k_proj, o_proj and ga
 Ours beside torchtitan's list: ``addmm`` counts as a matmul (a linear with a bias dispatches to it, torchtitan's
 models have none), and PyTorch's CPU flash kernel is kept as CUDA's flash and memory-efficient kernels are. The
 explicit attention (the math kernel, Gemma 2's soft-capped scores) dispatches to ``bmm``: recomputed, as in
-torchtitan. The planner's price is ``planner/op_recompute.py``; tests/test_planner_activations.py measures it.
+torchtitan. The dropless experts' ``torch._grouped_mm`` counts as a matmul too: each of the three is one
+projection of every routed row (N x top_k of them whatever the routing), as a dense MLP's mm is of every token.
+The planner's price is ``planner/op_recompute.py``; tests/test_planner_activations.py measures it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from torch.utils.checkpoint import (
 )
 
 aten = torch.ops.aten
-MATMULS = frozenset({aten.mm.default, aten.addmm.default})  # counted: every other one is kept
+# counted: every other one is kept; the dropless experts' grouped matmul (model_moe_experts.py) is one matmul of
+# every expert's rows, as one linear's mm is (it runs inside a custom autograd Function, whose ops the policy sees)
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default})
 ATTENTION_KERNELS = frozenset({  # kept: their outputs (with the log-sum-exp) are what their backward reads
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,

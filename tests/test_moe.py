@@ -205,6 +205,44 @@ def test_a_dropless_layer_is_the_gated_sum_of_its_experts_grouped_or_looped(fiel
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp_bf16"])
+def test_op_level_recomputation_of_grouped_experts_keeps_loss_and_gradients(amp: bool) -> None:
+    """Op-level recomputation keeps every other matmul, the experts' grouped matmuls counted among them (run again
+    inside the custom autograd Function): the same loss and gradients as no recomputation, the grouped path
+    taken in both."""
+    cfg = _cfg(capacity_factor=None, activation="swiglu", bias=False, n_shared_experts=1)
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    grouped_calls = []
+
+    def run(mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model = build_model(cfg, "cpu", seed=0)
+        model.set_activation_checkpointing(mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = model(tokens, tokens)
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    original = torch._grouped_mm
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        grouped_calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch._grouped_mm = counted  # type: ignore[assignment]
+    try:
+        reference = run("none")
+        plain = len(grouped_calls)
+        got = run("op")
+    finally:
+        torch._grouped_mm = original  # type: ignore[assignment]
+    # per MoE layer (both of the 2): 3 in forward, 2 per projection in backward; op-level adds the recomputed
+    # forward's 3 calls (the kept gate's answered from the policy's cache: tests/test_planner_activations.py)
+    assert plain == 2 * (3 + 3 * 2) and len(grouped_calls) - plain == 2 * (3 + 3 + 3 * 2)
+    assert torch.equal(got[0], reference[0])
+    for a, b in zip(got[1], reference[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_sigmoid_group_limited_routing_is_deepseek_v3s() -> None:
     """Sigmoid scores plus the expert bias for the choice only, the best 2 of 4 groups by their top-2 sums, gates
     renormalised then scaled: transformers' DeepseekV3TopkRouter on the same weights, bias and tokens."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -242,29 +243,38 @@ def test_op_level_keeps_torchtitans_matmuls() -> None:
     assert "attn.kernel_out" not in {x.name for x in op_recompute.op_saved_tensors(LLAMA, math)}
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT2, BERT, MOE], ids=["llama", "gpt2", "bert_postnorm", "moe"])
+MLA = dataclasses.replace(LLAMA, **FAMILIES["deepseek_mla"])
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2, BERT, MOE, MLA], ids=["llama", "gpt2", "bert_postnorm", "moe", "mla"])
 def test_op_level_recomputed_flops_match_flop_counter(cfg: ModelConfig) -> None:
-    # backward's FLOPs with op-level recomputation less without: the forward matmuls the policy dropped
+    # backward's FLOPs with op-level recomputation less without: the forward matmuls the policy dropped, and the
+    # attention's batched matmuls where no fused kernel runs (latent attention on CPU: its math kernel)
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from dist_trainer.model import build_model
-    from dist_trainer.planner.flops import step_flops
+    from dist_trainer.planner.flops import attention_flops_per_token, step_flops
 
     def backward_flops(mode: str) -> int:
         model = build_model(cfg, "cpu", seed=0)
         model.set_activation_checkpointing(mode)
         tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
         loss = model(tokens, tokens)
-        with FlopCounterMode(display=False) as counter:
+        # torch's counter has no formula for the dropless experts' grouped matmul: 2 x a's elements x b's columns
+        # (rows x in x out summed over the segments, in forward and in both backward products)
+        grouped = {torch.ops.aten._grouped_mm: lambda a, b, *_, **__: 2 * math.prod(a) * b[-1]}
+        with FlopCounterMode(display=False, custom_mapping=grouped) as counter:
             loss.backward()
         return counter.get_total_flops()
 
     measured = backward_flops("op") - backward_flops("none")
-    planned = sum(op_recompute.op_recomputed_matmul_flops(cfg, S, i) for i in range(cfg.n_layers)) * B * S
+    fused = op_recompute.fused_attention_kernel(cfg, act.ActivationSpec(seq_len=S, device="cpu"))
+    planned = sum(op_recompute.op_recomputed_matmul_flops(cfg, S, i) +
+                  (0.0 if fused else attention_flops_per_token(cfg, S, i)) for i in range(cfg.n_layers)) * B * S
     assert measured == pytest.approx(planned, rel=1e-9)
-    recomputed = step_flops(cfg, seq_len=S, global_batch=B, recompute="op")[1] - step_flops(cfg, seq_len=S,
-                                                                                          global_batch=B)[1]
+    recomputed = step_flops(cfg, seq_len=S, global_batch=B, recompute="op", fused_attention=fused)[1] - \
+        step_flops(cfg, seq_len=S, global_batch=B)[1]
     assert recomputed == pytest.approx(planned)  # what the step's time is priced on
 
 

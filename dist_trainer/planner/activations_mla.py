@@ -62,7 +62,7 @@ def mla_input_leaves(cfg: ModelConfig) -> tuple[str, ...]:
     return ("q_a_proj" if cfg.q_lora_rank else "q_proj", "kv_a_proj")
 
 
-def _kernel(spec: Spec, cfg: ModelConfig) -> str:
+def mla_attention_kernel(cfg: ModelConfig, spec: Spec) -> str:
     """The kernel SDPA runs: CPU's flash kernel needs values as wide as keys (module docstring)."""
     if spec.device == "cpu" and cfg.head_dim != cfg.v_head_dim:
         return "math"
@@ -91,7 +91,7 @@ def mla_saved_tensors(cfg: ModelConfig, spec: Spec, selective: bool) -> list[Sav
         if not fp32:  # k_pe: a view of kv_a_proj's 16-bit output, which nothing else keeps
             out.append(("attn.kv_a_proj.output", kv_a, act))
         return [*out, o_input]
-    if _kernel(spec, cfg) == "math":
+    if mla_attention_kernel(cfg, spec) == "math":
         inner = 4 if spec.device == "cpu" else act
         return [*out, ("attn.q_scaled", heads * qk, inner), ("attn.k_t", heads * qk, inner),
                 ("attn.v", heads * v, inner), ("attn.probs", heads * spec.seq_len, inner),

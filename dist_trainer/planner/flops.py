@@ -47,7 +47,7 @@ def attention_flops_by_layer(cfg: ModelConfig, seq_len: int) -> list[float]:
     """``attention_flops_per_token`` of every layer (the same for all when none slides: the search asks this of
     every layout it prices)."""
     if not cfg.sliding_window or cfg.sliding_window >= seq_len:
-        return [4.0 * seq_len * cfg.q_dim] * cfg.n_layers
+        return [attention_flops_per_token(cfg, seq_len, 0)] * cfg.n_layers
     return [attention_flops_per_token(cfg, seq_len, i) for i in range(cfg.n_layers)]
 
 
