@@ -75,7 +75,7 @@ def train(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, flo
 
     cfg = build(cfg_dict).validate()
     parts: dict[str, float] = {}
-    for name in ("route", "dispatch", "combine"):  # MoE.forward looks them up in the module at each call
+    for name in ("select", "capacity_route", "dispatch", "combine"):  # MoE.forward looks them up at each call
         setattr(moe, name, _timed(getattr(moe, name), parts, "route_dispatch_combine"))
     trainer = Trainer(cfg, log=False)
     ep = trainer.state.ep
