@@ -63,7 +63,10 @@ def test_greedy_json_equals_a_hand_loop(run: Path, tmp_path: Path, capsys: pytes
     want_ids, want_logprobs = hand_loop(run, PROMPT, 12)
     got, err = run_json(capsys, ["--checkpoint", str(run), "--prompt-ids", "1,2,3", "--max-new-tokens", "12",
                                  "--greedy"])
-    assert got == {"prompt_ids": PROMPT, "ids": want_ids, "logprobs": want_logprobs}
+    # the same ids; the log-probs to fp32 rounding: generate decodes over KV caches (the generation fits the
+    # context), whose attention sums the cached keys in another order than the hand loop's full forward
+    assert {k: got[k] for k in ("prompt_ids", "ids")} == {"prompt_ids": PROMPT, "ids": want_ids}
+    assert got["logprobs"] == pytest.approx(want_logprobs, rel=1e-6, abs=0)
     assert all(lp <= 0 for lp in want_logprobs)
     assert "generate: 12 new token(s) after a 3-token prompt; ran to the length asked" in err
     assert run_json(capsys, ["--checkpoint", str(run), "--prompt-ids", "1, 2, 3", "--max-new-tokens", "12",
