@@ -10,6 +10,10 @@
   i + 1 of causal attention, so such a layer's score and weighted-sum FLOPs are the global count times
   sum_i min(i + 1, W) / sum_i (i + 1) (the causal work the window keeps, on the same full-count convention;
   W >= s keeps it all, as a global layer). The matmul weights are the same in every layer.
+* Two conventions for attention in MFU: the full count above (Megatron's, PaLM's and torchtitan's, which published
+  MFU figures use) and the causal count, the work a causal model does: query i of s sees i + 1 keys (min(i + 1, W)
+  in a window), so its scores and weighted sum are (s + 1)/(2 s) of the full count in every causal layer, windowed
+  or not (``causal_mask_skipped_flops``); an encoder's bidirectional attention is the same under both.
 * Bubble: (p - 1)/(m + p - 1) of the step for GPipe/1F1B, (p - 1)/v in units of one micro-batch for
   interleaved 1F1B (Narayanan et al. 2021, section 2.2), a third of 1F1B's for zero bubble (ZB-H1,
   Qi et al. 2023, section 3).
@@ -99,6 +103,21 @@ def step_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, recompute: 
     if cfg.loss_chunk_tokens:  # model_loss.ChunkedLoss projects each chunk again in backward
         extra += 2.0 * head_matmul_weights(cfg)
     return model, model + padding + extra * tokens
+
+
+def causal_mask_skipped_flops(cfg: ModelConfig, *, seq_len: int, global_batch: int, target_len: int | None = None
+                              ) -> float:
+    """Model FLOPs of one step that the full count charges and a causal mask skips (module docstring): the causal
+    count of the step is ``step_flops(...)[0]`` minus this. (s - 1)/(2 s) of the causal self-attention's forward and
+    backward: every layer of a causal decoder, an encoder-decoder's decoder layers on its target length."""
+    if not cfg.causal:
+        return 0.0
+    if cfg.encoder_decoder:
+        t = target_len or seq_len
+        causal_attn = cfg.n_decoder_layers * 4.0 * t * cfg.q_dim  # per target token (seq2seq_step_flops' count)
+        return 3.0 * causal_attn * t * global_batch * (t - 1) / (2 * t)
+    s = seq_len
+    return 3.0 * sum(attention_flops_by_layer(cfg, s)) * s * global_batch * (s - 1) / (2 * s)
 
 
 def six_psi_flops(cfg: ModelConfig, tokens: int) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from dist_trainer.config import Config
 from dist_trainer.files import METRICS_NOT_TEXT, atomic_write_text, read_text
-from dist_trainer.planner.flops import step_flops
+from dist_trainer.planner.flops import causal_mask_skipped_flops, step_flops
 from dist_trainer.planner.hardware import HardwareProfile, get_hardware, hardware_profiles
 
 
@@ -31,11 +31,19 @@ def device_hardware(device: torch.device, configured: str | None = None) -> Hard
     return get_hardware("cpu")
 
 
-def model_flops_per_step(cfg: Config) -> float:
+def model_flops_per_step(cfg: Config, attention: str = "full") -> float:
     """Model FLOPs of one optimizer step (the planner's count: matmuls, attention, head; recomputation
-    excluded, as MFU's definition wants: Chowdhery et al. 2022, appendix B)."""
-    return step_flops(cfg.model, seq_len=cfg.data.seq_len, global_batch=cfg.parallel.global_batch_size,
-                      target_len=cfg.data.decoder_len() if cfg.model.encoder_decoder else None)[0]
+    excluded, as MFU's definition wants: Chowdhery et al. 2022, appendix B). ``attention``: "full", the convention
+    published MFU figures use (Megatron, PaLM, torchtitan), or "causal", the attention a causal model does
+    (``planner/flops.py``)."""
+    if attention not in ("full", "causal"):
+        raise ValueError(f"attention={attention!r}: the FLOPs count 'full' or 'causal' attention")
+    seq, batch = cfg.data.seq_len, cfg.parallel.global_batch_size
+    target = cfg.data.decoder_len() if cfg.model.encoder_decoder else None
+    full = step_flops(cfg.model, seq_len=seq, global_batch=batch, target_len=target)[0]
+    if attention == "full":
+        return full
+    return full - causal_mask_skipped_flops(cfg.model, seq_len=seq, global_batch=batch, target_len=target)
 
 
 def peak_flops(cfg: Config, device: torch.device) -> float:

@@ -243,7 +243,8 @@ class Trainer:
         cfg = self.cfg
         result = TrainResult(metrics_path=str(self.logger.path))
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
-        flops_per_step = model_flops_per_step(cfg)
+        flops_per_step = model_flops_per_step(cfg)  # attention counted in full, as published MFU is
+        causal_flops_per_step = model_flops_per_step(cfg, attention="causal")
         peak = peak_flops(cfg, self.device) * self.env.world_size
         if self.step == 0 and cfg.train.eval_every:
             result.eval_losses[0] = self.evaluate()
@@ -262,6 +263,7 @@ class Trainer:
             record: dict[str, Any] = {"step": self.step, **metrics, "step_time_s": dt,
                                       "tokens_per_s": tokens_per_step / dt,
                                       "mfu": flops_per_step / dt / peak,
+                                      "mfu_causal": causal_flops_per_step / dt / peak,
                                       "memory_bytes": memory_bytes(self.device),
                                       **{f"comm_bytes/{k}": v for k, v in self.state.counter.summary().items()},
                                       **self._source_metrics()}
