@@ -178,14 +178,20 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     per_token = weights = recompute = host = 0.0
     redone = set(recomputed_layers(mode, every, layer_ids))
     offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
-    if not (offloaded or costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: at once
-        c, n_redone, n_kept = costs.layer, len(redone), len(layer_ids) - len(redone)
-        if mode == "op":
-            per_token, recompute = len(layer_ids) * c.op, c.full if layer_ids else 0.0
-        else:
-            per_token = n_redone * c.checkpointed + n_kept * (c.selective if mode == "selective" else c.full)
-            weights = n_kept * c.amp_weights
-            recompute = max(c.full if n_redone else 0.0, c.attention_core if mode == "selective" and n_kept else 0.0)
+    if not (costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: counted at once
+        c, n_off = costs.layer, len(offloaded)
+        if mode == "op":  # the loop's op case: c.op - c.checkpointed stays, the hooks see c.checkpointed
+            per_token = len(layer_ids) * (c.op - c.checkpointed) + (len(layer_ids) - n_off) * c.checkpointed
+            host, recompute = n_off * c.checkpointed * tokens, c.full if layer_ids else 0.0
+        else:  # (recomputed, kept) layers, on the device and offloaded
+            kept = c.selective if mode == "selective" else c.full
+            r_off = len(redone & offloaded)
+            r_on, k_off = len(redone) - r_off, n_off - r_off
+            k_on = len(layer_ids) - n_off - r_on
+            per_token, weights = r_on * c.checkpointed + k_on * kept, k_on * c.amp_weights
+            host = (r_off * c.checkpointed + k_off * kept) * tokens + k_off * c.amp_weights
+            recompute = max(c.full if redone else 0.0,
+                            c.attention_core if mode == "selective" and len(layer_ids) > len(redone) else 0.0)
         layer_ids = ()
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)

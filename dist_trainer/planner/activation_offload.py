@@ -22,12 +22,15 @@ from dist_trainer.planner.options import TrainingOptions
 
 
 def activation_offload_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions,
-                            hardware: HardwareProfile, compute: float, most_layers: int) -> AxisTime | None:
-    """The host link's traffic of the first pipeline rank's offloaded layers in one step (module docstring)."""
+                            hardware: HardwareProfile, compute: float, most_layers: int,
+                            offloaded: int | None = None) -> AxisTime | None:
+    """The host link's traffic of the first pipeline rank's offloaded layers in one step (module docstring).
+    ``offloaded``: that rank's ``offloaded_to_host`` bytes, when the caller has them (the search's Pricer)."""
     if not layout.activation_offload:
         return None
-    terms = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=0)
-    per_micro = terms.get(OFFLOADED, 0) / in_flight_of(layout, 0)
+    if offloaded is None:
+        offloaded = stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=0).get(OFFLOADED, 0)
+    per_micro = offloaded / in_flight_of(layout, 0)
     moved = 2.0 * per_micro * layout.n_microbatches
     time = moved / hardware.pcie_bw
     layers = math.ceil(layout.activation_offload * most_layers - 1e-9)

@@ -33,14 +33,14 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
                        n_params_rank: int | None = None, n_trainable_rank: int | None = None,
                        n_expert_rank: int = 0, n_expert_trainable_rank: int | None = None,
                        layers_by_rank: list[list[int]] | None = None,
-                       flops: tuple[float, float] | None = None) -> StepTime:
+                       flops: tuple[float, float] | None = None, offloaded: int | None = None) -> StepTime:
     """Compute of the slowest stage, stretched by the bubble, plus each axis entry's exposed communication.
     Gradients, their reductions and the optimizer exist for the ``n_trainable_rank`` trainable parameters only
     (default: those ``options.freeze`` and LoRA leave trainable on pipeline rank 0); ``n_expert_rank`` of the
     rank's parameters (``n_expert_trainable_rank`` trainable) are its experts under expert parallelism.
     ``layers_by_rank``: ``layout.layers_by_rank(cfg)``, when the caller has it (the search prices thousands of
     layouts over a few stage splits); ``flops``: ``step_model_flops`` of the layout, likewise (one per batch and
-    recomputation)."""
+    recomputation); ``offloaded``: pipeline rank 0's activation bytes offloaded to the host, likewise."""
     model_f, hw_f = step_model_flops(cfg, layout, seq_len=seq_len, options=options) if flops is None else flops
     tokens = layout.rank_tokens(seq_len)  # a micro-batch's tokens on this rank (its share of each where split)
     layers = layout.layers_by_rank(cfg) if layers_by_rank is None else layers_by_rank
@@ -70,7 +70,7 @@ def estimate_step_time(cfg: ModelConfig, layout: Layout, *, seq_len: int, hardwa
         axes.update(axis.time(ctx))
     axes.update(optimizer_time(ctx))  # an optimizer of whole matrices: its Newton-Schulz and its owners' traffic
     host_link = activation_offload_time(cfg, layout, seq_len=seq_len, options=options, hardware=hardware,
-                                      compute=compute, most_layers=most_layers)
+                                      compute=compute, most_layers=most_layers, offloaded=offloaded)
     if host_link is not None:  # saved activations to host memory and back: the host link's, no axis's
         axes["activation_offload"] = host_link
     total = compute + bubble + sum(a.exposed for a in axes.values())

@@ -120,30 +120,33 @@ class Pricer:
                                             options=self.options, overheads=self.overheads, pp_rank=rank)
         return self._states[key]
 
+    def stage_acts(self, layout: Layout, r: int) -> dict[str, int]:
+        """Pipeline rank ``r``'s activation terms (``memory.stage_activation_bytes``)."""
+        p = layout.pp_size
+        in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
+            layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
+            virtual_stages=layout.pp_virtual_stages)
+        if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+            return seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
+                                            self.options, r, in_flight)
+        # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
+        tokens = layout.rank_tokens(self.seq_len)
+        key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every,
+               layout.activation_offload, p, layout.pp_virtual_stages, r, tokens, in_flight)
+        if key not in self._acts:
+            self._acts[key] = stage_activations(
+                self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+                layer_ids=self.layer_ids(layout)[r], tokens=tokens, first=r == 0, last=r == p - 1,
+                in_flight=in_flight, offload=layout.activation_offload)
+        return self._acts[key]
+
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
         first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
         the middle stages)."""
-        p = layout.pp_size
-        layers = self.layer_ids(layout)
         worst: tuple[int, RankMemory, dict[str, int]] | None = None
         for r in self.worst_candidates(layout):
-            in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
-                layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
-                virtual_stages=layout.pp_virtual_stages)
-            if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
-                acts = seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
-                                                self.options, r, in_flight)
-            else:  # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
-                tokens = layout.rank_tokens(self.seq_len)
-                key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every,
-                       layout.activation_offload, p, layout.pp_virtual_stages, r, tokens, in_flight)
-                if key not in self._acts:
-                    self._acts[key] = stage_activations(
-                        self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
-                        layer_ids=layers[r], tokens=tokens, first=r == 0, last=r == p - 1, in_flight=in_flight,
-                        offload=layout.activation_offload)
-                acts = self._acts[key]
+            acts = self.stage_acts(layout, r)
             states = self.states(layout, r)
             # with_activations' device total, without building the rank's whole report
             held = states.model_states + sum(v for k, v in acts.items() if k != OFFLOADED) + states.step_buffers
@@ -169,5 +172,6 @@ class Pricer:
                                                                                       self.options, 0),
                                n_expert_rank=rp.expert,
                                n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
-                               layers_by_rank=self.layer_ids(layout), flops=self.flops(layout))
+                               layers_by_rank=self.layer_ids(layout), flops=self.flops(layout),
+                               offloaded=self.stage_acts(layout, 0).get(OFFLOADED, 0))
         return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node)
