@@ -227,8 +227,11 @@ class OptimConfig:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"optim.momentum={self.momentum} must be in [0, 1)")
         # lr 0 is a run that changes no weight (a load-and-export round trip, a layout check): allowed
-        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"optim.lr={self.lr} must be >= 0 and 0 <= optim.min_lr={self.min_lr} <= lr")
+        if self.lr < 0:
+            raise ValueError(f"optim.lr={self.lr} must be >= 0")
+        if not 0 <= self.min_lr <= self.lr:  # the one that is wrong: min_lr, against the lr it floors
+            raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}] (the cosine decay's "
+                             "floor)" + ("; with lr 0 set optim.min_lr=0" if self.lr == 0 else ""))
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
             raise ValueError(
                 f"optim.warmup_steps={self.warmup_steps}, weight_decay={self.weight_decay}, "

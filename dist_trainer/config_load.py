@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dist_trainer.config import PRESET_DIR, Config, ModelConfig
-from dist_trainer.facts.hf_config import is_hf_folder
+from dist_trainer.facts.hf_config import is_hf_folder, refuse_unreadable_config
 from dist_trainer.files import read_text
 
 # ModelConfig fields a run may set beside a Hugging Face folder's: they change no weight's name, shape or meaning
@@ -99,6 +99,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     path = Path(name_or_path)
     if is_hf_folder(path):
         return hf_model_fields(path)
+    refuse_unreadable_config(path)  # a config.json that is no model's is named as such, not as a missing preset
     if not path.suffix or (not path.is_file() and (PRESET_DIR / f"{name_or_path}.yaml").is_file()):
         path = PRESET_DIR / f"{name_or_path}.yaml"  # a preset name with a dot in it (a version number)
     if not path.is_file():
@@ -169,6 +170,8 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         raise ValueError(f"unknown config sections {sorted(unknown)}; valid: {sorted(sections)}")
     model_fields = dict(tree.get("model") or {})
     init_from = (tree.get("train") or {}).get("init_from")
+    if isinstance(init_from, str):
+        refuse_unreadable_config(init_from)
     if isinstance(init_from, str) and is_hf_folder(init_from):  # the model is the folder's (issue 21)
         preset = model_fields.get("preset")
         model_fields = _model_from_hf({k: v for k, v in model_fields.items() if k != "preset"}, init_from,

@@ -341,6 +341,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not is_number(value) or not value > 0:
                 raise ValueError(f"model.{name}={value!r} must be a number > 0 (1 = none)")
+        if not is_number(self.rope_theta) or not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta!r} must be a number > 0 (RoPE's base: the angle of "
+                             "pair i advances by theta^(-2i/head_dim) per position)")
         if self.attn_score_scale is not None and (not is_number(self.attn_score_scale)
                                                   or not self.attn_score_scale > 0):
             raise ValueError(f"model.attn_score_scale={self.attn_score_scale!r} must be a number > 0 or null")

@@ -18,7 +18,7 @@ from dist_trainer.checkpoint.source import open_source
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict, hf_model_fields
-from dist_trainer.facts.hf_config import is_hf_folder
+from dist_trainer.facts.hf_config import is_hf_folder, refuse_unreadable_config
 from dist_trainer.facts.quant_sizes import int8_modules
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.parallel.tp.reshard import ShardSpec, tp_shard_specs
@@ -55,6 +55,7 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
         model = _empty_model(cfg)
         load_owned_(model, open_source(p), what="--checkpoint")
         return model.to(device).eval(), cfg
+    refuse_unreadable_config(p)  # a folder whose config.json is broken is named as such, not as a checkpoint
     step_path = resolve_checkpoint(p)
     meta = read_meta(step_path)
     check_files(step_path, meta)  # every file read weights-only first: a bad one is named, nothing executed

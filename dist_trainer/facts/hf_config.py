@@ -35,6 +35,19 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{p}: no {CONFIG_FILE} there (not a Hugging Face model folder)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{config} cannot be read as JSON: {exc}") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{config} has no model_type: not a Hugging Face model config")
+    if not isinstance(data, dict):
+        raise ValueError(f"{config} holds a JSON {type(data).__name__}, not an object: not a Hugging Face model config")
+    if "model_type" not in data:
+        raise ValueError(f"{config} has no model_type key: not a Hugging Face model config (the key names its family)")
     return data
+
+
+def refuse_unreadable_config(path: str | Path) -> None:
+    """``read_hf_config``'s error, naming the file, for a folder (or file) whose config.json is no model config at
+    all (not JSON, not an object, no ``model_type``) and that is not a native export (whose config.json, without a
+    model_type, sits beside its model.safetensors): such a folder is named as what it is, not as a missing preset
+    or checkpoint. Nothing for a path without a config.json, or one ``is_hf_folder`` accepts."""
+    p = Path(path)
+    config = p if p.name == CONFIG_FILE else p / CONFIG_FILE
+    if config.is_file() and not is_hf_folder(config) and not (config.parent / "model.safetensors").is_file():
+        read_hf_config(config)

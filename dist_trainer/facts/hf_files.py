@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,6 +55,17 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return {k: v for k, v in header.items() if k != "__metadata__"}
 
 
+def _inside(index: Path, name: str, file: Any) -> PurePosixPath:
+    """An index entry's file as a path inside the folder; ValueError naming the entry for one that is not a
+    relative name there (an absolute path, a ``..`` step) or not a string. (A file that is a symbolic link, as a
+    Hub cache's into its blobs, is read where it points.)"""
+    path = PurePosixPath(file) if isinstance(file, str) and file and "\\" not in file else None
+    if path is None or path.is_absolute() or ".." in path.parts:
+        raise ValueError(f"{index}: weight_map[{name!r}] = {json.dumps(file)[:200]} is not the name of a file inside "
+                         "the folder; a folder's weights are the files its index names there")
+    return path
+
+
 def safetensors_index(folder: Path) -> dict[str, Path]:
     """{tensor name: file} of an HF folder: its index, or its single ``model.safetensors``. ValueError naming the
     file for a missing shard, an unreadable index, or a folder holding only pickled weights (never unpickled)."""
@@ -64,11 +75,15 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{index} cannot be read ({exc!r}); it should hold a weight_map") from None
-        files = {str(n): folder / str(f) for n, f in weight_map.items()}
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must map tensor names to file names, not a "
+                             f"{type(weight_map).__name__}")
+        files = {str(name): folder / _inside(index, str(name), file) for name, file in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():
                 name = next(n for n, f in files.items() if f == path)
-                raise ValueError(f"{folder}: shard {path.name} listed in {INDEX_FILE} (for {name!r}) is missing")
+                raise ValueError(f"{folder}: shard {path.relative_to(folder)} listed in {INDEX_FILE} (for {name!r}) "
+                                 "is missing")
         return files
     single = folder / SINGLE_FILE
     if single.is_file():

@@ -32,7 +32,7 @@ from dist_trainer.families import (
     t5,
 )
 from dist_trainer.families.base import Family, Fields
-from dist_trainer.families.common import MATHS_DEFAULTS
+from dist_trainer.families.common import MATHS_DEFAULTS, check_value_types
 from dist_trainer.families.recipe import Recipe
 
 __all__ = ["FAMILIES", "Family", "Recipe", "family", "family_for_model", "model_fields"]
@@ -74,6 +74,7 @@ def model_fields(hf: dict[str, Any], where: str = "config.json", tensor_names: s
     leaves out at their defaults, and ``hf_family`` the folder's own (what an export writes back). ValueError naming
     the first key that cannot be mapped."""
     own = family(hf.get("model_type"), where)
+    check_value_types(hf, where)
     return {**MATHS_DEFAULTS, **own.to_model(hf, where, tensor_names or set()), "hf_family": own.model_type}
 
 

@@ -21,6 +21,34 @@ MATHS_DEFAULTS: dict[str, Any] = {
 }
 
 
+# config.json keys that are counts wherever a family reads them: an integer (JSON 2.5 or true is refused by name,
+# never truncated to 2 or read as 1)
+COUNT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer", "num_layers",
+    "num_decoder_layers", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "intermediate_size",
+    "n_inner", "d_ff", "d_kv", "head_dim", "max_position_embeddings", "n_positions", "n_ctx", "type_vocab_size",
+    "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace", "decoder_sparse_step", "n_group",
+    "topk_group", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    "sliding_window", "sliding_window_pattern", "relative_attention_num_buckets", "relative_attention_max_distance",
+})
+
+
+def check_value_types(hf: dict[str, Any], where: str) -> None:
+    """ValueError naming the first key of a config.json whose value has the wrong JSON type for every family: a count
+    that is not an integer, a RoPE base that is not a number > 0, RoPE parameters that are not an object."""
+    for key in sorted(COUNT_KEYS & hf.keys()):
+        value = hf[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise refuse(where, key, value, "a count: an integer")
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise refuse(where, key, hf[key], "RoPE parameters: an object, or null")
+    for theta in (hf.get("rope_theta"), (hf.get("rope_parameters") or {}).get("rope_theta")):
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0):
+            raise refuse(where, "rope_theta", theta, "RoPE's base: a number > 0")
+
+
 def refuse(where: str, key: str, value: Any, why: str) -> ValueError:
     """The error for a config.json key this model cannot compute: names the file, the key and its value."""
     return ValueError(f"{where}: {key}: {json.dumps(value)} is not supported ({why})")

@@ -1,0 +1,152 @@
+"""Issue 40, classes 1, 6, 7 and 9 (in part): a Hugging Face folder reads nothing outside itself, malformed JSON and
+values that cannot work are refused in one line naming the file and key, and an optimizer error names the value that
+is wrong. Each case is tried through the ways a folder is read: loading it (generate, export), a run from it
+(``train.init_from``) and a run with it as the model preset."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_trainer.checkpoint.plain import load_plain_model
+from dist_trainer.config_load import load_config
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama folder, saved by transformers in several shards."""
+    folder = tmp_path_factory.mktemp("hostile") / "llama"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size="20KB")
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    return folder
+
+
+def _readers(folder: Path) -> list[Callable[[], Any]]:
+    return [lambda: load_plain_model(folder),
+            lambda: load_config(None, [f"train.init_from={folder}", "data.path=x"]),
+            lambda: load_config(None, [f"model.preset={folder}"])]
+
+
+def _refused_everywhere(folder: Path, *named: str) -> None:
+    for read in _readers(folder):
+        with pytest.raises(ValueError) as info:
+            read()
+        message = str(info.value)
+        assert "\n" not in message and len(message) < 600, message
+        for part in named:
+            assert part in message, (part, message)
+
+
+def _index(folder: Path) -> tuple[Path, dict[str, Any]]:
+    path = folder / "model.safetensors.index.json"
+    return path, json.loads(path.read_text())
+
+
+def _point(folder: Path, tensor: str, file: Any) -> None:
+    path, index = _index(folder)
+    index["weight_map"][tensor] = file
+    path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "not a string"])
+def test_an_index_naming_a_file_outside_the_folder_is_refused(where: str, llama: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(llama, tmp_path / "folder")
+    _, index = _index(folder)
+    shard = index["weight_map"]["model.norm.weight"]
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(folder / shard, outside)  # a real file there: reading it would succeed
+    file = {"parent": f"../{outside.name}", "absolute": str(outside), "not a string": ["x"]}[where]
+    _point(folder, "model.norm.weight", file)
+    _refused_everywhere(folder, "weight_map['model.norm.weight']", "is not the name of a file inside the folder")
+
+
+def test_a_missing_shard_is_named_by_its_path_in_the_folder(llama: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(llama, tmp_path / "folder")
+    _point(folder, "model.norm.weight", "sub/model-missing.safetensors")
+    _refused_everywhere(folder, "shard sub/model-missing.safetensors", "'model.norm.weight'", "is missing")
+
+
+def test_a_shard_that_is_a_link_into_a_cache_still_loads(llama: Path, tmp_path: Path) -> None:
+    """The Hub's cache layout: the folder's files are symbolic links into a blobs folder beside it."""
+    folder, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    folder.mkdir()
+    blobs.mkdir()
+    for f in llama.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (folder / f.name).symlink_to(blobs / f.name)
+    model, _ = load_plain_model(folder)
+    want, _ = load_plain_model(llama)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), want.state_dict().values(),
+                                                 strict=True))
+
+
+MALFORMED: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
+    "config.json holds a list": (lambda f: (f / "config.json").write_text("[1, 2]"),
+                                 ("config.json holds a JSON list",)),
+    "config.json is not UTF-8": (lambda f: (f / "config.json").write_bytes(b'{"model_type": "llama\xff"}'),
+                                 ("config.json cannot be read as JSON",)),
+    "config.json without model_type": (
+        lambda f: (f / "config.json").write_text(json.dumps(
+            {k: v for k, v in json.loads((f / "config.json").read_text()).items() if k != "model_type"})),
+        ("config.json has no model_type key",)),
+    "weight_map holds a list": (
+        lambda f: (f / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]})),
+        ("model.safetensors.index.json: weight_map must map tensor names to file names, not a list",)),
+}
+
+
+def _edit(folder: Path, **changes: Any) -> None:
+    data = json.loads((folder / "config.json").read_text())
+    data.update(changes)
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_json_is_one_line_naming_the_file(case: str, llama: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(llama, tmp_path / "folder")
+    corrupt, named = MALFORMED[case]
+    corrupt(folder)
+    _refused_everywhere(folder, str(folder), *named)
+
+
+BAD_VALUES = {  # config.json changes: what the message names
+    "rope_theta 0": ({"rope_theta": 0}, "rope_theta: 0 is not supported (RoPE's base: a number > 0)"),
+    "rope_theta negative": ({"rope_theta": -10000.0}, "rope_theta: -10000.0"),
+    "rope_scaling a string": ({"rope_scaling": "linear"}, 'rope_scaling: "linear" is not supported (RoPE parameters'),
+    "layers 2.5": ({"num_hidden_layers": 2.5}, "num_hidden_layers: 2.5 is not supported (a count: an integer)"),
+    "layers true": ({"num_hidden_layers": True}, "num_hidden_layers: true is not supported (a count: an integer)"),
+    "heads as text": ({"num_attention_heads": "4"}, 'num_attention_heads: "4" is not supported'),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_a_value_that_cannot_work_is_named_with_its_file(case: str, llama: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(llama, tmp_path / "folder")
+    changes, named = BAD_VALUES[case]
+    _edit(folder, **changes)
+    _refused_everywhere(folder, f"{folder / 'config.json'}: {named}")
+
+
+@pytest.mark.parametrize("theta", [0.0, -1.0])
+def test_a_run_config_refuses_a_rope_base_that_is_not_positive(theta: float) -> None:
+    with pytest.raises(ValueError, match=rf"^model.rope_theta={theta} must be a number > 0"):
+        load_config(None, [f"model.rope_theta={theta}"])
+
+
+def test_an_lr_error_names_the_value_that_is_wrong() -> None:
+    with pytest.raises(ValueError, match=r"^optim.min_lr=3e-05 must be in \[0, optim.lr=0.0\] .*set optim.min_lr=0$"):
+        load_config(None, ["optim.lr=0"])
+    with pytest.raises(ValueError, match=r"^optim.lr=-0.1 must be >= 0$"):
+        load_config(None, ["optim.lr=-0.1"])
+    assert load_config(None, ["optim.lr=0", "optim.min_lr=0"]).optim.lr == 0  # a run that changes no weight
