@@ -1,7 +1,8 @@
-"""Issue 40, classes 1, 6, 7 and 9 (in part): a Hugging Face folder reads nothing outside itself, malformed JSON and
-values that cannot work are refused in one line naming the file and key, and an optimizer error names the value that
-is wrong. Each case is tried through the ways a folder is read: loading it (generate, export), a run from it
-(``train.init_from``) and a run with it as the model preset."""
+"""Issue 40, classes 1, 6, 7, 8 and 9 (in part): a Hugging Face folder reads nothing outside itself, malformed JSON
+and values that cannot work are refused in one line naming the file and key, export refuses its options before
+reading any weight, and an optimizer error names the value that is wrong. Each folder case is tried through the ways
+a folder is read: loading it (generate, export), a run from it (``train.init_from``) and a run with it as the model
+preset."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import torch
 
 from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.config_load import load_config
+from dist_trainer.train.export import export_checkpoint
+from dist_trainer.train.trainer import Trainer
+from tests.helpers import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -150,3 +154,20 @@ def test_an_lr_error_names_the_value_that_is_wrong() -> None:
     with pytest.raises(ValueError, match=r"^optim.lr=-0.1 must be >= 0$"):
         load_config(None, ["optim.lr=-0.1"])
     assert load_config(None, ["optim.lr=0", "optim.min_lr=0"]).optim.lr == 0  # a run that changes no weight
+
+
+def test_export_refuses_its_options_before_reading_a_weight(tiny_data: Path, tmp_path: Path) -> None:
+    """A zero shard size, or --adapter of a run without LoRA, is refused from the options and meta.json alone: the
+    run's weight files are garbled here, so reading any of them first would give another error."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_data, run, train={"max_steps": 1, "eval_every": 0}), log=False).train()
+    shards = [f for f in run.rglob("*") if f.is_file() and f.suffix in (".pt", ".safetensors", ".bin")]
+    assert shards
+    for f in shards:
+        f.write_bytes(b"garbled")
+    out = tmp_path / "out"
+    for options, message in (({"max_shard_size": "0"}, "--max-shard-size='0' is not a size"),
+                             ({"adapter": True}, "is no LoRA checkpoint (model.lora_rank=0)")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            export_checkpoint(run, out, **options)
+        assert not out.exists()

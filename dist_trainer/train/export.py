@@ -16,7 +16,9 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from dist_trainer.checkpoint.hf_export import parse_size
 from dist_trainer.checkpoint.plain import load_plain_model
+from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.facts.hf_config import is_hf_folder
 from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
@@ -90,6 +92,15 @@ def _nothing_left_if_refused(out: Path) -> Iterator[None]:
         raise
 
 
+def _lora_rank(checkpoint: str | Path) -> int:
+    """model.lora_rank of a run checkpoint, from its meta.json alone (``--adapter`` reads a run's adapters); 0 for a
+    Hugging Face folder or an export, which ``--adapter`` does not read."""
+    p = Path(checkpoint)
+    if is_hf_folder(p) or (p / EXPORT_WEIGHTS).is_file() or p.suffix == ".safetensors":
+        return 0
+    return int(read_meta(resolve_checkpoint(p))["config"].get("model", {}).get("lora_rank") or 0)
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "fp32",
                       max_shard_size: str = "5GB", merge_lora: bool = False, adapter: bool = False,
                       force: bool = False, quantize: str | None = None) -> list[Path]:
@@ -114,6 +125,11 @@ def _export(checkpoint: str | Path, out: str | Path, fmt: str, dtype: str, max_s
         raise ValueError(f"--quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
     if quantize and adapter:
         raise ValueError("--quantize int8 writes the model's weights; --adapter writes the adapters alone")
+    if fmt == "hf":
+        parse_size(max_shard_size)  # every option refused before any file is read (the shards take seconds)
+    if adapter and _lora_rank(checkpoint) == 0:
+        raise ValueError(f"--adapter: {checkpoint} is no LoRA checkpoint (model.lora_rank=0): it has no adapters to "
+                         "write")
     refuse_nonempty(out, force)
     if fmt == "native":
         if adapter or dtype != "fp32":
@@ -129,8 +145,6 @@ def _export(checkpoint: str | Path, out: str | Path, fmt: str, dtype: str, max_s
             return export_peft_adapter(source, model, out, config.get("train", {}).get("init_from"), dtype)
         model["lora_rank"] = 0  # the source folds the adapters into their weights (and dequantises an int8 base)
     else:
-        if adapter:
-            raise ValueError(f"--adapter: {checkpoint} is no LoRA checkpoint")
         from dist_trainer.checkpoint.plain import export_model_fields
 
         model = export_model_fields(checkpoint)
