@@ -1,5 +1,5 @@
-"""Issue 40, classes 1, 6, 7, 8 and 9 (in part): a Hugging Face folder reads nothing outside itself, malformed JSON
-and values that cannot work are refused in one line naming the file and key, export refuses its options before
+"""Issue 40, classes 1, 3, 6, 7, 8 and 9 (in part): a Hugging Face folder reads nothing outside itself, a save or an
+export replaces nothing of the user's, malformed JSON and values that cannot work are refused in one line naming the file and key, export refuses its options before
 reading any weight, and an optimizer error names the value that is wrong. Each folder case is tried through the ways
 a folder is read: loading it (generate, export), a run from it (``train.init_from``) and a run with it as the model
 preset."""
@@ -171,3 +171,22 @@ def test_export_refuses_its_options_before_reading_a_weight(tiny_data: Path, tmp
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             export_checkpoint(run, out, **options)
         assert not out.exists()
+
+
+def test_no_export_into_a_runs_checkpoints_and_no_save_over_a_users_folder(tiny_data: Path, tmp_path: Path) -> None:
+    """An export into a run's checkpoints folder (the step a later save writes, or inside a checkpoint, which keep-
+    last-K prunes) is refused; a folder the run did not write, at the step it saves, is not replaced."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_data, run, train={"max_steps": 2, "save_every": 2, "eval_every": 0}), log=False).train()
+    ckpts = run / "checkpoints"
+    for out in (ckpts / "step_00000004", ckpts / "step_00000002" / "hf"):
+        with pytest.raises(ValueError, match=f"inside the run's checkpoints folder {ckpts}"):
+            export_checkpoint(run, out)
+        assert not out.exists()
+    mine = ckpts / "step_00000004"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    resumed = tiny_config(tiny_data, run, train={"max_steps": 4, "save_every": 2, "eval_every": 0, "resume": True})
+    with pytest.raises(ValueError, match=r"step_00000004 is not a checkpoint \(no meta.json; it holds notes.txt\)"):
+        Trainer(resumed, log=False).train()
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -151,6 +151,10 @@ def _check_replaceable(ckpt_root: Path, final: Path) -> None:
                          "it or replace it; remove the link")
     if not final.exists():
         return
+    if not (final / "meta.json").is_file():  # a save renames a whole folder into place: this was put there
+        held = ", ".join(sorted(p.name for p in final.iterdir())[:5]) if final.is_dir() else "a file"
+        raise ValueError(f"{final} is not a checkpoint (no meta.json; it holds {held or 'nothing'}): this run's save "
+                         "of that step does not replace it; move it away or give this run another train.out_dir")
     meta = _meta_of(final)
     ours = run_id(ckpt_root)
     if isinstance(meta.get("format"), int) and meta["format"] > FORMAT_VERSION:
@@ -159,6 +163,18 @@ def _check_replaceable(ckpt_root: Path, final: Path) -> None:
     if meta.get("run_id") not in (None, ours):
         raise ValueError(f"{final} was written by another run (run_id {meta['run_id']}, this one's {ours}): "
                          "it is not overwritten; move it away or give this run another train.out_dir")
+
+
+def inside_checkpoints(path: Path) -> Path | None:
+    """The run's checkpoints folder ``path`` lies in (itself, or a folder in it), if any: a folder holding the
+    ``run_id`` or ``latest`` a save writes, or the ``checkpoints`` folder of a run folder (its ``run.lock``). A save
+    may replace or prune what is there; an export is refused there."""
+    path = path.resolve()
+    for folder in (path, *path.parents):
+        if (folder / RUN_ID_FILE).is_file() or (folder / LATEST).exists() or (
+                folder.name == "checkpoints" and (folder.parent / "run.lock").exists()):
+            return folder
+    return None
 
 
 def _prune(ckpt_root: Path, keep: int, protect: Sequence[Path]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dist_trainer.checkpoint.hf_export import parse_size
 from dist_trainer.checkpoint.plain import load_plain_model
-from dist_trainer.checkpoint.publish import read_meta, resolve_checkpoint
+from dist_trainer.checkpoint.publish import inside_checkpoints, read_meta, resolve_checkpoint
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.facts.hf_config import is_hf_folder
 from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
@@ -125,6 +125,10 @@ def _export(checkpoint: str | Path, out: str | Path, fmt: str, dtype: str, max_s
         raise ValueError(f"--quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
     if quantize and adapter:
         raise ValueError("--quantize int8 writes the model's weights; --adapter writes the adapters alone")
+    ckpts = inside_checkpoints(Path(out))
+    if ckpts is not None:
+        raise ValueError(f"--out={out} lies inside the run's checkpoints folder {ckpts}, whose saves replace and "
+                         "prune what is there: export outside it")
     if fmt == "hf":
         parse_size(max_shard_size)  # every option refused before any file is read (the shards take seconds)
     if adapter and _lora_rank(checkpoint) == 0:
