@@ -1,8 +1,8 @@
 """Issue 40, classes 1, 3, 6, 7, 8 and 9 (in part): a Hugging Face folder reads nothing outside itself, a save or an
-export replaces nothing of the user's, malformed JSON and values that cannot work are refused in one line naming the file and key, export refuses its options before
-reading any weight, and an optimizer error names the value that is wrong. Each folder case is tried through the ways
-a folder is read: loading it (generate, export), a run from it (``train.init_from``) and a run with it as the model
-preset."""
+export replaces nothing of the user's, malformed JSON and values that cannot work are refused in one line naming the
+file and key, export refuses its options before reading any weight, and an optimizer error names the value that is
+wrong. Each folder case is tried through the ways a folder is read: loading it (generate, export), a run from it
+(``train.init_from``) and a run with it as the model preset."""
 
 from __future__ import annotations
 
