@@ -199,11 +199,34 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, parse_yaml(raw, f"override {item!r}") if raw != "" else None
 
 
+# values a YAML document may expand to through its aliases (a run config holds hundreds): a few hundred bytes of
+# nested anchors (`&a [*b, *b, ...]`) expand to billions, which a walk over the config (train.freeze) or an error
+# quoting it never finishes (issue 40)
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_values(node: Any, memo: dict[int, int], active: set[int]) -> int:
+    """Values ``node`` holds once its aliases are expanded, each shared container counted once per use (memoised:
+    linear in the document's size); ValueError for a container that holds itself."""
+    if not isinstance(node, dict | list):
+        return 1
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise ValueError("an alias refers to a mapping or list that holds it")
+    active.add(key)
+    children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+    memo[key] = total = 1 + sum(_expanded_values(c, memo, active) for c in children)
+    active.discard(key)
+    return total
+
+
 def parse_yaml(text: str, source: str) -> Any:
     """``yaml.safe_load``; a syntax error becomes a ValueError naming ``source`` and the line, not
-    PyYAML's ``<unicode string>``."""
+    PyYAML's ``<unicode string>``; a document whose aliases expand beyond ``MAX_YAML_VALUES`` values is refused."""
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -212,6 +235,18 @@ def parse_yaml(text: str, source: str) -> Any:
         if context and start is not None and start.line != getattr(mark, "line", None):
             problem += f" ({context} that starts at line {start.line + 1})"  # where the typo usually is
         raise ValueError(f"{source}: invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ValueError(f"{source}: invalid YAML: nested too deeply") from None
+    try:
+        values = _expanded_values(data, {}, set())
+    except RecursionError:
+        raise ValueError(f"{source}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    if values > MAX_YAML_VALUES:
+        raise ValueError(f"{source}: its aliases (*name) expand it to {values:,} values, beyond the "
+                         f"{MAX_YAML_VALUES:,} a config may hold: write the values out, or use fewer nested aliases")
+    return data
 
 
 @functools.cache

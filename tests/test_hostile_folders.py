@@ -190,3 +190,24 @@ def test_no_export_into_a_runs_checkpoints_and_no_save_over_a_users_folder(tiny_
     with pytest.raises(ValueError, match=r"step_00000004 is not a checkpoint \(no meta.json; it holds notes.txt\)"):
         Trainer(resumed, log=False).train()
     assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_a_small_yaml_whose_aliases_expand_without_bound_is_refused_at_once(tmp_path: Path) -> None:
+    """Nested anchors: 9 levels of ten aliases each, 0.4 kB that expand to over a billion values inside train.freeze
+    (a walk over them, or an error quoting them, never finished); and an alias that holds itself."""
+    import time
+
+    levels = "".join(f"  l{i + 1}: &l{i + 1} [{', '.join([f'*l{i}'] * 10)}]\n" for i in range(8))
+    config = tmp_path / "bomb.yaml"
+    config.write_text(f"anchors:\n  l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n{levels}train:\n  freeze: *l8\n")
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"bomb.yaml: its aliases \(\*name\) expand it to [0-9,]+ values") as info:
+        load_config(str(config), [])
+    assert time.perf_counter() - start < 5 and len(str(info.value)) < 300
+    freeze = 11  # l0: the list and its ten values; each level a list of ten of the one below
+    for _ in range(8):
+        freeze = 1 + 10 * freeze
+    assert int(str(info.value).split("expand it to ")[1].split(" ")[0].replace(",", "")) > freeze > 10**9
+    config.write_text("train:\n  freeze: &me [layers, *me]\n")
+    with pytest.raises(ValueError, match="bomb.yaml: an alias refers to a mapping or list that holds it"):
+        load_config(str(config), [])
