@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from dist_trainer.planner.memory import (
     TrainingOptions,
     node_host_bytes,
     predict_all_stages,
+    with_loss_chunk,
 )
 from dist_trainer.planner.options import OPTIMIZERS
 from dist_trainer.planner.params import param_breakdown
@@ -156,8 +158,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="model.base_weight_dtype: int8 stores the frozen layer linears as int8 + fp32 group scales")
     p.add_argument("--base-weight-group", type=int, default=64,
                    help="model.base_weight_group: input columns per int8 scale")
-    p.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="N",
-                   help="model.loss_chunk_tokens: the head and the loss N tokens at a time (0: the whole micro-batch)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
+                   help="model.loss_chunk_tokens: the head and the loss N tokens at a time (0: the whole micro-batch; "
+                        "default: the model's, or where it leaves it at 0 the planner's choice per layout: chunks of "
+                        "at most 1 GiB of fp32 logits where that lowers the loss's bytes)")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -189,12 +193,24 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
     """The preset with --lora-rank/--lora-targets; --freeze checked against it (ValueError naming a bad pattern)."""
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
+    chunk = {} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}
     cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group,
-                       loss_chunk_tokens=args.loss_chunk_tokens)
+                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group, **chunk)
     frozen_modules(cfg, _freeze(args))
     check_int8_base(cfg, _freeze(args))
     return cfg
+
+
+def _choose_loss_chunk(args: argparse.Namespace, cfg: ModelConfig) -> bool:
+    """Whether the planner chooses model.loss_chunk_tokens: neither --loss-chunk-tokens nor the model sets it."""
+    return args.loss_chunk_tokens is None and not cfg.loss_chunk_tokens
+
+
+def _loss_line(chunk: int, chosen: bool) -> str:
+    if not chunk:
+        return "loss: the whole logits (model.loss_chunk_tokens=0)"
+    return (f"loss: chunks of {chunk:,} tokens (model.loss_chunk_tokens={chunk}"
+            + (", the planner's choice; --loss-chunk-tokens 0 for the whole logits)" if chosen else ")"))
 
 
 def _freeze(args: argparse.Namespace) -> list[str]:
@@ -272,15 +288,20 @@ def run_memory(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (leave it out for model.max_seq_len="
                          f"{cfg.max_seq_len})")
     seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
+    chosen = _choose_loss_chunk(args, cfg)
+    if chosen:
+        cfg = with_loss_chunk(cfg, layout, seq_len=seq_len, options=opts)
     stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=opts, overheads=over)
     budget = _host_budget(args)
     node = node_host_bytes(max(stages, key=lambda m: m.host), world_size=layout.world_size,
                            gpus_per_node=args.gpus_per_node)
     if args.json:
-        print(json.dumps({"layout": layout.__dict__, "stages": [s.to_dict() for s in stages],
+        print(json.dumps({"layout": layout.__dict__, "loss_chunk_tokens": cfg.loss_chunk_tokens,
+                          "stages": [s.to_dict() for s in stages],
                           "host_per_node": node, "host_memory_bytes": budget, "host_fits": node <= budget}, indent=2))
         return 0
     print(layout.describe())
+    print(_loss_line(cfg.loss_chunk_tokens, chosen))
     for s in stages:
         print(f"stage {s.pp_rank}: " + _memory_line(s))
         for k, v in s.detail.items():
@@ -326,7 +347,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 print(f"ZeRO-{r.zero_stage}: {what}")
             print(f"searched in {time.perf_counter() - start:.2f} s")
         return 0
-    res = plan_layouts(cfg, **shape)
+    chosen = _choose_loss_chunk(args, cfg)
+    res = plan_layouts(cfg, **shape, choose_loss_chunk=chosen)
     top = res.layouts[: args.top]
     if args.json:
         print(json.dumps({"seconds": res.seconds, "n_considered": res.n_considered, "n_fit": len(res.layouts),
@@ -340,6 +362,7 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"{i}. {p.layout.describe()}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
                   f"compute {p.time.compute:.3f} s  bubble {p.time.bubble:.3f} s\n   "
                   + _memory_line(p.memory) + host)
+            print("   " + _loss_line(p.loss_chunk_tokens, chosen))
             for axis, a in p.time.axes.items():
                 print(f"   {axis:<8}{a.bytes / 1e9:>10.3f} GB  {a.time:.3f} s, exposed {a.exposed:.3f} s: {a.rule}")
         for note in res.notes:
@@ -379,6 +402,7 @@ def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int
     """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``;
     returns the files written."""
     output_dir(out, "--out")
+    cfg = replace(cfg, loss_chunk_tokens=best.loss_chunk_tokens)  # the chunk it was priced with
     run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
     if ds is not None:
