@@ -8,22 +8,18 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from dist_trainer.config import CONFIG_ROOT, CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
+from dist_trainer.config import CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.config_model import BASE_WEIGHT_DTYPES
 from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.facts.quant_sizes import check_int8_base, int8_weights
-from dist_trainer.files import make_executable, output_dir, refuse_nonempty
-from dist_trainer.parallel.zero.config import OWNED_KEYS
+from dist_trainer.files import output_dir, refuse_nonempty
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.axes.cp import MIN_CP_TOKENS
-from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.emit import write_plan
 from dist_trainer.planner.finetune import module_rows
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
 from dist_trainer.planner.memory import (
@@ -40,8 +36,6 @@ from dist_trainer.planner.options import OPTIMIZERS
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
-
-LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 
 def register(subparsers: argparse._SubParsersAction,
@@ -395,29 +389,3 @@ def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[Planned
     print(f"\nverified the top {len(trials)} on this machine ({args.verify_steps} steps each), fastest measured "
           f"first:\n{report(trials)}")
     return [t.planned for t in trials if t.ok]
-
-
-def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
-               gpus_per_node: int) -> list[Path]:
-    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``;
-    returns the files written."""
-    output_dir(out, "--out")
-    cfg = replace(cfg, loss_chunk_tokens=best.loss_chunk_tokens)  # the chunk it was priced with
-    run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
-    ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
-    if ds is not None:
-        # DeepSpeed's own sections only: what the run config owns (batch, precision, clipping, optimizer, schedule)
-        # is filled from run.yaml at launch, so `launch.sh --train.max_steps=N` does not contradict the file
-        ds = {k: v for k, v in ds.items() if k not in OWNED_KEYS}
-        (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-        run["parallel"]["ds_config"] = str(out / "ds_config.json")
-    (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
-    # absolute paths: launch.sh runs from any folder (the images keep the scripts in /opt/dist_trainer/launch)
-    cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str((out / "run.yaml").resolve()),
-                         launch_dir=str(LAUNCH_DIR))
-    # extra arguments are the trainer's overrides: `bash plan/launch.sh --train.max_steps=100`
-    (out / "launch.sh").write_text(
-        f"#!/usr/bin/env bash\n# {best.layout.describe()}\nset -euo pipefail\n{cmd} \"$@\"\n")
-    make_executable(out / "launch.sh")
-    return [out / name for name in ("run.yaml", "ds_config.json", "launch.sh")
-            if name != "ds_config.json" or ds is not None]
