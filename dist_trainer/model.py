@@ -50,7 +50,7 @@ from dist_trainer.model_lora import LoRALinear, is_adapter
 from dist_trainer.model_loss import ChunkedLoss
 from dist_trainer.model_mla import MLAttention
 from dist_trainer.model_moe import add_aux_losses
-from dist_trainer.model_offload import ActivationOffload
+from dist_trainer.model_offload import ActivationOffload, LiveBytes
 from dist_trainer.model_positions import RelativePositionBias, rope_cache, sinusoidal_table
 from dist_trainer.model_recompute import op_recompute_contexts
 from dist_trainer.model_seq2seq import DecoderBlock, KVCache, LayerCache, attention_mask
@@ -125,6 +125,7 @@ class Transformer(nn.Module):
         self.recompute_ops = False  # op-level: the checkpointed layers keep matmul and attention outputs
         self.offloaded: frozenset[int] = frozenset()  # layers whose saved tensors go to host memory
         self.offload = ActivationOffload()
+        self.kept = LiveBytes()  # op-level recomputation: the bytes its policy's caches hold (model_recompute.py)
         for name, module in self.named_modules():
             if isinstance(module, LoRALinear):
                 module.lora_key = name  # the adapter's generator is seeded by its name (model_lora.init_adapter_)
@@ -204,7 +205,7 @@ class Transformer(nn.Module):
 
     def checkpoint_options(self) -> dict[str, Any]:
         """``torch.utils.checkpoint`` keywords of a checkpointed layer: op-level recomputation's selective policy."""
-        return {"context_fn": op_recompute_contexts} if self.recompute_ops else {}
+        return {"context_fn": partial(op_recompute_contexts, self.kept)} if self.recompute_ops else {}
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, *, decoder: bool = False,
               start: int = 0, documents: torch.Tensor | None = None) -> torch.Tensor:

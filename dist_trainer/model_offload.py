@@ -10,19 +10,46 @@ backward asks for brings its whole group back, and starts bringing back the prev
 one layer of prefetch. Under recomputation the hooks see what the checkpoint keeps outside the layer (its input;
 selective: the projections' outputs); op-level recomputation's kept outputs live in its policy's cache and stay.
 
-On the CPU the copies still run and are counted (``to_host_bytes``, ``to_device_bytes``): the mechanism and its
-bytes are tested there; the freed device memory is a GPU matter.
+On the CPU the copies still run and are counted (``to_host_bytes``, ``to_device_bytes``; ``held``: the host bytes
+alive, a group's until autograd lets go of its layer, and their peak, which the run's plan check compares with the
+planner's ``offloaded_to_host``): the mechanism and its bytes are tested there; the freed device memory is a GPU
+matter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+
+class LiveBytes:
+    """Bytes alive outside autograd's saved tensors (offloaded to the host, or kept in op-level recomputation's
+    cache) and their peak since ``reset_peak``; ``listeners`` hear every change (the plan check's saved-bytes
+    tracker adds the policy's cache to what its hooks see)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self.listeners: list[Callable[[int], None]] = []
+
+    def add(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        for listener in self.listeners:
+            listener(n)
+
+    def release(self, held: list[int]) -> None:
+        """Release what ``held`` (one owner's running count) still holds."""
+        n, held[0] = held[0], 0
+        if n:
+            self.add(-n)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -40,6 +67,8 @@ class _Group:
         self.event: Any = None  # CUDA: the copies' completion on the side stream
         # the layer whose forward ran just before: its backward comes next (alive while its graph is)
         self.previous: weakref.ref[_Group] | None = None
+        self.held = [0]  # its host bytes, released with the group (once autograd lets go of its handles)
+        weakref.finalize(self, offload.held.release, self.held)
 
     def pack(self, t: torch.Tensor) -> Any:
         if _is_parameter(t):
@@ -55,6 +84,8 @@ class _Group:
             self.host[key] = host
             self.device[key] = storage  # held until the copy completes (end of the layer's forward)
             self.offload.to_host_bytes += storage.nbytes()
+            self.held[0] += storage.nbytes()
+            self.offload.held.add(storage.nbytes())
         return (self, key, t.dtype, t.size(), t.stride(), t.storage_offset(), t.device)
 
     def close(self) -> None:
@@ -99,6 +130,7 @@ class ActivationOffload:
         self.last: weakref.ref[_Group] | None = None
         self.to_host_bytes = 0
         self.to_device_bytes = 0
+        self.held = LiveBytes()  # host bytes of the groups alive
         self.stream: Any = None
         self.device: torch.device = torch.device("cpu")
 

@@ -89,3 +89,18 @@ def test_cuda_out_of_memory_prints_the_planners_breakdown_and_a_layout_that_fits
     assert "the planner expected" in err and "activations" in err
     assert "the planner's fastest layout that fits: tp=1 pp=1 dp=1" in err
     assert "Traceback" not in err
+
+
+def test_plan_check_compares_offloaded_and_op_kept_bytes(tiny_data: Path, tmp_path: Path) -> None:
+    """Issue 37 item 4: with activation offload and op-level recomputation the plan check records each one's term
+    beside what the run measured: the peak host bytes the offload hooks held against the planner's
+    ``offloaded_to_host``, and the peak bytes op-level recomputation's caches kept against ``op_kept_bytes``
+    (within 2%); the saved activations count the caches too (within 10%)."""
+    records = _run(0, 1, tiny_data, tmp_path, {"activation_checkpointing": "op", "activation_offload": 0.5})
+    figures = json.loads((tmp_path / "plan_check.json").read_text())["ranks"][0]["figures"]
+    for name in ("offloaded_activations", "op_kept_outputs"):
+        assert figures[name]["measured"] > 0 and figures[name]["predicted"] > 0, (name, figures[name])
+        assert abs(figures[name]["ratio"] - 1) <= 0.02 and figures[name]["ok"], (name, figures[name])
+    assert abs(figures["activations"]["ratio"] - 1) <= 0.10, figures["activations"]
+    logged = next(r for r in records if "plan_check/offloaded_activations/ratio" in r)
+    assert logged["plan_check/op_kept_outputs/measured"] == figures["op_kept_outputs"]["measured"]

@@ -352,3 +352,79 @@ def test_a_stage_of_uniform_layers_sums_as_layer_by_layer() -> None:
                     kw = dict(mode=mode, every=every, layer_ids=list(ids), tokens=8192, first=first, last=last,
                               in_flight=3.0, offload=offload)
                     assert stage_activations(costs, **kw) == stage_activations(each, **kw)  # type: ignore[arg-type]
+
+
+def test_plan_chooses_the_loss_chunk_prices_it_and_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    """Issue 37 item 1, a default the planner chooses: Llama 3 8B at seq 8192 on 8 x 80 GB plans the head and the
+    loss in chunks (a power of two of tokens whose fp32 logits fit 1 GiB: loss_costs.default_loss_chunk), prices the
+    layout with them and writes them into run.yaml; a set value (0 included) is kept; a tiny model keeps 0."""
+    import yaml
+
+    from dist_trainer.layout_rules import Layout
+
+    common = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16",
+              "--hardware", "H100-80GB", "--tp", "1", "--no-pp", "--max-cp", "1", "--zero", "3", "--top", "1",
+              "--json"]
+    cfg = model_config("llama3-8b")
+    written = {}
+    for name, extra in (("auto", []), ("whole", ["--loss-chunk-tokens", "0"]), ("set", ["--loss-chunk-tokens", "512"])):
+        rc, out = _cli([*common, *extra, "--out", str(tmp_path / name)], capsys)
+        best = json.loads(out)["layouts"][0]
+        run = yaml.safe_load((tmp_path / name / "run.yaml").read_text())
+        assert rc == 0 and run["model"]["loss_chunk_tokens"] == best["loss_chunk_tokens"], name
+        layout = Layout(**best["layout"])
+        priced = predict_rank_memory(replace(cfg, loss_chunk_tokens=best["loss_chunk_tokens"]), layout,
+                                     seq_len=8192)
+        assert best["memory"]["activations"] == priced.activations, name  # priced with the chunk it writes
+        written[name] = (best["loss_chunk_tokens"], layout, priced)
+    chunk, layout, priced = written["auto"]
+    assert chunk == 2048 and 2048 * 128_256 * 4 <= GiB < 4096 * 128_256 * 4  # the largest power of two within 1 GiB
+    whole = predict_rank_memory(cfg, layout, seq_len=8192)
+    assert priced.activations < whole.activations - 4 * GiB  # the fp32 log-softmax and the whole loss's gradients
+    assert written["whole"][0] == 0 and written["set"][0] == 512
+    rc, out = _cli(["memory", "--model", "llama3-8b", "--seq-len", "8192", "--cp", "2"], capsys)
+    assert rc == 0 and "loss: chunks of 2,048 tokens (model.loss_chunk_tokens=2048, the planner's choice" in out
+    rc, out = _cli(["memory", "--model", "llama3-8b", "--seq-len", "8192", "--cp", "4"], capsys)
+    assert rc == 0 and "loss: the whole logits" in out  # 2048 tokens a rank: one chunk would hold them all
+    rc, out = _cli(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--gpu-memory-gb", "2",
+                    "--hardware", "cpu", "--seq-len", "128", "--global-batch", "8", "--top", "1", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["layouts"][0]["loss_chunk_tokens"] == 0
+
+
+def test_activation_offload_must_fit_the_host_memory_of_a_node() -> None:
+    """Issue 37: the activations a layout offloads are host bytes its node must hold (ranks per node x the rank's,
+    the stage holding the most: the first, with the most micro-batches in flight). Llama 3 8B at seq 8192 under
+    ZeRO-3 without recomputation fits the GPUs only offloading; a layout offloading more than the node's host
+    memory is not listed, and when none fits the note names the host memory."""
+    from dist_trainer.planner.memory import predict_all_stages
+
+    cfg = model_config("llama3-8b")
+    shape = dict(n_gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=8192, global_batch=16,
+                 hardware="H100-80GB", tp_size=1, max_cp_size=1, checkpointing=("none",), zero_stages=(3,),
+                 allow_offload=False)
+    free = plan_layouts(cfg, **shape, pp_size=1, host_memory_bytes=10**15)  # type: ignore[arg-type]
+    assert free.layouts and all(p.layout.activation_offload > 0 for p in free.layouts)
+    for p in free.layouts:  # the offloaded activations, each of the node's 8 ranks
+        stage = predict_all_stages(cfg, p.layout, seq_len=8192)[0]
+        assert p.host_per_node == 8 * stage.host == 8 * stage.detail["activations.offloaded_to_host"] > 0
+    needs = sorted(p.host_per_node for p in free.layouts)
+    budget = (needs[0] + needs[-1]) // 2
+    assert needs[0] < budget < needs[-1]
+    bounded = plan_layouts(cfg, **shape, pp_size=1, host_memory_bytes=budget)  # type: ignore[arg-type]
+    assert bounded.layouts and all(p.host_per_node <= budget for p in bounded.layouts)
+    assert [p.layout for p in bounded.layouts] == [p.layout for p in free.layouts if p.host_per_node <= budget]
+    short = plan_layouts(cfg, **shape, pp_size=1, host_memory_bytes=needs[0] - 1)  # type: ignore[arg-type]
+    assert short.layouts == [] and short.over_by > 0  # the closest is one keeping its activations on the GPU
+    assert any(f"fit the GPU memory but not the host memory of {(needs[0] - 1) / GiB:,.0f} GiB per node" in n
+               and f"the least needs {needs[0] / GiB:,.0f} GiB per node" in n for n in short.notes), short.notes
+    # two stages: the node's host bytes are the first stage's (more micro-batches in flight), also where the last
+    # holds the most device bytes
+    staged = plan_layouts(cfg, **{**shape, "zero_stages": (0, 1)}, pp_size=2,  # type: ignore[arg-type]
+                          host_memory_bytes=10**15).layouts
+    last_worst = 0
+    for p in staged:
+        stages = predict_all_stages(cfg, p.layout, seq_len=8192)
+        assert p.host_per_node == 8 * max(s.host for s in stages) == 8 * stages[0].host, p.layout.describe()
+        last_worst += stages[1].device_total > stages[0].device_total and stages[1].host < stages[0].host
+    assert last_worst

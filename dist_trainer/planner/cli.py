@@ -11,18 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from dist_trainer.config import CONFIG_ROOT, CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
+from dist_trainer.config import CP_MODES, OPTIM_STATE_DTYPES, ZERO_STAGES, ModelConfig
 from dist_trainer.config_load import model_config
 from dist_trainer.config_model import BASE_WEIGHT_DTYPES
 from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.facts.quant_sizes import check_int8_base, int8_weights
-from dist_trainer.files import make_executable, output_dir, refuse_nonempty
-from dist_trainer.parallel.zero.config import OWNED_KEYS
+from dist_trainer.files import output_dir, refuse_nonempty
 from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.axes.cp import MIN_CP_TOKENS
-from dist_trainer.planner.emit import deepspeed_config_dict, launch_command, run_config_dict
+from dist_trainer.planner.emit import write_plan
 from dist_trainer.planner.finetune import module_rows
 from dist_trainer.planner.hardware import get_hardware, hardware_profiles
 from dist_trainer.planner.memory import (
@@ -33,13 +30,12 @@ from dist_trainer.planner.memory import (
     TrainingOptions,
     node_host_bytes,
     predict_all_stages,
+    with_loss_chunk,
 )
 from dist_trainer.planner.options import OPTIMIZERS
 from dist_trainer.planner.params import param_breakdown
 from dist_trainer.planner.scale import max_model
 from dist_trainer.planner.search import PlannedLayout, plan_layouts
-
-LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 
 def register(subparsers: argparse._SubParsersAction,
@@ -156,8 +152,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="model.base_weight_dtype: int8 stores the frozen layer linears as int8 + fp32 group scales")
     p.add_argument("--base-weight-group", type=int, default=64,
                    help="model.base_weight_group: input columns per int8 scale")
-    p.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="N",
-                   help="model.loss_chunk_tokens: the head and the loss N tokens at a time (0: the whole micro-batch)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
+                   help="model.loss_chunk_tokens: the head and the loss N tokens at a time (0: the whole micro-batch; "
+                        "default: the model's, or where it leaves it at 0 the planner's choice per layout: chunks of "
+                        "at most 1 GiB of fp32 logits where that lowers the loss's bytes)")
 
 
 def _option_args(p: argparse.ArgumentParser) -> None:
@@ -189,12 +187,24 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
     """The preset with --lora-rank/--lora-targets; --freeze checked against it (ValueError naming a bad pattern)."""
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0 = no adapters)")
+    chunk = {} if args.loss_chunk_tokens is None else {"loss_chunk_tokens": args.loss_chunk_tokens}
     cfg = model_config(args.model, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group,
-                       loss_chunk_tokens=args.loss_chunk_tokens)
+                       base_weight_dtype=args.base_weight_dtype, base_weight_group=args.base_weight_group, **chunk)
     frozen_modules(cfg, _freeze(args))
     check_int8_base(cfg, _freeze(args))
     return cfg
+
+
+def _choose_loss_chunk(args: argparse.Namespace, cfg: ModelConfig) -> bool:
+    """Whether the planner chooses model.loss_chunk_tokens: neither --loss-chunk-tokens nor the model sets it."""
+    return args.loss_chunk_tokens is None and not cfg.loss_chunk_tokens
+
+
+def _loss_line(chunk: int, chosen: bool) -> str:
+    if not chunk:
+        return "loss: the whole logits (model.loss_chunk_tokens=0)"
+    return (f"loss: chunks of {chunk:,} tokens (model.loss_chunk_tokens={chunk}"
+            + (", the planner's choice; --loss-chunk-tokens 0 for the whole logits)" if chosen else ")"))
 
 
 def _freeze(args: argparse.Namespace) -> list[str]:
@@ -272,15 +282,20 @@ def run_memory(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (leave it out for model.max_seq_len="
                          f"{cfg.max_seq_len})")
     seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
+    chosen = _choose_loss_chunk(args, cfg)
+    if chosen:
+        cfg = with_loss_chunk(cfg, layout, seq_len=seq_len, options=opts)
     stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=opts, overheads=over)
     budget = _host_budget(args)
     node = node_host_bytes(max(stages, key=lambda m: m.host), world_size=layout.world_size,
                            gpus_per_node=args.gpus_per_node)
     if args.json:
-        print(json.dumps({"layout": layout.__dict__, "stages": [s.to_dict() for s in stages],
+        print(json.dumps({"layout": layout.__dict__, "loss_chunk_tokens": cfg.loss_chunk_tokens,
+                          "stages": [s.to_dict() for s in stages],
                           "host_per_node": node, "host_memory_bytes": budget, "host_fits": node <= budget}, indent=2))
         return 0
     print(layout.describe())
+    print(_loss_line(cfg.loss_chunk_tokens, chosen))
     for s in stages:
         print(f"stage {s.pp_rank}: " + _memory_line(s))
         for k, v in s.detail.items():
@@ -326,7 +341,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 print(f"ZeRO-{r.zero_stage}: {what}")
             print(f"searched in {time.perf_counter() - start:.2f} s")
         return 0
-    res = plan_layouts(cfg, **shape)
+    chosen = _choose_loss_chunk(args, cfg)
+    res = plan_layouts(cfg, **shape, choose_loss_chunk=chosen)
     top = res.layouts[: args.top]
     if args.json:
         print(json.dumps({"seconds": res.seconds, "n_considered": res.n_considered, "n_fit": len(res.layouts),
@@ -340,6 +356,7 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"{i}. {p.layout.describe()}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "
                   f"compute {p.time.compute:.3f} s  bubble {p.time.bubble:.3f} s\n   "
                   + _memory_line(p.memory) + host)
+            print("   " + _loss_line(p.loss_chunk_tokens, chosen))
             for axis, a in p.time.axes.items():
                 print(f"   {axis:<8}{a.bytes / 1e9:>10.3f} GB  {a.time:.3f} s, exposed {a.exposed:.3f} s: {a.rule}")
         for note in res.notes:
@@ -372,28 +389,3 @@ def _verify(args: argparse.Namespace, cfg: ModelConfig, candidates: list[Planned
     print(f"\nverified the top {len(trials)} on this machine ({args.verify_steps} steps each), fastest measured "
           f"first:\n{report(trials)}")
     return [t.planned for t in trials if t.ok]
-
-
-def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
-               gpus_per_node: int) -> list[Path]:
-    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``;
-    returns the files written."""
-    output_dir(out, "--out")
-    run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
-    ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
-    if ds is not None:
-        # DeepSpeed's own sections only: what the run config owns (batch, precision, clipping, optimizer, schedule)
-        # is filled from run.yaml at launch, so `launch.sh --train.max_steps=N` does not contradict the file
-        ds = {k: v for k, v in ds.items() if k not in OWNED_KEYS}
-        (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-        run["parallel"]["ds_config"] = str(out / "ds_config.json")
-    (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
-    # absolute paths: launch.sh runs from any folder (the images keep the scripts in /opt/dist_trainer/launch)
-    cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str((out / "run.yaml").resolve()),
-                         launch_dir=str(LAUNCH_DIR))
-    # extra arguments are the trainer's overrides: `bash plan/launch.sh --train.max_steps=100`
-    (out / "launch.sh").write_text(
-        f"#!/usr/bin/env bash\n# {best.layout.describe()}\nset -euo pipefail\n{cmd} \"$@\"\n")
-    make_executable(out / "launch.sh")
-    return [out / name for name in ("run.yaml", "ds_config.json", "launch.sh")
-            if name != "ds_config.json" or ds is not None]

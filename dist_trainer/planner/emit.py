@@ -1,16 +1,25 @@
-"""Turn a planned layout into what runs it: a run config, a DeepSpeed config and a launch command."""
+"""Turn a planned layout into what runs it: a run config, a DeepSpeed config and a launch command
+(``write_plan``: the three files ``plan --out`` writes)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
+from pathlib import Path
 from typing import Any
 
-from dist_trainer.config import ModelConfig, ParallelConfig
+import yaml
+
+from dist_trainer.config import CONFIG_ROOT, ModelConfig, ParallelConfig
 from dist_trainer.config_load import config_from_dict
+from dist_trainer.files import make_executable, output_dir
 from dist_trainer.layout_rules import Layout
-from dist_trainer.parallel.zero.config import ds_config_for
+from dist_trainer.parallel.zero.config import OWNED_KEYS, ds_config_for
 from dist_trainer.planner.memory import DEFAULT_OPTIONS, TrainingOptions
+from dist_trainer.planner.price import PlannedLayout
+
+LAUNCH_DIR = CONFIG_ROOT.parent / "launch"  # the project's launch scripts, beside configs/
 
 # Planner precision -> train.precision (the trainer's bf16/fp16 are autocast over fp32 parameters).
 TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "amp_bf16": "bf16", "amp_fp16": "fp16"}
@@ -106,3 +115,29 @@ def launch_command(layout: Layout, *, gpus_per_node: int, config_path: str = "ru
     elif no_ssh:
         raise ValueError(f"no_ssh=True needs several nodes; this layout fits one ({world} <= {gpus_per_node})")
     return " ".join([*env, f"{launch_dir}/deepspeed.sh", args])
+
+
+def write_plan(out: Path, cfg: ModelConfig, best: PlannedLayout, *, seq_len: int, opts: TrainingOptions,
+               gpus_per_node: int) -> list[Path]:
+    """``plan --out``: ``out/run.yaml``, ``out/ds_config.json`` (ZeRO layouts) and ``out/launch.sh`` for ``best``;
+    returns the files written."""
+    output_dir(out, "--out")
+    cfg = dataclasses.replace(cfg, loss_chunk_tokens=best.loss_chunk_tokens)  # the chunk it was priced with
+    run = run_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
+    ds = deepspeed_config_dict(cfg, best.layout, seq_len=seq_len, options=opts)
+    if ds is not None:
+        # DeepSpeed's own sections only: what the run config owns (batch, precision, clipping, optimizer, schedule)
+        # is filled from run.yaml at launch, so `launch.sh --train.max_steps=N` does not contradict the file
+        ds = {k: v for k, v in ds.items() if k not in OWNED_KEYS}
+        (out / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+        run["parallel"]["ds_config"] = str(out / "ds_config.json")
+    (out / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
+    # absolute paths: launch.sh runs from any folder (the images keep the scripts in /opt/dist_trainer/launch)
+    cmd = launch_command(best.layout, gpus_per_node=gpus_per_node, config_path=str((out / "run.yaml").resolve()),
+                         launch_dir=str(LAUNCH_DIR))
+    # extra arguments are the trainer's overrides: `bash plan/launch.sh --train.max_steps=100`
+    (out / "launch.sh").write_text(
+        f"#!/usr/bin/env bash\n# {best.layout.describe()}\nset -euo pipefail\n{cmd} \"$@\"\n")
+    make_executable(out / "launch.sh")
+    return [out / name for name in ("run.yaml", "ds_config.json", "launch.sh")
+            if name != "ds_config.json" or ds is not None]

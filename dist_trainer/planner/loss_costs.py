@@ -10,9 +10,17 @@ vocabulary-wide tensors and their gradients (what the whole loss holds per token
 autograd fills chunk by chunk: the output weight's gradient (V/t x d_model, the parameters' dtype: each chunk's is
 summed into it before it reaches ``.grad``) and the head input's gradient from the chunks already done ((N - n) x
 d_model, the head input's dtype). Measured on CPU in tests/test_planner_activations.py.
+
+The planner's default (``default_loss_chunk``, when the model leaves ``loss_chunk_tokens`` at 0): chunks whose fp32
+logits on the rank (n x V/t x 4 bytes) are at most 1 GiB, the largest power of two of tokens that keeps them there
+(DeepSpeed ALST's ``TiledFusedLogitsLoss`` shards the logits at 1 GiB alike), taken only where it is fewer tokens
+than the micro-batch's and lowers what the loss holds (its vocabulary-wide saved tensors and backward working set):
+Llama 3's 128,256 vocabulary in chunks of 2,048 tokens at tp=1, 16,384 at tp=8; GPT-2's 50,257 in chunks of 4,096.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.model_shape import padded_vocab
@@ -24,6 +32,8 @@ from dist_trainer.planner.activations import (
     per_token,
 )
 
+LOSS_CHUNK_LOGITS_BYTES = 2**30  # a default chunk's fp32 logits on one rank at most (module docstring)
+
 
 def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> float:
     """Bytes the loss's backward holds beyond the saved tensors at its peak, for ``tokens`` tokens of a micro-batch
@@ -34,7 +44,24 @@ def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> flo
         return per_logit_row * tokens
     n = min(n, tokens)
     chunk = (per_logit_row + per_token(head_vocab_saved_tensors(cfg, spec))) * n
-    vocab = padded_vocab(cfg.vocab_size, spec.tp_size) // spec.tp_size if spec.tp_size > 1 else cfg.vocab_size
+    vocab = rank_vocab(cfg, spec)
     weight_grad = vocab * cfg.d_model * spec.residual  # the parameters' dtype: fp32 unless the model is 16-bit
     input_grad = (tokens - n) * cfg.d_model * head_input_bytes(cfg, spec)  # whole under SP, as the head reads it
     return chunk + weight_grad + input_grad
+
+
+def rank_vocab(cfg: ModelConfig, spec: ActivationSpec) -> int:
+    """The logits' width on one rank: the whole vocabulary, or its padded TP shard."""
+    return padded_vocab(cfg.vocab_size, spec.tp_size) // spec.tp_size if spec.tp_size > 1 else cfg.vocab_size
+
+
+def default_loss_chunk(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> int:
+    """The ``model.loss_chunk_tokens`` the planner chooses for ``tokens`` tokens of a micro-batch on the last stage
+    (0: the whole logits): the largest power of two whose fp32 logits fit ``LOSS_CHUNK_LOGITS_BYTES``, where it is
+    fewer than ``tokens`` and the loss then holds fewer bytes (module docstring)."""
+    n = 1 << max(0, (LOSS_CHUNK_LOGITS_BYTES // (4 * rank_vocab(cfg, spec))).bit_length() - 1)
+    if n >= tokens:
+        return 0
+    whole = dataclasses.replace(cfg, loss_chunk_tokens=0)
+    held = loss_working_set(whole, spec, tokens) + per_token(head_vocab_saved_tensors(whole, spec)) * tokens
+    return n if loss_working_set(dataclasses.replace(cfg, loss_chunk_tokens=n), spec, tokens) < held else 0

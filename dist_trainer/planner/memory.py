@@ -33,6 +33,7 @@ from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import OFFLOADED, layer_costs, stage_activations
 from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
+from dist_trainer.planner.loss_costs import default_loss_chunk
 from dist_trainer.planner.moe import moe_layer_ids
 from dist_trainer.planner.optimizer import state_saving
 from dist_trainer.planner.options import (  # re-exported: the planner's callers import them from here
@@ -181,6 +182,17 @@ def stage_activation_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, op
                              in_flight=in_flight_of(layout, pp_rank), offload=layout.activation_offload)
 
 
+def op_kept_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions, pp_rank: int) -> int:
+    """What op-level recomputation keeps beyond full recomputation's layer inputs on ``pp_rank`` (0 under another
+    mode): the kept matmul and attention-kernel outputs, which live in the policy's cache (``model_recompute``),
+    where no saved-tensor hook sees them. The two modes' saved bytes differ in those alone."""
+    if layout.activation_checkpointing != "op":
+        return 0
+    full = layout.derive(activation_checkpointing="full", checkpoint_every=1)
+    return (stage_activation_bytes(cfg, layout, seq_len=seq_len, options=options, pp_rank=pp_rank)["saved"]
+            - stage_activation_bytes(cfg, full, seq_len=seq_len, options=options, pp_rank=pp_rank)["saved"])
+
+
 def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> act.ActivationSpec:
     """What decides one rank's saved tensors under ``layout``: every layout field the spec declares (its TP shard,
     SP, how the sequence is split, ...), the precision and the kernel."""
@@ -212,6 +224,16 @@ def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.Activat
                                      padded=options.source_mask,
                                      first=pp_rank == 0, last=pp_rank == layout.pp_size - 1, in_flight=in_flight,
                                      encoder_last=cfg.n_layers - 1 in ids)
+
+
+def with_loss_chunk(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: TrainingOptions) -> ModelConfig:
+    """``cfg`` with the ``model.loss_chunk_tokens`` the planner chooses for ``layout``
+    (``loss_costs.default_loss_chunk``) where it leaves it at 0; a set value is kept. An encoder-decoder keeps its
+    own (its loss's tokens are the decoder's)."""
+    if cfg.loss_chunk_tokens or cfg.encoder_decoder:
+        return cfg
+    chunk = default_loss_chunk(cfg, activation_spec(layout, seq_len, options), layout.rank_tokens(seq_len))
+    return replace(cfg, loss_chunk_tokens=chunk) if chunk else cfg
 
 
 def in_flight_of(layout: Layout, pp_rank: int) -> float:

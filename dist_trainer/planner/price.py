@@ -5,7 +5,7 @@ computed once per model and batch shape."""
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
@@ -28,6 +28,7 @@ from dist_trainer.planner.memory import (
     seq2seq_activation_bytes,
     spec_fields,
     with_activations,
+    with_loss_chunk,
 )
 from dist_trainer.planner.rank_params import RankParams
 
@@ -44,10 +45,11 @@ class PlannedLayout:
     time: StepTime
     fits: bool  # in the GPU memory and, for offloaded states, in the node's host memory
     host_per_node: int = 0  # host bytes of the ranks one node holds (offloaded states)
+    loss_chunk_tokens: int = 0  # the model.loss_chunk_tokens it was priced with (the planner's choice or the model's)
 
     def to_dict(self) -> dict[str, object]:
         return {"layout": self.layout.__dict__, "memory": self.memory.to_dict(), "time": self.time.to_dict(),
-                "fits": self.fits, "host_per_node": self.host_per_node}
+                "fits": self.fits, "host_per_node": self.host_per_node, "loss_chunk_tokens": self.loss_chunk_tokens}
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,16 @@ class Measured:
 
 
 class Pricer:
-    """Caches per (tp, pp) parameters and per activation spec costs for one model and batch shape."""
+    """Caches per (tp, pp) parameters and per activation spec costs for one model and batch shape;
+    ``choose_loss_chunk``: each layout priced with the loss chunk the planner chooses for it
+    (``memory.with_loss_chunk``), else with the model's."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, options: TrainingOptions, overheads: Overheads,
-                 hw: HardwareProfile, gpus_per_node: int, memory: int, host_memory: int) -> None:
+                 hw: HardwareProfile, gpus_per_node: int, memory: int, host_memory: int,
+                 choose_loss_chunk: bool = False) -> None:
         self.cfg, self.seq_len, self.options, self.overheads = cfg, seq_len, options, overheads
+        self.choose_loss_chunk = choose_loss_chunk
+        self._models: dict[tuple[object, ...], ModelConfig] = {}
         self.hw, self.gpus_per_node, self.memory, self.host_memory = hw, gpus_per_node, memory, host_memory
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
         self._costs: dict[tuple[object, ...], LayerCosts] = {}
@@ -73,7 +80,16 @@ class Pricer:
         self._states: dict[tuple[object, int], RankMemory] = {}
         self._worst: dict[tuple[int, int], list[int]] = {}
         self._acts: dict[tuple[object, ...], dict[str, int]] = {}
-        self._flops: dict[tuple[int, str, int], tuple[float, float]] = {}
+        self._flops: dict[tuple[int, str, int, int], tuple[float, float]] = {}
+
+    def model(self, layout: Layout) -> ModelConfig:
+        """The model ``layout`` is priced with: the loss chunk chosen for its spec and tokens, or ``cfg``."""
+        if not self.choose_loss_chunk:
+            return self.cfg
+        key = (spec_fields(layout), layout.rank_tokens(self.seq_len))
+        if key not in self._models:
+            self._models[key] = with_loss_chunk(self.cfg, layout, seq_len=self.seq_len, options=self.options)
+        return self._models[key]
 
     def params(self, layout: Layout, rank: int) -> RankParams:
         key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
@@ -90,9 +106,11 @@ class Pricer:
 
     def flops(self, layout: Layout) -> tuple[float, float]:
         """``compute.step_model_flops``: once per global batch and recomputation (all a step's FLOPs depend on)."""
-        key = (layout.global_batch_size, layout.activation_checkpointing, layout.checkpoint_every)
+        model = self.model(layout)
+        key = (layout.global_batch_size, layout.activation_checkpointing, layout.checkpoint_every,
+               model.loss_chunk_tokens)
         if key not in self._flops:
-            self._flops[key] = step_model_flops(self.cfg, layout, seq_len=self.seq_len, options=self.options)
+            self._flops[key] = step_model_flops(model, layout, seq_len=self.seq_len, options=self.options)
         return self._flops[key]
 
     def worst_candidates(self, layout: Layout) -> list[int]:
@@ -106,9 +124,10 @@ class Pricer:
 
     def costs(self, layout: Layout) -> LayerCosts:
         """Per-token activation costs, once per activation spec (every Layout field it declares)."""
-        key = spec_fields(layout)
+        model = self.model(layout)
+        key = (spec_fields(layout), model.loss_chunk_tokens)
         if key not in self._costs:
-            self._costs[key] = layer_costs(self.cfg, activation_spec(layout, self.seq_len, self.options),
+            self._costs[key] = layer_costs(model, activation_spec(layout, self.seq_len, self.options),
                                            grad_plan(self.cfg, self.options.freeze))
         return self._costs[key]
 
@@ -131,8 +150,8 @@ class Pricer:
                                             self.options, r, in_flight)
         # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
         tokens = layout.rank_tokens(self.seq_len)
-        key = (spec_fields(layout), layout.activation_checkpointing, layout.checkpoint_every,
-               layout.activation_offload, p, layout.pp_virtual_stages, r, tokens, in_flight)
+        key = (spec_fields(layout), self.model(layout).loss_chunk_tokens, layout.activation_checkpointing,
+               layout.checkpoint_every, layout.activation_offload, p, layout.pp_virtual_stages, r, tokens, in_flight)
         if key not in self._acts:
             self._acts[key] = stage_activations(
                 self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
@@ -144,6 +163,12 @@ class Pricer:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
         first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
         the middle stages)."""
+        return self._worst_ranks(layout)[0]
+
+    def _worst_ranks(self, layout: Layout) -> tuple[RankMemory, int]:
+        """``memory_of``, and the most host bytes of those ranks (offloaded states and activations: activation
+        offload holds most on the first, whose micro-batches in flight are the most, not always the worst rank)."""
+        host = 0
         worst: tuple[int, RankMemory, dict[str, int]] | None = None
         for r in self.worst_candidates(layout):
             acts = self.stage_acts(layout, r)
@@ -151,22 +176,24 @@ class Pricer:
             # with_activations' device total, without building the rank's whole report
             held = states.model_states + sum(v for k, v in acts.items() if k != OFFLOADED) + states.step_buffers
             total = held + states.overheads + round(self.overheads.fragmentation * held)
+            host = max(host, states.host + acts.get(OFFLOADED, 0))
             if worst is None or total > worst[0]:
                 worst = (total, states, acts)
         assert worst is not None
-        return with_activations(worst[1], worst[2], self.overheads)
+        return with_activations(worst[1], worst[2], self.overheads), host
 
     def measure(self, layout: Layout) -> Measured:
         """The worst rank's memory and whether the layout fits (GPU and, for offloaded states, host memory)."""
-        mem = self.memory_of(layout)
-        host = node_host_bytes(mem, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
+        mem, most = self._worst_ranks(layout)
+        host = node_host_bytes(replace(mem, host=most), world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
         return Measured(layout, mem, mem.device_total <= self.memory and host <= self.host_memory, host)
 
     def price(self, measured: Measured) -> PlannedLayout:
         """``measured`` with its step time (the search times only the layouts it reports)."""
         layout = measured.layout
         rp = self.params(layout, 0)
-        t = estimate_step_time(self.cfg, layout, seq_len=self.seq_len, hardware=self.hw,
+        model = self.model(layout)
+        t = estimate_step_time(model, layout, seq_len=self.seq_len, hardware=self.hw,
                                gpus_per_node=self.gpus_per_node, options=self.options,
                                n_params_rank=rp.total, n_trainable_rank=rank_trainable(self.cfg, layout, rp,
                                                                                       self.options, 0),
@@ -174,4 +201,5 @@ class Pricer:
                                n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
                                layers_by_rank=self.layer_ids(layout), flops=self.flops(layout),
                                offloaded=self.stage_acts(layout, 0).get(OFFLOADED, 0))
-        return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node)
+        return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node,
+                             model.loss_chunk_tokens)

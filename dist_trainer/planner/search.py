@@ -131,7 +131,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                  pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), top_k: int | None = None,
                  tp_size: int | None = None, max_tp_size: int | None = None, pp_size: int | None = None,
                  host_memory_bytes: int | None = None, max_cp_size: int | None = None,
-                 check: Callable[[Layout], str | None] | None = None) -> PlanResult:
+                 check: Callable[[Layout], str | None] | None = None, choose_loss_chunk: bool = False) -> PlanResult:
     """Every layout of ``model`` on ``n_gpus`` that the trainer runs, the fitting ones ranked by estimated step time.
 
     Enumerated: the product of the axis entries' candidates (``planner/axes/``: each module docstring says which),
@@ -140,10 +140,12 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     only those it accepts are priced and ranked. What the user's cluster or code allows narrows the entries'
     candidates: ``tp_size`` (exactly) or ``max_tp_size``, ``pp_size`` (1: no pipeline), ``max_cp_size``,
     ``zero_stages``, ``allow_offload``, ``pp_schedules``. Fitting: the worst rank's device bytes within
-    ``gpu_memory_bytes``, and a node's host bytes (``ranks per node`` x the rank's offloaded states) within
+    ``gpu_memory_bytes``, and a node's host bytes (ranks per node x a rank's offloaded states and activations) within
     ``host_memory_bytes``, by default the hardware's host memory per GPU x gpus_per_node. ``check``: the refusal
     of a candidate (default ``runnable``; ``benchmarks/planner_speed.py`` passes the trainer's whole config check
-    to show both rank alike).
+    to show both rank alike). ``choose_loss_chunk``: where the model leaves ``loss_chunk_tokens`` at 0, each layout
+    priced with the chunk the planner chooses for it (``loss_costs.default_loss_chunk``; ``PlannedLayout``
+    names it), as ``plan`` does.
     """
     start = time.perf_counter()
     zero_stages, checkpointing = _priced_choices(model, options, zero_stages, checkpointing)
@@ -153,10 +155,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
     host_memory = hw.host_memory_per_node(gpus_per_node) if host_memory_bytes is None else host_memory_bytes
     space = SearchSpace(model, n_gpus, gpus_per_node, seq_len, global_batch, options, zero_stages, allow_offload,
                         pp_schedules, tp_size, max_tp_size, pp_size, max_cp_size)
-    pl = Pricer(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes, host_memory)
-    fitting: list[PlannedLayout] = []
-    closest: Measured | None = None  # the fewest device bytes (timed only if nothing fits)
-    host_short: list[Measured] = []  # model states fit the GPU, offloaded states not the host memory
+    pl = Pricer(model, seq_len, options, overheads, hw, gpus_per_node, gpu_memory_bytes, host_memory,
+                choose_loss_chunk)
+    found = _Found(pl, gpu_memory_bytes)
     skipped = _Skipped()
     considered = 0
     refused = _Refused(check or (lambda key: runnable(model, key, seq_len=seq_len, options=options)), skipped)
@@ -165,12 +166,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         lightest = base.derive(n_microbatches=per_rank, activation_checkpointing="full",
                            **{k: v for axis in AXES for k, v in axis.lightest(base).items()})
         states, considered = pl.memory_of(lightest), considered + 1  # model states alone: prune on overflow
-        if states.device_total <= gpu_memory_bytes and node_host_bytes(
+        if states.device_total > gpu_memory_bytes or node_host_bytes(
                 states, world_size=n_gpus, gpus_per_node=gpus_per_node) > host_memory:
-            host_short.append(pl.measure(lightest))
-            continue  # host bytes depend on the model states alone: no micro-batch can help
-        if states.device_total > gpu_memory_bytes:
-            closest = _closer(closest, pl.measure(lightest))
+            found.add(pl.measure(lightest))  # no micro-batch can help (the states' host bytes depend on none)
             continue
         for shape in _shapes(space, base, per_rank):
             if refused(shape) is not None:
@@ -179,14 +177,12 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                 tried = _recomputed(pl, shape, ck)
                 considered += len(tried)
                 for measured in tried:
-                    if measured.fits:
-                        fitting.append(pl.price(measured))
-                    else:
-                        closest = _closer(closest, measured)
+                    found.add(measured)
+    fitting, closest = found.fitting, found.closest
     # Equal times (communication hidden behind backward): prefer the simpler layout, then the smaller one.
     fitting.sort(key=lambda x: (round(x.time.total, 9), *x.layout.simplicity, x.memory.device_total))
     fitting = fitting if top_k is None else fitting[:top_k]
-    notes = [] if fitting else _nothing_fits_notes(closest, host_short, skipped, gpu_memory_bytes, host_memory,
+    notes = [] if fitting else _nothing_fits_notes(closest, found.host_short, skipped, gpu_memory_bytes, host_memory,
                                                    n_gpus=n_gpus, gpus_per_node=gpus_per_node)
     return PlanResult(fitting, None if fitting or closest is None else pl.price(closest), gpu_memory_bytes, considered,
                       time.perf_counter() - start, notes, host_memory)
@@ -219,6 +215,26 @@ def _shapes(space: SearchSpace, base: Layout, per_rank: int) -> Iterator[Layout]
         # the last entry's variants outermost (the pipeline schedule around sequence parallelism)
         for variant in itertools.product(*(axis.variants(space, split) for axis in reversed(AXES))):
             yield split.derive(**{k: v for fields in variant for k, v in fields.items()})
+
+
+class _Found:
+    """What the search found: the layouts that fit (priced), those that fit the GPU but whose host bytes (offloaded
+    states or activations) overflow the node's host memory, and of the rest the one with the fewest device bytes
+    (timed only if nothing fits)."""
+
+    def __init__(self, pl: Pricer, gpu_memory_bytes: int) -> None:
+        self.pl, self.memory = pl, gpu_memory_bytes
+        self.fitting: list[PlannedLayout] = []
+        self.host_short: list[Measured] = []
+        self.closest: Measured | None = None
+
+    def add(self, measured: Measured) -> None:
+        if measured.fits:
+            self.fitting.append(self.pl.price(measured))
+        elif measured.memory.device_total <= self.memory:
+            self.host_short.append(measured)
+        else:
+            self.closest = _closer(self.closest, measured)
 
 
 def _closer(closest: Measured | None, cand: Measured) -> Measured:

@@ -3,7 +3,12 @@
 Measured on every rank at step ``CHECK_STEP`` (the second: AdamW's states exist, the first step's warm-up is past):
 
     model_states   ``engine.owned_state_bytes()`` between the backward and the optimizer step (every gradient alive)
-    activations    the peak bytes saved for backward during that step's ``forward_backward`` (``SavedPeak``)
+    activations    the peak bytes saved for backward during that step's ``forward_backward`` (``SavedPeak``; with
+                   op-level recomputation its policy's cache too, which no saved-tensor hook sees)
+    offloaded_activations   with ``parallel.activation_offload``: the peak host bytes the offload hooks hold
+                   (``model_offload.ActivationOffload.held``), against the planner's ``offloaded_to_host``
+    op_kept_outputs         with ``activation_checkpointing=op``: the peak bytes of the outputs its policy's caches
+                   keep (``Transformer.kept``), against ``memory.op_kept_bytes``
     peak_memory    CUDA's max allocated; on CPU the peak resident-set growth since the trainer started (recorded, not
                    judged: it also holds the allocator's free lists and the libraries' first-use pages, 2.6x the
                    prediction in the demo's 1.4M-parameter run)
@@ -37,17 +42,21 @@ import torch.distributed as dist
 from dist_trainer.config import Config
 from dist_trainer.files import atomic_write_text
 from dist_trainer.layout_rules import Layout
+from dist_trainer.model import Transformer
+from dist_trainer.model_offload import LiveBytes
 from dist_trainer.parallel.comm import CommCounter
 from dist_trainer.planner.cost import counted_traffic, estimate_step_time
-from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, predict_rank_memory
+from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, op_kept_bytes, predict_rank_memory
 from dist_trainer.train.metrics import device_hardware
 
 CHECK_STEP = 1  # 0-based: the second step
 TIMED_STEPS = 3
 # |measured / predicted - 1| above which a warning is written (docs/planner.md, "Measured accuracy"): model states
 # are counted exactly; saved activations within a few percent; resident memory and step time much less so; an
-# axis's traffic (every "<axis>_traffic" figure) is counted exactly.
-ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "traffic": 0.01}
+# axis's traffic (every "<axis>_traffic" figure) is counted exactly; the offloaded and op-kept bytes within 2%
+# (tests/test_planner_activations.py: a buffer the hooks copy, RoPE's table rows, 0.6%).
+ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "traffic": 0.01,
+            "offloaded_activations": 0.02, "op_kept_outputs": 0.02}
 
 
 def accuracy(figure: str) -> float:
@@ -70,6 +79,12 @@ class SavedPeak:
         self.sizes: dict[int, int] = {}
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def add(self, n: int) -> None:
+        """Bytes held for backward outside the autograd graph (op-level recomputation's cache): a ``LiveBytes``
+        listener."""
+        self.live += n
+        self.peak = max(self.peak, self.live)
 
     # The hooks run eagerly inside a compiled block too (train.compile): autograd calls them from its own eager
     # calls between graphs, where Dynamo would otherwise trace them and guard on this bookkeeping's dict keys.
@@ -160,14 +175,29 @@ class PlanCheck:
         self.done = cfg.train.max_steps <= CHECK_STEP
 
     @contextlib.contextmanager
-    def watch(self, step: int, state_tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-        """Around ``forward_backward``: the saved-for-backward peak of the check step."""
+    def watch(self, step: int, model: torch.nn.Module) -> Iterator[None]:
+        """Around ``forward_backward``: the saved-for-backward peak of the check step, and the peaks of what its
+        offload hooks and op-level recomputation's caches hold (of every model chunk on this rank together)."""
         if self.done or step != CHECK_STEP:
             yield
             return
-        with SavedPeak(state_tensors) as tracker:
-            yield
+        offloaded, kept = LiveBytes(), LiveBytes()
+        chunks = [m for m in model.modules() if isinstance(m, Transformer)]  # a pipeline rank's stages
+        with SavedPeak([*model.parameters(), *model.buffers()]) as tracker:
+            counters = [*((m.offload.held, offloaded.add) for m in chunks), *((m.kept, kept.add) for m in chunks),
+                        *((m.kept, tracker.add) for m in chunks)]  # the cache holds saved bytes too
+            for counter, listener in counters:
+                counter.listeners.append(listener)
+            try:
+                yield
+            finally:
+                for counter, listener in counters:
+                    counter.listeners.remove(listener)
         self.measured["activations"] = tracker.peak
+        if self.layout.activation_offload:
+            self.measured["offloaded_activations"] = offloaded.peak
+        if self.layout.activation_checkpointing == "op":
+            self.measured["op_kept_outputs"] = kept.peak
 
     def after_backward(self, step: int, owned: dict[str, int], counter: CommCounter) -> None:
         """After the check step's ``forward_backward``: the bytes it owns, and what it handed to each axis whose
@@ -215,8 +245,11 @@ class PlanCheck:
         t = estimate_step_time(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, hardware=self.hardware,
                                gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
         device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
+        kept = op_kept_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
+                             pp_rank=self.pp_rank)
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
-                "step_time": t.total, **{figure: b for figure, (_, _, b) in self._traffic().items()}}
+                "step_time": t.total, **{figure: b for figure, (_, _, b) in self._traffic().items()},
+                "offloaded_activations": mem.detail.get("activations.offloaded_to_host", 0), "op_kept_outputs": kept}
 
     def _row(self, predicted: dict[str, float]) -> dict[str, Any]:
         figures = {}

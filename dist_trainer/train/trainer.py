@@ -180,7 +180,7 @@ class Trainer:
         batches = [self._batch(self.train_data, indices, step) for indices in self.sampler.micro_batches(step)]
         self._weigh_tokens(self.train_data, self.sampler, step, len(batches))
         reset_router_stats(self.engine.model)  # MoE layers count this step's routing (moe/* metrics)
-        with self.plan_check.watch(step, _state_tensors(self.engine.model)):
+        with self.plan_check.watch(step, self.engine.model):
             loss_sum = self.engine.forward_backward(batches)
         if step == CHECK_STEP:
             self.plan_check.after_backward(step, self.engine.owned_state_bytes(), self.state.counter)
@@ -403,11 +403,6 @@ class Trainer:
         if rng_path.is_file() and meta["layout"]["world"] == self.env.world_size:
             ckpt.set_rng_state(ckpt.load_file(rng_path))
         return [*notes, f"resumed from {path} at step {self.step}"]
-
-
-def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers: model state, not activations, when saved for backward."""
-    return [*model.parameters(), *model.buffers()]
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
