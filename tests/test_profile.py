@@ -59,3 +59,34 @@ def test_the_step_split_gives_each_instant_to_one_part() -> None:
     assert split["host"] == pytest.approx(25e-6)  # 0-10, 50-55, 80-85, 95-100
     assert split["step"] == pytest.approx(100e-6)
     assert split["labels"] == {"comm/tp/all_reduce": 1, "exchange/pp/pipeline send/recv": 1}
+
+
+def test_a_cuda_trace_is_split_on_the_device_by_where_each_nccl_kernel_was_launched() -> None:
+    """Kernels on a stream: compute while a non-NCCL kernel runs; an NCCL kernel exposed takes the part its launch
+    (same correlation id) was issued in; the device idle is host work."""
+    def launch(start: float, corr: int) -> dict:
+        return {**_x("cudaLaunchKernel", start, start + 1, "cuda_runtime"), "args": {"correlation": corr}}
+
+    def kernel(name: str, start: float, end: float, corr: int) -> dict:
+        return {**_x(name, start, end, "kernel", tid=9), "args": {"correlation": corr}}
+
+    events = [
+        _x("train_step/2", 0, 100, "user_annotation"),
+        _x("comm/tp/all_reduce", 4, 8, "user_annotation"), launch(5, 1),  # issued in a tp collective
+        _x("exchange/pp/pipeline send/recv", 10, 30, "user_annotation"),
+        _x("nccl:recv 0<-1", 11, 13, "user_annotation"), launch(12, 2),  # the pipeline's receive
+        _x("c10d::send", 20, 22), launch(21, 3),  # its send
+        launch(40, 4), launch(41, 5), launch(42, 6),
+        kernel("ampere_sgemm_128x64_tn", 10, 30, 4),  # compute 20
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 25, 40, 1),  # tp: 30-40 exposed
+        kernel("ncclDevKernel_SendRecv", 40, 55, 2),  # bubble 15
+        kernel("ncclDevKernel_SendRecv", 50, 60, 3),  # pp: 55-60 after the receive ends
+        kernel("ncclDevKernel_AllGather_RING_LL", 70, 75, 99),  # no launch in the trace: no axis
+        {**_x("Memcpy HtoD (Pageable -> Device)", 80, 90, "gpu_memcpy", tid=9), "args": {}},  # compute 10
+    ]
+    split = split_trace({"traceEvents": events})
+    assert split["timeline"] == "device"
+    assert split["compute"] == pytest.approx(30e-6)
+    assert split["bubble"] == pytest.approx(15e-6)
+    assert split["comm"] == pytest.approx({"tp": 10e-6, "pp": 5e-6, "unattributed": 5e-6})
+    assert split["host"] == pytest.approx(35e-6)  # 0-10, 60-70, 75-80, 90-100

@@ -17,9 +17,14 @@ training thread. Every instant of such a step is given to one part, the first th
                        the backward): the trace does not say their process group, so no axis is guessed
     host               none of these: Python, the data loader, the loop's own work
 
-Each part is the mean over the profiled steps, in seconds. This reads the host thread, which on a CPU is where
-the compute runs; on CUDA the operators only launch kernels, and the split says so rather than call the launch
-time compute. Torch-free: json and gzip.
+That is the host thread, where a CPU run computes. On CUDA the operators only launch kernels, so a trace with
+device kernels is read off the device instead, over the same step ranges: compute while any kernel, copy or fill
+that is not NCCL's runs; else a NCCL kernel running is exposed communication, of the part its launch was issued in
+on the training thread (matched by the profiler's correlation id: inside ``comm/<axis>/...``, or a library's
+collective inside ``exchange/<axis>/...``; a pipeline's receive is the bubble); else the device is idle: host work.
+(Written from the profiler's trace format, not yet checked on a GPU run.)
+
+Each part is the mean over the profiled steps, in seconds. Torch-free: json and gzip.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ STEP_RANGE = "train_step/"  # the range around each profiled step: train_step/<1
 COMM_RANGE = "comm/"  # comm/<axis>/<kind>: one collective of an AxisGroup
 EXCHANGE_RANGE = "exchange/"  # exchange/<axis>/<what>: a library's communication on that axis
 _LIBRARY_COMM = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms)")
-_RECV = re.compile(r"^(gloo|nccl):recv")
+_RECV = re.compile(r"^(gloo:recv|nccl:recv|c10d::recv)")
+_NCCL_KERNEL = re.compile(r"^nccl", re.IGNORECASE)  # ncclDevKernel_AllReduce_..., ncclKernel_SendRecv_...
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def read_trace(path: Path) -> dict[str, Any]:
@@ -59,12 +66,17 @@ def split_trace(trace: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("the trace holds no train_step/<n> range: not a trace of train.profile_steps")
     main = (steps[0]["pid"], steps[0]["tid"])
     on_main = [e for e in events if (e["pid"], e["tid"]) == main]
-    elsewhere = [e for e in events if (e["pid"], e["tid"]) != main and _LIBRARY_COMM.match(e["name"])]
     exchanges = [e for e in on_main if e["name"].startswith(EXCHANGE_RANGE)]
+    kernels = [e for e in events if e.get("cat") in _DEVICE_WORK]
+    if kernels:
+        intervals = _device_intervals(kernels, events, on_main, exchanges)
+    else:
+        intervals = _host_intervals(on_main, exchanges)
+        intervals += [(e["ts"], e["ts"] + e["dur"], "backend", "") for e in events
+                      if (e["pid"], e["tid"]) != main and _LIBRARY_COMM.match(e["name"])]
     parts: dict[str, float] = defaultdict(float)
     for step in steps:
-        lo, hi = step["ts"], step["ts"] + step["dur"]
-        for part, seconds in _sweep(lo, hi, on_main, elsewhere, exchanges).items():
+        for part, seconds in _sweep(step["ts"], step["ts"] + step["dur"], intervals).items():
             parts[part] += seconds
     n = len(steps)
     labels = Counter(e["name"] for e in on_main if e["name"].startswith((COMM_RANGE, EXCHANGE_RANGE)))
@@ -72,44 +84,74 @@ def split_trace(trace: dict[str, Any]) -> dict[str, Any]:
     return {"steps": [int(s["name"][len(STEP_RANGE):]) for s in steps],
             "step": sum(s["dur"] for s in steps) / 1e6 / n,
             "compute": parts["compute"] / n, "bubble": parts["bubble"] / n, "host": parts["host"] / n,
-            "comm": comm, "labels": dict(sorted(labels.items())),
-            "device_kernels": any(e.get("cat") == "kernel" for e in events)}
+            "comm": comm, "labels": dict(sorted(labels.items())), "timeline": "device" if kernels else "host"}
 
 
-def _enclosing_axis(event: dict[str, Any], exchanges: list[dict[str, Any]]) -> str:
-    """The axis of the ``exchange`` range ``event`` starts in, else "unattributed"."""
-    for x in exchanges:
-        if x["ts"] <= event["ts"] <= x["ts"] + x["dur"]:
-            return _axis(x["name"])
-    return "unattributed"
+Interval = tuple[float, float, str, str]  # (start, end, kind, part), microseconds
 
 
-def _kind(event: dict[str, Any], exchanges: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """What a training-thread event stands for in the sweep: (kind, part), or None for a plain range."""
-    name = event["name"]
-    if name.startswith(COMM_RANGE):
-        return "label", f"comm/{_axis(name)}"
-    if name.startswith(EXCHANGE_RANGE):
-        return "exchange", f"comm/{_axis(name)}"
-    if _LIBRARY_COMM.match(name):
-        axis = _enclosing_axis(event, exchanges)
-        return "library", "bubble" if axis == "pp" and _RECV.match(name) else f"comm/{axis}"
-    if event.get("cat") == "cpu_op":
-        return "op", "compute"
-    return None
+def _covering(events: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    """The innermost (latest-starting) of ``events`` running at ``t``."""
+    inside = [e for e in events if e["ts"] <= t <= e["ts"] + e["dur"]]
+    return max(inside, key=lambda e: e["ts"]) if inside else None
 
 
-def _sweep(lo: float, hi: float, on_main: list[dict[str, Any]], elsewhere: list[dict[str, Any]],
-           exchanges: list[dict[str, Any]]) -> dict[str, float]:
+def _library_part(name: str, t: float, exchanges: list[dict[str, Any]]) -> str:
+    """A library's communication at ``t``: its axis is the ``exchange`` range's it runs in, and a pipeline's receive
+    is the bubble."""
+    x = _covering(exchanges, t)
+    axis = "unattributed" if x is None else _axis(x["name"])
+    return "bubble" if axis == "pp" and _RECV.match(name) else f"comm/{axis}"
+
+
+def _host_intervals(on_main: list[dict[str, Any]], exchanges: list[dict[str, Any]]) -> list[Interval]:
+    """The training thread's events, each with what it stands for in the sweep (module docstring)."""
+    out: list[Interval] = []
+    for e in on_main:
+        name, start, end = e["name"], e["ts"], e["ts"] + e["dur"]
+        if name.startswith(COMM_RANGE):
+            out.append((start, end, "label", f"comm/{_axis(name)}"))
+        elif name.startswith(EXCHANGE_RANGE):
+            out.append((start, end, "exchange", f"comm/{_axis(name)}"))
+        elif _LIBRARY_COMM.match(name):
+            out.append((start, end, "library", _library_part(name, start, exchanges)))
+        elif e.get("cat") == "cpu_op":
+            out.append((start, end, "op", "compute"))
+    return out
+
+
+def _device_intervals(kernels: list[dict[str, Any]], events: list[dict[str, Any]], on_main: list[dict[str, Any]],
+                      exchanges: list[dict[str, Any]]) -> list[Interval]:
+    """CUDA: the device's kernels. A communication kernel (NCCL's) belongs to the part its launch on the training
+    thread (matched by the profiler's correlation id) was issued in; any other kernel, copy or fill is compute."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    labels = [e for e in on_main if e["name"].startswith(COMM_RANGE)]
+    library = [e for e in on_main if _LIBRARY_COMM.match(e["name"])]
+    out: list[Interval] = []
+    for k in kernels:
+        start, end = k["ts"], k["ts"] + k["dur"]
+        if not _NCCL_KERNEL.match(k["name"]):
+            out.append((start, end, "op", "compute"))
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        part = "comm/unattributed"
+        if launch is not None:
+            label, op = _covering(labels, launch["ts"]), _covering(library, launch["ts"])
+            part = f"comm/{_axis(label['name'])}" if label is not None else \
+                _library_part(op["name"] if op else "", launch["ts"], exchanges)
+        out.append((start, end, "library", part))
+    return out
+
+
+def _sweep(lo: float, hi: float, intervals: list[Interval]) -> dict[str, float]:
     """Seconds of [lo, hi] (microseconds) by part: boundaries in time order, each stretch given to the first
     part that applies (module docstring)."""
     points: list[tuple[float, int, str, str]] = []  # (time, +1/-1, kind, part)
-    for e in on_main:
-        what = _kind(e, exchanges)
-        if what is not None:
-            points += _clipped(e, lo, hi, *what)
-    for e in elsewhere:
-        points += _clipped(e, lo, hi, "backend", "")
+    for start, end, kind, part in intervals:
+        start, end = max(lo, start), min(hi, end)
+        if end > start:
+            points += [(start, 1, kind, part), (end, -1, kind, part)]
     points.sort(key=lambda p: (p[0], p[1]))  # ends before starts at the same instant
     active: dict[str, Counter[str]] = {k: Counter() for k in ("label", "op", "library", "exchange", "backend")}
     out: dict[str, float] = defaultdict(float)
@@ -122,11 +164,6 @@ def _sweep(lo: float, hi: float, on_main: list[dict[str, Any]], elsewhere: list[
     if hi > now:
         out[_part_now(active)] += (hi - now) / 1e6
     return dict(out)
-
-
-def _clipped(e: dict[str, Any], lo: float, hi: float, kind: str, part: str) -> list[tuple[float, int, str, str]]:
-    start, end = max(lo, e["ts"]), min(hi, e["ts"] + e["dur"])
-    return [(start, 1, kind, part), (end, -1, kind, part)] if end > start else []
 
 
 def _first(counter: Counter[str]) -> str | None:
@@ -176,8 +213,8 @@ def _rank_table(summary: dict[str, Any]) -> str:
     rows.append(("step", got["step"], want.get("total")))
     lines = [title, f"  {'part':<22}{'measured':>12}{'planner':>12}"]
     lines += [f"  {name:<22}{_seconds(m):>12}{_seconds(p):>12}" for name, m, p in rows]
-    if got.get("device_kernels"):
-        lines.append("  (CUDA: compute is the host thread's launch time here, not the kernels'; see the trace)")
+    if got.get("timeline") == "device":
+        lines.append("  (CUDA: read off the device's kernels; host work is the time the device is idle)")
     return "\n".join(lines)
 
 
