@@ -204,9 +204,14 @@ class AxisGroup:
             yield
             return
         entry = self.counter.enter(self.axis, op)
-        with profiler_range(f"exchange/{self.axis}/{op}"):
+        with self.profiled(op):
             yield
         self.counter.leave(entry)
+
+    def profiled(self, what: str) -> contextlib.AbstractContextManager[Any]:
+        """A span in which a library communicates on this axis, as a profiler range only (``exchange/<axis>/<what>``,
+        module docstring): its collectives in the trace belong to this axis. Nothing on a one-rank axis."""
+        return profiler_range(f"exchange/{self.axis}/{what}") if self.size > 1 else contextlib.nullcontext()
 
     @_eager
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -12,9 +12,10 @@ training thread. Every instant of such a step is given to one part, the first th
                        in it too (a trace cannot tell the two apart)
     comm/<axis>        inside another event of a library's communication (``c10d::``, ``gloo:``, ``nccl:``: the
                        pipeline's sends, DeepSpeed's collectives) within an ``exchange/<axis>/...`` range, or the
-                       thread idle while such an event runs on the backend's thread in that range
-    comm/unattributed  the same outside any ``exchange`` range (DDP's bucket all-reduces waited for at the end of
-                       the backward): the trace does not say their process group, so no axis is guessed
+                       thread idle while such an event runs on the backend's thread in that range (DDP's bucket
+                       all-reduces, waited for at the end of the backward)
+    comm/unattributed  the same outside any ``exchange`` range: the trace does not say the event's process group,
+                       so no axis is guessed
     host               none of these: Python, the data loader, the loop's own work
 
 That is the host thread, where a CPU run computes. On CUDA the operators only launch kernels, so a trace with
