@@ -10,7 +10,8 @@ range (``parallel/comm.py``). After step B each rank writes, under ``out_dir/pro
                                prediction of each part (``PlanCheck.step_split``)
 
 which ``dist-trainer report RUN`` prints side by side. With ``train.memory_snapshot`` (CUDA only) the allocator
-records its history from the start, and a CUDA out-of-memory error dumps it to
+records its history from before the first step (the model is built by then: its blocks are in the snapshot, without
+the history of their allocation), and a CUDA out-of-memory error dumps it to
 ``out_dir/memory_snapshot_rank<r>.pickle`` (drag it onto pytorch.org/memory_viz) beside
 ``memory_snapshot_rank<r>.planned.json``, the planner's per-term prediction for this rank, before the error goes on.
 """
@@ -30,7 +31,8 @@ from dist_trainer.files import atomic_write_text
 from dist_trainer.train.plan_check import PlanCheck
 from dist_trainer.train.profile_split import STEP_RANGE, read_trace, split_trace
 
-MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (torch's default); a ring: the newest survive
+# allocator events kept, the newest (torchtitan's figure; torch's default keeps all, growing host memory all run)
+MEMORY_HISTORY_ENTRIES = 100_000
 
 
 def trace_path(out_dir: Path, rank: int) -> Path:
@@ -48,7 +50,7 @@ class StepProfiler:
         self.snapshot = cfg.train.memory_snapshot
         self.prof: profile | None = None
         if self.snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, device=device)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
