@@ -20,7 +20,7 @@ from tests.helpers import tiny_config
 SECTIONS = {"model": {"n_layers": 4}, "parallel": {"micro_batch_size": 2}, "train": {"max_steps": 5}}
 TWO_RANKS = {"ddp": {}, "tp2-sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2},
              "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
-PROFILED = {"ddp": "3-4", "tp2-sp": "3-4", "pp2": "3-4"}  # train.profile_steps of the runs with a profile
+PROFILED = {"ddp": "3-4", "tp2-sp": "3-4", "pp2": "3-4", "zero2": "3-4"}  # train.profile_steps
 
 
 def _run(rank: int, world: int, data: Path, out: Path, parallel: dict, profile_steps: str | None = None
@@ -76,7 +76,7 @@ def _measured_axes(split: dict) -> set[str]:
 
 def test_a_profiled_run_labels_its_collectives_and_splits_its_step_as_the_planner_does(
         two_rank_runs: tuple[Path, dict[str, list[dict]]], capsys: pytest.CaptureFixture[str]) -> None:
-    """train.profile_steps=3-4 on dp=2 (DDP), tp=2 (SP) and pp=2: a Chrome trace per rank with steps 3 and 4,
+    """train.profile_steps=3-4 on dp=2 (DDP, ZeRO-2), tp=2 (SP) and pp=2: a Chrome trace per rank with steps 3, 4,
     every collective labelled by axis and kind (the pipeline's own P2P inside its pp range), and a split whose
     exposed communication is on the axes the planner predicts it on, printed by `dist-trainer report`."""
     from dist_trainer.cli import main
@@ -101,6 +101,9 @@ def test_a_profiled_run_labels_its_collectives_and_splits_its_step_as_the_planne
                 assert got["bubble"] == 0 and got["comm"]["tp"] > 0
             elif name == "ddp":  # DDP's bucket all-reduces, issued from its hook, waited for in the dp range
                 assert {"comm/dp/all_reduce", "exchange/dp/ddp gradient buckets"} <= labels, labels
+                assert got["bubble"] == 0 and got["comm"]["dp"] > 0
+            elif name == "zero2":  # DeepSpeed's reductions, inside the dp ranges of its forward/backward and step
+                assert {"exchange/dp/deepspeed forward/backward", "exchange/dp/deepspeed step"} <= labels, labels
                 assert got["bubble"] == 0 and got["comm"]["dp"] > 0
             else:  # the schedule's sends and receives, inside the pp range; the last stage's loss broadcast
                 exchange = [e for e in events if e["name"].startswith("exchange/pp/")]
