@@ -220,7 +220,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _register_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="draw a run's metrics (loss, LR, grad norm, throughput, health) as PNGs")
+    p = sub.add_parser("report", help="draw a run's metrics (loss, LR, grad norm, throughput, health) as PNGs; "
+                                      "with train.profile_steps, print the step's time split beside the planner's")
     p.add_argument("run", help="the run folder (train.out_dir) holding metrics.jsonl")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN/report)")
     p.set_defaults(func=run_report)
@@ -228,9 +229,13 @@ def _register_report(sub: argparse._SubParsersAction) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     from dist_trainer.health.report import write_report
+    from dist_trainer.train.profile_split import profile_report
 
     for path in write_report(args.run, args.out):
         print(path)
+    split = profile_report(Path(args.run))  # train.profile_steps: the step's split beside the planner's
+    if split is not None:
+        print(split)
     return 0
 
 

@@ -356,9 +356,31 @@ class TrainConfig:
     # are merged into its base, this run's adapters start fresh. Step 0, a fresh optimizer; train.resume wins
     # when out_dir already holds a checkpoint.
     init_from: str | None = None
+    # Steps A-B (1-based, inclusive, e.g. 3-4; one step N is N-N) run under torch.profiler: a Chrome trace per
+    # rank in out_dir/profile/ (Perfetto, TensorBoard) with every collective labelled comm/<axis>/<kind>, and the
+    # step's split (compute, exposed communication per axis, pipeline bubble, host work) that `dist-trainer
+    # report` prints beside the planner's (train/profile.py). None: no profile
+    profile_steps: str | None = None
+    # CUDA only: record the allocator's history; on an out-of-memory error dump it to
+    # out_dir/memory_snapshot_rank<r>.pickle (https://pytorch.org/memory_viz) beside the planner's per-term memory
+    memory_snapshot: bool = False
 
     def __post_init__(self) -> None:
         self.freeze = name_list(self.freeze)
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """``profile_steps`` as (first, last), 1-based and inclusive; None when off. ValueError naming the value."""
+        if self.profile_steps is None:
+            return None
+        parts = self.profile_steps.split("-")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"train.profile_steps={self.profile_steps!r} is not a step range: give A-B (1-based "
+                             f"steps, e.g. 3-4; one step N as N-N)")
+        first, last = int(parts[0]), int(parts[1])
+        if not 1 <= first <= last <= self.max_steps:
+            raise ValueError(f"train.profile_steps={self.profile_steps!r} must be A-B with 1 <= A <= B <= "
+                             f"train.max_steps={self.max_steps}")
+        return first, last
 
     def validate(self) -> None:
         positive(self, "max_steps", "log_every", "eval_batches", "keep_checkpoints")
@@ -372,6 +394,7 @@ class TrainConfig:
             )
         if not self.out_dir.strip():  # '' wrote the run into the current folder
             raise ValueError(f"train.out_dir={self.out_dir!r} is empty; give the run's folder (default runs/default)")
+        self.profile_range()
 
 
 HEALTH_POLICIES = ("warn", "skip", "stop")

@@ -1,5 +1,6 @@
 """Every run records the planner's prediction for its layout next to what it measured (train/plan_check.py),
-and a CUDA out-of-memory error is answered with the planner's breakdown and a layout that fits."""
+and a CUDA out-of-memory error is answered with the planner's breakdown and a layout that fits; a profiled run
+(train.profile_steps, train/profile.py) splits its step beside the planner's split."""
 
 from __future__ import annotations
 
@@ -11,35 +12,50 @@ import torch
 
 from dist_trainer.testing import run_distributed
 from dist_trainer.train import plan_check
+from dist_trainer.train.profile import trace_path
+from dist_trainer.train.profile_split import read_trace
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import tiny_config
 
 SECTIONS = {"model": {"n_layers": 4}, "parallel": {"micro_batch_size": 2}, "train": {"max_steps": 5}}
+TWO_RANKS = {"ddp": {}, "tp2-sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2},
+             "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
+PROFILED = {"ddp": "3-4", "tp2-sp": "3-4", "pp2": "3-4", "zero2": "3-4"}  # train.profile_steps
 
 
-def _run(rank: int, world: int, data: Path, out: Path, parallel: dict) -> list[dict]:
-    cfg = tiny_config(data, out, **{**SECTIONS, "parallel": {**SECTIONS["parallel"], **parallel}})
+def _run(rank: int, world: int, data: Path, out: Path, parallel: dict, profile_steps: str | None = None
+         ) -> list[dict]:
+    cfg = tiny_config(data, out, **{**SECTIONS, "parallel": {**SECTIONS["parallel"], **parallel},
+                                    "train": {**SECTIONS["train"], "profile_steps": profile_steps}})
     Trainer(cfg).train()
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _run_all(rank: int, world: int, data: Path, root: Path, cases: dict[str, dict]) -> dict[str, list[dict]]:
     """Several layouts one after the other in one spawn of ``world`` ranks."""
-    return {name: _run(rank, world, data, root / name, parallel) for name, parallel in cases.items()}
+    return {name: _run(rank, world, data, root / name, parallel, PROFILED.get(name))
+            for name, parallel in cases.items()}
 
 
-def test_every_run_writes_the_plan_check(tiny_data: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict]]]:
+    """The run folder and rank 0's metrics of each 2-rank layout (``TWO_RANKS``), all in one spawn; the ``PROFILED``
+    ones with a profile."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    return root, run_distributed(_run_all, 2, (tiny_data, root, TWO_RANKS))[0]
+
+
+def test_every_run_writes_the_plan_check(tiny_data: Path, tmp_path: Path,
+                                         two_rank_runs: tuple[Path, dict[str, list[dict]]]) -> None:
     """One process, DDP, TP with SP, 2 pipeline stages and ZeRO-2/3 over 2 ranks: model states within 1% and
     saved activations within 10% of the planner on every rank, in plan_check.json (all ranks) and metrics.jsonl
     (rank 0)."""
-    two_ranks = {"ddp": {}, "tp2-sp": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2},
-                 "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
-    runs = {"single": (1, _run(0, 1, tiny_data, tmp_path / "single", {}))}
-    runs |= {name: (2, records) for name, records in
-             run_distributed(_run_all, 2, (tiny_data, tmp_path, two_ranks))[0].items()}
-    assert sorted(runs) == sorted(["single", *two_ranks])
-    for name, (world, records) in runs.items():
-        check = json.loads((tmp_path / name / "plan_check.json").read_text())
+    root, two = two_rank_runs
+    runs = {"single": (1, tmp_path / "single", _run(0, 1, tiny_data, tmp_path / "single", {}))}
+    runs |= {name: (2, root / name, records) for name, records in two.items()}
+    assert sorted(runs) == sorted(["single", *TWO_RANKS])
+    for name, (world, out, records) in runs.items():
+        check = json.loads((out / "plan_check.json").read_text())
         assert len(check["ranks"]) == world, name
         for row in check["ranks"]:
             figures = row["figures"]
@@ -51,6 +67,55 @@ def test_every_run_writes_the_plan_check(tiny_data: Path, tmp_path: Path) -> Non
         assert len(logged) == 1 and logged[0]["step"] == plan_check.CHECK_STEP + plan_check.TIMED_STEPS, name
         assert logged[0]["plan_check/model_states/measured"] == check["ranks"][0]["figures"]["model_states"][
             "measured"]
+
+
+def _measured_axes(split: dict) -> set[str]:
+    """The parts of a step split holding communication or a pipeline's wait (nonzero), by axis."""
+    return {a for a, s in split["comm"].items() if s > 0} | ({"pp"} if split["bubble"] > 0 else set())
+
+
+def test_a_profiled_run_labels_its_collectives_and_splits_its_step_as_the_planner_does(
+        two_rank_runs: tuple[Path, dict[str, list[dict]]], capsys: pytest.CaptureFixture[str]) -> None:
+    """train.profile_steps=3-4 on dp=2 (DDP, ZeRO-2), tp=2 (SP) and pp=2: a Chrome trace per rank with steps 3, 4,
+    every collective labelled by axis and kind (the pipeline's own P2P inside its pp range), and a split whose
+    exposed communication is on the axes the planner predicts it on, printed by `dist-trainer report`."""
+    from dist_trainer.cli import main
+
+    root, _ = two_rank_runs
+    for name in PROFILED:
+        for rank in range(2):
+            trace = read_trace(trace_path(root / name, rank))
+            events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+            labels = {e["name"] for e in events if e["name"].startswith(("comm/", "exchange/"))}
+            assert sorted(e["name"] for e in events if e["name"].startswith("train_step/")) == \
+                ["train_step/3", "train_step/4"], (name, rank)
+            summary = json.loads((root / name / "profile" / f"rank{rank}.summary.json").read_text())
+            got, want = summary["measured"], summary["predicted"]
+            predicted = {a for a, s in want["comm"].items() if s > 0} | ({"pp"} if want["bubble"] > 0 else set())
+            assert _measured_axes(got) == predicted, (name, rank, got, want)
+            parts = got["compute"] + got["bubble"] + got["host"] + sum(got["comm"].values())
+            assert abs(parts - got["step"]) <= 1e-6 * got["step"] + 1e-6, (name, rank, got)
+            if name == "tp2-sp":  # SP's all-gather and reduce-scatter, the row-parallel all-reduces of backward
+                assert {"comm/tp/all_gather", "comm/tp/reduce_scatter"} <= labels, labels
+                assert not any(label.startswith(("comm/pp", "exchange/pp")) for label in labels)
+                assert got["bubble"] == 0 and got["comm"]["tp"] > 0
+            elif name == "ddp":  # DDP's bucket all-reduces, issued from its hook, waited for in the dp range
+                assert {"comm/dp/all_reduce", "exchange/dp/ddp gradient buckets"} <= labels, labels
+                assert got["bubble"] == 0 and got["comm"]["dp"] > 0
+            elif name == "zero2":  # DeepSpeed's reductions, inside the dp ranges of its forward/backward and step
+                assert {"exchange/dp/deepspeed forward/backward", "exchange/dp/deepspeed step"} <= labels, labels
+                assert got["bubble"] == 0 and got["comm"]["dp"] > 0
+            else:  # the schedule's sends and receives, inside the pp range; the last stage's loss broadcast
+                exchange = [e for e in events if e["name"].startswith("exchange/pp/")]
+                p2p = [e for e in events if e["name"].startswith(("gloo:send", "gloo:recv"))]
+                assert exchange and p2p and all(any(x["ts"] <= e["ts"] <= x["ts"] + x["dur"] for x in exchange)
+                                                for e in p2p), name
+                assert "comm/pp/broadcast" in labels and not any(label.startswith("comm/tp") for label in labels)
+                assert got["bubble"] > 0
+        assert main(["report", str(root / name)]) == 0
+        out = capsys.readouterr().out
+        assert "rank 1 (" in out and "pipeline bubble" in out and "host work" in out
+        assert ("exposed comm tp" in out) == (name == "tp2-sp") and ("exposed comm pp" in out) == (name == "pp2")
 
 
 def test_a_figure_beyond_the_documented_accuracy_is_warned_about(tiny_data: Path, tmp_path: Path,

@@ -76,7 +76,10 @@ class DataParallelEngine(Engine):
                 with autocast_for(self.cfg.train.precision, self.device):
                     loss = wrapped(batch["tokens"], batch["targets"], **seq2seq_inputs(batch))
                 scaled = loss / n
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                # DDP's bucket all-reduces run under this backward, waited for at its end: the trace's dp (or
+                # replicas) time (train/profile_split.py)
+                with self.state.replicas.profiled("ddp gradient buckets") if sync else contextlib.nullcontext():
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float()
         return loss_sum
 

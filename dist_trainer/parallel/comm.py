@@ -14,6 +14,11 @@ collectives this rank entered on it (``seq``, never reset), ``current`` names th
 peers; ``health/monitor.py`` subtracts it from the step time). Nothing is written per collective: the record is
 published on the health cadence and when a collective fails (``parallel/watchdog.py``), which is what lets
 the survivors of a hang say which rank has not entered which collective.
+
+Under ``torch.profiler`` (``train.profile_steps``, ``train/profile.py``) every collective is a range
+``comm/<axis>/<kind>`` in the trace, and a span in which a library exchanges tensors for us is
+``exchange/<axis>/<what>``: the library's own c10d events inside it belong to that axis. Without a profiler running
+the label costs one test of the flag torch's profiler keeps (an idle ``record_function`` would cost an op call).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd import profiler
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -39,6 +45,12 @@ def _eager(fn: Callable[P, R]) -> Callable[P, R]:
     trace time. Dynamo breaks the graph at each call instead, so a compiled block counts the collectives an eager
     one does. (``torch.compiler.disable`` itself is untyped; this keeps the methods' signatures for mypy.)"""
     return torch.compiler.disable(fn)
+
+
+def profiler_range(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A ``torch.profiler`` range named ``name`` while a profiler runs; nothing otherwise (the fast flag torch's own
+    profiler keeps for this)."""
+    return profiler.record_function(name) if profiler._is_profiler_enabled else contextlib.nullcontext()
 
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); keep both working.
@@ -126,12 +138,14 @@ class RingShift:
     entry: Collective | None
 
     def wait(self) -> list[torch.Tensor]:
+        if self.counter is None or self.entry is None:  # a one-rank axis: nothing was sent
+            return self.received
         start = time.perf_counter()
-        for request in self.requests:
-            request.wait()
-        if self.counter is not None and self.entry is not None:
-            self.counter.comm_s += time.perf_counter() - start
-            self.counter.leave(self.entry)
+        with profiler_range(f"comm/{self.entry.axis}/ring_wait"):
+            for request in self.requests:
+                request.wait()
+        self.counter.comm_s += time.perf_counter() - start
+        self.counter.leave(self.entry)
         return self.received
 
 
@@ -157,7 +171,8 @@ class AxisGroup:
             self.counter.record(op, self.axis, nbytes)
         entry = self.counter.enter(self.axis, op)
         start = time.perf_counter()
-        call()
+        with profiler_range(f"comm/{self.axis}/{op}"):
+            call()
         self.counter.comm_s += time.perf_counter() - start
         self.counter.leave(entry)
 
@@ -169,6 +184,8 @@ class AxisGroup:
         entry = self.counter.enter(self.axis, op)
         times = self.counter._async
         times[0] = time.perf_counter()
+        with profiler_range(f"comm/{self.axis}/{op}"):  # the issue only: the collective itself runs on
+            future = issue()  # the backend's thread (the trace's gloo:/nccl: events)
 
         def done(fut: torch.futures.Future) -> Any:
             value = fut.value()  # raises when the collective failed: it then stays the one this rank is inside
@@ -176,7 +193,7 @@ class AxisGroup:
             self.counter.leave(entry)
             return value
 
-        return issue().then(done)
+        return future.then(done)
 
     @contextlib.contextmanager
     def exchange(self, op: str) -> Iterator[None]:
@@ -187,8 +204,14 @@ class AxisGroup:
             yield
             return
         entry = self.counter.enter(self.axis, op)
-        yield
+        with self.profiled(op):
+            yield
         self.counter.leave(entry)
+
+    def profiled(self, what: str) -> contextlib.AbstractContextManager[Any]:
+        """A span in which a library communicates on this axis, as a profiler range only (``exchange/<axis>/<what>``,
+        module docstring): its collectives in the trace belong to this axis. Nothing on a one-rank axis."""
+        return profiler_range(f"exchange/{self.axis}/{what}") if self.size > 1 else contextlib.nullcontext()
 
     @_eager
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -290,7 +313,9 @@ class AxisGroup:
         ops += [dist.P2POp(dist.irecv, r, prv, group=self.group, tag=i) for i, r in enumerate(recv)]
         self.counter.record("ring_send", self.axis, sum(_nbytes(t) for t in tensors))
         entry = self.counter.enter(self.axis, "ring_send")
-        return RingShift(recv, dist.batch_isend_irecv(ops), self.counter, entry)
+        with profiler_range(f"comm/{self.axis}/ring_send"):  # the posting; the wait is RingShift.wait's
+            requests = dist.batch_isend_irecv(ops)
+        return RingShift(recv, requests, self.counter, entry)
 
     @_eager
     def broadcast(self, t: torch.Tensor, src_axis_rank: int = 0) -> torch.Tensor:

@@ -48,6 +48,7 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
     else:
         cfg, fit_note = fit_micro_batch(cfg, world_size)
         layout = runs(cfg)
+    check_memory_snapshot(cfg, device)
     if cfg.train.init_from:
         from dist_trainer.checkpoint.weights import check_start_weights
 
@@ -57,6 +58,13 @@ def resolve_launch(cfg: Config, world_size: int, gpus_per_node: int, device: tor
             check_hf_tokenizer(cfg, Path(path))
     notes = [n for n in (None if auto is None else auto.describe(), fit_note, warmup_note(cfg)) if n is not None]
     return Launch(cfg, layout, auto, notes)
+
+
+def check_memory_snapshot(cfg: Config, device: torch.device) -> None:
+    """Before launch: the snapshot is CUDA's allocator's (``train.device=auto`` may have resolved to the CPU)."""
+    if cfg.train.memory_snapshot and device.type != "cuda":
+        raise ValueError(f"train.memory_snapshot=true records CUDA's allocator, but this run's device is {device} "
+                         f"(train.device={cfg.train.device}): run it on CUDA, or leave memory_snapshot off")
 
 
 def _runnable_layout(cfg: Config, world_size: int, device_type: str) -> Layout:

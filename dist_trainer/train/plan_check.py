@@ -45,6 +45,7 @@ from dist_trainer.layout_rules import Layout
 from dist_trainer.model import Transformer
 from dist_trainer.model_offload import LiveBytes
 from dist_trainer.parallel.comm import CommCounter
+from dist_trainer.planner.axes.base import StepTime
 from dist_trainer.planner.cost import counted_traffic, estimate_step_time
 from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, op_kept_bytes, predict_rank_memory
 from dist_trainer.train.metrics import device_hardware
@@ -240,10 +241,23 @@ class PlanCheck:
         return predict_rank_memory(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
                                    overheads=overheads, pp_rank=self.pp_rank, ep_rank=self.ep_rank)
 
+    def _step_time(self) -> StepTime:
+        return estimate_step_time(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, hardware=self.hardware,
+                                  gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
+
+    def step_split(self) -> dict[str, Any]:
+        """The planner's step for this layout by part (seconds): what a profile (``train/profile.py``) measures."""
+        t = self._step_time()
+        return {"compute": t.compute, "bubble": t.bubble, "comm": {k: a.exposed for k, a in t.axes.items()},
+                "total": t.total}
+
+    def memory_terms(self) -> dict[str, object]:
+        """The planner's memory for this rank, term by term (bytes): what a memory snapshot is read against."""
+        return {"layout": self.layout.describe(), **self._memory().to_dict()}
+
     def _predicted(self) -> dict[str, float]:
         mem = self._memory()
-        t = estimate_step_time(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, hardware=self.hardware,
-                               gpus_per_node=min(self.gpus_per_node, self.world), options=self.options)
+        t = self._step_time()
         device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
         kept = op_kept_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
                              pp_rank=self.pp_rank)

@@ -53,6 +53,7 @@ from dist_trainer.train.moe_balance import update_expert_bias
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
 from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
+from dist_trainer.train.profile import StepProfiler
 from dist_trainer.train.resume_checks import check_lr_schedule, check_optimizer, check_resumable, data_order
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
 
@@ -143,6 +144,9 @@ class Trainer:
         self.plan_check = PlanCheck(cfg, self.layout, self.state.pp_rank, self.env.rank,
                                     self.env.local_world_size, self.device, self.out_dir, self.start_resident,
                                     ep_rank=self.state.ep.rank)
+        # train.profile_steps' trace and split, train.memory_snapshot's allocator history (train/profile.py)
+        self.profiler = StepProfiler(cfg, self.out_dir, self.env.rank, self.state.describe(), self.device,
+                                     self.plan_check)
         self.step = 0
         self.eval_by_source: dict[str, float] = {}  # a mixture's last evaluation, per source
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
@@ -256,7 +260,8 @@ class Trainer:
             step = self.step
             self.state.counter.reset()
             t0 = time.perf_counter()
-            metrics = self._guarded(self.train_step, step)
+            with self.profiler.step(step):
+                metrics = self._guarded(self.train_step, step)
             dt = time.perf_counter() - t0
             self.step = step + 1
             result.losses[step] = metrics["loss"]
@@ -322,6 +327,7 @@ class Trainer:
         try:
             return fn(step)
         except torch.cuda.OutOfMemoryError as exc:  # what the planner expected, and the layout it would pick
+            self.profiler.on_oom()  # train.memory_snapshot: the allocator's history beside the planner's terms
             raise ValueError(self.plan_check.oom_report(exc)) from exc
         except (RuntimeError, dist.DistError) as exc:
             if self.env.world_size == 1 or not _is_comm_failure(exc):
