@@ -156,6 +156,10 @@ def test_bad_prompts_are_refused_by_name(run: Path, capsys: pytest.CaptureFixtur
     bad = b"def \xff\xfe".decode("utf-8", "surrogateescape")
     assert one_line_error(capsys, [*base, "--prompt", bad]) == \
         "--prompt is not valid UTF-8: byte ff at byte 4 (give UTF-8 text, or token ids with --prompt-ids)"
+    # an empty text is named by its option, before the model is read (issue 40: --source '' was a prompt error)
+    for option in ("--prompt", "--source"):
+        assert one_line_error(capsys, [*base, option, ""]) == \
+            f"{option} is empty: give the text, or token ids with {option}-ids"
 
 
 def test_data_prepared_before_tokenizer_config_was_written(run: Path, tiny_data: Path, tmp_path: Path) -> None:

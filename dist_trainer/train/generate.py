@@ -67,16 +67,18 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
                          f"{', '.join(map(str, outside))}")
 
 
-def check_prompt_text(prompt: str) -> None:
-    """ValueError when ``prompt`` is not UTF-8 text: Python hands invalid bytes of the command line on as lone
-    surrogates (surrogateescape), which no tokenizer takes."""
+def check_prompt_text(prompt: str, option: str = "--prompt") -> None:
+    """ValueError naming ``option`` (``--prompt`` or ``--source``) when the text is empty or not UTF-8: Python hands
+    invalid bytes of the command line on as lone surrogates (surrogateescape), which no tokenizer takes."""
+    if not prompt:
+        raise ValueError(f"{option} is empty: give the text, or token ids with {option}-ids")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:
         where = len(prompt[:exc.start].encode("utf-8", "surrogateescape"))
         raw = prompt[exc.start:exc.end].encode("utf-8", "surrogateescape")
-        raise ValueError(f"--prompt is not valid UTF-8: byte {raw[:1].hex(' ')} at byte {where} (give UTF-8 "
-                         "text, or token ids with --prompt-ids)") from None
+        raise ValueError(f"{option} is not valid UTF-8: byte {raw[:1].hex(' ')} at byte {where} (give UTF-8 "
+                         f"text, or token ids with {option}-ids)") from None
 
 
 def new_token_budget(prompt_len: int, max_new_tokens: int, context: int,
@@ -210,11 +212,11 @@ class PromptTokenizer:
     bos_id: int | None = None  # put before the prompt, as before every training document
     stop_ids: list[int] = field(default_factory=list)
 
-    def encode(self, prompt: str) -> list[int]:
-        check_prompt_text(prompt)
+    def encode(self, prompt: str, option: str = "--prompt") -> list[int]:
+        check_prompt_text(prompt, option)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if not ids:
-            raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
+            raise ValueError(f"{option} encodes to no tokens; give text the tokenizer {self.source} reads")
         return ([] if self.bos_id is None else [self.bos_id]) + ids
 
 
@@ -324,8 +326,9 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
                          "or source ids (--source-ids)")
     check_sampling(max_new_tokens, temperature, top_k, sliding_window)
     text_in = prompt if prompt is not None else source
+    option = "--prompt" if prompt is not None else "--source"
     if text_in is not None:
-        check_prompt_text(text_in)
+        check_prompt_text(text_in, option)  # before the model is loaded
     decoding = None if ignore_generation_config else read_decoding(checkpoint_path)  # refused before the load
     model, cfg = load_plain_model(checkpoint_path)
     seq2seq = source is not None or source_ids is not None
@@ -345,7 +348,7 @@ def generate(checkpoint_path: str | Path, *, prompt: str | None = None, prompt_i
         if (size := vocab_extent(tokenizer.tokenizer)) > cfg.model.vocab_size:
             raise ValueError(f"the tokenizer {tokenizer.source} has {size} tokens but the model only "
                              f"{cfg.model.vocab_size}")
-        ids_in = tokenizer.encode(text_in) + (tokenizer.stop_ids[:1] if seq2seq else [])
+        ids_in = tokenizer.encode(text_in, option) + (tokenizer.stop_ids[:1] if seq2seq else [])
         stop_ids = tokenizer.stop_ids
     else:
         check_prompt_ids(ids_in, cfg.model.vocab_size)
