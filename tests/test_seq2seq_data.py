@@ -162,6 +162,20 @@ def test_prepare_refuses_pairs_it_cannot_read(tmp_path: Path) -> None:
         prepare(None, tmp_path / "out2", tokenizer=tmp_path, extra_ids=4)
 
 
+def test_prepare_counts_the_pairs_it_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pair with an empty source or target is skipped and counted in prepare's summary, naming the first (issue 40:
+    it was dropped without a word)."""
+    records = [{"source": f"a b {i}", "target": f"{i} b a"} for i in range(40)]
+    records[7]["target"] = ""
+    records[23]["source"] = ""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare([path], tmp_path / "out", vocab_size=300, pairs=True, val_fraction=0.1, seed=0)
+    assert meta["documents"] == 38
+    out = capsys.readouterr().out
+    assert f"; 2 pair(s) with an empty source or target skipped (first: {path} line 8)" in out, out
+
+
 def test_objectives_fit_the_model(tiny_data: Path) -> None:
     with pytest.raises(ValueError, match="not lm"):
         _cfg(tiny_data)

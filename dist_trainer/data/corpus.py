@@ -156,6 +156,12 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
 
 def _read_jsonl(src: Source, fields: tuple[str, ...] = ("text",)) -> Iterator[Any]:
     """Each record's ``fields`` (strings): the one field's text, or a tuple of them; ValueError naming the line."""
+    for _, values in _numbered_jsonl(src, fields):
+        yield values
+
+
+def _numbered_jsonl(src: Source, fields: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
+    """``_read_jsonl``'s values with their line numbers."""
     for lineno, record in jsonl_records(src.path):
         values = [record.get(k) if isinstance(record, dict) else None for k in fields]
         if not all(isinstance(v, str) for v in values):
@@ -163,20 +169,24 @@ def _read_jsonl(src: Source, fields: tuple[str, ...] = ("text",)) -> Iterator[An
             names = " and ".join(f'"{k}"' for k in fields)
             raise ValueError(f"{src.path} line {lineno}: expected an object with string {names} field"
                              f"{'s' if len(fields) > 1 else ''}, got {found}")
-        yield values[0] if len(fields) == 1 else tuple(values)
+        yield lineno, values[0] if len(fields) == 1 else tuple(values)
 
 
-def iter_pairs(sources: list[Source], max_bytes: int | None = None) -> Iterator[tuple[str, str]]:
+def iter_pairs(sources: list[Source], max_bytes: int | None = None,
+               skipped: list[str] | None = None) -> Iterator[tuple[str, str]]:
     """(source, target) of every line of the JSONL ``sources`` (``{"source": ..., "target": ...}``), in order,
-    stopping after the pair that reaches ``max_bytes`` of UTF-8 text; pairs with an empty side are skipped."""
+    stopping after the pair that reaches ``max_bytes`` of UTF-8 text; pairs with an empty side are skipped, each
+    noted in ``skipped`` (``FILE line N``) when given (``prepare`` counts them in its summary)."""
     remaining = max_bytes
     for src in sources:
         if src.kind != "jsonl":
             raise ValueError(f"{src.path}: seq2seq pairs are read from JSONL files ({{\"source\": ..., "
                              f"\"target\": ...}} per line), not {src.kind} files")
-        for source, target in _read_jsonl(src, ("source", "target")):
+        for lineno, (source, target) in _numbered_jsonl(src, ("source", "target")):
             if remaining is not None and remaining <= 0:
                 return
+            if not (source and target) and skipped is not None:
+                skipped.append(f"{src.path} line {lineno}")
             if source and target:
                 if remaining is not None:
                     remaining -= len(source.encode("utf-8")) + len(target.encode("utf-8"))

@@ -111,10 +111,11 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
     start = time.perf_counter()
     n_docs, n_bytes = 0, 0
 
-    def documents() -> Any:  # a document, or a seq2seq pair (source, target)
-        return corpus.iter_pairs(sources, max_bytes) if pairs else corpus.iter_documents(sources, max_bytes)
+    def documents(skipped: list[str] | None = None) -> Any:  # a document, or a seq2seq pair (source, target)
+        return corpus.iter_pairs(sources, max_bytes, skipped) if pairs else corpus.iter_documents(sources, max_bytes)
 
-    for doc in documents():
+    skipped: list[str] = []  # pairs with an empty side, counted in the summary
+    for doc in documents(skipped):
         n_docs += 1
         n_bytes += sum(len(t.encode("utf-8")) for t in (doc if pairs else [doc]))
     if n_docs == 0:
@@ -166,7 +167,9 @@ def prepare(inputs: list[Path] | None, out: Path, vocab_size: int | None = None,
     print(f"prepare: wrote {out}: {n_docs:,} documents ({len(val_docs):,} val), {n_bytes / 1e6:.1f} MB of text, "
           f"{meta['tokens']:,} {dtype.name} tokens ({n_bytes / max(meta['tokens'], 1):.2f} bytes/token), "
           f"vocab {meta['tokenizer_vocab_size']}/{vocab_size}, tokenizer {t_train:.1f}s, total {elapsed:.1f}s "
-          f"(workers: {n_workers or 'tokenizers thread pool'})", flush=True)
+          f"(workers: {n_workers or 'tokenizers thread pool'})"
+          + (f"; {len(skipped):,} pair(s) with an empty source or target skipped (first: {skipped[0]})"
+             if skipped else ""), flush=True)
     return meta
 
 
