@@ -23,12 +23,18 @@ LLAMA = {"n_kv_heads": 2, "pos_embedding": "rope", "norm": "rmsnorm", "activatio
          "tie_embeddings": False}
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+MOE = {**LLAMA, "n_experts": 4, "top_k": 2}  # dropless, every layer MoE: Mixtral's family on export
+# a linear whose int8 codes the test checks, per family: an MLP's, or an expert's (the bulk of a MoE model)
+DOWN = {"gpt2": "layers.1.mlp.down_proj.weight", "llama": "layers.1.mlp.down_proj.weight",
+        "moe": "layers.1.moe.experts.3.down_proj.weight"}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "moe"])
 def run(request: pytest.FixtureRequest, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory
         ) -> tuple[Path, float, Path]:
     """(run folder, the eval loss it logged at its last step, a folder for exports)."""
     out = tmp_path_factory.mktemp(request.param)
-    model = {} if request.param == "gpt2" else LLAMA
+    model = {"gpt2": {}, "llama": LLAMA, "moe": MOE}[request.param]
     cfg = tiny_config(tiny_data, out / "run", model=model, train={"max_steps": 5})
     result = Trainer(cfg, log=False).train()
     return out / "run", result.eval_losses[5], out
@@ -41,18 +47,21 @@ def test_eval_reports_the_loss_the_run_logged(run: tuple[Path, float, Path]) -> 
 
 
 def test_int8_exports_read_back_everywhere_within_their_quantisation(run: tuple[Path, float, Path],
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     request: pytest.FixtureRequest) -> None:
     """Native and HF int8 exports: int8 codes with one fp32 scale per output channel for every layer linear (per
     column of GPT-2's transposed Conv1D), about a quarter of the fp32 bytes for those; both read back as the same
     fp32 model (HF's q/k row order and fused c_attn undone with the scales); eval loss within 1% of fp32's."""
     folder, _, out = run
+    down = DOWN[request.node.callspec.params["run"]]
     native, hf, hf32 = out / "native8", out / "hf8", out / "hf32"
     export_checkpoint(folder, native, "native", quantize="int8")
     export_checkpoint(folder, hf, "hf", quantize="int8")
     export_checkpoint(folder, hf32, "hf")
     with safe_open(str(native / "model.safetensors"), "pt") as f:
-        q, s = f.get_tensor("layers.0.attn.q_proj.weight"), f.get_tensor("layers.0.attn.q_proj.weight_scale")
-        assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (q.shape[0], 1)
+        for name in ("layers.0.attn.q_proj.weight", down):
+            q, s = f.get_tensor(name), f.get_tensor(f"{name}_scale")
+            assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (q.shape[0], 1), name
         assert f.get_tensor("tok_emb.weight").dtype == torch.float32
     config = json.loads((hf / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "dist_trainer_int8"
@@ -61,9 +70,9 @@ def test_int8_exports_read_back_everywhere_within_their_quantisation(run: tuple[
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
     fp32 = load_plain_model(folder)[0].state_dict()
-    w = fp32["layers.1.mlp.down_proj.weight"]
+    w = fp32[down]
     step = w.abs().amax(dim=1, keepdim=True) / 127
-    assert torch.all((ours["layers.1.mlp.down_proj.weight"] - w).abs() <= step / 2 + 1e-7)
+    assert torch.all((ours[down] - w).abs() <= step / 2 + 1e-7) and not torch.equal(ours[down], w)
     assert (hf / "model.safetensors").stat().st_size < 0.75 * (hf32 / "model.safetensors").stat().st_size
     rows = json.loads(evaluate([str(folder), str(native), str(hf)], {}, as_json=True))["rows"]
     assert abs(rows[1]["over_first"] - 1) < 0.01 and rows[1]["eval_loss"] == rows[2]["eval_loss"], rows

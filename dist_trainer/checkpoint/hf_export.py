@@ -24,6 +24,7 @@ import torch
 
 from dist_trainer.checkpoint.source import WeightSource, rotate_half_rope_rows
 from dist_trainer.facts.hf_files import INDEX_FILE, SINGLE_FILE
+from dist_trainer.facts.quant_sizes import INT8_EXPORTED
 from dist_trainer.families import Recipe, family_for_model
 from dist_trainer.quant.int8 import quantize_per_channel
 
@@ -187,7 +188,7 @@ def _int8_entries(plan: dict[str, list[tuple[str, Recipe]]], entries: list[tuple
     ``_scale`` tensor per output channel (dim 0, or dim 1 of a transposed GPT-2 Conv1D), made from the fp32 HF tensor
     once (the last one kept for its scale, written next)."""
     quantized = {hf for hf, parts in plan.items()
-                 if all(re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", ours) for ours, _ in parts)}
+                 if all(INT8_EXPORTED.fullmatch(ours) for ours, _ in parts)}
     out: list[tuple[str, tuple[int, ...]]] = []
     other: dict[str, tuple[torch.dtype, str, str]] = {}
     for hf, shape in entries:

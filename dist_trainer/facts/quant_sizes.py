@@ -16,6 +16,7 @@ Two kinds of state shrink (docs/low_bit.md):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from dist_trainer.facts.finetune import layer_module_name, module_training
@@ -24,6 +25,9 @@ from dist_trainer.facts.model_shape import ModelShape, kv_sharded
 
 INT8_LEAVES = LORA_LINEARS  # the layer linears whose frozen weights int8 stores (q, k, v, o, up, gate, down)
 ROW_PARALLEL = ("o_proj", "down_proj")  # TP splits their input columns (the others' output rows)
+# the weights ``export --quantize int8`` stores as int8 codes with a scale per output channel: every layer linear,
+# attention's and the MLP's, each routed expert's and the shared expert's (their bulk in a MoE model)
+INT8_EXPORTED = re.compile(r"layers\.\d+\.(attn|mlp|moe\.experts\.\d+|moe\.shared_expert)\.\w+_proj\.weight")
 INT8_STATE_BLOCK = 256  # values per absmax of bitsandbytes' 8-bit optimizer states
 INT8_QMAPS_BYTES = 2 * 256 * 4  # its signed and unsigned dynamic maps, fp32, shared by every parameter
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from dist_trainer.checkpoint.plain import load_plain_model
 from dist_trainer.checkpoint.publish import inside_checkpoints, read_meta, resolve_checkpoint
 from dist_trainer.checkpoint.weights import EXPORT_CONFIG, EXPORT_WEIGHTS
 from dist_trainer.facts.hf_config import is_hf_folder
+from dist_trainer.facts.quant_sizes import INT8_EXPORTED
 from dist_trainer.files import atomic_write_text, output_dir, refuse_nonempty, write_safetensors
 from dist_trainer.model_lora import merge_adapters
 from dist_trainer.quant.int8 import quantize_per_channel
@@ -50,7 +50,7 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, merge_lora: bool
         if model_cfg.lora_rank:
             raise ValueError(f"--quantize int8: the checkpoint {checkpoint} has LoRA adapters; add --merge-lora so "
                              "they are folded into the weights before these are quantised")
-        for name in [k for k in tensors if re.fullmatch(r"layers\.\d+\.(attn|mlp)\.\w+_proj\.weight", k)]:
+        for name in [k for k in tensors if INT8_EXPORTED.fullmatch(k)]:
             tensors[name], tensors[f"{name}_scale"] = quantize_per_channel(tensors[name])
     write_safetensors(tensors, out / EXPORT_WEIGHTS, metadata={"format": "pt", "producer": "dist_trainer",
                                                               **({"quantization": "int8"} if quantize else {})})
