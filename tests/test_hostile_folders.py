@@ -211,3 +211,22 @@ def test_a_small_yaml_whose_aliases_expand_without_bound_is_refused_at_once(tmp_
     config.write_text("train:\n  freeze: &me [layers, *me]\n")
     with pytest.raises(ValueError, match="bomb.yaml: an alias refers to a mapping or list that holds it"):
         load_config(str(config), [])
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"num_hidden_layers": 200_000}, "is in none of the folder's files"),  # the weights of 2 layers
+    ({"hidden_size": 10**12}, "which disagrees with config.json"),
+], ids=["layers", "width"])
+def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(changes: dict[str, int], named: str,
+                                                                              llama: Path, tmp_path: Path) -> None:
+    """generate, export and eval load a folder through load_plain_model: the folder's files are checked against its
+    config before the model is built (200,000 layers were still building after 200 s; a 1e12 width died in the
+    allocator)."""
+    import time
+
+    folder = shutil.copytree(llama, tmp_path / "folder")
+    _edit(folder, **changes)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=named):
+        load_plain_model(folder)
+    assert time.perf_counter() - start < 60
