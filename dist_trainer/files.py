@@ -151,11 +151,20 @@ def read_step_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+MAX_ERROR_CHARS = 2000  # an error quoting a huge value (a 1 MB preset name, an expanded YAML) prints this much
+
+
 def error_message(exc: BaseException) -> str:
     """The one line a user sees for ``exc``: an OSError as "PATH: what happened (ECODE)", without Python's
-    "[Errno N]" prefix; anything else as its message."""
+    "[Errno N]" prefix; anything else as its message; at most ``MAX_ERROR_CHARS``, its middle left out (the values
+    an error quotes may be any size)."""
     if isinstance(exc, OSError) and exc.strerror:
         code = errno.errorcode.get(exc.errno or 0, "")
         text = exc.strerror if not code or code in exc.strerror else f"{exc.strerror} ({code})"
-        return f"{exc.filename}: {text}" if exc.filename else text
-    return str(exc)
+        text = f"{exc.filename}: {text}" if exc.filename else text
+    else:
+        text = str(exc)
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    head, tail = MAX_ERROR_CHARS * 3 // 4, MAX_ERROR_CHARS // 5
+    return f"{text[:head]} [... {len(text) - head - tail:,} characters left out ...] {text[-tail:]}"

@@ -230,3 +230,14 @@ def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(c
     with pytest.raises(ValueError, match=named):
         load_plain_model(folder)
     assert time.perf_counter() - start < 60
+
+
+def test_an_error_quoting_a_huge_value_is_one_bounded_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A megabyte optimizer name: the error names the field and the choices, the value's middle left out
+    (files.MAX_ERROR_CHARS)."""
+    from dist_trainer.files import MAX_ERROR_CHARS
+    from tests.test_cli_errors import one_line_error
+
+    message = one_line_error(capsys, ["train", f"--optim.name={'x' * 1_000_000}"])
+    assert message.startswith("optim.name='xxx") and "characters left out" in message, message[:200]
+    assert "adamw" in message[-400:] and len(message) <= MAX_ERROR_CHARS + 60
