@@ -241,3 +241,31 @@ def test_an_error_quoting_a_huge_value_is_one_bounded_line(capsys: pytest.Captur
     message = one_line_error(capsys, ["train", f"--optim.name={'x' * 1_000_000}"])
     assert message.startswith("optim.name='xxx") and "characters left out" in message, message[:200]
     assert "adamw" in message[-400:] and len(message) <= MAX_ERROR_CHARS + 60
+
+
+def _rewrite(folder: Path, tensor: str, change: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """Rewrite the shard holding ``tensor`` with ``change`` applied to it; the shard's file name."""
+    from safetensors.torch import load_file, save_file
+
+    _, index = _index(folder)
+    shard = index["weight_map"][tensor]
+    tensors = load_file(str(folder / shard))
+    tensors[tensor] = change(tensors[tensor])
+    save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    return str(shard)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda t: t.round().to(torch.int64), "holds I64 values; a weight is floating point"),  # log-probs 0.0 before
+    (lambda t: t.to(torch.bool), "holds BOOL values"),
+    (lambda t: t.index_fill(0, torch.tensor([1]), float("nan")), "holds NaN or infinite values"),
+    (lambda t: t.index_fill(0, torch.tensor([0]), float("inf")), "holds NaN or infinite values"),
+], ids=["int64", "bool", "nan", "inf"])
+def test_weights_that_are_not_finite_floats_are_named_with_their_file(change: Callable[[torch.Tensor], torch.Tensor],
+                                                                      named: str, llama: Path, tmp_path: Path) -> None:
+    folder = shutil.copytree(llama, tmp_path / "folder")
+    tensor = "model.layers.1.mlp.down_proj.weight"
+    shard = _rewrite(folder, tensor, change)
+    with pytest.raises(ValueError, match=named) as info:
+        load_plain_model(folder)
+    assert f"'{tensor}' in {shard}" in str(info.value) and str(folder) in str(info.value), str(info.value)

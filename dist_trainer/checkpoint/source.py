@@ -56,6 +56,9 @@ def _sliced(view: Any, ndim: int, dim: int | None, start: int, stop: int | None)
     return view[index]
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # the safetensors dtypes a weight may be stored in
+
+
 class SafetensorsFiles:
     """Tensors of one or more safetensors files by the files' own names, opened lazily and kept open; a tensor with
     a ``<name>_scale`` beside it (an int8 export, ``export --quantize int8``) is read as fp32."""
@@ -87,10 +90,16 @@ class SafetensorsFiles:
         return tuple(self.slice_of(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """A slice of tensor ``name``; an int8 one (``export --quantize int8``: ``<name>_scale`` beside it) in fp32."""
+        """A slice of tensor ``name``; an int8 one (``export --quantize int8``: ``<name>_scale`` beside it) in fp32.
+        ValueError naming the file and tensor for a NaN or infinite weight (it surfaced as a gradient problem)."""
         if f"{name}_scale" in self.files:
-            return read_dequantized(self._read, self.shape, name, dim, start, stop)
-        return self._read(name, dim, start, stop)
+            t = read_dequantized(self._read, self.shape, name, dim, start, stop)
+        else:
+            t = self._read(name, dim, start, stop)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{self.where}: tensor {name!r} in {self.files[name].name} holds NaN or infinite values: "
+                             "a folder's weights must be finite")
+        return t
 
     def _read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         view = self.slice_of(name)
@@ -135,6 +144,12 @@ class HFSource:
             if hf_name not in headers[path]:
                 raise ValueError(f"{self.folder}: {INDEX_FILE} names tensor {hf_name!r} in {path.name}, which does "
                                  "not hold it")
+        for r in self.plan.values():  # what each weight holds: floating point, or int8 codes beside their scales
+            dtype = headers[self.files.files[r.hf_name]][r.hf_name].get("dtype")
+            if dtype not in FLOAT_DTYPES and not (dtype == "I8" and f"{r.hf_name}_scale" in self.files.files):
+                raise ValueError(f"{self.folder}: tensor {r.hf_name!r} in {self.files.files[r.hf_name].name} holds "
+                                 f"{dtype} values; a weight is floating point ({', '.join(FLOAT_DTYPES)}), or I8 "
+                                 "codes beside their _scale (an int8 export)")
         model = build_model(config_from_dict({"model": {**self.model, "preset": None}}).model, device="meta")
         want = {n: tuple(p.shape) for n, p in model.named_parameters()}
         for name, r in self.plan.items():
