@@ -3,13 +3,14 @@ one process.
 
 The reference is independent of ``optim_muon.py``: Keller Jordan's Newton-Schulz quintic with its published
 coefficients, Moonshot's update-RMS scaling and Nesterov momentum written out, torch's own AdamW for the
-parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, DeepSpeed's ZeRO-1 and ZeRO-2 at
-dp=2, and ep=2 for a MoE model)
+parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, DeepSpeed's ZeRO-1, ZeRO-2 and
+ZeRO-3 at dp=2, and ep=2 for a MoE model)
 train 6 steps in one 2-rank spawn and must reproduce one process's training and eval losses within 1e-5; a tp=2
-checkpoint resumes at dp=2 and on one process, a pp=2 one under ZeRO-1, a ZeRO-2 one on one process; a resume under
-another ``optim.name`` is refused naming both.
+checkpoint resumes at dp=2, under ZeRO-3 and on one process, a pp=2 one under ZeRO-1, ZeRO-2 and ZeRO-3 ones on one
+process; a resume under another ``optim.name`` is refused naming both.
 The sgd entry runs under DeepSpeed's ZeRO-1 in the same spawn (one process's losses; its checkpoint resumed on one
-process).
+process). Fine-tunes (``train.freeze`` of a layer, LoRA) own the optimizer bytes the planner says on every rank: a
+frozen hidden matrix holds no Muon momentum.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from dist_trainer.config import OptimConfig
 from dist_trainer.config_model import ModelConfig
+from dist_trainer.experiments.memory_experiment import experiment_config, measure_rank, predictions
 from dist_trainer.model import Transformer
 from dist_trainer.optim import build_optimizer
 from dist_trainer.testing import run_distributed
@@ -99,8 +101,17 @@ def _config(data: Path, out: Path, model: dict, parallel: dict, optim: str = "mu
 
 DENSE_CASES = {"dp2": {}, "tp2_sp": {"tp_size": 2, "dp_size": 1, "sequence_parallel": True},
                "pp2": {"pp_size": 2, "dp_size": 1, "pp_schedule": "1f1b", "micro_batch_size": 2},
-               "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}}
+               "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
 MOE_CASES = {"ep2": {"ep_size": 2}}
+FINETUNE = {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, **DENSE}
+# (ZeRO stage, model fields, train.freeze): a frozen layer under DDP and ZeRO-3, LoRA's frozen base under ZeRO-3
+FINETUNE_CASES = {"freeze_ddp": (0, {}, ("layers.0",)), "freeze_zero3": (3, {}, ("layers.0",)),
+                  "lora_zero3": (3, {"lora_rank": 4}, ())}
+
+
+def _finetune_config(name: str) -> Any:
+    stage, model, freeze = FINETUNE_CASES[name]
+    return experiment_config({**FINETUNE, **model}, stage, 2, optimizer="muon", freeze=freeze)
 
 
 def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
@@ -111,20 +122,25 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
         out[name] = curves(Trainer(_config(data, root / name, DENSE, parallel)).train())
     for name, parallel in MOE_CASES.items():
         out[name] = curves(Trainer(_config(data, root / name, MOE, parallel)).train())
-    share_checkpoint(rank, root / "tp2_sp", [root / "resume_dp2"])
+    share_checkpoint(rank, root / "tp2_sp", [root / "resume_dp2", root / "resume_zero3"])
     out["resume_dp2"] = curves(Trainer(_config(data, root / "resume_dp2", DENSE, {}, resume=True)).train())
+    # by name into DeepSpeed's ZeRO-3 partitions: Muon's momentum in its group's flats, AdamW's moments in the others
+    out["resume_zero3"] = curves(Trainer(_config(data, root / "resume_zero3", DENSE, {"zero_stage": 3},
+                                                 resume=True)).train())
     share_checkpoint(rank, root / "pp2", [root / "resume_zero1"])  # by name into DeepSpeed's partitions
     out["resume_zero1"] = curves(Trainer(_config(data, root / "resume_zero1", DENSE, {"zero_stage": 1},
                                                  resume=True)).train())
     # SGD's momentum in DeepSpeed's ZeRO-1 files (consolidated by the state names saved), resumed in the test
     out["sgd_zero1"] = curves(Trainer(_config(data, root / "sgd_zero1", DENSE, {"zero_stage": 1}, optim="sgd")).train())
+    out["owned"] = {name: measure_rank(rank, world, _finetune_config(name).to_dict()) for name in FINETUNE_CASES}
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("muon")
-    two = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)[0]
+    ranks = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)
+    two = {**ranks[0], "owned": [r["owned"] for r in ranks]}
     single = {"dense": curves(Trainer(_config(tiny_data, root / "single", DENSE, {})).train()),
               "moe": curves(Trainer(_config(tiny_data, root / "single_moe", MOE, {})).train()),
               "sgd": curves(Trainer(_config(tiny_data, root / "single_sgd", DENSE, {}, optim="sgd")).train())}
@@ -140,8 +156,8 @@ def test_muon_layouts_match_one_process(runs: dict[str, Any]) -> None:
 
 def test_muon_checkpoint_resumes_across_layouts(tiny_data: Path, runs: dict[str, Any]) -> None:
     root, reference = runs["root"], runs["single"]["dense"]
-    resumed = {"resume_dp2": runs["two"]["resume_dp2"], "resume_zero1": runs["two"]["resume_zero1"]}
-    for source in ("tp2_sp", "zero2"):  # a TP checkpoint and DeepSpeed's ZeRO-2 files, each resumed on one process
+    resumed = {name: runs["two"][name] for name in ("resume_dp2", "resume_zero1", "resume_zero3")}
+    for source in ("tp2_sp", "zero2", "zero3"):  # a TP checkpoint and DeepSpeed's ZeRO-2/3 files, each on one process
         shutil.copytree(root / source / STEP3, root / f"{source}_on_one" / STEP3)
         resumed[f"{source}_on_one"] = curves(Trainer(_config(tiny_data, root / f"{source}_on_one", DENSE, {},
                                                              resume=True)).train())
@@ -162,6 +178,14 @@ def test_sgd_under_zero1_matches_one_process_and_resumes_on_one(tiny_data: Path,
     assert relative_diff([got["eval"][6]], [reference["eval"][6]]) <= 1e-5
 
 
+def test_muon_fine_tunes_own_the_optimizer_bytes_the_planner_says(runs: dict[str, Any]) -> None:
+    """DeepSpeed's fp32 master and AdamW's moments on the trainable parameters Muon leaves, Muon's momentum on the
+    hidden matrices that train (none of layer 0's when it is frozen, none under LoRA): to the byte on each rank."""
+    for name in FINETUNE_CASES:
+        planned = predictions(_finetune_config(name), 2)["planner"]["optimizer"]
+        assert [r[name]["optimizer"] for r in runs["two"]["owned"]] == [planned] * 2, name
+
+
 def test_switching_optimizer_on_resume_is_refused(tiny_data: Path, runs: dict[str, Any]) -> None:
     root = runs["root"]
     shutil.copytree(root / "tp2_sp" / STEP3, root / "switch" / STEP3)
@@ -169,9 +193,11 @@ def test_switching_optimizer_on_resume_is_refused(tiny_data: Path, runs: dict[st
         Trainer(_config(tiny_data, root / "switch", DENSE, {}, optim="adamw", resume=True))
 
 
-def test_muon_under_zero3_or_zero_beside_tp_is_refused(tiny_data: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="optim.name=muon runs under parallel.zero_stage 0, 1, 2 only, not 3"):
-        _config(tiny_data, tmp_path, DENSE, {"zero_stage": 3})
+def test_muon_under_zero_beside_tp_or_offload_is_refused(tiny_data: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="optim.name=muon under parallel.zero_stage=3 runs with tp_size, pp_size, "
+                                         "ep_size 1 and no zero_offload, not tp_size=1, pp_size=1, ep_size=1, "
+                                         "zero_offload=True"):
+        _config(tiny_data, tmp_path, DENSE, {"zero_stage": 3, "zero_offload": True})
     with pytest.raises(ValueError, match="optim.name=muon under parallel.zero_stage=1 runs with tp_size, pp_size, "
                                          "ep_size 1 and no zero_offload, not tp_size=2"):
         _config(tiny_data, tmp_path, DENSE, {"zero_stage": 1, "tp_size": 2, "dp_size": 1})

@@ -31,6 +31,7 @@ from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_moe import expert_bias_buffers
 from dist_trainer.optim import build_from_groups, build_optimizer, group_states, param_groups, param_states, set_lr
 from dist_trainer.optim_lowbit import canonical_states
+from dist_trainer.optim_muon import Muon
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.int8 import int8_buffer_names, int8_buffers
@@ -80,6 +81,8 @@ class DeepSpeedZero:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module
+        if self.stage == 3 and isinstance(optimizer, Muon):  # its flats are sub groups' partitions: which, it asks
+            optimizer.follow_zero3(self.optimizer)
 
     def after_backward(self) -> None:
         """Nothing: DeepSpeed reduces in its own step."""
@@ -240,8 +243,8 @@ class DeepSpeedZero:
         # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
         # _set_fp32_optimizer_param_groups); stages 1/2 keep them in param_groups.
         # (flat partition, the state tensors its group keeps: an entry's and its fallback's differ)
-        flats = [(f, group_states(base.param_groups[0], self.cfg.optim)) for f in
-                 self.optimizer.fp32_partitioned_groups_flat] if self.stage == 3 else \
+        flats = [(f, group_states(base.param_groups[self.optimizer.sub_group_to_group_id[i]], self.cfg.optim))
+                 for i, f in enumerate(self.optimizer.fp32_partitioned_groups_flat)] if self.stage == 3 else \
             [(flat, group_states(group, self.cfg.optim)) for group in base.param_groups for flat in group["params"]]
         for flat, keys in flats:
             count = int(step) if self.offload else torch.as_tensor(step, dtype=torch.float32).clone()
