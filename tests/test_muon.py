@@ -4,10 +4,11 @@ one process.
 The reference is independent of ``optim_muon.py``: Keller Jordan's Newton-Schulz quintic with its published
 coefficients, Moonshot's update-RMS scaling and Nesterov momentum written out, torch's own AdamW for the
 parameters Muon leaves to it. The layouts (dp=2, tp=2 with sequence parallelism, pp=2, DeepSpeed's ZeRO-1, ZeRO-2 and
-ZeRO-3 at dp=2, and ep=2 for a MoE model)
+ZeRO-3 at dp=2, ZeRO-3's flats cut into several sub groups, and ep=2 for a MoE model)
 train 6 steps in one 2-rank spawn and must reproduce one process's training and eval losses within 1e-5; a tp=2
 checkpoint resumes at dp=2, under ZeRO-3 and on one process, a pp=2 one under ZeRO-1, ZeRO-2 and ZeRO-3 ones on one
-process; a resume under another ``optim.name`` is refused naming both.
+process, the ZeRO-3 one also from its own files (the same layout); a resume under another ``optim.name`` is refused
+naming both.
 The sgd entry runs under DeepSpeed's ZeRO-1 in the same spawn (one process's losses; its checkpoint resumed on one
 process). Fine-tunes (``train.freeze`` of a layer, LoRA) own the optimizer bytes the planner says on every rank: a
 frozen hidden matrix holds no Muon momentum.
@@ -15,6 +16,7 @@ frozen hidden matrix holds no Muon momentum.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -23,11 +25,13 @@ from typing import Any
 import pytest
 import torch
 
+from dist_trainer.checkpoint.deepspeed_files import load_deepspeed_file, model_file
 from dist_trainer.config import OptimConfig
 from dist_trainer.config_model import ModelConfig
 from dist_trainer.experiments.memory_experiment import experiment_config, measure_rank, predictions
 from dist_trainer.model import Transformer
 from dist_trainer.optim import build_optimizer
+from dist_trainer.parallel.zero.config import default_ds_config_path
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import STEP3, assert_same_curves, curves, relative_diff, share_checkpoint, tiny_config
@@ -101,7 +105,10 @@ def _config(data: Path, out: Path, model: dict, parallel: dict, optim: str = "mu
 
 DENSE_CASES = {"dp2": {}, "tp2_sp": {"tp_size": 2, "dp_size": 1, "sequence_parallel": True},
                "pp2": {"pp_size": 2, "dp_size": 1, "pp_schedule": "1f1b", "micro_batch_size": 2},
-               "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
+               "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}}
+# and "zero3": ZeRO-3 in sub groups of about 3000 partition elements (DeepSpeed's sub_group_size): Muon's matrices
+# lie in several flats, each stepped in a call of its own, and the checkpoint holds several flat groups per group
+ZERO3_SUB_GROUPS = "ds_zero3_sub_groups.json"
 MOE_CASES = {"ep2": {"ep_size": 2}}
 FINETUNE = {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, **DENSE}
 # (ZeRO stage, model fields, train.freeze): a frozen layer under DDP and ZeRO-3, LoRA's frozen base under ZeRO-3
@@ -118,15 +125,18 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
     """Each layout in turn; then the tp=2 run's step-3 checkpoint resumed at dp=2 (and, in the test, on one
     process)."""
     out: dict[str, Any] = {}
-    for name, parallel in DENSE_CASES.items():
+    zero3 = {"zero_stage": 3, "ds_config": str(root / ZERO3_SUB_GROUPS)}
+    for name, parallel in {**DENSE_CASES, "zero3": zero3}.items():
         out[name] = curves(Trainer(_config(data, root / name, DENSE, parallel)).train())
     for name, parallel in MOE_CASES.items():
         out[name] = curves(Trainer(_config(data, root / name, MOE, parallel)).train())
     share_checkpoint(rank, root / "tp2_sp", [root / "resume_dp2", root / "resume_zero3"])
     out["resume_dp2"] = curves(Trainer(_config(data, root / "resume_dp2", DENSE, {}, resume=True)).train())
     # by name into DeepSpeed's ZeRO-3 partitions: Muon's momentum in its group's flats, AdamW's moments in the others
-    out["resume_zero3"] = curves(Trainer(_config(data, root / "resume_zero3", DENSE, {"zero_stage": 3},
-                                                 resume=True)).train())
+    out["resume_zero3"] = curves(Trainer(_config(data, root / "resume_zero3", DENSE, zero3, resume=True)).train())
+    share_checkpoint(rank, root / "zero3", [root / "resume_zero3_native"])  # DeepSpeed's own partitions, as saved
+    out["resume_zero3_native"] = curves(Trainer(_config(data, root / "resume_zero3_native", DENSE, zero3,
+                                                        resume=True)).train())
     share_checkpoint(rank, root / "pp2", [root / "resume_zero1"])  # by name into DeepSpeed's partitions
     out["resume_zero1"] = curves(Trainer(_config(data, root / "resume_zero1", DENSE, {"zero_stage": 1},
                                                  resume=True)).train())
@@ -139,6 +149,9 @@ def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("muon")
+    ds = json.loads(default_ds_config_path(3, False).read_text())
+    ds["zero_optimization"]["sub_group_size"] = 3000
+    (root / ZERO3_SUB_GROUPS).write_text(json.dumps(ds))
     ranks = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)
     two = {**ranks[0], "owned": [r["owned"] for r in ranks]}
     single = {"dense": curves(Trainer(_config(tiny_data, root / "single", DENSE, {})).train()),
@@ -148,7 +161,7 @@ def runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 def test_muon_layouts_match_one_process(runs: dict[str, Any]) -> None:
-    for name in DENSE_CASES:
+    for name in [*DENSE_CASES, "zero3"]:
         assert_same_curves(runs["two"][name], runs["single"]["dense"], what=name)
     for name in MOE_CASES:
         assert_same_curves(runs["two"][name], runs["single"]["moe"], what=name)
@@ -156,7 +169,10 @@ def test_muon_layouts_match_one_process(runs: dict[str, Any]) -> None:
 
 def test_muon_checkpoint_resumes_across_layouts(tiny_data: Path, runs: dict[str, Any]) -> None:
     root, reference = runs["root"], runs["single"]["dense"]
-    resumed = {name: runs["two"][name] for name in ("resume_dp2", "resume_zero1", "resume_zero3")}
+    ds_dir = root / "zero3" / STEP3 / "deepspeed"
+    assert len(load_deepspeed_file(model_file(ds_dir, 0, 3))["param_shapes"]) > 4  # flat groups: the sub groups
+    resumed = {name: runs["two"][name] for name in ("resume_dp2", "resume_zero1", "resume_zero3",
+                                                    "resume_zero3_native")}
     for source in ("tp2_sp", "zero2", "zero3"):  # a TP checkpoint and DeepSpeed's ZeRO-2/3 files, each on one process
         shutil.copytree(root / source / STEP3, root / f"{source}_on_one" / STEP3)
         resumed[f"{source}_on_one"] = curves(Trainer(_config(tiny_data, root / f"{source}_on_one", DENSE, {},
