@@ -84,7 +84,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
     # Muon: one fp32 momentum per matrix element; AdamW (fp32 moments) for the rest
     OptimizerEntry("muon", "dist_trainer.optim_muon:build_muon", ("momentum_buffer",), ("fp32",),
                    lambda dtype: 4, takes=hidden_matrix, fallback="adamw", group_marks=(("use_muon", True),),
-                   zero_stages=(0, 1, 2, 3), zero_dp_only=True),
+                   zero_dp_only=True),
     # SGD with (heavy-ball) momentum: one fp32 buffer per parameter
     OptimizerEntry("sgd", "dist_trainer.optim_muon:build_sgd", ("momentum_buffer",), ("fp32",), lambda dtype: 4),
 )}

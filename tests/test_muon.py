@@ -32,6 +32,9 @@ from dist_trainer.experiments.memory_experiment import experiment_config, measur
 from dist_trainer.model import Transformer
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.zero.config import default_ds_config_path
+from dist_trainer.planner.cost import estimate_step_time
+from dist_trainer.planner.hardware import get_hardware
+from dist_trainer.planner.memory import Layout, TrainingOptions
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import STEP3, assert_same_curves, curves, relative_diff, share_checkpoint, tiny_config
@@ -192,6 +195,20 @@ def test_sgd_under_zero1_matches_one_process_and_resumes_on_one(tiny_data: Path,
     steps = [3, 4, 5]
     assert relative_diff([got["losses"][s] for s in steps], [reference["losses"][s] for s in steps]) <= 1e-5
     assert relative_diff([got["eval"][6]], [reference["eval"][6]]) <= 1e-5
+
+
+def test_muon_zero_owners_traffic_is_what_the_planner_prices(tiny_data: Path, runs: dict[str, Any]) -> None:
+    """Under ZeRO-1/2/3 each step hands every matrix to its owner and back, a reduce and a broadcast on dp, as the
+    runs' own ``AxisGroup`` counted them each step (metrics.jsonl): the bytes of the planner's ``optimizer`` term."""
+    for stage in (1, 2, 3):
+        cfg = _config(tiny_data, runs["root"] / "plan", DENSE, {"zero_stage": stage})
+        layout = Layout(dp_size=2, zero_stage=stage, micro_batch_size=cfg.parallel.micro_batch_size)
+        planned = estimate_step_time(cfg.model, layout, seq_len=cfg.data.seq_len, hardware=get_hardware("cpu"),
+                                     gpus_per_node=2, options=TrainingOptions(optimizer="muon", precision="fp32",
+                                                                              device="cpu")).axes["optimizer"]
+        records = [json.loads(line) for line in (runs["root"] / f"zero{stage}" / "metrics.jsonl").open()]
+        counted = [r["comm_bytes/dp/reduce"] + r["comm_bytes/dp/broadcast"] for r in records if "loss" in r]
+        assert counted == [planned.bytes] * 6, (stage, counted, planned)
 
 
 def test_muon_fine_tunes_own_the_optimizer_bytes_the_planner_says(runs: dict[str, Any]) -> None:

@@ -31,7 +31,6 @@ from dist_trainer.model_blocks import set_attrs
 from dist_trainer.model_moe import expert_bias_buffers
 from dist_trainer.optim import build_from_groups, build_optimizer, group_states, param_groups, param_states, set_lr
 from dist_trainer.optim_lowbit import canonical_states
-from dist_trainer.optim_muon import Muon
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import group_name, is_expert_param
 from dist_trainer.parallel.int8 import int8_buffer_names, int8_buffers
@@ -81,8 +80,9 @@ class DeepSpeedZero:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module
-        if self.stage == 3 and isinstance(optimizer, Muon):  # its flats are sub groups' partitions: which, it asks
-            optimizer.follow_zero3(self.optimizer)
+        follow = getattr(optimizer, "follow_zero3", None)  # a client optimizer of whole matrices (optim_muon.py)
+        if self.stage == 3 and follow is not None:  # asks which parameters' partitions each ZeRO-3 flat holds
+            follow(self.optimizer)
 
     def after_backward(self) -> None:
         """Nothing: DeepSpeed reduces in its own step."""
