@@ -124,13 +124,37 @@ def _finetune_config(name: str) -> Any:
     return experiment_config({**FINETUNE, **model}, stage, 2, optimizer="muon", freeze=freeze)
 
 
+def _zero3_fragments(trainer: Trainer) -> list[tuple[str, int]]:
+    """Every matrix of every flat DeepSpeed's ZeRO-3 hands Muon, with this rank's fragment as ``Muon.fragments``
+    places it, checked against the whole matrix gathered by DeepSpeed: (name, elements of this rank's fragment)."""
+    import deepspeed
+
+    ds = trainer.engine.optimizer  # DeepSpeed's stage-3 optimizer, Muon inside
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    out = []
+    for i, (flat, params) in enumerate(zip(ds.fp32_partitioned_groups_flat, ds.fp16_groups, strict=True)):
+        group = ds.optimizer.param_groups[ds.sub_group_to_group_id[i]]
+        for p, (shape, fragment) in zip(params, ds.optimizer.fragments(flat, group), strict=True):
+            with deepspeed.zero.GatheredParameters([p]):
+                whole = p.detach().reshape(-1).float().clone()
+            assert math.prod(shape) == whole.numel(), (names[id(p)], shape)
+            if fragment is not None:
+                torch.testing.assert_close(flat.narrow(0, fragment.flat, fragment.numel),
+                                           whole.narrow(0, fragment.matrix, fragment.numel), rtol=0, atol=0)
+            out.append((names[id(p)], 0 if fragment is None else fragment.numel))
+    return out
+
+
 def _two_ranks(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
     """Each layout in turn; then the tp=2 run's step-3 checkpoint resumed at dp=2 (and, in the test, on one
     process)."""
     out: dict[str, Any] = {}
     zero3 = {"zero_stage": 3, "ds_config": str(root / ZERO3_SUB_GROUPS)}
     for name, parallel in {**DENSE_CASES, "zero3": zero3}.items():
-        out[name] = curves(Trainer(_config(data, root / name, DENSE, parallel)).train())
+        trainer = Trainer(_config(data, root / name, DENSE, parallel))
+        out[name] = curves(trainer.train())
+        if name == "zero3":
+            out["zero3_fragments"] = _zero3_fragments(trainer)
     for name, parallel in MOE_CASES.items():
         out[name] = curves(Trainer(_config(data, root / name, MOE, parallel)).train())
     share_checkpoint(rank, root / "tp2_sp", [root / "resume_dp2", root / "resume_zero3"])
@@ -156,7 +180,7 @@ def runs(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     ds["zero_optimization"]["sub_group_size"] = 3000
     (root / ZERO3_SUB_GROUPS).write_text(json.dumps(ds))
     ranks = run_distributed(_two_ranks, 2, (tiny_data, root), timeout=600)
-    two = {**ranks[0], "owned": [r["owned"] for r in ranks]}
+    two = {**ranks[0], **{k: [r[k] for r in ranks] for k in ("owned", "zero3_fragments")}}
     single = {"dense": curves(Trainer(_config(tiny_data, root / "single", DENSE, {})).train()),
               "moe": curves(Trainer(_config(tiny_data, root / "single_moe", MOE, {})).train()),
               "sgd": curves(Trainer(_config(tiny_data, root / "single_sgd", DENSE, {}, optim="sgd")).train())}
@@ -168,6 +192,17 @@ def test_muon_layouts_match_one_process(runs: dict[str, Any]) -> None:
         assert_same_curves(runs["two"][name], runs["single"]["dense"], what=name)
     for name in MOE_CASES:
         assert_same_curves(runs["two"][name], runs["single"]["moe"], what=name)
+
+
+def test_muon_zero3_fragments_are_the_matrices_elements(tiny_data: Path, runs: dict[str, Any]) -> None:
+    """After training, each rank's ZeRO-3 flats hold, where ``Muon.fragments`` says, the elements of the whole
+    matrices (checked in the spawn); between them the two ranks hold every element of every matrix once."""
+    ranks = runs["two"]["zero3_fragments"]
+    names = [n for n, _ in ranks[0]]
+    assert names == [n for n, _ in ranks[1]] and sum(n.endswith("mlp.up_proj.weight") for n in names) == 2
+    model = Transformer(_config(tiny_data, runs["root"] / "plan", DENSE, {}).model)
+    whole = {n: p.numel() for n, p in model.named_parameters()}
+    assert {n: a + b for (n, a), (_, b) in zip(*ranks, strict=True)} == {n: whole[n] for n in names}
 
 
 def test_muon_checkpoint_resumes_across_layouts(tiny_data: Path, runs: dict[str, Any]) -> None:
