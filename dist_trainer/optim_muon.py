@@ -93,17 +93,18 @@ class Muon(torch.optim.Optimizer):
         self.shards, self.zero = shards or {}, zero
         # the module's matrices per group, before DeepSpeed puts its flat partitions in their place
         self.matrices = [list(g["params"]) for g in self.param_groups]
-        # ZeRO-3: (DeepSpeed's flat fp32 partitions, the parameters of each), set by follow_zero3
-        self.zero3: tuple[list[torch.Tensor], list[list[Any]]] | None = None  # DeepSpeed's parameters: ds_* attributes
-        # under ZeRO the k-th matrix orthogonalised since the start is owned by dp rank k mod dp: one count over the
-        # steps, so ZeRO-3's sub groups (each stepped in its own call) share the owners out too
+        # ZeRO-3: (DeepSpeed's flat fp32 partitions, the parameters of each, with their ds_* attributes),
+        # set by follow_zero3
+        self.zero3: tuple[list[torch.Tensor], list[list[Any]]] | None = None
+        # under ZeRO the k-th matrix orthogonalised since the start is owned by dp rank k mod dp: one count
+        # over the steps, so ZeRO-3's sub groups (each stepped in its own call) share the owners out too
         self.owners = itertools.count()
 
     def follow_zero3(self, ds_optimizer: Any) -> None:
         """Under DeepSpeed's ZeRO-3 (``ds_optimizer``: its stage-3 optimizer wrapping this one): the flat it hands
         ``step`` is ``fp32_partitioned_groups_flat[i]``, the partitions (``ds_tensor``) of the parameters
-        ``fp16_groups[i]`` end to end (stage3.py ``_optimizer_step``, ``_create_fp16_partitions_with_defragmentation``).
-        """
+        ``fp16_groups[i]`` end to end (stage3.py ``_optimizer_step``,
+        ``_create_fp16_partitions_with_defragmentation``)."""
         self.zero3 = (ds_optimizer.fp32_partitioned_groups_flat, ds_optimizer.fp16_groups)
 
     @torch.no_grad()
@@ -136,9 +137,10 @@ class Muon(torch.optim.Optimizer):
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-group["lr"])
 
-    def fragments(self, flat: torch.Tensor, group: dict[str, Any]) -> list[tuple[tuple[int, ...], Fragment | None]]:
-        """Every matrix of the flat partition ``flat`` of ``group``, in DeepSpeed's order, with this rank's fragment
-        of it (None when it holds none: every rank still takes part in each matrix's reduce).
+    def fragments(self, flat: torch.Tensor,
+                  group: dict[str, Any]) -> list[tuple[tuple[int, ...], Fragment | None]]:
+        """(shape, this rank's fragment) of every matrix of the flat partition ``flat`` of ``group``, in DeepSpeed's
+        order; None when this rank holds none of it (it still takes part in each matrix's reduce).
 
         ZeRO-1/2: DeepSpeed's record on the parameter (``_hp_mapping``: where the fragment lies in the matrix and in
         the partition). ZeRO-3: each parameter is cut on its own into dp equal slices of ``partition_numel()`` =
@@ -163,7 +165,7 @@ class Muon(torch.optim.Optimizer):
             numel = min(size, p.ds_numel - start)
             out.append((tuple(p.ds_shape), Fragment(start, offset, numel) if numel > 0 else None))
             offset += size
-        assert offset == flat.numel(), f"ZeRO-3 sub group of {offset} partition elements, flat of {flat.numel()}"
+        assert offset == flat.numel(), f"ZeRO-3 sub group of {offset} partition elements, flat {flat.numel()}"
         return out
 
     def _zero_step(self, flat: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
@@ -178,13 +180,14 @@ class Muon(torch.optim.Optimizer):
             owner = next(self.owners) % axis.size
             whole = torch.zeros(math.prod(shape), dtype=u.dtype, device=u.device)
             if fragment is not None:
-                whole.narrow(0, fragment.matrix, fragment.numel).copy_(u.narrow(0, fragment.flat, fragment.numel))
+                at, flat_at, n = fragment  # where it starts in the matrix and in the flat, its length
+                whole.narrow(0, at, n).copy_(u.narrow(0, flat_at, n))
             axis.reduce(whole, owner)
             if axis.rank == owner:
                 whole.copy_(orthogonalize(whole.view(shape)).mul_(update_scale(shape)).reshape(-1))
             axis.broadcast(whole, owner)
             if fragment is not None:
-                update.narrow(0, fragment.flat, fragment.numel).copy_(whole.narrow(0, fragment.matrix, fragment.numel))
+                update.narrow(0, flat_at, n).copy_(whole.narrow(0, at, n))
         flat.mul_(1 - group["lr"] * group["weight_decay"])
         flat.add_(update, alpha=-group["lr"])
 
