@@ -171,34 +171,38 @@ class Muon(torch.optim.Optimizer):
     def _zero_step(self, flat: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
         """One ZeRO partition of a Muon group: the momentum on the partition (elementwise), then per matrix the
         ranks' fragments of U summed into its owner (a reduce of the zero-padded matrix over dp), orthogonalised and
-        scaled there, broadcast, and this rank's fragment applied to its fp32 master partition (``fragments``)."""
+        scaled there, broadcast, and this rank's fragment applied to its fp32 master partition (``fragments``).
+        U and the update are formed fragment by fragment (the same elementwise arithmetic as ``_muon_step``), so
+        no buffer of the partition's size is added to DeepSpeed's: one whole matrix at a time."""
         axis = self.zero
         assert axis is not None
-        u = _momentum_input(self.state[flat], grad, group["momentum"])
-        update = torch.zeros_like(flat)
+        mu, lr = group["momentum"], group["lr"]
+        buf = _momentum(self.state[flat], grad, mu)
+        flat.mul_(1 - lr * group["weight_decay"])
         for shape, fragment in self.fragments(flat, group):
             owner = next(self.owners) % axis.size
-            whole = torch.zeros(math.prod(shape), dtype=u.dtype, device=u.device)
+            whole = torch.zeros(math.prod(shape), dtype=flat.dtype, device=flat.device)
             if fragment is not None:
                 at, flat_at, n = fragment  # where it starts in the matrix and in the flat, its length
-                whole.narrow(0, at, n).copy_(u.narrow(0, flat_at, n))
+                whole.narrow(0, at, n).copy_(grad.narrow(0, flat_at, n)).add_(buf.narrow(0, flat_at, n), alpha=mu)
             axis.reduce(whole, owner)
             if axis.rank == owner:
                 whole.copy_(orthogonalize(whole.view(shape)).mul_(update_scale(shape)).reshape(-1))
             axis.broadcast(whole, owner)
             if fragment is not None:
-                update.narrow(0, flat_at, n).copy_(whole.narrow(0, at, n))
-        flat.mul_(1 - group["lr"] * group["weight_decay"])
-        flat.add_(update, alpha=-group["lr"])
+                flat.narrow(0, flat_at, n).add_(whole.narrow(0, at, n), alpha=-lr)
+
+
+def _momentum(state: dict[str, Any], grad: torch.Tensor, mu: float) -> torch.Tensor:
+    """M = mu M + G (``momentum_buffer``, created at zero)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    return state["momentum_buffer"].mul_(mu).add_(grad)
 
 
 def _momentum_input(state: dict[str, Any], grad: torch.Tensor, mu: float) -> torch.Tensor:
-    """M = mu M + G (``momentum_buffer``, created at zero), and the Nesterov input G + mu M."""
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(grad)
-    buf = state["momentum_buffer"]
-    buf.mul_(mu).add_(grad)
-    return grad.add(buf, alpha=mu)
+    """M = mu M + G, and the Nesterov input G + mu M."""
+    return grad.add(_momentum(state, grad, mu), alpha=mu)
 
 
 def _orthogonalize_sharded(u: torch.Tensor, shard: MatrixShard) -> torch.Tensor:
