@@ -67,7 +67,7 @@ def build_from_groups(groups: list[dict[str, Any]], cfg: OptimConfig, shards: di
                       zero: AxisGroup | None = None) -> torch.optim.Optimizer:
     """``optim.name``'s optimizer over ``groups`` (its entry's builder). For the entries that need whole matrices
     (``optim_muon.py``): ``shards``, the matrices this rank holds a TP slice of; ``zero``, DeepSpeed's data-parallel
-    axis when its ZeRO-1/2 partitions them."""
+    axis when its ZeRO (any stage) partitions them."""
     entry = optimizer_entry(cfg.name)
     entry.check_state_dtype(cfg.state_dtype)
     module, function = entry.builder.split(":")

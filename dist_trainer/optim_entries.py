@@ -53,7 +53,7 @@ class OptimizerEntry:
     # the groups of the parameters it takes: {"use_muon": True} marks them for a builder that steps two kinds
     group_marks: tuple[tuple[str, bool], ...] = ()
     # the parallel.zero_stage values it runs under: DeepSpeed's ZeRO hands its client optimizer flat fp32
-    # partitions, not matrices; Muon rebuilds its matrices from ZeRO-1/2's (ZeRO-3's partitions are not built)
+    # partitions, not matrices (an entry that cannot rebuild its matrices from them lists the stages it can)
     zero_stages: tuple[int, ...] | None = None  # None: every stage
     # under ZeRO: only as DeepSpeed's sole parallelism (tp, pp, ep 1, no offload), when its matrices are rebuilt from
     # DeepSpeed's flat partitions over dp alone
@@ -84,7 +84,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (
     # Muon: one fp32 momentum per matrix element; AdamW (fp32 moments) for the rest
     OptimizerEntry("muon", "dist_trainer.optim_muon:build_muon", ("momentum_buffer",), ("fp32",),
                    lambda dtype: 4, takes=hidden_matrix, fallback="adamw", group_marks=(("use_muon", True),),
-                   zero_stages=(0, 1, 2), zero_dp_only=True),
+                   zero_dp_only=True),
     # SGD with (heavy-ball) momentum: one fp32 buffer per parameter
     OptimizerEntry("sgd", "dist_trainer.optim_muon:build_sgd", ("momentum_buffer",), ("fp32",), lambda dtype: 4),
 )}

@@ -29,10 +29,10 @@ def test_memory_experiment_writes_table_json_chart_matching_the_prediction(exper
     out, result = experiment
     assert (out / "memory.png").stat().st_size > 1000 and (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "memory.md").read_text()
-    # the header, one row per stage and AdamW state dtype, Muon's (fp32, stages 0-2) and SGD's (fp32, each stage)
-    assert table.count("\n| ") == 1 + 12 + 3 + 4
+    # the header, one row per stage and AdamW state dtype, Muon's and SGD's (fp32, each stage)
+    assert table.count("\n| ") == 1 + 12 + 4 + 4
     assert all(f"\n| {stage} | {dtype} | 2 |" in table for stage in range(4) for dtype in ("fp32", "bf16", "int8"))
-    assert all(f"\n| {stage} | muon fp32 | 2 |" in table for stage in range(3))
+    assert all(f"\n| {stage} | muon fp32 | 2 |" in table for stage in range(4))
     assert all(f"\n| {stage} | sgd fp32 | 2 |" in table for stage in range(4))
     assert json.loads((out / "memory.json").read_text())["rows"][3]["stage"] == 3
     for row in result["rows"]:
@@ -78,11 +78,11 @@ def test_low_bit_moments_own_what_the_planner_says(experiment: tuple[Path, dict]
 
 
 def test_every_optimizer_entry_owns_what_the_planner_says(experiment: tuple[Path, dict]) -> None:
-    """optim.name muon (DDP and ZeRO-1/2: one fp32 momentum per hidden matrix element, AdamW's two moments on the
+    """optim.name muon (DDP and ZeRO-1/2/3: one fp32 momentum per hidden matrix element, AdamW's two moments on the
     rest) and sgd (one momentum per parameter, under DDP and ZeRO-1/2/3), DeepSpeed's fp32 master beside them under
     ZeRO: every rank's optimizer bytes equal the planner's to the byte; Muon's lie between SGD's and AdamW's."""
     rows = {(r["optimizer"], r["stage"]): r for r in experiment[1]["rows"] if r["state_dtype"] == "fp32"}
-    assert sorted(k for k in rows if k[0] != "adamw") == [*(("muon", s) for s in range(3)),
+    assert sorted(k for k in rows if k[0] != "adamw") == [*(("muon", s) for s in range(4)),
                                                           *(("sgd", s) for s in range(4))]
     for (name, stage), row in rows.items():
         for rank in row["ranks"]:

@@ -128,16 +128,19 @@ def _zero3_split(flats: list[torch.Tensor], shapes: dict[str, torch.Size]) -> di
     return out
 
 
+def _group_by_name(flats: list[torch.Tensor], stage: int, shapes: dict[str, torch.Size],
+                   paddings: list[int] | None) -> dict[str, torch.Tensor]:
+    """One flat group's (ZeRO-1/2 parameter group, ZeRO-3 sub-group) dp partitions -> tensors by name."""
+    return _zero3_split(flats, shapes) if stage == 3 else _zero12_split(flats, shapes, paddings)
+
+
 def _by_name(per_rank_groups: list[list[torch.Tensor]], stage: int, shapes: list[dict[str, torch.Size]],
              paddings: list[list[int]] | None) -> dict[str, torch.Tensor]:
     """Per dp rank, its flat tensors per group -> full tensors by parameter name."""
-    if stage == 3:
-        flats = [torch.cat([g.reshape(-1) for g in groups]) for groups in per_rank_groups]
-        return _zero3_split(flats, {k: v for group in shapes for k, v in group.items()})
     out: dict[str, torch.Tensor] = {}
     for g, group_shapes in enumerate(shapes):
-        out.update(_zero12_split([groups[g] for groups in per_rank_groups], group_shapes,
-                                 None if paddings is None else paddings[g]))
+        out.update(_group_by_name([groups[g] for groups in per_rank_groups], stage, group_shapes,
+                                  None if paddings is None else paddings[g]))
     return out
 
 
@@ -157,18 +160,14 @@ def consolidate(ds_dir: Path, mp: int, dp_size: int,
     step = torch.tensor(max(float(g.get("step", 0)) for g in bases[0]))
     state: dict[str, dict[str, Any]] = {n: {"step": step.clone()} for n in weights}
     # the state tensors each flat group's optimizer saved (its entry's ``states``: AdamW's moments, a momentum
-    # buffer; an entry and its fallback keep different ones), by name
-    keys = [[k for k in group if k != "step"] for group in bases[0]]
-    if stage == 3:  # sub-groups of one optimizer group each
-        for k in keys[0]:
-            for n, t in _by_name([[g[k] for g in b] for b in bases], stage, shapes, paddings).items():
+    # buffer; an entry and its fallback keep different ones), by name; ZeRO-3's flat groups are its sub-groups,
+    # in param_shapes' order as in the optimizer's state
+    for g, group_shapes in enumerate(shapes):
+        for k in (k for k in bases[0][g] if k != "step"):
+            split = _group_by_name([b[g][k] for b in bases], stage, group_shapes,
+                                   None if paddings is None else paddings[g])
+            for n, t in split.items():
                 state[n][k] = t
-    else:
-        for g, group_shapes in enumerate(shapes):
-            for k in keys[g]:
-                split = _zero12_split([b[g][k] for b in bases], group_shapes, None if paddings is None else paddings[g])
-                for n, t in split.items():
-                    state[n][k] = t
     frozen = model_states.get("frozen_param_shapes") or {}
     if frozen:
         if stage == 3:

@@ -80,6 +80,9 @@ class DeepSpeedZero:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
         self.module: nn.Module = self.engine.module
+        follow = getattr(optimizer, "follow_zero3", None)  # a client optimizer of whole matrices (optim_muon.py)
+        if self.stage == 3 and follow is not None:  # asks which parameters' partitions each ZeRO-3 flat holds
+            follow(self.optimizer)
 
     def after_backward(self) -> None:
         """Nothing: DeepSpeed reduces in its own step."""
@@ -240,8 +243,8 @@ class DeepSpeedZero:
         # Stage 3 attaches its flat fp32 partitions to the torch optimizer only around step() (stage3.py
         # _set_fp32_optimizer_param_groups); stages 1/2 keep them in param_groups.
         # (flat partition, the state tensors its group keeps: an entry's and its fallback's differ)
-        flats = [(f, group_states(base.param_groups[0], self.cfg.optim)) for f in
-                 self.optimizer.fp32_partitioned_groups_flat] if self.stage == 3 else \
+        flats = [(f, group_states(base.param_groups[self.optimizer.sub_group_to_group_id[i]], self.cfg.optim))
+                 for i, f in enumerate(self.optimizer.fp32_partitioned_groups_flat)] if self.stage == 3 else \
             [(flat, group_states(group, self.cfg.optim)) for group in base.param_groups for flat in group["params"]]
         for flat, keys in flats:
             count = int(step) if self.offload else torch.as_tensor(step, dtype=torch.float32).clone()

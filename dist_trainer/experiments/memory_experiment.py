@@ -34,14 +34,14 @@ N_MICRO = 2  # micro-batches per rank per step: stage 1 keeps full grads between
 
 def experiment_config(model: str | dict[str, Any], stage: int, nprocs: int, *, offload: bool = False,
                       micro_batch_size: int = 2, seq_len: int = 32, state_dtype: str = "fp32",
-                      optimizer: str = "adamw") -> Config:
+                      optimizer: str = "adamw", freeze: tuple[str, ...] = ()) -> Config:
     model_fields = {"preset": model} if isinstance(model, str) else dict(model)
     return config_from_dict({
         "model": {**model_fields, "dropout": 0.0},
         "parallel": {"zero_stage": stage, "zero_offload": offload and stage > 0, "micro_batch_size": micro_batch_size,
                      "global_batch_size": micro_batch_size * N_MICRO * nprocs},
         "data": {"seq_len": seq_len},
-        "train": {"device": "cpu", "seed": 1234, "max_steps": STEPS},
+        "train": {"device": "cpu", "seed": 1234, "max_steps": STEPS, "freeze": list(freeze)},
         "optim": {"warmup_steps": 0, "state_dtype": state_dtype, "name": optimizer},
         "wandb": {"mode": "disabled"},
     }).validate()
@@ -113,12 +113,14 @@ def measure_rank(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[s
 
 def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
     """Per-rank model-state bytes: the paper's family in fp32 (4 + 4 + K bytes per parameter) and the planner's."""
+    from dist_trainer.facts.finetune import frozen_modules
     from dist_trainer.model import build_model, count_parameters
-    from dist_trainer.model_lora import count_trainable
+    from dist_trainer.model_lora import count_trainable, freeze_
     from dist_trainer.optim_entries import split_bytes
     from dist_trainer.planner.memory import Layout, Overheads, TrainingOptions, predict_rank_memory
 
     model = build_model(cfg.model, device="meta")
+    freeze_(model, frozen_modules(cfg.model, cfg.train.freeze))  # as the engines do (engines/base.start_finetune)
     psi, trainable = count_parameters(model), count_trainable(model)  # LoRA: gradients and states for adapters only
     stage = cfg.parallel.zero_stage
     # K = 8 (AdamW moments; 4 in bf16, 2 in int8 before their block scales; SGD's momentum 4); DeepSpeed's ZeRO
@@ -142,7 +144,7 @@ def predictions(cfg: Config, nprocs: int) -> dict[str, dict[str, int]]:
                                   options=TrainingOptions(precision="fp32", device="cpu", attention_kernel="flash"
                                                           if cfg.model.dropout == 0 else "math",
                                                           optim_state_dtype=cfg.optim.state_dtype,
-                                                          optimizer=cfg.optim.name),
+                                                          optimizer=cfg.optim.name, freeze=tuple(cfg.train.freeze)),
                                   overheads=Overheads.none())
     paper["model_states"] = sum(paper.values())
     return {"paper": paper, "planner": {"params": planned.params, "grads": planned.grads,

@@ -163,7 +163,7 @@ def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"))
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="optim.name's entry (optim_entries.py): its state bytes; muon adds its Newton-Schulz and tp "
-                        "gather/scatter to the step time and runs without ZeRO")
+                        "gather/scatter (under ZeRO, dp alone: dp reduce/broadcast) to the step time")
     p.add_argument("--fp32-grad-copy", default="auto", choices=("auto", "on", "off"),
                    help="fp32 gradients beside 16-bit ones. auto: what the optimizer does (DeepSpeed ZeRO builds "
                         "them in step(), charged as step buffers; torch AdamW none); on: a persistent copy in the "

@@ -5,18 +5,20 @@ and the tp gather/scatter of the matrices TP splits, in the step time. Torch-fre
 The matrices are listed by the model's parameter names and full shapes (the entry's ``takes`` decides, as it does
 for the trainer's groups). Each TP-split matrix is orthogonalised by one owner (round robin over tp): per rank a
 1/tp share of their FLOPs, and for each one this rank's slice handed to the owner and its slice of the update handed
-back (a gather and a scatter, counted on the tp axis as ``AxisGroup`` counts them). Under DeepSpeed's ZeRO-1/2 every
+back (a gather and a scatter, counted on the tp axis as ``AxisGroup`` counts them). Under DeepSpeed's ZeRO-1/2/3 every
 matrix has one owner among the dp replicas: a 1/dp share of the FLOPs, and a reduce and a broadcast of the whole
-matrix per matrix. NS5 of an A x B matrix (A <= B)
-is 5 iterations of 3 matmuls: X X^T (2A^2B), its square (2A^3), times X (2A^2B).
+matrix per matrix (the same at every stage: only where each rank's fragment lies in its flat partition differs), and
+its momentum partitioned over dp with DeepSpeed's fp32 master (``planner/memory.py`` divides the saving by dp).
+NS5 of an A x B matrix (A <= B) is 5 iterations of 3 matmuls: X X^T (2A^2B), its square (2A^3), times X (2A^2B).
 """
 
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
+from dist_trainer.facts.finetune import module_training
 from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.layout_rules import Layout
-from dist_trainer.optim_entries import OptimizerEntry, split_bytes
+from dist_trainer.optim_entries import split_bytes
 from dist_trainer.planner.axes.base import AxisTime, StepContext, ring_time
 from dist_trainer.planner.options import TrainingOptions
 
@@ -50,15 +52,20 @@ def _layer_matrices(cfg: ModelConfig, layer: int, tp_size: int, ep_size: int) ->
     return out
 
 
-def taken_matrices(cfg: ModelConfig, layout: Layout, entry: OptimizerEntry,
+def taken_matrices(cfg: ModelConfig, layout: Layout, options: TrainingOptions,
                    pp_rank: int) -> list[tuple[int, int, bool]]:
-    """(rows, cols, split by tp) of every matrix ``entry`` takes on pipeline rank ``pp_rank`` (full shapes)."""
+    """(rows, cols, split by tp) of every matrix the optimizer's entry takes on pipeline rank ``pp_rank`` (full
+    shapes): of those that train, as the trainer's groups hold only trainable parameters (LoRA's frozen base and
+    ``options.freeze``'s modules get no state and no update; ``facts/finetune.py`` decides, as for the trainer).
+    Under ep > 1 the experts are ep rank 0's (local index e is global index e there)."""
+    entry = options.entry
     if entry.fallback is None:
         return []  # it takes every parameter: no split of the bytes
+    trains = module_training(cfg, options.freeze) if cfg.lora_rank or options.freeze else None
     out = []
     for layer in layout.rank_layer_ids(cfg, pp_rank):
         for name, rows, cols, split in _layer_matrices(cfg, layer, layout.tp_size, layout.ep_size):
-            if entry.takes(name, (rows, cols)):
+            if entry.takes(name, (rows, cols)) and (trains is None or trains[name.removesuffix(".weight")][0]):
                 out.append((rows, cols, split and layout.tp_size > 1))
     return out
 
@@ -66,8 +73,8 @@ def taken_matrices(cfg: ModelConfig, layout: Layout, entry: OptimizerEntry,
 def taken_params(cfg: ModelConfig, layout: Layout, options: TrainingOptions, pp_rank: int) -> int:
     """Of this rank's parameters, how many the entry itself steps apart from a fallback (0 for an entry without one:
     it steps them all at the same bytes)."""
-    entry = options.entry
-    return sum(r * c // (layout.tp_size if split else 1) for r, c, split in taken_matrices(cfg, layout, entry, pp_rank))
+    return sum(r * c // (layout.tp_size if split else 1)
+               for r, c, split in taken_matrices(cfg, layout, options, pp_rank))
 
 
 def state_saving(cfg: ModelConfig, layout: Layout, options: TrainingOptions, pp_rank: int) -> int:
@@ -84,9 +91,8 @@ def ns_flops(rows: int, cols: int) -> int:
 
 def rank_ns_flops(cfg: ModelConfig, layout: Layout, options: TrainingOptions, pp_rank: int) -> float:
     """The Newton-Schulz FLOPs of one step on a rank: its whole matrices, and 1/tp of the TP-split ones."""
-    entry = options.entry
     return sum(ns_flops(r, c) / (layout.tp_size if split else 1) for r, c, split in
-               taken_matrices(cfg, layout, entry, pp_rank))
+               taken_matrices(cfg, layout, options, pp_rank))
 
 
 def optimizer_time(ctx: StepContext) -> dict[str, AxisTime]:
@@ -102,7 +108,7 @@ def optimizer_time(ctx: StepContext) -> dict[str, AxisTime]:
     worst = (0.0, 0.0)
     for pp_rank in range(layout.pp_size):
         seconds = sent = 0.0
-        for r, c, split in taken_matrices(cfg, layout, options.entry, pp_rank):
+        for r, c, split in taken_matrices(cfg, layout, options, pp_rank):
             share = n if zero else t if split else 1
             seconds += ns_flops(r, c) / share / hardware.matmul_flops("fp32", min(r, c), max(r, c))
             whole = STATE_DTYPE_BYTES * r * c
@@ -121,7 +127,6 @@ def optimizer_time(ctx: StepContext) -> dict[str, AxisTime]:
 def gather_scatter_bytes(cfg: ModelConfig, layout: Layout, options: TrainingOptions, pp_rank: int) -> int:
     """Bytes a rank hands to the tp axis in one step for the split matrices: its fp32 slice of each, gathered, and
     as many received in the scatter (each counted as ``AxisGroup.gather`` / ``scatter`` count them)."""
-    entry = options.entry
     t = layout.tp_size
-    return sum(2 * STATE_DTYPE_BYTES * r * c // t for r, c, split in taken_matrices(cfg, layout, entry, pp_rank)
+    return sum(2 * STATE_DTYPE_BYTES * r * c // t for r, c, split in taken_matrices(cfg, layout, options, pp_rank)
                if split)
