@@ -269,3 +269,19 @@ def test_weights_that_are_not_finite_floats_are_named_with_their_file(change: Ca
     with pytest.raises(ValueError, match=named) as info:
         load_plain_model(folder)
     assert f"'{tensor}' in {shard}" in str(info.value) and str(folder) in str(info.value), str(info.value)
+
+
+def test_a_native_export_holding_tensors_the_model_does_not_use_is_refused(llama: Path, tmp_path: Path) -> None:
+    """An HF folder refuses tensors no recipe reads (check_all_read); a native export's model.safetensors now too
+    (they were ignored)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "native"
+    export_checkpoint(llama, out, "native")
+    load_plain_model(out)  # as exported: every tensor used
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.safetensors: holds tensors this model does not use: "
+                                         r"layers.0.mlp.extra_proj.weight \(they would be ignored"):
+        load_plain_model(out)

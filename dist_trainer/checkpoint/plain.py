@@ -56,6 +56,11 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
         source = open_source(p)
         cfg = config_from_dict({"model": export_model_fields(p)})
         model = _empty_model(cfg)
+        unused = sorted(source.names() - set(model.state_dict()))  # a native export's: its config is the model's
+        if unused:
+            raise ValueError(f"{source.where}: holds tensors this model does not use: {', '.join(unused[:6])}"
+                             + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+                             + " (they would be ignored; export the model again, or remove them)")
         load_owned_(model, source, what="--checkpoint")
         return model.to(device).eval(), cfg
     refuse_unreadable_config(p)  # a folder whose config.json is broken is named as such, not as a checkpoint
