@@ -63,6 +63,8 @@ def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config, dp: AxisGrou
 class DeepSpeedZero:
     """DeepSpeed's engine and ZeRO optimizer over ``model`` (this rank's part of the model, already tagged)."""
 
+    async_checkpoints = False  # DeepSpeed writes its own files (engine.save_checkpoint): train.async_save is not staged
+
     def __init__(self, cfg: Config, state: ParallelState, model: nn.Module, ds_config: dict[str, Any],
                  mpu: DeepSpeedMpu, *, grads_from_schedule: bool = False) -> None:
         import deepspeed

@@ -45,6 +45,7 @@ class Update(Protocol):
     """What an engine asks of its update (module docstring)."""
 
     optimizer: torch.optim.Optimizer
+    async_checkpoints: bool  # its files are written through publish.atomic_save (train.async_save stages them)
 
     def after_backward(self) -> None:
         """Once per step, after the last micro-batch's backward: reduce what the regime left unreduced."""
@@ -90,6 +91,8 @@ class DenseUpdate:
     ``clip``: the global-norm clip at a max norm, returning the norm (the pipeline's leaves its tied head copy out);
     ``reduce_over_dp``: the gradients are not yet averaged over dp (the pipeline schedule's are not; DDP's are).
     """
+
+    async_checkpoints = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, *,
                  clip: Callable[[float], torch.Tensor], max_norm: float, tp_modules: Iterable[nn.Module] = (),

@@ -40,6 +40,7 @@ from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
+from dist_trainer.train.async_checkpoint import AsyncCheckpoints
 from dist_trainer.train.check import (
     check_data_sizes,
     check_host_memory,
@@ -153,6 +154,17 @@ class Trainer:
         scan.refuse_newer()  # before anything in out_dir changes: never resumed past, overwritten or moved aside
         notes = self._resume(scan.warnings) if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
+        # train.async_save: staged in host memory, written behind training (train/async_checkpoint.py) where the
+        # engine writes its files through publish.atomic_save; DeepSpeed's own writer is not staged
+        self.checkpoints: AsyncCheckpoints | None = None
+        if cfg.train.async_save and self.engine.async_checkpoints:
+            self.checkpoints = AsyncCheckpoints(self.ckpt_root, self.env.rank, self.env.world_size, self.device,
+                                                keep=cfg.train.keep_checkpoints,
+                                                protect=[self.resumed_from] if self.resumed_from else [],
+                                                log=self.logger.write)
+        elif cfg.train.async_save:
+            notes.append(f"note: train.async_save: {self.engine.name} writes its checkpoints synchronously "
+                         "(DeepSpeed writes its own files; they are not staged)")
         notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
             self.logger.write(note)
@@ -231,6 +243,10 @@ class Trainer:
         try:
             with PreemptionGuard(self.env.world_size, self.device) as self.preemption:
                 return self._train()
+        except BaseException:
+            if self.checkpoints is not None:  # the write in flight finishes (published if every rank's is whole)
+                self.checkpoints.abandon()
+            raise
         finally:
             self.close()
 
@@ -284,6 +300,8 @@ class Trainer:
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
+            if self.checkpoints is not None:
+                self.checkpoints.poll()  # rank 0 publishes the save in flight once every rank has written it
             saved = (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps
             if saved:
                 result.checkpoint = str(self._guarded_save(step))
@@ -295,11 +313,13 @@ class Trainer:
                 elapsed += time.perf_counter() - t0
                 timed_tokens += tokens_per_step
         result.tokens_per_s = timed_tokens / elapsed if elapsed else 0.0
+        self._finish_saves(self.step - 1, "at the end of the run")
         self.logger.close()
         return result
 
     def _preempted(self, signum: int, checkpoint: str | None) -> None:
         """Every rank, after the same step (``PreemptionGuard.agreed``), once the checkpoint is written."""
+        self._finish_saves(self.step - 1, "at preemption")
         self.logger.close()
         raise Preempted(f"{signal_name(signum)} received: stopped after step {self.step} of "
                         f"{self.cfg.train.max_steps} with checkpoint {checkpoint} written, and released "
@@ -311,6 +331,13 @@ class Trainer:
         folder = ckpt.step_dir(self.ckpt_root, self.step).name
         return self._guarded(lambda _: self.save(), step, f"while writing checkpoint {folder} (its partial "
                                                           f"{folder}.tmp is ignored; the previous checkpoint is whole)")
+
+    def _finish_saves(self, step: int, reason: str) -> None:
+        """Wait for the asynchronous save in flight and publish it (every rank together)."""
+        if self.checkpoints is not None:
+            checkpoints = self.checkpoints
+            self._guarded(lambda _: self._disk_full_guard(lambda: checkpoints.finish(reason)), step,
+                          "while finishing the checkpoint in flight")
 
     def _guarded(self, fn: Any, step: int, during: str = "") -> Any:
         """Run one step (or its eval or save: ``during`` says which); a collective that fails (a peer died) or
@@ -371,12 +398,19 @@ class Trainer:
             "regime": self.engine.name,
             "finite": True,  # checked above; keep-last-K never prunes the newest finite checkpoint
         }
+        if self.checkpoints is not None:  # staged now, written behind the next steps
+            checkpoints = self.checkpoints
+            return self._disk_full_guard(lambda: checkpoints.save(self.step, meta, self.engine.save_shards))
+        return self._disk_full_guard(lambda: ckpt.save_checkpoint(
+            self.ckpt_root, self.step, rank=self.env.rank, write_shards=self.engine.save_shards, meta=meta,
+            barrier=self._barrier, keep=cfg.train.keep_checkpoints,
+            protect=[self.resumed_from] if self.resumed_from else []))
+
+    def _disk_full_guard(self, fn: Any) -> Any:
+        """``fn()``; a full disk while it writes a checkpoint is one message, not torch's "unexpected pos"."""
         try:
-            return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
-                                        write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
-                                        keep=cfg.train.keep_checkpoints,
-                                        protect=[self.resumed_from] if self.resumed_from else [])
-        except (OSError, RuntimeError) as exc:  # a full disk: one message, not torch's "unexpected pos"
+            return fn()
+        except (OSError, RuntimeError) as exc:
             full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
                                    ckpt.latest_checkpoint(self.ckpt_root))
             if full is None:
