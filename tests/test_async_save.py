@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,23 @@ def _train(data: Path, out: Path, parallel: dict[str, Any], **train: Any) -> dic
     return Trainer(tiny_config(data, out, **sections)).train().losses
 
 
+def _slow_writer() -> None:
+    """The writer thread takes 0.1 s before each file: step 4's update runs while step 3 is being written, so a
+    staged copy that still aliased the live tensors would write step 4's state."""
+    real = ckpt.atomic_save
+
+    def slow(obj: Any, path: Path) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.1)
+        real(obj, path)
+
+    ckpt.atomic_save = slow  # type: ignore[assignment]  # in this spawned process only
+
+
 def _layouts(rank: int, world: int, data: Path, root: Path) -> dict[str, Any]:
     """Per layout: a synchronous run and an asynchronous one (each saves steps 3 and 5), then a resume from the
     asynchronous run's step 3."""
+    _slow_writer()
     out = {}
     for name, parallel in LAYOUTS.items():
         sync = _train(data, root / name / "sync", parallel, async_save=False)
