@@ -165,3 +165,35 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(tiny_da
     assert resumed.step == 2
     losses = resumed.train().losses
     assert losses == {2: full[2], 3: full[3]}
+
+
+def test_staged_copy_is_priced_and_checked_before_the_first_step(tiny_data: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's host term is the saving rank's parameters and optimizer state (none under ZeRO, whose files
+    DeepSpeed writes unstaged), and it equals the bytes the stager holds after a save; a node that cannot hold it is
+    refused before the first step, naming the bytes."""
+    import psutil
+
+    from dist_trainer.config_load import config_from_dict
+    from dist_trainer.layout_rules import Layout
+    from dist_trainer.planner.memory import Overheads, TrainingOptions, predict_rank_memory
+
+    model = config_from_dict({"model": {"preset": "gpt2"}}).model
+    for zero, staged in ((0, True), (1, False)):
+        layout = Layout(dp_size=2, zero_stage=zero)
+        on, off = (predict_rank_memory(model, layout, seq_len=128, options=TrainingOptions(async_save=a),
+                                       overheads=Overheads.none(), pp_rank=0) for a in (True, False))
+        term = on.detail.get("host.async_save_staging", 0)
+        assert term == (on.params + on.optimizer if staged else 0) and on.host - off.host == term
+    cfg = tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 1, "eval_every": 0})
+    trainer = Trainer(cfg)
+    predicted = trainer.plan_check.async_save_bytes()
+    trainer.train()
+    assert trainer.checkpoints is not None
+    assert trainer.checkpoints.writer.stager.bytes == pytest.approx(predicted, rel=0.05)
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=predicted - 1))
+    with pytest.raises(ValueError, match=rf"train.async_save stages each checkpoint in host memory: {predicted:,} "
+                                         rf"bytes .* and {predicted - 1:,} bytes .* --train.async_save=false"):
+        Trainer(tiny_config(tiny_data, tmp_path / "small", train={"max_steps": 1, "eval_every": 0}))
+    assert not (tmp_path / "small" / "checkpoints").exists()

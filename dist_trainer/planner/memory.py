@@ -277,6 +277,11 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
                                 trainable=trainable, expert=expert))
     detail.update({f"overheads.{k}": v for k, v in over.items()})
     host = round(host * overheads.host_buffer_factor)
+    if options.async_save and not layout.zero_stage:
+        # train.async_save: the saving rank's parameters and optimizer state staged in host memory, one copy reused
+        # from save to save (checkpoint/async_save.py HostStager); DeepSpeed ZeRO writes its own files unstaged
+        detail["host.async_save_staging"] = p + o
+        host += p + o
     return RankMemory(params=p, grads=g, optimizer=o, activations=0, overheads=sum(over.values()),
                       host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
 

@@ -42,6 +42,7 @@ from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
 from dist_trainer.train.async_checkpoint import AsyncCheckpoints
 from dist_trainer.train.check import (
+    check_async_save_memory,
     check_data_sizes,
     check_host_memory,
     check_source_size,
@@ -144,6 +145,8 @@ class Trainer:
         self.plan_check = PlanCheck(cfg, self.layout, self.state.pp_rank, self.env.rank,
                                     self.env.local_world_size, self.device, self.out_dir, self.start_resident,
                                     ep_rank=self.state.ep.rank)
+        if cfg.train.async_save and self.engine.async_checkpoints:  # its staged copies fit this node's memory
+            check_async_save_memory(self.plan_check.async_save_bytes(), self.env.local_world_size)
         self.step = 0
         self.eval_by_source: dict[str, float] = {}  # a mixture's last evaluation, per source
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
