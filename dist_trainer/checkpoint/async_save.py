@@ -54,6 +54,12 @@ def stage_if_async(obj: Any, path: Path) -> bool:
     return True
 
 
+def staging_active() -> bool:
+    """A save is being staged on this thread: device tensors go to the pinned buffers as they are (a ``.cpu()``
+    first would be a second, blocking copy into pageable memory)."""
+    return _STAGED.get() is not None
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -164,7 +170,11 @@ class BackgroundWriter:
     def _write(self, tmp: Path, staged: list[tuple[Path, Any]]) -> None:
         sums = {}
         for path, obj in staged:
-            self._save(obj, path)
+            try:
+                self._save(obj, path)
+            except BaseException:  # a full disk: the partial file would starve the run until the error is seen
+                path.with_suffix(path.suffix + ".part").unlink(missing_ok=True)
+                raise
             sums[str(path.relative_to(tmp))] = file_sha256(path)
         atomic_write_text(tmp / marker_name(self.rank), json.dumps(sums, indent=1, sort_keys=True))
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dist_trainer.checkpoint import publish
+from dist_trainer.checkpoint.async_save import staging_active
 from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import (
     load_optimizer_state_by_name,
@@ -138,7 +139,9 @@ class DenseUpdate:
             optim_state = optimizer_state_by_name(self.model, self.optimizer)
             if self.scaler is not None:
                 optim_state["scaler"] = self.scaler.state_dict()
-            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            # staged (train.async_save): device tensors as they are, copied into pinned host buffers once
+            model_state = {k: v.detach() if staging_active() else v.detach().cpu()
+                           for k, v in self.model.state_dict().items()}
             write_named_shards(folder, self.state, self.model, model_state, optim_state)
         return {}
 

@@ -3,7 +3,8 @@
     save(step, meta)    every rank, at a save step: finish the save in flight, begin the new one (the ``.tmp``
                         folder), stage this rank's files in host memory and hand them to its writer thread
     poll()              every rank, at each step boundary: rank 0 publishes the save in flight as soon as every rank's
-                        marker is in its ``.tmp`` folder (files only: no collective, the step's own go on undisturbed)
+                        marker is in its ``.tmp`` folder (files only: no collective, the step's own go on undisturbed);
+                        a rank whose write failed raises its error there
     finish(reason)      every rank together (before a save, at the end of the run, at preemption): wait for this rank's
                         write, agree over the world that every write succeeded (one all-reduce), rank 0 publishes if
                         poll() did not yet, a barrier; a wait that blocked is logged with its seconds
@@ -26,6 +27,9 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.checkpoint.async_save import BackgroundWriter, InFlight, markers_present, read_markers
+from dist_trainer.config import Config
+from dist_trainer.engines.base import Engine
+from dist_trainer.train.distributed import LaunchEnv
 
 ABANDON_GRACE_S = 10.0  # on an error, how long rank 0 waits for the other ranks' markers before leaving the .tmp
 
@@ -38,6 +42,20 @@ class AsyncCheckpoints:
         self.root, self.rank, self.world_size, self.device = ckpt_root, rank, world_size, device
         self.keep, self.protect, self.log = keep, list(protect), log
         self.writer = BackgroundWriter(rank, ckpt.atomic_save)
+
+    @classmethod
+    def for_run(cls, cfg: Config, engine: Engine, ckpt_root: Path, env: LaunchEnv, device: torch.device,
+                resumed_from: Path | None, log: Callable[[str], None], notes: list[str]) -> AsyncCheckpoints | None:
+        """A run's asynchronous checkpoints, or None: ``train.async_save`` off, or an engine whose files are not
+        written through ``publish.atomic_save`` (DeepSpeed's own writer: a note in ``notes`` says it is synchronous)."""
+        if not cfg.train.async_save:
+            return None
+        if not engine.async_checkpoints:
+            notes.append(f"note: train.async_save: {engine.name} writes its checkpoints synchronously (DeepSpeed "
+                         "writes its own files; they are not staged)")
+            return None
+        return cls(ckpt_root, env.rank, env.world_size, device, keep=cfg.train.keep_checkpoints,
+                   protect=[resumed_from] if resumed_from else [], log=log)
 
     def _distributed(self) -> bool:
         return self.world_size > 1 and dist.is_initialized()
@@ -56,8 +74,12 @@ class AsyncCheckpoints:
 
     def poll(self) -> None:
         flight = self.writer.in_flight
-        if self.rank == 0 and flight is not None and not flight.published and markers_present(flight.tmp,
-                                                                                              self.world_size):
+        if flight is None:
+            return
+        if flight.write.error is not None:  # this rank's write failed (a full disk): said now, not at the next save
+            self.writer.in_flight = None
+            raise flight.write.error
+        if self.rank == 0 and not flight.published and markers_present(flight.tmp, self.world_size):
             self._publish(flight)
 
     def finish(self, reason: str) -> None:

@@ -157,17 +157,9 @@ class Trainer:
         scan.refuse_newer()  # before anything in out_dir changes: never resumed past, overwritten or moved aside
         notes = self._resume(scan.warnings) if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
-        # train.async_save: staged in host memory, written behind training (train/async_checkpoint.py) where the
-        # engine writes its files through publish.atomic_save; DeepSpeed's own writer is not staged
-        self.checkpoints: AsyncCheckpoints | None = None
-        if cfg.train.async_save and self.engine.async_checkpoints:
-            self.checkpoints = AsyncCheckpoints(self.ckpt_root, self.env.rank, self.env.world_size, self.device,
-                                                keep=cfg.train.keep_checkpoints,
-                                                protect=[self.resumed_from] if self.resumed_from else [],
-                                                log=self.logger.write)
-        elif cfg.train.async_save:
-            notes.append(f"note: train.async_save: {self.engine.name} writes its checkpoints synchronously "
-                         "(DeepSpeed writes its own files; they are not staged)")
+        # train.async_save: staged in host memory and written behind training (train/async_checkpoint.py)
+        self.checkpoints = AsyncCheckpoints.for_run(cfg, self.engine, self.ckpt_root, self.env, self.device,
+                                                    self.resumed_from, self.logger.write, notes)
         notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
             self.logger.write(note)
@@ -275,6 +267,9 @@ class Trainer:
             self.state.counter.reset()
             t0 = time.perf_counter()
             metrics = self._guarded(self.train_step, step)
+            if self.checkpoints is not None and (flight := self.checkpoints.writer.in_flight) is not None:
+                # rank 0 publishes the save in flight once every rank has written it; a failed write is said here
+                self._disk_full_guard(self.checkpoints.poll, flight.step)
             dt = time.perf_counter() - t0
             self.step = step + 1
             result.losses[step] = metrics["loss"]
@@ -303,8 +298,6 @@ class Trainer:
             if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps or health:
                 self.logger.log(record)
             self.logger.advance()
-            if self.checkpoints is not None:
-                self.checkpoints.poll()  # rank 0 publishes the save in flight once every rank has written it
             saved = (cfg.train.save_every and self.step % cfg.train.save_every == 0) or self.step == cfg.train.max_steps
             if saved:
                 result.checkpoint = str(self._guarded_save(step))
@@ -337,10 +330,10 @@ class Trainer:
 
     def _finish_saves(self, step: int, reason: str) -> None:
         """Wait for the asynchronous save in flight and publish it (every rank together)."""
-        if self.checkpoints is not None:
+        if self.checkpoints is not None and (flight := self.checkpoints.writer.in_flight) is not None:
             checkpoints = self.checkpoints
-            self._guarded(lambda _: self._disk_full_guard(lambda: checkpoints.finish(reason)), step,
-                          "while finishing the checkpoint in flight")
+            self._guarded(lambda _: self._disk_full_guard(lambda: checkpoints.finish(reason), flight.step), step,
+                          f"while finishing checkpoint step {flight.step}")
 
     def _guarded(self, fn: Any, step: int, during: str = "") -> Any:
         """Run one step (or its eval or save: ``during`` says which); a collective that fails (a peer died) or
@@ -403,18 +396,19 @@ class Trainer:
         }
         if self.checkpoints is not None:  # staged now, written behind the next steps
             checkpoints = self.checkpoints
-            return self._disk_full_guard(lambda: checkpoints.save(self.step, meta, self.engine.save_shards))
+            return self._disk_full_guard(lambda: checkpoints.save(self.step, meta, self.engine.save_shards),
+                                         self.step)
         return self._disk_full_guard(lambda: ckpt.save_checkpoint(
             self.ckpt_root, self.step, rank=self.env.rank, write_shards=self.engine.save_shards, meta=meta,
             barrier=self._barrier, keep=cfg.train.keep_checkpoints,
-            protect=[self.resumed_from] if self.resumed_from else []))
+            protect=[self.resumed_from] if self.resumed_from else []), self.step)
 
-    def _disk_full_guard(self, fn: Any) -> Any:
-        """``fn()``; a full disk while it writes a checkpoint is one message, not torch's "unexpected pos"."""
+    def _disk_full_guard(self, fn: Any, step: int) -> Any:
+        """``fn()``; a full disk while it writes checkpoint ``step`` is one message, not torch's "unexpected pos"."""
         try:
             return fn()
         except (OSError, RuntimeError) as exc:
-            full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
+            full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, step),
                                    ckpt.latest_checkpoint(self.ckpt_root))
             if full is None:
                 raise
