@@ -334,8 +334,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # keep the last K checkpoints
     # Checkpoints do not stall training: at a save step each rank copies its state to host memory (pinned on CUDA)
     # and one background thread per rank writes it while training goes on; the checkpoint is published (meta.json,
-    # latest) once every rank's files are written. On for our own checkpoint files (DDP, TP, PP, CP, EP); DeepSpeed
-    # ZeRO writes its files synchronously whatever this says (train/async_checkpoint.py, docs/reliability.md)
+    # latest) once every rank's files are written. Every regime, DeepSpeed ZeRO's files included
+    # (train/async_checkpoint.py, docs/reliability.md); false: each save writes before the next step
     async_save: bool = True
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
     allow_data_change: bool = False  # resume although the data's shards, seq_len, global batch or seed changed

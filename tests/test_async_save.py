@@ -1,6 +1,6 @@
 """Asynchronous checkpoints (``train.async_save``): the same files and the same resumed losses as synchronous saves in
-DDP, TP and pipeline layouts; a kill during the background write leaves the previous checkpoint the newest; the next
-save waits for the one in flight and says so."""
+DDP, TP, pipeline and ZeRO-1/2/3 layouts; a kill during the background write leaves the previous checkpoint the
+newest; the next save waits for the one in flight and says so; the host copy is priced and checked."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ import torch
 
 from dist_trainer.checkpoint import async_save
 from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.checkpoint.deepspeed_files import load_deepspeed_file
 from dist_trainer.testing import run_distributed
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import STEP3, share_checkpoint, tiny_config
 
-LAYOUTS: dict[str, dict[str, Any]] = {"ddp": {}, "tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}}
+LAYOUTS: dict[str, dict[str, Any]] = {"ddp": {}, "tp2": {"tp_size": 2}, "pp2": {"pp_size": 2},
+                                      **{f"zero{z}": {"zero_stage": z} for z in (1, 2, 3)}}
 
 
 def _train(data: Path, out: Path, parallel: dict[str, Any], **train: Any) -> dict[int, float]:
@@ -74,6 +76,9 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
         assert isinstance(b, (list, tuple)) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
             _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__"):  # DeepSpeed's loss scaler
+        assert type(a) is type(b), where
+        _assert_same(vars(a), vars(b), where)
     else:
         assert a == b, (where, a, b)
 
@@ -96,7 +101,7 @@ def test_async_save_writes_the_sync_files_and_resumes_exactly(layout: str,
     assert sync_meta["files"] == async_meta["files"]
     for name in async_meta["files"]:
         if name.endswith(".pt"):
-            _assert_same(ckpt.load_file(sync / name), ckpt.load_file(staged / name), f"{layout}/{name}")
+            _assert_same(load_deepspeed_file(sync / name), load_deepspeed_file(staged / name), f"{layout}/{name}")
             assert async_save.file_sha256(staged / name) == async_meta["sha256"][name]
     assert ckpt.latest_checkpoint(root / layout / "async" / "checkpoints") == staged.parent / "step_00000005"
 
@@ -169,9 +174,9 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(tiny_da
 
 def test_staged_copy_is_priced_and_checked_before_the_first_step(tiny_data: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's host term is the saving rank's parameters and optimizer state (none under ZeRO, whose files
-    DeepSpeed writes unstaged), and it equals the bytes the stager holds after a save; a node that cannot hold it is
-    refused before the first step, naming the bytes."""
+    """The planner's host term is the saving rank's parameters and optimizer state (ZeRO: its partitions), and it
+    equals the bytes the stager holds after a save; a node that cannot hold it is refused before the first step,
+    naming the bytes."""
     import psutil
 
     from dist_trainer.config_load import config_from_dict
@@ -179,12 +184,12 @@ def test_staged_copy_is_priced_and_checked_before_the_first_step(tiny_data: Path
     from dist_trainer.planner.memory import Overheads, TrainingOptions, predict_rank_memory
 
     model = config_from_dict({"model": {"preset": "gpt2"}}).model
-    for zero, staged in ((0, True), (1, False)):
+    for zero in (0, 1, 3):
         layout = Layout(dp_size=2, zero_stage=zero)
         on, off = (predict_rank_memory(model, layout, seq_len=128, options=TrainingOptions(async_save=a),
                                        overheads=Overheads.none(), pp_rank=0) for a in (True, False))
-        term = on.detail.get("host.async_save_staging", 0)
-        assert term == (on.params + on.optimizer if staged else 0) and on.host - off.host == term
+        term = on.detail["host.async_save_staging"]
+        assert term == on.params + on.optimizer and on.host - off.host == term
     cfg = tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 1, "eval_every": 0})
     trainer = Trainer(cfg)
     predicted = trainer.plan_check.async_save_bytes()

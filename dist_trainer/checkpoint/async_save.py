@@ -106,10 +106,14 @@ class HostStager:
             seen[id(obj)] = buf
             return buf
         if isinstance(obj, dict):
-            return type(obj)((k, self._copy(v, name, counter, seen)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
+            out = copy.copy(obj)  # its own type (OrderedDict, defaultdict), values replaced below
+            for k, v in obj.items():
+                out[k] = self._copy(v, name, counter, seen)
+            return out
+        if type(obj) in (list, tuple):
             return type(obj)(self._copy(v, name, counter, seen) for v in obj)
-        return copy.deepcopy(obj)  # numbers, strings: the scaler's, the optimizer's hyper-parameters
+        # numbers, strings, sizes, DeepSpeed's loss scaler and fragment records: copied whole
+        return copy.deepcopy(obj)
 
 
 class _Write(threading.Thread):

@@ -47,12 +47,12 @@ class AsyncCheckpoints:
     def for_run(cls, cfg: Config, engine: Engine, ckpt_root: Path, env: LaunchEnv, device: torch.device,
                 resumed_from: Path | None, log: Callable[[str], None], notes: list[str]) -> AsyncCheckpoints | None:
         """A run's asynchronous checkpoints, or None: ``train.async_save`` off, or an engine whose files are not
-        written through ``publish.atomic_save`` (DeepSpeed's own writer: a note in ``notes`` says it is synchronous)."""
+        written through ``publish.atomic_save`` (a note in ``notes`` says its saves are synchronous)."""
         if not cfg.train.async_save:
             return None
         if not engine.async_checkpoints:
-            notes.append(f"note: train.async_save: {engine.name} writes its checkpoints synchronously (DeepSpeed "
-                         "writes its own files; they are not staged)")
+            notes.append(f"note: train.async_save: {engine.name} writes its checkpoints synchronously (its files "
+                         "are not written through publish.atomic_save, so they cannot be staged)")
             return None
         return cls(ckpt_root, env.rank, env.world_size, device, keep=cfg.train.keep_checkpoints,
                    protect=[resumed_from] if resumed_from else [], log=log)
