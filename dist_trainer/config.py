@@ -335,6 +335,11 @@ class TrainConfig:
     eval_batches: int = 4  # global batches per evaluation (Megatron's eval_iters): the same samples in every layout
     save_every: int = 100  # checkpoint every N steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the last K checkpoints
+    # Checkpoints do not stall training: at a save step each rank copies its state to host memory (pinned on CUDA)
+    # and one background thread per rank writes it while training goes on; the checkpoint is published (meta.json,
+    # latest) once every rank's files are written. Every regime, DeepSpeed ZeRO's files included
+    # (train/async_checkpoint.py, docs/reliability.md); false: each save writes before the next step
+    async_save: bool = True
     resume: bool = False  # continue from the newest checkpoint in out_dir/checkpoints
     allow_data_change: bool = False  # resume although the data's shards, seq_len, global batch or seed changed
     # resume although the LR schedule (optim.lr, min_lr, warmup_steps, train.max_steps) gives the steps already

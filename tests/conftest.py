@@ -25,7 +25,7 @@ LONGEST_FIRST = ("test_doc_commands.py", "test_zero_tp_pp.py", "test_zero_parity
                  "test_zero_checkpoint.py", "test_zero_layout_checkpoints.py", "test_trainer_tp.py",
                  "test_planner_time.py", "test_compile.py", "test_zero_memory.py", "test_doc_guides.py",
                  "test_seq2seq_parity.py", "test_fault.py", "test_multinode.py", "test_hf.py",
-                 "test_hf_families.py", "test_muon.py", "test_chat.py", "test_memory_modes.py")
+                 "test_hf_families.py", "test_muon.py", "test_chat.py", "test_memory_modes.py", "test_async_save.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

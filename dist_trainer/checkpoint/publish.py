@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dist_trainer.checkpoint.async_save import stage_if_async
 from dist_trainer.files import atomic_write_text, read_json
 
 FORMAT_VERSION = 1
@@ -70,6 +71,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
+    """Write ``obj`` to ``path`` whole or not at all (``.part``, fsync, rename); during an asynchronous save's
+    staging (``async_save.py``) it is only collected, and the writer thread calls this again to write it."""
+    if stage_if_async(obj, path):
+        return
     part = path.with_suffix(path.suffix + ".part")
     with open(part, "wb") as f:
         torch.save(obj, f)
@@ -97,6 +102,18 @@ def save_checkpoint(
     resumed from). A step folder that is not this run's to replace (a link, another run's, a newer format)
     is refused before anything is written.
     """
+    final, tmp = begin_checkpoint(ckpt_root, step, rank=rank, barrier=barrier)
+    extra = write_rank_files(tmp, rank, write_shards)
+    barrier()
+    if rank == 0:
+        publish_folder(ckpt_root, step, {**meta, **extra}, keep=keep, protect=protect)
+    barrier()
+    return final
+
+
+def begin_checkpoint(ckpt_root: Path, step: int, *, rank: int, barrier: Callable[[], None]) -> tuple[Path, Path]:
+    """Every rank: refuse a step folder that is not this run's to replace; rank 0 makes the empty ``.tmp`` folder
+    every rank writes into. (final folder, its ``.tmp``)."""
     final = step_dir(ckpt_root, step)
     tmp = final.with_name(final.name + ".tmp")
     _check_replaceable(ckpt_root, final)  # on every rank (one shared folder): all refuse, none waits
@@ -104,25 +121,38 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    return final, tmp
+
+
+def write_rank_files(tmp: Path, rank: int, write_shards: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """This rank's files (the engine's and its RNG states) into ``tmp``; what meta.json adds."""
     extra = write_shards(tmp)
     atomic_save(rng_state(), tmp / rng_file(rank))
-    barrier()
-    if rank == 0:
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        atomic_write_text(tmp / "meta.json", json.dumps(
-            {**meta, **extra, "step": step, "format": FORMAT_VERSION, "run_id": run_id(ckpt_root, create=True),
-             "files": files}, indent=2, sort_keys=True))
-        if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop the old
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        atomic_write_text(ckpt_root / LATEST, final.name + "\n")
-        _prune(ckpt_root, keep, [final, *protect])
-    barrier()
+    return extra
+
+
+def publish_folder(ckpt_root: Path, step: int, meta: dict[str, Any], *, keep: int, protect: Sequence[Path] = (),
+                   sha256: dict[str, str] | None = None) -> Path:
+    """Rank 0, once every rank's files are in ``final``'s ``.tmp``: meta.json (the file list, and each file's
+    sha256 when the writers measured them) written last, the rename into place, ``latest``, keep-last-K; the
+    published folder."""
+    final = step_dir(ckpt_root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    record = {**meta, "step": step, "format": FORMAT_VERSION,
+              "run_id": run_id(ckpt_root, create=True), "files": files}
+    atomic_write_text(tmp / "meta.json", json.dumps(record | ({"sha256": sha256} if sha256 else {}),
+                                                    indent=2, sort_keys=True))
+    if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop the old
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    atomic_write_text(ckpt_root / LATEST, final.name + "\n")
+    _prune(ckpt_root, keep, [final, *protect])
     return final
 
 

@@ -138,6 +138,11 @@ class Engine(abc.ABC):
         """Write this rank's files into ``folder``; return what meta.json should record."""
         return self.update.save(folder)
 
+    @property
+    def async_checkpoints(self) -> bool:
+        """Its checkpoint files go through ``publish.atomic_save``, so ``train.async_save`` can stage them."""
+        return self.update.async_checkpoints
+
     def load_shards(self, folder: Path, meta: dict[str, Any]) -> None:
         """Load this rank's part of the checkpoint in ``folder`` (saved under any layout it can reshard)."""
         self.update.load(folder, meta)

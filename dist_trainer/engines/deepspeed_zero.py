@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_trainer.checkpoint import publish
+from dist_trainer.checkpoint.async_save import staging_active
 from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import optimizer_state_by_name, write_specs
 from dist_trainer.checkpoint.deepspeed_files import load_deepspeed_file, model_file, optim_file
@@ -60,8 +62,32 @@ def client_optimizer(params: Iterable[dict[str, Any]], cfg: Config, dp: AxisGrou
     return build_from_groups(groups, o, zero=dp)
 
 
+def staged_checkpoint_engine() -> Any:
+    """DeepSpeed's torch checkpoint engine (``engine.checkpoint_engine``: every file of ``save_checkpoint`` goes
+    through its ``save``), except that during an asynchronous save's staging (``train.async_save``) each file is
+    handed to ``publish.atomic_save``, which stages it in host memory for the rank's writer thread (its collectives
+    and ZeRO-3's gathers stay on the main thread, in ``save_checkpoint``)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class StagedCheckpointEngine(TorchCheckpointEngine):
+        def save(self, state_dict: Any, path: str) -> None:
+            if staging_active():
+                publish.atomic_save(state_dict, Path(path))
+            else:
+                super().save(state_dict, path)
+
+        def preserves_storage_sharing(self) -> bool:
+            # DeepSpeed clones views of its flat buffers before torch.save keeps their whole storage; the staged
+            # copy is already one buffer per tensor
+            return not staging_active()
+
+    return StagedCheckpointEngine()
+
+
 class DeepSpeedZero:
     """DeepSpeed's engine and ZeRO optimizer over ``model`` (this rank's part of the model, already tagged)."""
+
+    async_checkpoints = True  # DeepSpeed's files go through StagedCheckpointEngine, so train.async_save stages them
 
     def __init__(self, cfg: Config, state: ParallelState, model: nn.Module, ds_config: dict[str, Any],
                  mpu: DeepSpeedMpu, *, grads_from_schedule: bool = False) -> None:
@@ -79,6 +105,7 @@ class DeepSpeedZero:
         optimizer = client_optimizer(groups, cfg, state.replicas)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config(ds_config), mpu=mpu, dist_init_required=False)
+        self.engine.checkpoint_engine = staged_checkpoint_engine()
         self.module: nn.Module = self.engine.module
         follow = getattr(optimizer, "follow_zero3", None)  # a client optimizer of whole matrices (optim_muon.py)
         if self.stage == 3 and follow is not None:  # asks which parameters' partitions each ZeRO-3 flat holds

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dist_trainer.checkpoint import publish
+from dist_trainer.checkpoint.async_save import staging_active
 from dist_trainer.checkpoint.checkpoint_source import load_shards
 from dist_trainer.checkpoint.convert import (
     load_optimizer_state_by_name,
@@ -45,6 +46,7 @@ class Update(Protocol):
     """What an engine asks of its update (module docstring)."""
 
     optimizer: torch.optim.Optimizer
+    async_checkpoints: bool  # its files are written through publish.atomic_save (train.async_save stages them)
 
     def after_backward(self) -> None:
         """Once per step, after the last micro-batch's backward: reduce what the regime left unreduced."""
@@ -91,6 +93,8 @@ class DenseUpdate:
     ``reduce_over_dp``: the gradients are not yet averaged over dp (the pipeline schedule's are not; DDP's are).
     """
 
+    async_checkpoints = True
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState, *,
                  clip: Callable[[float], torch.Tensor], max_norm: float, tp_modules: Iterable[nn.Module] = (),
                  reduce_over_dp: bool = False, scaler: torch.amp.GradScaler | None = None) -> None:
@@ -135,7 +139,9 @@ class DenseUpdate:
             optim_state = optimizer_state_by_name(self.model, self.optimizer)
             if self.scaler is not None:
                 optim_state["scaler"] = self.scaler.state_dict()
-            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            # staged (train.async_save): device tensors as they are, copied into pinned host buffers once
+            model_state = {k: v.detach() if staging_active() else v.detach().cpu()
+                           for k, v in self.model.state_dict().items()}
             write_named_shards(folder, self.state, self.model, model_state, optim_state)
         return {}
 

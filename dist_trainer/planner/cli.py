@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction,
     m.add_argument("--zero", "--zero-stage", dest="zero", type=int, default=0, choices=ZERO_STAGES,
                    help="ZeRO stage (parallel.zero_stage)")
     m.add_argument("--offload", action="store_true", help="ZeRO CPU offload of optimizer (stage 3: and params)")
+    m.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+                   help="train.async_save (the trainer's default): a save's parameters and optimizer state staged "
+                        "in host memory (not under ZeRO, whose files DeepSpeed writes)")
     m.add_argument("--micro-batch", type=int, default=1)
     m.add_argument("--microbatches", type=int, default=1, help="micro-batches per DP rank per step")
     m.add_argument("--seq-len", type=int, default=None, help="default: model.max_seq_len")
@@ -216,7 +219,8 @@ def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
                            attention_kernel=args.attention_kernel, device=args.device,
                            fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
                            freeze=tuple(_freeze(args)), optim_state_dtype=args.optim_state_dtype,
-                           target_len=args.target_len, source_mask=args.pairs)
+                           target_len=args.target_len, source_mask=args.pairs,
+                           async_save=getattr(args, "async_save", False))
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 

@@ -271,6 +271,7 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
         p, g, o, host = (a + b for a, b in zip((p, g, o, host), states))
         if options.optim_state_dtype == "int8" and expert and trainable - expert:
             o -= INT8_QMAPS_BYTES  # one optimizer, its two maps counted once
+    offloaded_states = host  # ZeRO-Offload's optimizer partition (and ZeRO-3's parameters) in host memory
     # what ZeRO partitions, in dp-sized shares: the experts' partitions are over edp = dp / ep, ep times larger
     per_dp = trainable - expert + expert * layout.ep_size
     detail: dict[str, int] = {}
@@ -299,6 +300,11 @@ def rank_states(cfg: ModelConfig, layout: Layout, rp: RankParams, *, seq_len: in
                                 trainable=trainable, expert=expert))
     detail.update({f"overheads.{k}": v for k, v in over.items()})
     host = round(host * overheads.host_buffer_factor)
+    if options.async_save:
+        # train.async_save: the saving rank's parameters and optimizer state (ZeRO: its partitions, offloaded or
+        # not) staged in host memory, one copy reused from save to save (checkpoint/async_save.py HostStager)
+        detail["host.async_save_staging"] = p + o + offloaded_states
+        host += detail["host.async_save_staging"]
     return RankMemory(params=p, grads=g, optimizer=o, activations=0, overheads=sum(over.values()),
                       host=host, step_buffers=sum(step.values()), pp_rank=pp_rank, detail=detail)
 

@@ -47,6 +47,9 @@ class TrainingOptions:
     target_len: int | None = None
     source_mask: bool = False
     document_masking: bool = False  # data.document_masking: packed sequences' masks, positions (planner/documents.py)
+    # train.async_save: a save's parameters and optimizer state copied to host memory (train/async_checkpoint.py);
+    # off for the search, on in `dist-trainer memory` and the trainer's plan check as the trainer's default
+    async_save: bool = False
 
     def validate(self) -> None:
         if self.precision not in act.PRECISIONS:

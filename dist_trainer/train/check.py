@@ -116,6 +116,22 @@ def check_host_memory(cfg: Config, local_world_size: int, available: int | None 
                          "choose a smaller model or fewer ranks per node")
 
 
+def check_async_save_memory(staged: int, local_world_size: int, available: int | None = None) -> None:
+    """Refuse, before the first step, asynchronous checkpoints whose host copies this node cannot hold: each of its
+    ranks stages ``staged`` bytes (the planner's ``host.async_save_staging``) at every save."""
+    need = staged * local_world_size
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    if need > available:
+        gib = 1 << 30
+        raise ValueError(f"train.async_save stages each checkpoint in host memory: {need:,} bytes "
+                         f"({need / gib:,.2f} GiB) on this node ({local_world_size} rank(s) x {staged:,} bytes of "
+                         f"parameters and optimizer state), and {available:,} bytes ({available / gib:,.2f} GiB) are "
+                         "available: pass --train.async_save=false (synchronous saves) or use more nodes")
+
+
 def eval_set_size(cfg: Config) -> int:
     """Validation sequences per evaluation: train.eval_batches global batches (independent of the layout)."""
     return cfg.train.eval_batches * cfg.parallel.global_batch_size

@@ -148,7 +148,7 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
                            optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum > 0,
                            target_len=cfg.data.decoder_len() if seq2seq else None,
                            source_mask=seq2seq and cfg.data.objective == "seq2seq",
-                           document_masking=cfg.data.document_masking)
+                           document_masking=cfg.data.document_masking, async_save=cfg.train.async_save)
 
 
 def peak_resident_bytes() -> int:
@@ -257,6 +257,10 @@ class PlanCheck:
     def memory_terms(self) -> dict[str, object]:
         """The planner's memory for this rank, term by term (bytes): what a memory snapshot is read against."""
         return {"layout": self.layout.describe(), **self._memory().to_dict()}
+
+    def async_save_bytes(self) -> int:
+        """The planner's host bytes of this rank's staged checkpoint (``train.async_save``; 0 when not staged)."""
+        return self._memory().detail.get("host.async_save_staging", 0)
 
     def _predicted(self) -> dict[str, float]:
         mem = self._memory()

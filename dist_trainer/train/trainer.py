@@ -40,7 +40,9 @@ from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
 from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
+from dist_trainer.train.async_checkpoint import AsyncCheckpoints
 from dist_trainer.train.check import (
+    check_async_save_memory,
     check_data_sizes,
     check_host_memory,
     check_source_size,
@@ -147,6 +149,8 @@ class Trainer:
         # train.profile_steps' trace and split, train.memory_snapshot's allocator history (train/profile.py)
         self.profiler = StepProfiler(cfg, self.out_dir, self.env.rank, self.state.describe(), self.device,
                                      self.plan_check)
+        if cfg.train.async_save and self.engine.async_checkpoints:  # its staged copies fit this node's memory
+            check_async_save_memory(self.plan_check.async_save_bytes(), self.env.local_world_size)
         self.step = 0
         self.eval_by_source: dict[str, float] = {}  # a mixture's last evaluation, per source
         # Dropout streams: equal inside a TP group (replicated activations), distinct across DP ranks.
@@ -157,6 +161,9 @@ class Trainer:
         scan.refuse_newer()  # before anything in out_dir changes: never resumed past, overwritten or moved aside
         notes = self._resume(scan.warnings) if cfg.train.resume else []
         self.logger = MetricsLogger(cfg, self.out_dir, log and self.env.rank == 0, cfg.train.max_steps, self.step)
+        # train.async_save: staged in host memory and written behind training (train/async_checkpoint.py)
+        self.checkpoints = AsyncCheckpoints.for_run(cfg, self.engine, self.ckpt_root, self.env, self.device,
+                                                    self.resumed_from, self.logger.write, notes)
         notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
             self.logger.write(note)
@@ -235,6 +242,10 @@ class Trainer:
         try:
             with PreemptionGuard(self.env.world_size, self.device) as self.preemption:
                 return self._train()
+        except BaseException:
+            if self.checkpoints is not None:  # the write in flight finishes (published if every rank's is whole)
+                self.checkpoints.abandon()
+            raise
         finally:
             self.close()
 
@@ -262,6 +273,9 @@ class Trainer:
             t0 = time.perf_counter()
             with self.profiler.step(step):
                 metrics = self._guarded(self.train_step, step)
+            if self.checkpoints is not None and (flight := self.checkpoints.writer.in_flight) is not None:
+                # rank 0 publishes the save in flight once every rank has written it; a failed write is said here
+                self._disk_full_guard(self.checkpoints.poll, flight.step)
             dt = time.perf_counter() - t0
             self.step = step + 1
             result.losses[step] = metrics["loss"]
@@ -302,11 +316,13 @@ class Trainer:
                 elapsed += time.perf_counter() - t0
                 timed_tokens += tokens_per_step
         result.tokens_per_s = timed_tokens / elapsed if elapsed else 0.0
+        self._finish_saves(self.step - 1, "at the end of the run")
         self.logger.close()
         return result
 
     def _preempted(self, signum: int, checkpoint: str | None) -> None:
         """Every rank, after the same step (``PreemptionGuard.agreed``), once the checkpoint is written."""
+        self._finish_saves(self.step - 1, "at preemption")
         self.logger.close()
         raise Preempted(f"{signal_name(signum)} received: stopped after step {self.step} of "
                         f"{self.cfg.train.max_steps} with checkpoint {checkpoint} written, and released "
@@ -318,6 +334,13 @@ class Trainer:
         folder = ckpt.step_dir(self.ckpt_root, self.step).name
         return self._guarded(lambda _: self.save(), step, f"while writing checkpoint {folder} (its partial "
                                                           f"{folder}.tmp is ignored; the previous checkpoint is whole)")
+
+    def _finish_saves(self, step: int, reason: str) -> None:
+        """Wait for the asynchronous save in flight and publish it (every rank together)."""
+        if self.checkpoints is not None and (flight := self.checkpoints.writer.in_flight) is not None:
+            checkpoints = self.checkpoints
+            self._guarded(lambda _: self._disk_full_guard(lambda: checkpoints.finish(reason), flight.step), step,
+                          f"while finishing checkpoint step {flight.step}")
 
     def _guarded(self, fn: Any, step: int, during: str = "") -> Any:
         """Run one step (or its eval or save: ``during`` says which); a collective that fails (a peer died) or
@@ -379,13 +402,21 @@ class Trainer:
             "regime": self.engine.name,
             "finite": True,  # checked above; keep-last-K never prunes the newest finite checkpoint
         }
+        if self.checkpoints is not None:  # staged now, written behind the next steps
+            checkpoints = self.checkpoints
+            return self._disk_full_guard(lambda: checkpoints.save(self.step, meta, self.engine.save_shards),
+                                         self.step)
+        return self._disk_full_guard(lambda: ckpt.save_checkpoint(
+            self.ckpt_root, self.step, rank=self.env.rank, write_shards=self.engine.save_shards, meta=meta,
+            barrier=self._barrier, keep=cfg.train.keep_checkpoints,
+            protect=[self.resumed_from] if self.resumed_from else []), self.step)
+
+    def _disk_full_guard(self, fn: Any, step: int) -> Any:
+        """``fn()``; a full disk while it writes checkpoint ``step`` is one message, not torch's "unexpected pos"."""
         try:
-            return ckpt.save_checkpoint(self.ckpt_root, self.step, rank=self.env.rank,
-                                        write_shards=self.engine.save_shards, meta=meta, barrier=self._barrier,
-                                        keep=cfg.train.keep_checkpoints,
-                                        protect=[self.resumed_from] if self.resumed_from else [])
-        except (OSError, RuntimeError) as exc:  # a full disk: one message, not torch's "unexpected pos"
-            full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, self.step),
+            return fn()
+        except (OSError, RuntimeError) as exc:
+            full = disk_full_error(exc, ckpt.step_dir(self.ckpt_root, step),
                                    ckpt.latest_checkpoint(self.ckpt_root))
             if full is None:
                 raise
