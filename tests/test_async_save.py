@@ -95,14 +95,16 @@ def test_async_save_writes_the_sync_files_and_resumes_exactly(layout: str,
         assert run["resumed"][step] == run["sync"][step], (layout, step)
     sync, staged = root / layout / "sync" / STEP3, root / layout / "async" / STEP3
     sync_meta, async_meta = ckpt.read_meta(sync), ckpt.read_meta(staged)
-    # the tensor files were written in the background, each with its sha256 (the small JSON specs are written at once)
-    assert "sha256" not in sync_meta
-    assert sorted(async_meta["sha256"]) == [f for f in async_meta["files"] if f.endswith(".pt")]
+    # every file listed with its size and sha256, the background writers' or read back at the publish
     assert sync_meta["files"] == async_meta["files"]
+    for meta, folder in ((sync_meta, sync), (async_meta, staged)):
+        assert sorted(meta["sha256"]) == sorted(meta["sizes"]) == meta["files"]
+        for name in meta["files"]:
+            assert async_save.file_sha256(folder / name) == meta["sha256"][name]
+            assert (folder / name).stat().st_size == meta["sizes"][name]
     for name in async_meta["files"]:
         if name.endswith(".pt"):
             _assert_same(load_deepspeed_file(sync / name), load_deepspeed_file(staged / name), f"{layout}/{name}")
-            assert async_save.file_sha256(staged / name) == async_meta["sha256"][name]
     assert ckpt.latest_checkpoint(root / layout / "async" / "checkpoints") == staged.parent / "step_00000005"
 
 

@@ -285,3 +285,28 @@ def test_a_native_export_holding_tensors_the_model_does_not_use_is_refused(llama
     with pytest.raises(ValueError, match=r"model.safetensors: holds tensors this model does not use: "
                                          r"layers.0.mlp.extra_proj.weight \(they would be ignored"):
         load_plain_model(out)
+
+
+def test_a_checkpoint_file_from_another_step_is_named(tiny_data: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40 class 4: a model shard copied in from step 2 over step 4's (the same size) resumed silently as step 4.
+    meta.json lists each file's size and sha256: export refuses it naming the file, and a resume skips that
+    checkpoint with a warning naming it, for the previous one whose files are its own."""
+    run = tmp_path / "run"
+    sections = {"train": {"max_steps": 4, "save_every": 2, "eval_every": 0, "keep_checkpoints": 3}}
+    Trainer(tiny_config(tiny_data, run, **sections), log=False).train()
+    step2, step4 = run / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000004"
+    model = next(f for f in ckpt_files(step4) if "model" in f)
+    shutil.copy(step2 / model, step4 / model)
+    with pytest.raises(ValueError, match=f"checkpoint file {step4 / model} is not the file this checkpoint "
+                                         r"\(step 4\) wrote: its sha256 differs"):
+        export_checkpoint(step4, tmp_path / "out")
+    capsys.readouterr()
+    resumed = Trainer(tiny_config(tiny_data, run, train={**sections["train"], "max_steps": 6, "resume": True}))
+    assert resumed.step == 2
+    assert f"warning: checkpoint {step4} cannot be loaded (checkpoint file {step4 / model} is not the file" in \
+        capsys.readouterr().out
+
+
+def ckpt_files(step: Path) -> list[str]:
+    return json.loads((step / "meta.json").read_text())["files"]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_trainer.checkpoint.async_save import file_sha256
 from dist_trainer.checkpoint.publish import (
     atomic_save,
     atomic_write_text,
@@ -197,12 +198,13 @@ def check_files(step_dir: Path, meta: dict[str, Any], rank: int = 0, world_size:
     before anything is loaded: tensors files through the weights-only unpickler (``load_file``: DeepSpeed's
     allow-listed classes in a ZeRO checkpoint; storages mapped, not read), JSON through the JSON parser.
     ValueError naming the first file that cannot be read (truncated, foreign, or a pickle payload, which is
-    refused unexecuted)."""
+    refused unexecuted), or whose size or sha256 is not the one meta.json recorded (a file of another step)."""
     safe = []
     if "deepspeed_tag" in meta:
         from dist_trainer.checkpoint.deepspeed_files import deepspeed_safe_types
 
         safe = deepspeed_safe_types()
+    sizes, sums = meta.get("sizes") or {}, meta.get("sha256") or {}
     for name in sorted(meta.get("files", []))[rank::world_size]:
         path = step_dir / name
         if name.endswith(".json"):
@@ -212,6 +214,13 @@ def check_files(step_dir: Path, meta: dict[str, Any], rank: int = 0, world_size:
                 raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from None
         else:
             load_file(path, safe_types=safe, mmap=True)
+        # readable, but of another step or run (copied in, or replaced since): told apart by meta.json's record
+        if name in sizes and path.is_file() and path.stat().st_size != sizes[name]:
+            raise ValueError(f"checkpoint file {path} holds {path.stat().st_size:,} bytes, not the {sizes[name]:,} "
+                             f"this checkpoint (step {meta.get('step')}) wrote")
+        if name in sums and path.is_file() and file_sha256(path) != sums[name]:
+            raise ValueError(f"checkpoint file {path} is not the file this checkpoint (step {meta.get('step')}) wrote: "
+                             "its sha256 differs from meta.json's (copied from another step or run, or changed since)")
 
 
 def newest_readable(ckpt_root: Path, rank: int, world_size: int,

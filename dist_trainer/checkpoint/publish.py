@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dist_trainer.checkpoint.async_save import stage_if_async
+from dist_trainer.checkpoint.async_save import file_sha256, stage_if_async
 from dist_trainer.files import atomic_write_text, read_json
 
 FORMAT_VERSION = 1
@@ -133,16 +133,18 @@ def write_rank_files(tmp: Path, rank: int, write_shards: Callable[[Path], dict[s
 
 def publish_folder(ckpt_root: Path, step: int, meta: dict[str, Any], *, keep: int, protect: Sequence[Path] = (),
                    sha256: dict[str, str] | None = None) -> Path:
-    """Rank 0, once every rank's files are in ``final``'s ``.tmp``: meta.json (the file list, and each file's
-    sha256 when the writers measured them) written last, the rename into place, ``latest``, keep-last-K; the
-    published folder."""
+    """Rank 0, once every rank's files are in ``final``'s ``.tmp``: meta.json written last, listing every file
+    with its size and sha256 (the background writers measured theirs; the others are read back here), so that a
+    file from another step or run is told apart on load (``convert.check_files``); the rename into place,
+    ``latest``, keep-last-K; the published folder."""
     final = step_dir(ckpt_root, step)
     tmp = final.with_name(final.name + ".tmp")
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    sums = {f: (sha256 or {}).get(f) or file_sha256(tmp / f) for f in files}
     record = {**meta, "step": step, "format": FORMAT_VERSION,
-              "run_id": run_id(ckpt_root, create=True), "files": files}
-    atomic_write_text(tmp / "meta.json", json.dumps(record | ({"sha256": sha256} if sha256 else {}),
-                                                    indent=2, sort_keys=True))
+              "run_id": run_id(ckpt_root, create=True), "files": files, "sha256": sums,
+              "sizes": {f: (tmp / f).stat().st_size for f in files}}
+    atomic_write_text(tmp / "meta.json", json.dumps(record, indent=2, sort_keys=True))
     if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop the old
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
