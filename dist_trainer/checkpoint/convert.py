@@ -35,6 +35,7 @@ from dist_trainer.checkpoint.publish import (
     list_checkpoints,
     load_file,
     read_meta,
+    rerecord_file,
     rng_file,
     save_checkpoint,
 )
@@ -299,4 +300,5 @@ def export_zero_as_single(step_dir: Path, out_dir: Path) -> Path:
     rng = step_dir / rng_file(0)
     if rng.is_file():
         shutil.copyfile(rng, final / rng_file(0))
+        rerecord_file(final, rng_file(0))  # meta.json's size and sha256 of the file now there
     return final

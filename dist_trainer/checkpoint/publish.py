@@ -158,6 +158,13 @@ def publish_folder(ckpt_root: Path, step: int, meta: dict[str, Any], *, keep: in
     return final
 
 
+def rerecord_file(folder: Path, name: str) -> None:
+    """meta.json's size and sha256 of ``name`` again, after a tool replaced that file of a published checkpoint."""
+    meta = read_meta(folder)
+    meta["sizes"][name], meta["sha256"][name] = (folder / name).stat().st_size, file_sha256(folder / name)
+    atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
+
+
 def run_id(ckpt_root: Path, create: bool = False) -> str | None:
     """The id of the run that writes ``ckpt_root`` (its ``run_id`` file, made by the first save): every
     checkpoint's meta.json carries it, and keep-last-K deletes only checkpoints that carry it."""
