@@ -36,7 +36,7 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from dist_trainer.config_load import load_config
     from dist_trainer.train.distributed import shutdown_distributed
-    from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted
+    from dist_trainer.train.preempt import EXIT_ABORTED, EXIT_PREEMPTED, Aborted, Preempted
     from dist_trainer.train.summary import print_summary
     from dist_trainer.train.trainer import Trainer
 
@@ -48,10 +48,14 @@ def run_train(args: argparse.Namespace) -> int:
             result = trainer.train()
             if trainer.env.rank == 0:
                 print_summary(cfg, result)
-        except Preempted as stop:  # SIGTERM/SIGUSR1: every rank saved the same step (train/preempt.py)
+        except Preempted as stop:  # SIGTERM/SIGUSR1/SIGINT/SIGHUP: every rank saved the same step (train/preempt.py)
             if trainer.env.rank == 0:
                 sys.stderr.write(f"dist-trainer train: {stop}\n")
             code = EXIT_PREEMPTED
+        except Aborted as stop:  # a second Ctrl-C
+            if trainer.env.rank == 0:
+                sys.stderr.write(f"dist-trainer train: {stop} (exit status {EXIT_ABORTED})\n")
+            code = EXIT_ABORTED
     finally:
         shutdown_distributed()
     if trainer.has_process_group:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 
 from dist_trainer.checkpoint import publish as ckpt
@@ -110,16 +111,62 @@ def _config(tiny_data: Path, out: Path, tmp_path: Path) -> Path:
     return config
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_signal_to_one_process_saves_and_resumes(tiny_data: Path, tmp_path: Path, reference: dict,
                                                    sig: signal.Signals) -> None:
-    """SLURM's --signal (USR1) and its SIGTERM before the kill, to a run without a launcher."""
+    """SLURM's --signal (USR1) and its SIGTERM before the kill, Ctrl-C (INT; it printed a 33-line traceback and
+    saved nothing) and a closed terminal (HUP; it ended the run unsaved), to a run without a launcher."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "dist_trainer.cli", "train", "--config", str(_config(tiny_data, out, tmp_path))]
     code, output, _ = _signal_after_step(cmd, out, sig, tmp_path)
     assert code == EXIT_PREEMPTED, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     _resume(tiny_data, out, _check_stopped(out, output, sig), reference)
+
+
+def test_the_guard_records_a_first_ctrl_c_and_aborts_on_a_second() -> None:
+    """The mechanism alone, in this process: the first SIGINT is recorded like SIGTERM, the second raises Aborted."""
+    from dist_trainer.train.preempt import Aborted, PreemptionGuard
+
+    with PreemptionGuard(1, torch.device("cpu")) as guard:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert guard.agreed() == signal.SIGINT
+        with pytest.raises(Aborted, match="interrupted twice"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, at the next bytecode boundary
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(tiny_data: Path, tmp_path: Path) -> None:
+    """Ctrl-C twice: the run stops at once with one line and status 130, the previous checkpoint the newest. (A
+    wider model than the other tests', so that the second Ctrl-C, 0.05 s after the first, comes within the step.)"""
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_data, out, model={"d_model": 256, "n_layers": 6},
+                                                 **SECTIONS).to_dict()))
+    cmd = [sys.executable, "-m", "dist_trainer.cli", "train", "--config", str(config)]
+    log = (tmp_path / "log.txt").open("w+")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path, {}), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(_steps(out / "metrics.jsonl")) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)  # two signals at once are one (a pending signal is not queued twice)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    lines = [line for line in output.splitlines() if line.startswith("dist-trainer train: ")]
+    assert code == 130 and "Traceback" not in output, output[-3000:]
+    assert lines == ["dist-trainer train: interrupted twice (Ctrl-C): stopped at once; nothing saved after the last "
+                     "checkpoint (exit status 130)"], output[-3000:]
+    step = _steps(out / "metrics.jsonl")[-1]
+    assert step < STEPS and ckpt.latest_checkpoint(out / "checkpoints") != ckpt.step_dir(out / "checkpoints", step)
 
 
 @pytest.mark.slow

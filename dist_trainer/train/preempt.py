@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 makes every rank save a checkpoint at the same step and exit.
+"""Preemption: SIGTERM, SIGUSR1, SIGINT (Ctrl-C) or SIGHUP makes every rank save a checkpoint at the same step and
+exit; a second Ctrl-C stops at once, without saving (``Aborted``, exit status ``EXIT_ABORTED``).
 
 SLURM sends SIGTERM before it kills a job (and the signal ``--signal`` names ahead of the time limit);
 torchrun forwards SIGTERM (and the signals in TORCHELASTIC_SIGNALS_TO_HANDLE) to its workers and waits
@@ -19,16 +20,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SLURM's and torchrun's SIGTERM, SLURM's --signal (USR1), Ctrl-C (INT) and a closed terminal (HUP)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, run again; distinct from 2 (user error)
+EXIT_ABORTED = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 
 
 class Preempted(Exception):  # noqa: N818 - an outcome, not an error: the run stopped as asked
     """The run saved its checkpoint and stopped on a signal; the CLI exits with ``EXIT_PREEMPTED``."""
 
 
+class Aborted(BaseException):  # noqa: N818 - as KeyboardInterrupt: not an error of the run's
+    """A second Ctrl-C while the first one's save is pending: the run stops at once, without saving."""
+
+
 class PreemptionGuard:
-    """Records SIGTERM/SIGUSR1 while installed (``with guard:``), and agrees on them across ranks."""
+    """Records ``SIGNALS`` while installed (``with guard:``), and agrees on them across ranks."""
 
     def __init__(self, world_size: int, device: torch.device) -> None:
         self.world_size = world_size
@@ -37,6 +44,8 @@ class PreemptionGuard:
         self._previous: dict[int, Any] = {}
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
+            raise Aborted("interrupted twice (Ctrl-C): stopped at once; nothing saved after the last checkpoint")
         self.received = self.received or signum
 
     def __enter__(self) -> PreemptionGuard:

@@ -54,7 +54,7 @@ from dist_trainer.train.metrics import MetricsLogger, memory_bytes, model_flops_
 from dist_trainer.train.moe_balance import update_expert_bias
 from dist_trainer.train.moe_metrics import router_metrics
 from dist_trainer.train.plan_check import CHECK_STEP, PlanCheck, peak_resident_bytes
-from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted, PreemptionGuard, signal_name
+from dist_trainer.train.preempt import EXIT_PREEMPTED, Aborted, Preempted, PreemptionGuard, signal_name
 from dist_trainer.train.profile import StepProfiler
 from dist_trainer.train.resume_checks import check_lr_schedule, check_optimizer, check_resumable, data_order
 from dist_trainer.train.run_dir import claim_run_dir, disk_full_error
@@ -242,8 +242,9 @@ class Trainer:
         try:
             with PreemptionGuard(self.env.world_size, self.device) as self.preemption:
                 return self._train()
-        except BaseException:
-            if self.checkpoints is not None:  # the write in flight finishes (published if every rank's is whole)
+        except BaseException as exc:
+            # the write in flight finishes (published if every rank's is whole); a second Ctrl-C does not wait
+            if self.checkpoints is not None and not isinstance(exc, Aborted):
                 self.checkpoints.abandon()
             raise
         finally:
