@@ -176,6 +176,7 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     while first and chained < len(layer_ids) and layer_ids[chained] == chained:
         chained += 1
     per_token = weights = recompute = host = 0.0
+    has_layers = bool(layer_ids)
     redone = set(recomputed_layers(mode, every, layer_ids))
     offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
     if not (costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: counted at once
@@ -210,7 +211,7 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
         else:
             per_token += moves
             weights += cast
-    if mode == "selective" and layer_ids:
+    if mode == "selective" and has_layers:
         per_token += costs.selective_inputs
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head
     per_token += (costs.embedding if first else 0.0) + (head if last else 0.0)
