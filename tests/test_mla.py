@@ -117,14 +117,27 @@ def test_latent_attention_fields_are_checked_by_name(fields: dict, words: str) -
 
 
 def test_plan_finds_deepseek_v3_layouts_on_256_gpus_of_80_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every expert of a stage fits one rank only with the loss in chunks (the planner's default): the whole logits'
+    layouts spread the experts over the data-parallel ranks; the chunked ones keep them, since every ep group of
+    ep x pp x tp consecutive ranks spans nodes at pp >= 16 and its all-to-alls, all exposed, cross InfiniBand."""
     from dist_trainer.cli import main
 
-    assert main(["plan", "--model", "deepseek-v3", "--gpus", "256", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
-                 "--seq-len", "4096", "--global-batch", "1024", "--precision", "bf16", "--top", "3", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["n_fit"] > 0 and out["layouts"], out["notes"]
-    assert all(r["fits"] and r["memory"]["device_total"] <= 80 * 2**30 for r in out["layouts"])
-    assert any(r["layout"]["ep_size"] > 1 for r in out["layouts"])  # the experts spread over the data-parallel ranks
+    def plan(*extra: str) -> dict:
+        assert main(["plan", "--model", "deepseek-v3", "--gpus", "256", "--gpus-per-node", "8", "--gpu-memory-gb",
+                     "80", "--seq-len", "4096", "--global-batch", "1024", "--precision", "bf16", "--json",
+                     *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["n_fit"] > 0 and out["layouts"], out["notes"]
+        assert all(r["fits"] and r["memory"]["device_total"] <= 80 * 2**30 for r in out["layouts"])
+        return out
+
+    whole = plan("--top", "3", "--loss-chunk-tokens", "0")
+    assert all(r["layout"]["ep_size"] > 1 and r["loss_chunk_tokens"] == 0 for r in whole["layouts"])
+    chunked = plan("--top", "400")
+    best, spread = chunked["layouts"][0], [r for r in chunked["layouts"] if r["layout"]["ep_size"] > 1]
+    assert best["loss_chunk_tokens"] > 0 and best["layout"]["ep_size"] == 1
+    assert spread and all(r["layout"]["ep_size"] * r["layout"]["pp_size"] > 8 for r in spread)
+    assert all(r["time"]["axes"]["ep"]["exposed"] > 0 and r["time"]["total"] > best["time"]["total"] for r in spread)
 
 
 @pytest.mark.parametrize("q_lora_rank", [12, 0])
