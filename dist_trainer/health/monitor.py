@@ -18,9 +18,11 @@ appeared (after an all-reduce every rank has it), and give the small-batch side 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,9 @@ class HealthMonitor(StepHooks):
                  ckpt_root: Path) -> None:
         self.cfg, self.h, self.engine, self.state, self.device = cfg, cfg.health, engine, state, device
         self.ckpt_root = ckpt_root
+        # train.async_save: finishes the save in flight (every rank together) before a stop names the last
+        # checkpoint, which would otherwise still be a .tmp folder (set by the trainer)
+        self.settle_saves: Callable[[], None] | None = None
         self.signals = LayerSignals(cfg.model.n_layers, cfg.model.vocab_size, cfg.model.d_model,
                                     self.h.embed_sample, device, cfg.model.n_decoder_layers)
         self.noise = NoiseScale(self.h.noise_ema)
@@ -136,7 +141,7 @@ class HealthMonitor(StepHooks):
             message = f"step {self.step}: spike: {spike}"
             if self.h.on_spike == "stop":
                 raise UnhealthyStep(f"{message}. Stopped (health.on_spike=stop); the last checkpoint is "
-                                    f"{publish.latest_checkpoint(self.ckpt_root)}")
+                                    f"{self._last_checkpoint()}")
             if self.h.on_spike == "skip":
                 return self._skip("spike", f"{message}; its update was skipped (health.on_spike=skip)")
             self.notes.append(f"warning: {message} (health.on_spike=warn)")
@@ -186,9 +191,18 @@ class HealthMonitor(StepHooks):
         if self.h.on_nonfinite == "stop":
             raise UnhealthyStep(
                 f"{what}. The update was not applied and no checkpoint holds this state; the last checkpoint is "
-                f"{publish.latest_checkpoint(self.ckpt_root)}: resume from it with --train.resume=true (and a lower "
+                f"{self._last_checkpoint()}: resume from it with --train.resume=true (and a lower "
                 "optim.lr if the values grew), or set health.on_nonfinite=skip to drop such steps and go on")
         return self._skip("nonfinite", f"{what}; its update was skipped (health.on_nonfinite=skip)")
+
+    def _last_checkpoint(self) -> Path | None:
+        """The newest published checkpoint, once the save in flight (if any) is published. Collective: every rank
+        stops at the same step. A save that failed leaves the previous checkpoint the newest (its error is logged
+        where it failed)."""
+        if self.settle_saves is not None:
+            with contextlib.suppress(Exception):
+                self.settle_saves()
+        return publish.latest_checkpoint(self.ckpt_root)
 
     def _describe_nonfinite(self) -> str:
         parts = []
@@ -248,7 +262,7 @@ class HealthMonitor(StepHooks):
             raise UnhealthyStep(
                 f"refusing to write the checkpoint of step {self.step}: parameter {describe_parameter(param)} is "
                 f"not finite on rank {rank} ({self.state.describe_rank(rank)}); the last finite checkpoint, "
-                f"{publish.latest_checkpoint(self.ckpt_root)}, is kept")
+                f"{self._last_checkpoint()}, is kept")
 
     # ------------------------------------------------------------------ measurements
 

@@ -33,6 +33,11 @@ from dist_trainer.parallel.comm import Collective, CommCounter
 PREFIX = "dist_trainer"
 
 
+class PeersLost(RuntimeError):
+    """A collective failed or timed out: a peer died or stalled (the trainer's message names this rank, its
+    coordinates, the step and the hang report). What waits for the peers' files afterwards need not wait."""
+
+
 def default_store() -> dist.Store | None:
     """The default process group's store, or None (no group, or a torch without the private accessor)."""
     if not (dist.is_available() and dist.is_initialized()):

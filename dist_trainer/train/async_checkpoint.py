@@ -9,8 +9,8 @@
                         write, agree over the world that every write succeeded (one all-reduce), rank 0 publishes if
                         poll() did not yet, a barrier; a wait that blocked is logged with its seconds
     abandon()           on an error, without collectives (a peer may be gone): wait for this rank's write; rank 0
-                        publishes if every rank's marker appears within ``ABANDON_GRACE_S``, else the ``.tmp`` stays
-                        and the previous checkpoint is the newest
+                        publishes if every rank's marker appears within ``ABANDON_GRACE_S`` (at once, when a peer is
+                        known lost), else the ``.tmp`` stays and the previous checkpoint is the newest
 
 Every collective here runs on the main thread, between steps.
 """
@@ -110,7 +110,7 @@ class AsyncCheckpoints:
             self._publish(flight)
         self._barrier()  # published for every rank before it goes on (or exits)
 
-    def abandon(self) -> None:
+    def abandon(self, *, wait_for_peers: bool = True) -> None:
         flight, self.writer.in_flight = self.writer.in_flight, None
         if flight is None:
             return
@@ -120,7 +120,7 @@ class AsyncCheckpoints:
             return
         if self.rank != 0 or flight.published or flight.write.error is not None:
             return
-        deadline = time.monotonic() + ABANDON_GRACE_S
+        deadline = time.monotonic() + (ABANDON_GRACE_S if wait_for_peers else 0.0)
         while not markers_present(flight.tmp, self.world_size) and time.monotonic() < deadline:
             time.sleep(0.1)
         if markers_present(flight.tmp, self.world_size):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from dist_trainer.model_lora import count_trainable
 from dist_trainer.model_moe import reset_router_stats
 from dist_trainer.optim import lr_at
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.parallel.watchdog import default_store, describe_hang, enable_nccl_flight_recorder
+from dist_trainer.parallel.watchdog import PeersLost, default_store, describe_hang, enable_nccl_flight_recorder
 from dist_trainer.train.async_checkpoint import AsyncCheckpoints
 from dist_trainer.train.check import (
     check_async_save_memory,
@@ -164,6 +165,8 @@ class Trainer:
         # train.async_save: staged in host memory and written behind training (train/async_checkpoint.py)
         self.checkpoints = AsyncCheckpoints.for_run(cfg, self.engine, self.ckpt_root, self.env, self.device,
                                                     self.resumed_from, self.logger.write, notes)
+        if self.checkpoints is not None:  # a health stop names the save in flight once it is published
+            self.health.settle_saves = partial(self.checkpoints.finish, "before a health stop names it")
         notes[:0] = launch_notes  # layout=auto's choice and the micro-batch fit first
         for note in notes:
             self.logger.write(note)
@@ -243,9 +246,10 @@ class Trainer:
             with PreemptionGuard(self.env.world_size, self.device) as self.preemption:
                 return self._train()
         except BaseException as exc:
-            # the write in flight finishes (published if every rank's is whole); a second Ctrl-C does not wait
+            # the write in flight finishes (published if every rank's is whole: not waited for when a peer is
+            # lost, whose files will not come); a second Ctrl-C does not wait
             if self.checkpoints is not None and not isinstance(exc, Aborted):
-                self.checkpoints.abandon()
+                self.checkpoints.abandon(wait_for_peers=not isinstance(exc, PeersLost))
             raise
         finally:
             self.close()
@@ -340,8 +344,11 @@ class Trainer:
         """Wait for the asynchronous save in flight and publish it (every rank together)."""
         if self.checkpoints is not None and (flight := self.checkpoints.writer.in_flight) is not None:
             checkpoints = self.checkpoints
+            folder = ckpt.step_dir(self.ckpt_root, flight.step).name
+            whole = "already published" if flight.published else \
+                f"its partial {folder}.tmp is ignored; the previous checkpoint is whole"
             self._guarded(lambda _: self._disk_full_guard(lambda: checkpoints.finish(reason), flight.step), step,
-                          f"while finishing checkpoint step {flight.step}")
+                          f"while finishing checkpoint {folder} written in the background ({whole})")
 
     def _guarded(self, fn: Any, step: int, during: str = "") -> Any:
         """Run one step (or its eval or save: ``during`` says which); a collective that fails (a peer died) or
@@ -361,7 +368,7 @@ class Trainer:
             inside = f", inside {counter.current.describe()}" if counter.current is not None else ""
             hang = describe_hang(default_store(), counter, self.env.rank, self.state.group_ranks(),
                                  self.state.describe_rank, self.cfg.health.hang_grace_s)
-            raise RuntimeError(
+            raise PeersLost(
                 f"rank {self.env.rank} ({self.state.describe()}) lost contact with its peers at step {step + 1} "
                 f"{during + ' ' if during else ''}after {waited:.1f}s{inside}: a rank died, or stalled past "
                 f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}s. {hang + ' ' if hang else ''}"
