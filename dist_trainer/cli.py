@@ -34,31 +34,35 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import torch
+
     from dist_trainer.config_load import load_config
     from dist_trainer.train.distributed import shutdown_distributed
-    from dist_trainer.train.preempt import EXIT_ABORTED, EXIT_PREEMPTED, Aborted, Preempted
+    from dist_trainer.train.preempt import EXIT_ABORTED, EXIT_PREEMPTED, Aborted, Preempted, PreemptionGuard
     from dist_trainer.train.summary import print_summary
     from dist_trainer.train.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
     code = 0
-    try:
-        trainer = Trainer(cfg)
+    trainer: Trainer | None = None
+    # a signal during start-up is recorded, and the ranks stop before their first step (train/preempt.py)
+    with PreemptionGuard(1, torch.device("cpu")):
         try:
+            cfg = load_config(args.config, args.overrides)
+            trainer = Trainer(cfg)
             result = trainer.train()
             if trainer.env.rank == 0:
                 print_summary(cfg, result)
         except Preempted as stop:  # SIGTERM/SIGUSR1/SIGINT/SIGHUP: every rank saved the same step (train/preempt.py)
-            if trainer.env.rank == 0:
+            if trainer is not None and trainer.env.rank == 0:
                 sys.stderr.write(f"dist-trainer train: {stop}\n")
             code = EXIT_PREEMPTED
-        except Aborted as stop:  # a second Ctrl-C
-            if trainer.env.rank == 0:
+        except Aborted as stop:  # a second Ctrl-C (during start-up too, before the trainer exists)
+            if trainer is None or trainer.env.rank == 0:
                 sys.stderr.write(f"dist-trainer train: {stop} (exit status {EXIT_ABORTED})\n")
             code = EXIT_ABORTED
-    finally:
-        shutdown_distributed()
-    if trainer.has_process_group:
+        finally:
+            shutdown_distributed()
+    if trainer is not None and trainer.has_process_group:
         # Skip interpreter teardown: gloo/DeepSpeed threads sometimes abort at exit
         # ("terminate called without an active exception") after the work is done.
         sys.stdout.flush()

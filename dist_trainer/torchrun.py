@@ -4,7 +4,8 @@ torchrun forwards the signal to its workers, waits for them (they save a checkpo
 ``EXIT_PREEMPTED``: train/preempt.py), then raises ``SignalException`` out of its main, a traceback on every
 preemption (issue 28). This wrapper says what happened instead and exits with the workers' status, so a
 SLURM script can tell a preemption from a failure. ``launch/torchrun.sh`` runs it; it also asks torchrun to
-forward SIGUSR1 (SLURM's ``--signal``), which torchrun does not handle by default.
+forward SIGUSR1 (SLURM's ``--signal``), which torchrun does not handle by default: through ``PET_SIGNALS_TO_HANDLE``,
+the default of its ``--signals-to-handle`` (torch >= 2.8 sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from that option).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dist_trainer.train.preempt import EXIT_PREEMPTED, SIGNALS
 
 
 def main() -> int:
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE",
-                          ",".join(["SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in SIGNALS)]))
+    # torchrun's --signals-to-handle (its default read from PET_SIGNALS_TO_HANDLE; its launcher then overwrites
+    # TORCHELASTIC_SIGNALS_TO_HANDLE with it): SIGUSR1 added, so it is forwarded, not fatal to torchrun alone
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", ",".join(dict.fromkeys([*(s.name for s in SIGNALS), "SIGQUIT"])))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
@@ -26,9 +28,9 @@ def main() -> int:
         torchrun_main()
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
+        saves = f"on {' or '.join(s.name for s in SIGNALS)} the ranks save a checkpoint once they have taken a step"
         sys.stderr.write(f"dist_trainer.torchrun: {name} received and forwarded to the workers, which have stopped "
-                         f"(each rank saves a checkpoint on {' or '.join(s.name for s in SIGNALS)}: see its line "
-                         "above)\n")
+                         f"({saves}; rank 0's line above says what was saved)\n")
         return EXIT_PREEMPTED if exc.sigval in SIGNALS else 128 + int(exc.sigval)
     return 0
 

@@ -5,6 +5,7 @@ real signals, evaluation and periodic checkpoints on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -169,22 +170,89 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tiny_data: Path, tmp_path:
     assert step < STEPS and ckpt.latest_checkpoint(out / "checkpoints") != ckpt.step_dir(out / "checkpoints", step)
 
 
+def _left_behind(config: Path) -> list[str]:
+    """Processes still running this run's config (a launcher's orphaned ranks)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if str(config) in " ".join(p.info["cmdline"] or []):
+                found.append(f"{p.pid}: {' '.join(p.info['cmdline'])}")
+    return found
+
+
 @pytest.mark.slow
-def test_sigterm_to_torchrun_saves_on_every_rank_and_resumes(tiny_data: Path, tmp_path: Path,
-                                                             reference: dict) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_torchrun_saves_on_every_rank(tiny_data: Path, tmp_path: Path, reference: dict,
+                                                  sig: signal.Signals) -> None:
+    """The wrapper forwards SIGTERM, SLURM's SIGUSR1 (torchrun's own --signals-to-handle default left it out: the
+    launcher died at once with status 138 and the ranks trained on, orphaned) and Ctrl-C to both ranks, which save
+    and stop; no process is left behind. SIGTERM's checkpoint is resumed to the uninterrupted run's losses."""
     out = tmp_path / "run"
+    config = _config(tiny_data, out, tmp_path)
     cmd = [sys.executable, "-m", "dist_trainer.torchrun", "--standalone", "--nproc_per_node", "2",
-           "--monitor-interval", "0.1", "-m", "dist_trainer.cli", "train",
-           "--config", str(_config(tiny_data, out, tmp_path))]
-    code, output, seconds = _signal_after_step(cmd, out, signal.SIGTERM, tmp_path)
+           "--monitor-interval", "0.1", "-m", "dist_trainer.cli", "train", "--config", str(config)]
+    code, output, seconds = _signal_after_step(cmd, out, sig, tmp_path)
     assert code == EXIT_PREEMPTED, output[-3000:]
     assert "Traceback" not in output, output[-3000:]  # neither the workers' nor torchrun's SignalException
-    assert "dist_trainer.torchrun: SIGTERM received and forwarded to the workers" in output, output[-3000:]
+    assert f"dist_trainer.torchrun: {sig.name} received and forwarded to the workers" in output, output[-3000:]
     # both ranks wrote their part before torchrun's shutdown timeout (30 s, then SIGKILL)
     assert seconds < 30, seconds
-    step = _check_stopped(out, output, signal.SIGTERM)
+    assert not _left_behind(config)
+    step = _check_stopped(out, output, sig)
     assert (ckpt.step_dir(out / "checkpoints", step) / ckpt.rng_file(1)).is_file()
-    _resume(tiny_data, out, step, reference)
+    if sig == signal.SIGTERM:
+        _resume(tiny_data, out, step, reference)
+
+
+def test_a_signal_during_start_up_stops_before_the_first_step(tiny_data: Path, tmp_path: Path) -> None:
+    """A signal while the trainer is still being built (it killed the process with run.lock held, and the
+    torchrun wrapper claimed a checkpoint was saved): the run stops before step 1, says nothing was saved,
+    releases the run folder and exits 75 with one line, no traceback."""
+    out = tmp_path / "run"
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import os, signal, sys\n"
+        "from dist_trainer.train import trainer\n"
+        "real = trainer.Trainer._build\n"
+        "def build(self, *args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # during start-up: the model is not built yet\n"
+        "    return real(self, *args, **kwargs)\n"
+        "trainer.Trainer._build = build\n"
+        "from dist_trainer.cli import main\n"
+        "sys.exit(main(['train', '--config', sys.argv[1]]))\n")
+    done = subprocess.run([sys.executable, str(driver), str(_config(tiny_data, out, tmp_path))], cwd=ROOT,
+                          env=_env(tmp_path, {}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_PREEMPTED and "Traceback" not in output, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("dist-trainer train: ")]
+    assert lines == [f"dist-trainer train: SIGTERM received during start-up: stopped before step 1 of {STEPS}, "
+                     f"nothing saved (no step taken; the newest checkpoint is None), and released {out}; run it "
+                     f"again (exit status {EXIT_PREEMPTED})"], output[-3000:]
+    assert (out / "run.lock").read_text() == "" and not _steps(out / "metrics.jsonl")
+    assert ckpt.latest_checkpoint(out / "checkpoints") is None
+
+
+def _signal_rank1_during_start_up(rank: int, world_size: int, data: Path, out: Path) -> tuple[int, str]:
+    from dist_trainer.train.preempt import PreemptionGuard
+
+    with PreemptionGuard(1, torch.device("cpu")):  # what dist-trainer train holds from its start
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        trainer = Trainer(tiny_config(data, out, **SECTIONS))
+        with pytest.raises(Preempted) as stop:
+            trainer.train()
+    return trainer.step, str(stop.value)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_during_start_up_stops_every_rank_before_step_1(tiny_data: Path,
+                                                                               tmp_path: Path) -> None:
+    results = run_distributed(_signal_rank1_during_start_up, 2, (tiny_data, tmp_path / "run"))
+    assert [r[0] for r in results] == [0, 0]
+    assert all(r[1].startswith(f"SIGUSR1 received during start-up: stopped before step 1 of {STEPS}, nothing "
+                               "saved") for r in results), results
+    assert (tmp_path / "run" / "run.lock").read_text() == ""
+    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints") is None
 
 
 def _signal_rank1_during_step_3(rank: int, world_size: int, data: Path, out: Path) -> tuple[int, str, list[str]]:

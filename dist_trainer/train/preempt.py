@@ -8,6 +8,11 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30) before SIGKILL. The default action e
 trainer asks ``agreed()`` at every step boundary, which all-reduces the flag over the world (one integer), so
 every rank learns of a signal any rank received after the same step, and all of them write the checkpoint of
 that step together, release the run folder and leave with ``Preempted`` (exit status ``EXIT_PREEMPTED``).
+
+``dist-trainer train`` records the signals from its start (a guard around the trainer's construction): one that
+comes during start-up (the model's build, DeepSpeed's initialize, a resume's read) is taken over by the trainer's
+guard, and the ranks stop together before their first step, saving nothing (there is nothing new to save), with
+the run folder released and one line saying so, instead of dying with ``run.lock`` held.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class PreemptionGuard:
             return self  # Python delivers signals to the main thread only: a run in a thread is not preemptible
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
+            outer = getattr(self._previous[sig], "__self__", None)
+            if isinstance(outer, PreemptionGuard):  # the command's start-up guard: what it recorded carries over
+                self.received = self.received or outer.received
             signal.siginterrupt(sig, False)  # restart system calls (a socket read in a collective) after it
         return self
 
