@@ -37,30 +37,41 @@ def run_train(args: argparse.Namespace) -> int:
     import torch
 
     from dist_trainer.config_load import load_config
-    from dist_trainer.train.distributed import shutdown_distributed
+    from dist_trainer.train.distributed import detect_launch_env, shutdown_distributed
     from dist_trainer.train.preempt import EXIT_ABORTED, EXIT_PREEMPTED, Aborted, Preempted, PreemptionGuard
+    from dist_trainer.train.preempt import StoppedDuringStartup as StoppedEarly
     from dist_trainer.train.summary import print_summary
     from dist_trainer.train.trainer import Trainer
 
-    code = 0
+    code, rank0, out_dir = 0, detect_launch_env().rank == 0, None
     trainer: Trainer | None = None
-    # a signal during start-up is recorded, and the ranks stop before their first step (train/preempt.py)
-    with PreemptionGuard(1, torch.device("cpu")):
+    # until the trainer is built a signal stops this rank at once, with nothing to save (train/preempt.py); after,
+    # it is recorded and handed to the trainer's own guard
+    with PreemptionGuard(1, torch.device("cpu"), start_up=True) as start_up:
         try:
             cfg = load_config(args.config, args.overrides)
-            trainer = Trainer(cfg)
+            out_dir = cfg.train.out_dir
+            trainer = Trainer(cfg)  # its out_dir lock is released if it stops during its construction
+            start_up.start_up = False
             result = trainer.train()
-            if trainer.env.rank == 0:
+            if rank0:
                 print_summary(cfg, result)
+        except StoppedEarly as stop:
+            if rank0:
+                sys.stderr.write(f"dist-trainer train: {stop}: nothing saved{_kept(out_dir)}; run it again (exit "
+                                 f"status {EXIT_PREEMPTED})\n")
+            code = EXIT_PREEMPTED
         except Preempted as stop:  # SIGTERM/SIGUSR1/SIGINT/SIGHUP: every rank saved the same step (train/preempt.py)
-            if trainer is not None and trainer.env.rank == 0:
+            if rank0:
                 sys.stderr.write(f"dist-trainer train: {stop}\n")
             code = EXIT_PREEMPTED
-        except Aborted as stop:  # a second Ctrl-C (during start-up too, before the trainer exists)
-            if trainer is None or trainer.env.rank == 0:
+        except Aborted as stop:  # a second Ctrl-C
+            if rank0:
                 sys.stderr.write(f"dist-trainer train: {stop} (exit status {EXIT_ABORTED})\n")
             code = EXIT_ABORTED
         finally:
+            if trainer is not None:
+                trainer.close()  # out_dir released (train() does it; a signal may come before train())
             shutdown_distributed()
     if trainer is not None and trainer.has_process_group:
         # Skip interpreter teardown: gloo/DeepSpeed threads sometimes abort at exit
@@ -69,6 +80,17 @@ def run_train(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _kept(out_dir: str | None) -> str:
+    """What a run stopped during start-up kept: its newest checkpoint (once its config is read)."""
+    if out_dir is None:
+        return ""
+    from dist_trainer.checkpoint.publish import latest_checkpoint
+
+    latest = latest_checkpoint(Path(out_dir) / "checkpoints")
+    return f" (the newest checkpoint in {out_dir} is {latest}: --train.resume=true continues from it)" if latest \
+        else f" ({out_dir} holds no checkpoint)"
 
 
 def _register_check(sub: argparse._SubParsersAction) -> None:

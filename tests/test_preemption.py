@@ -204,55 +204,50 @@ def test_a_signal_to_torchrun_saves_on_every_rank(tiny_data: Path, tmp_path: Pat
         _resume(tiny_data, out, step, reference)
 
 
-def test_a_signal_during_start_up_stops_before_the_first_step(tiny_data: Path, tmp_path: Path) -> None:
-    """A signal while the trainer is still being built (it killed the process with run.lock held, and the
-    torchrun wrapper claimed a checkpoint was saved): the run stops before step 1, says nothing was saved,
-    releases the run folder and exits 75 with one line, no traceback."""
-    out = tmp_path / "run"
+def _start_up_driver(tmp_path: Path) -> Path:
+    """``dist-trainer train`` whose trainer gets SIGTERM while it is built (before its model exists)."""
     driver = tmp_path / "driver.py"
     driver.write_text(
         "import os, signal, sys\n"
         "from dist_trainer.train import trainer\n"
         "real = trainer.Trainer._build\n"
         "def build(self, *args, **kwargs):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)  # during start-up: the model is not built yet\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return real(self, *args, **kwargs)\n"
         "trainer.Trainer._build = build\n"
         "from dist_trainer.cli import main\n"
         "sys.exit(main(['train', '--config', sys.argv[1]]))\n")
-    done = subprocess.run([sys.executable, str(driver), str(_config(tiny_data, out, tmp_path))], cwd=ROOT,
-                          env=_env(tmp_path, {}), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return driver
+
+
+def test_a_signal_during_start_up_stops_at_once_saving_nothing(tiny_data: Path, tmp_path: Path) -> None:
+    """A signal while the trainer is still being built killed the process by the default action with run.lock held
+    (and the torchrun wrapper claimed a checkpoint was saved): the rank stops at once, says nothing was saved and
+    which checkpoint is the newest, releases the run folder and exits 75 with one line, no traceback."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(_start_up_driver(tmp_path)), str(_config(tiny_data, out, tmp_path))],
+                          cwd=ROOT, env=_env(tmp_path, {}), capture_output=True, text=True, timeout=TIMEOUT_S)
     output = done.stdout + done.stderr
     assert done.returncode == EXIT_PREEMPTED and "Traceback" not in output, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("dist-trainer train: ")]
-    assert lines == [f"dist-trainer train: SIGTERM received during start-up: stopped before step 1 of {STEPS}, "
-                     f"nothing saved (no step taken; the newest checkpoint is None), and released {out}; run it "
-                     f"again (exit status {EXIT_PREEMPTED})"], output[-3000:]
+    assert lines == ["dist-trainer train: SIGTERM received during start-up: stopped before the first step: nothing "
+                     f"saved ({out} holds no checkpoint); run it again (exit status {EXIT_PREEMPTED})"], output[-3000:]
     assert (out / "run.lock").read_text() == "" and not _steps(out / "metrics.jsonl")
     assert ckpt.latest_checkpoint(out / "checkpoints") is None
 
 
-def _signal_rank1_during_start_up(rank: int, world_size: int, data: Path, out: Path) -> tuple[int, str]:
-    from dist_trainer.train.preempt import PreemptionGuard
+def test_the_start_up_guard_stops_at_once_then_hands_a_signal_to_the_trainers() -> None:
+    from dist_trainer.train.preempt import PreemptionGuard, StoppedDuringStartup
 
-    with PreemptionGuard(1, torch.device("cpu")):  # what dist-trainer train holds from its start
-        if rank == 1:
+    with PreemptionGuard(1, torch.device("cpu"), start_up=True) as start_up:
+        with pytest.raises(StoppedDuringStartup, match="SIGUSR1 received during start-up"):
             os.kill(os.getpid(), signal.SIGUSR1)
-        trainer = Trainer(tiny_config(data, out, **SECTIONS))
-        with pytest.raises(Preempted) as stop:
-            trainer.train()
-    return trainer.step, str(stop.value)
-
-
-@pytest.mark.slow
-def test_a_signal_to_one_rank_during_start_up_stops_every_rank_before_step_1(tiny_data: Path,
-                                                                               tmp_path: Path) -> None:
-    results = run_distributed(_signal_rank1_during_start_up, 2, (tiny_data, tmp_path / "run"))
-    assert [r[0] for r in results] == [0, 0]
-    assert all(r[1].startswith(f"SIGUSR1 received during start-up: stopped before step 1 of {STEPS}, nothing "
-                               "saved") for r in results), results
-    assert (tmp_path / "run" / "run.lock").read_text() == ""
-    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints") is None
+            time.sleep(1)
+        start_up.start_up = False  # the trainer is built: a signal is recorded for its guard
+        os.kill(os.getpid(), signal.SIGTERM)
+        with PreemptionGuard(1, torch.device("cpu")) as guard:
+            assert guard.agreed() == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
 
 
 def _signal_rank1_during_step_3(rank: int, world_size: int, data: Path, out: Path) -> tuple[int, str, list[str]]:

@@ -9,10 +9,11 @@ trainer asks ``agreed()`` at every step boundary, which all-reduces the flag ove
 every rank learns of a signal any rank received after the same step, and all of them write the checkpoint of
 that step together, release the run folder and leave with ``Preempted`` (exit status ``EXIT_PREEMPTED``).
 
-``dist-trainer train`` records the signals from its start (a guard around the trainer's construction): one that
-comes during start-up (the model's build, DeepSpeed's initialize, a resume's read) is taken over by the trainer's
-guard, and the ranks stop together before their first step, saving nothing (there is nothing new to save), with
-the run folder released and one line saying so, instead of dying with ``run.lock`` held.
+``dist-trainer train`` holds a start-up guard from its start until the trainer's own takes over (``train()``): a
+signal during start-up (the config's read, the model's build, DeepSpeed's initialize, a resume's read), when there
+is nothing new to save, stops the rank at once (``StoppedDuringStartup``, as Ctrl-C would: a launcher that forwards
+the signal stops every rank so) with the run folder released, one line saying nothing was saved, and
+``EXIT_PREEMPTED``, instead of dying by the default action with ``run.lock`` held.
 """
 
 from __future__ import annotations
@@ -39,16 +40,27 @@ class Aborted(BaseException):  # noqa: N818 - as KeyboardInterrupt: not an error
     """A second Ctrl-C while the first one's save is pending: the run stops at once, without saving."""
 
 
+class StoppedDuringStartup(BaseException):  # noqa: N818 - as KeyboardInterrupt: raised where the signal lands
+    """A preemption signal before the trainer's guard took over: nothing was trained, so nothing is saved."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal_name(signum)} received during start-up: stopped before the first step")
+        self.signum = signum
+
+
 class PreemptionGuard:
     """Records ``SIGNALS`` while installed (``with guard:``), and agrees on them across ranks."""
 
-    def __init__(self, world_size: int, device: torch.device) -> None:
+    def __init__(self, world_size: int, device: torch.device, *, start_up: bool = False) -> None:
         self.world_size = world_size
         self.device = device
+        self.start_up = start_up  # dist-trainer train's guard until the trainer's: a signal stops at once
         self.received: int = 0  # the signal number, 0 when none came
         self._previous: dict[int, Any] = {}
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.start_up:
+            raise StoppedDuringStartup(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
             raise Aborted("interrupted twice (Ctrl-C): stopped at once; nothing saved after the last checkpoint")
         self.received = self.received or signum
@@ -59,7 +71,7 @@ class PreemptionGuard:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
             outer = getattr(self._previous[sig], "__self__", None)
-            if isinstance(outer, PreemptionGuard):  # the command's start-up guard: what it recorded carries over
+            if isinstance(outer, PreemptionGuard):  # recorded by the command's guard after the trainer was built
                 self.received = self.received or outer.received
             signal.siginterrupt(sig, False)  # restart system calls (a socket read in a collective) after it
         return self

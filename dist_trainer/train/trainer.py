@@ -266,13 +266,6 @@ class Trainer:
         flops_per_step = model_flops_per_step(cfg)  # attention counted in full, as published MFU is
         causal_flops_per_step = model_flops_per_step(cfg, attention="causal")
         peak = peak_flops(cfg, self.device) * self.env.world_size
-        if signum := self._guarded(lambda _: self.preemption.agreed(), self.step):  # one during start-up
-            self.logger.close()
-            latest = ckpt.latest_checkpoint(self.ckpt_root)
-            raise Preempted(f"{signal_name(signum)} received during start-up: stopped before step {self.step + 1} of "
-                            f"{cfg.train.max_steps}, nothing saved (no step taken; the newest checkpoint is {latest}), "
-                            f"and released {self.out_dir}; run it again{' with --train.resume=true' if latest else ''}"
-                            f" (exit status {EXIT_PREEMPTED})")
         if self.step == 0 and cfg.train.eval_every:
             result.eval_losses[0] = self.evaluate()
             if self.eval_by_source:
