@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = extra
     elif extra:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
-    from dist_trainer.files import error_message, refuse_empty_paths
+    from dist_trainer.files import error_message, first_to_say, refuse_empty_paths
 
     try:
         refuse_empty_paths(args)
@@ -336,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         # one write of the whole line: the ranks of a torchrun job share stderr, and print() writes the text and
-        # its newline separately, so two ranks' lines could interleave
-        sys.stderr.write(f"dist-trainer {args.command}: error: {error_message(exc)}\n")
-        sys.stderr.flush()
+        # its newline separately, so two ranks' lines could interleave; a line another rank printed is not repeated
+        line = f"dist-trainer {args.command}: error: {error_message(exc)}\n"
+        if first_to_say(line):
+            sys.stderr.write(line)
+            sys.stderr.flush()
         return 2
 
 

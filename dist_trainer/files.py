@@ -7,9 +7,11 @@ Nothing here imports torch, so ``dist-trainer prepare`` stays free of it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +170,21 @@ def error_message(exc: BaseException) -> str:
         return text
     head, tail = MAX_ERROR_CHARS * 3 // 4, MAX_ERROR_CHARS // 5
     return f"{text[:head]} [... {len(text) - head - tail:,} characters left out ...] {text[-tail:]}"
+
+
+def first_to_say(line: str) -> bool:
+    """Whether this process is the first of its torchrun job on this node to print ``line``: the ranks fail alike
+    on a bad config (before they can talk to each other) and share the terminal, where one line is enough (issue
+    40). The first claims an empty file named after the job and the line in the temp dir (``O_EXCL``); without
+    torchrun (``TORCHELASTIC_RUN_ID``), or when the file cannot be made, every process prints."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or os.environ.get("LOCAL_WORLD_SIZE", "1") == "1":
+        return True
+    key = hashlib.sha256(f"{run_id}\0{os.getuid()}\0{line}".encode()).hexdigest()[:24]
+    try:
+        os.close(os.open(Path(tempfile.gettempdir()) / f"dist_trainer_said_{key}", os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True

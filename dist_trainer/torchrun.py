@@ -1,4 +1,5 @@
-"""``python -m dist_trainer.torchrun ARGS``: torchrun itself, ending on SIGTERM/SIGUSR1 with one line.
+"""``python -m dist_trainer.torchrun ARGS``: torchrun itself, ending on SIGTERM/SIGUSR1, or a worker's failure, with
+one line (the failed worker's exit status; torchrun printed a traceback and a 30-line report).
 
 torchrun forwards the signal to its workers, waits for them (they save a checkpoint and exit with
 ``EXIT_PREEMPTED``: train/preempt.py), then raises ``SignalException`` out of its main, a traceback on every
@@ -10,6 +11,7 @@ the default of its ``--signals-to-handle`` (torch >= 2.8 sets ``TORCHELASTIC_SIG
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -22,10 +24,22 @@ def main() -> int:
     # TORCHELASTIC_SIGNALS_TO_HANDLE with it): SIGUSR1 added, so it is forwarded, not fatal to torchrun alone
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", ",".join(dict.fromkeys([*(s.name for s in SIGNALS), "SIGQUIT"])))
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    if "LOGLEVEL" not in os.environ:  # its "failed (exitcode: N) local_rank: R" and closing-signal lines: ours says it
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
 
     try:
         torchrun_main()
+    except ChildFailedError as exc:  # torch's 30-line report: the workers' own lines above say what failed
+        rank, first = exc.get_first_failure()
+        how = f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 else \
+            f"exited with status {first.exitcode}"
+        others = len(exc.failures) - 1
+        sys.stderr.write(f"dist_trainer.torchrun: rank {rank} of {exc.name} {how} (its error is above); torchrun "
+                         f"stopped the other workers{f' ({others} of them failed too)' if others else ''}\n")
+        return first.exitcode if first.exitcode > 0 else 1
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         saves = f"on {' or '.join(s.name for s in SIGNALS)} the ranks save a checkpoint once they have taken a step"

@@ -72,6 +72,20 @@ def test_torchrun_sh_two_processes(tiny_data: Path, tmp_path: Path, reference_lo
 
 
 @pytest.mark.slow
+def test_a_bad_config_under_torchrun_is_one_line_once(tmp_path: Path) -> None:
+    """Issue 40: each rank printed the same error line and torchrun added its ChildFailedError traceback and a
+    30-line report. Now the ranks' shared line is printed once and the wrapper adds one line: the failed rank and
+    its status, which is the job's."""
+    proc = _run([str(LAUNCH / "torchrun.sh"), "--optim.lr=-1"], subprocess_env(tmp_path, NPROC_PER_NODE="2"))
+    lines = [x for x in (proc.stdout + proc.stderr).strip().splitlines() if not x.startswith("launch/torchrun.sh: ")]
+    assert proc.returncode == 2, lines
+    assert lines[0] == "dist-trainer train: error: optim.lr=-1.0 must be >= 0", lines
+    assert len(lines) == 2 and lines[1].startswith("dist_trainer.torchrun: rank ") and \
+        lines[1].endswith("exited with status 2 (its error is above); torchrun stopped the other workers (1 of them "
+                          "failed too)"), lines
+
+
+@pytest.mark.slow
 def test_torchrun_sh_static_rendezvous(tiny_data: Path, tmp_path: Path, reference_losses: list[float]) -> None:
     """The multi-node form (NNODES, NODE_RANK, MASTER_ADDR/PORT) with one node."""
     config, out = _write_config(tiny_data, tmp_path)
