@@ -23,6 +23,8 @@ Environment:
                the first host with `ssh HOST hostname -I`)
   MASTER_PORT  rendezvous port, default 29500
   DEEPSPEED    the launcher command, default deepspeed
+  PYTHON       the Python that runs dist_trainer.forward_signals around it (SIGTERM, SIGUSR1,
+               Ctrl-C and SIGHUP go to the ranks, which save and exit 75), default python3
 
 One node, 8 GPUs:       launch/deepspeed.sh --config run.yaml
 One CPU node, 2 procs:  DS_ACCELERATOR=cpu NUM_GPUS=2 launch/deepspeed.sh --config run.yaml
@@ -86,4 +88,5 @@ fi
 
 cmd+=(dist_trainer.cli train "$@")
 echo "launch/deepspeed.sh: ${cmd[*]}" >&2
-exec "${cmd[@]}"
+# deepspeed on one node neither forwards SIGTERM/SIGUSR1 nor survives them: the wrapper sends them to the ranks
+exec "${PYTHON:-python3}" -m dist_trainer.forward_signals "${cmd[@]}"

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from dist_trainer.checkpoint import publish as ckpt
-from dist_trainer.testing import run_distributed
+from dist_trainer.testing import free_port, run_distributed
 from dist_trainer.train.preempt import EXIT_PREEMPTED, Preempted
 from dist_trainer.train.trainer import Trainer
 from tests.helpers import ROOT, assert_same_curves, curves, relative_diff, subprocess_env, tiny_config
@@ -202,6 +202,24 @@ def test_a_signal_to_torchrun_saves_on_every_rank(tiny_data: Path, tmp_path: Pat
     assert (ckpt.step_dir(out / "checkpoints", step) / ckpt.rng_file(1)).is_file()
     if sig == signal.SIGTERM:
         _resume(tiny_data, out, step, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_deepspeed_sh_reaches_the_ranks(tiny_data: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """deepspeed on one node died of SIGTERM/SIGUSR1 at once and left its ranks training (orphans), and printed a
+    KeyboardInterrupt traceback on Ctrl-C: launch/deepspeed.sh runs it under dist_trainer.forward_signals, which
+    sends the signal to the ranks alone; they save, and the launcher's status, 75, is the job's."""
+    out = tmp_path / "run"
+    config = _config(tiny_data, out, tmp_path)
+    code, output, _ = _signal_after_step([str(ROOT / "launch" / "deepspeed.sh"), "--config", str(config)], out, sig,
+                                         tmp_path, {"NUM_GPUS": "2", "MASTER_PORT": str(free_port())})
+    assert code == EXIT_PREEMPTED, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert f"dist_trainer.forward_signals: {sig.name} forwarded to 2 rank(s)" in output, output[-3000:]
+    assert not _left_behind(config)
+    step = _check_stopped(out, output, sig)
+    assert (ckpt.step_dir(out / "checkpoints", step) / ckpt.rng_file(1)).is_file()
 
 
 def _start_up_driver(tmp_path: Path) -> Path:
