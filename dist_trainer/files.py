@@ -188,3 +188,16 @@ def first_to_say(line: str) -> bool:
     except OSError:
         return True
     return True
+
+
+def refuse_host_shortfall(need: int, what: str, advice: str, available: int | None = None) -> None:
+    """A ValueError naming both figures when ``need`` bytes of host memory (``what`` needs them: "building the
+    model needs") exceed ``available`` (default: psutil's available bytes of this node), before anything is built."""
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    if need > available:
+        gib = 1 << 30
+        raise ValueError(f"{what} about {need / gib:,.2f} GiB of host memory ({need:,} bytes), and "
+                         f"{available / gib:,.2f} GiB ({available:,} bytes) is available: {advice}")

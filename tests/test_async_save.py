@@ -200,7 +200,8 @@ def test_staged_copy_is_priced_and_checked_before_the_first_step(tiny_data: Path
     assert trainer.checkpoints.writer.stager.bytes == pytest.approx(predicted, rel=0.05)
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=predicted - 1))
-    with pytest.raises(ValueError, match=rf"train.async_save stages each checkpoint in host memory: {predicted:,} "
-                                         rf"bytes .* and {predicted - 1:,} bytes .* --train.async_save=false"):
+    with pytest.raises(ValueError, match=rf"train.async_save stages each checkpoint in host memory: .* "
+                                         rf"\({predicted:,} bytes\), and .* \({predicted - 1:,} bytes\) is available: "
+                                         "pass --train.async_save=false"):
         Trainer(tiny_config(tiny_data, tmp_path / "small", train={"max_steps": 1, "eval_every": 0}))
     assert not (tmp_path / "small" / "checkpoints").exists()

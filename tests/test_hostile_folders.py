@@ -232,6 +232,32 @@ def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_built(c
     assert time.perf_counter() - start < 60
 
 
+def test_a_model_beyond_this_nodes_host_memory_is_refused_before_it_is_built(
+        llama: Path, tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate, export and eval hold the whole model as fp32 on the host (from a checkpoint, its merged state
+    beside it): a node with less memory available is told so, both figures named, before anything is built."""
+    import psutil
+
+    from dist_trainer.planner.params import param_breakdown
+
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_data, out, train={"max_steps": 1, "eval_every": 0})).train()
+    model, cfg = load_plain_model(llama)
+    params = sum(p.numel() for p in model.parameters())
+    assert param_breakdown(cfg.model).total == params  # what the check counts is what is built
+    real = psutil.virtual_memory()
+    for folder, need in ((llama, params * 4), (out, 2 * param_breakdown(load_plain_model(out)[1].model).total * 4)):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda need=need: real._replace(available=need - 1))
+        monkeypatch.setattr("dist_trainer.checkpoint.plain.build_model", None)  # nothing may be built
+        with pytest.raises(ValueError, match=rf"its model as one fp32 copy .* needs about .* \({need:,} bytes\), "
+                                             rf"and .* \({need - 1:,} bytes\) is available"):
+            load_plain_model(folder)
+        monkeypatch.undo()
+        monkeypatch.setattr(psutil, "virtual_memory", lambda need=need: real._replace(available=need))
+        load_plain_model(folder)  # exactly enough
+        monkeypatch.undo()
+
+
 def test_an_error_quoting_a_huge_value_is_one_bounded_line(capsys: pytest.CaptureFixture[str]) -> None:
     """A megabyte optimizer name: the error names the field and the choices, the value's middle left out
     (files.MAX_ERROR_CHARS)."""

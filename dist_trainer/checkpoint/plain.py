@@ -20,12 +20,21 @@ from dist_trainer.config import Config
 from dist_trainer.config_load import config_from_dict, hf_model_fields
 from dist_trainer.facts.hf_config import is_hf_folder, refuse_unreadable_config
 from dist_trainer.facts.quant_sizes import int8_modules
+from dist_trainer.files import refuse_host_shortfall
 from dist_trainer.model import Transformer, build_model
 from dist_trainer.parallel.tp.reshard import ShardSpec, tp_shard_specs
+from dist_trainer.planner.params import param_breakdown
 from dist_trainer.quant.int8 import dequantize_state
 
 
-def _empty_model(cfg: Config) -> Transformer:
+def _empty_model(cfg: Config, where: Path) -> Transformer:
+    """The model, its weights still to be read; refused first where this node's host memory cannot hold it (and,
+    from a checkpoint, the merged state beside it)."""
+    n_params = param_breakdown(cfg.model).total
+    copies = 1 if is_hf_folder(where) or where.suffix == ".safetensors" or (where / EXPORT_WEIGHTS).is_file() else 2
+    refuse_host_shortfall(copies * n_params * 4, f"{where}: its model as one fp32 copy ({n_params:,} parameters x 4 "
+                          f"bytes{', and the state read from its shards beside it' if copies == 2 else ''}) needs",
+                          "read it on a machine with more memory (generate, export and eval hold the whole model)")
     model = build_model(cfg.model, device="meta")
     model.to_empty(device="cpu")
     model.reset_parameters()  # the position tables and the adapters' draw; every weight is then overwritten
@@ -55,7 +64,7 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
         # 200,000 layers over the weights of 2 was refused only after minutes of building)
         source = open_source(p)
         cfg = config_from_dict({"model": export_model_fields(p)})
-        model = _empty_model(cfg)
+        model = _empty_model(cfg, p)
         unused = sorted(source.names() - set(model.state_dict()))  # a native export's: its config is the model's
         if unused:
             raise ValueError(f"{source.where}: holds tensors this model does not use: {', '.join(unused[:6])}"
@@ -68,7 +77,7 @@ def load_plain_model(path: str | Path, device: str | torch.device = "cpu") -> tu
     meta = read_meta(step_path)
     check_files(step_path, meta)  # every file read weights-only first: a bad one is named, nothing executed
     cfg = config_from_dict(meta["config"])
-    model = _empty_model(cfg)
+    model = _empty_model(cfg, p)
     # every tp x pp shard merged by name (a ZeRO checkpoint: DeepSpeed's partitions consolidated to fp32)
     specs = tp_shard_specs(model)  # and the scales of an int8-base run's weights, whole (parallel/int8.py)
     specs.update({f"{n}.weight_scale": ShardSpec(None, None) for n in int8_modules(cfg.model, cfg.train.freeze)})

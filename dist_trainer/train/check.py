@@ -24,6 +24,7 @@ from dist_trainer.data.dataset import read_meta as read_data_meta
 from dist_trainer.data.dataset import split_samples
 from dist_trainer.data.documents import document_eos
 from dist_trainer.data.objective import data_window
+from dist_trainer.files import refuse_host_shortfall
 from dist_trainer.layout_rules import Layout, check_layout, check_nodes, fit_micro_batch, regime_of
 from dist_trainer.train.autolayout import AutoLayout, choose_layout
 
@@ -103,33 +104,19 @@ def check_host_memory(cfg: Config, local_world_size: int, available: int | None 
     n_params = param_breakdown(cfg.model).total
     if cfg.parallel.zero_stage == 3 and cfg.parallel.tp_size == 1:
         return  # built inside deepspeed.zero.Init: partitioned module by module, no rank holds the whole model
-    need = local_world_size * n_params * 4
-    if available is None:
-        import psutil
-
-        available = psutil.virtual_memory().available
-    if need > available:
-        gib = 1 << 30
-        raise ValueError(f"building the model needs about {need / gib:,.1f} GiB of host memory on this node "
-                         f"({n_params:,} parameters x 4 bytes (fp32), drawn whole by each of its {local_world_size} "
-                         f"rank(s) before the layout cuts it), and {available / gib:,.1f} GiB is available: "
-                         "choose a smaller model or fewer ranks per node")
+    refuse_host_shortfall(local_world_size * n_params * 4,
+                          f"building the model ({n_params:,} parameters x 4 bytes (fp32), drawn whole by each of this "
+                          f"node's {local_world_size} rank(s) before the layout cuts it) needs",
+                          "choose a smaller model or fewer ranks per node", available)
 
 
 def check_async_save_memory(staged: int, local_world_size: int, available: int | None = None) -> None:
     """Refuse, before the first step, asynchronous checkpoints whose host copies this node cannot hold: each of its
     ranks stages ``staged`` bytes (the planner's ``host.async_save_staging``) at every save."""
-    need = staged * local_world_size
-    if available is None:
-        import psutil
-
-        available = psutil.virtual_memory().available
-    if need > available:
-        gib = 1 << 30
-        raise ValueError(f"train.async_save stages each checkpoint in host memory: {need:,} bytes "
-                         f"({need / gib:,.2f} GiB) on this node ({local_world_size} rank(s) x {staged:,} bytes of "
-                         f"parameters and optimizer state), and {available:,} bytes ({available / gib:,.2f} GiB) are "
-                         "available: pass --train.async_save=false (synchronous saves) or use more nodes")
+    refuse_host_shortfall(staged * local_world_size,
+                          f"train.async_save stages each checkpoint in host memory: this node's {local_world_size} "
+                          f"rank(s) x {staged:,} bytes of parameters and optimizer state need",
+                          "pass --train.async_save=false (synchronous saves) or use more nodes", available)
 
 
 def eval_set_size(cfg: Config) -> int:
