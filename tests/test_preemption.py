@@ -222,6 +222,26 @@ def test_a_signal_to_deepspeed_sh_reaches_the_ranks(tiny_data: Path, tmp_path: P
     assert (ckpt.step_dir(out / "checkpoints", step) / ckpt.rng_file(1)).is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_signal_to_accelerate_launch_reaches_the_ranks(tiny_data: Path, tmp_path: Path,
+                                                         sig: signal.Signals) -> None:
+    """accelerate launch starts its ranks through torch.distributed.run, which forwards SIGTERM (and, with
+    PET_SIGNALS_TO_HANDLE naming it, as docs/launching.md says, SLURM's SIGUSR1): the ranks save and stop, nothing
+    is left running; accelerate's own status is 128 + the signal (it exits so on torch's SignalException)."""
+    out = tmp_path / "run"
+    config = _config(tiny_data, out, tmp_path)
+    cmd = ["accelerate", "launch", "--config_file", str(ROOT / "launch" / "accelerate" / "multi_cpu.yaml"),
+           "--main_process_port", str(free_port()), "-m", "dist_trainer.cli", "train", "--config", str(config)]
+    code, output, _ = _signal_after_step(cmd, out, sig, tmp_path,
+                                         {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
+    assert code == 128 + sig, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert not _left_behind(config)
+    step = _check_stopped(out, output, sig)
+    assert (ckpt.step_dir(out / "checkpoints", step) / ckpt.rng_file(1)).is_file()
+
+
 def _start_up_driver(tmp_path: Path) -> Path:
     """``dist-trainer train`` whose trainer gets SIGTERM while it is built (before its model exists)."""
     driver = tmp_path / "driver.py"
