@@ -181,7 +181,10 @@ def _changes_pass(new: Layout, changes: dict[str, Any]) -> bool:
         elif name == "zero_stage":
             if value not in ZERO_STAGES or isinstance(value, bool):
                 return False
-        elif name in ("pp_stage_layers", "activation_offload"):
+        elif name == "activation_offload":  # check_fields' rule: a share of the layers
+            if type(value) not in (int, float) or not 0 <= value <= 1:
+                return False
+        elif name == "pp_stage_layers":
             return False
     return new.pp_stage_layers is None and not (new.sequence_parallel and new.tp_size == 1)
 

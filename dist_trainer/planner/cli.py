@@ -291,7 +291,7 @@ def run_memory(args: argparse.Namespace) -> int:
         cfg = with_loss_chunk(cfg, layout, seq_len=seq_len, options=opts)
     stages = predict_all_stages(cfg, layout, seq_len=seq_len, options=opts, overheads=over)
     budget = _host_budget(args)
-    node = node_host_bytes(max(stages, key=lambda m: m.host), world_size=layout.world_size,
+    node = node_host_bytes(max(m.host for m in stages), world_size=layout.world_size,
                            gpus_per_node=args.gpus_per_node)
     if args.json:
         print(json.dumps({"layout": layout.__dict__, "loss_chunk_tokens": cfg.loss_chunk_tokens,

@@ -84,10 +84,11 @@ class RankMemory:
         return {**asdict(self), "model_states": self.model_states, "device_total": self.device_total}
 
 
-def node_host_bytes(rank: RankMemory, *, world_size: int, gpus_per_node: int) -> int:
+def node_host_bytes(rank_host: int, *, world_size: int, gpus_per_node: int) -> int:
     """Host bytes of one node: each of its ranks (gpus_per_node, or the whole world when smaller) holding
-    ``rank``'s offloaded states; pass the stage with the most host bytes for an upper bound when stages differ."""
-    return rank.host * min(gpus_per_node, world_size)
+    ``rank_host`` bytes of offloaded states; pass the stage with the most host bytes for an upper bound when stages
+    differ."""
+    return rank_host * min(gpus_per_node, world_size)
 
 
 def model_state_bytes(n_params: int, *, dp_size: int = 1, zero_stage: int = 0, zero_offload: bool = False,

@@ -4,8 +4,9 @@ computed once per model and batch shape."""
 
 from __future__ import annotations
 
+import functools
 import operator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
@@ -52,14 +53,20 @@ class PlannedLayout:
                 "fits": self.fits, "host_per_node": self.host_per_node, "loss_chunk_tokens": self.loss_chunk_tokens}
 
 
-@dataclass(frozen=True)
 class Measured:
-    """A candidate's memory before its step time: the search times only those it reports."""
+    """A candidate's memory before its step time: the search times only those it reports. ``device_total`` is
+    known at once; ``memory``, the worst rank's whole report, is assembled when asked for (most candidates are
+    judged on their total alone)."""
 
-    layout: Layout
-    memory: RankMemory  # the rank with the most device bytes
-    fits: bool
-    host_per_node: int
+    def __init__(self, layout: Layout, worst: tuple[RankMemory, dict[str, int]], device_total: int, fits: bool,
+                 host_per_node: int, overheads: Overheads) -> None:
+        self.layout, self.fits, self.host_per_node, self.device_total = layout, fits, host_per_node, device_total
+        self._worst, self._overheads = worst, overheads
+
+    @functools.cached_property
+    def memory(self) -> RankMemory:
+        """The rank with the most device bytes (``memory.with_activations``)."""
+        return with_activations(*self._worst, self._overheads)
 
 
 class Pricer:
@@ -142,51 +149,59 @@ class Pricer:
     def stage_acts(self, layout: Layout, r: int) -> dict[str, int]:
         """Pipeline rank ``r``'s activation terms (``memory.stage_activation_bytes``)."""
         p = layout.pp_size
-        in_flight = 1.0 if p == 1 else act.in_flight_microbatches(
-            layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
-            virtual_stages=layout.pp_virtual_stages)
+
+        def in_flight() -> float:
+            return 1.0 if p == 1 else act.in_flight_microbatches(
+                layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
+                virtual_stages=layout.pp_virtual_stages)
+
         if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
             return seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
-                                            self.options, r, in_flight)
-        # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...)
+                                            self.options, r, in_flight())
+        # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...); the micro-batches
+        # in flight follow from the schedule and the count, computed on a miss
         tokens = layout.rank_tokens(self.seq_len)
         key = (spec_fields(layout), self.model(layout).loss_chunk_tokens, layout.activation_checkpointing,
-               layout.checkpoint_every, layout.activation_offload, p, layout.pp_virtual_stages, r, tokens, in_flight)
+               layout.checkpoint_every, layout.activation_offload, p, layout.pp_virtual_stages, r, tokens,
+               layout.pp_schedule if p > 1 else None, layout.n_microbatches if p > 1 else None)
         if key not in self._acts:
             self._acts[key] = stage_activations(
                 self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
                 layer_ids=self.layer_ids(layout)[r], tokens=tokens, first=r == 0, last=r == p - 1,
-                in_flight=in_flight, offload=layout.activation_offload)
+                in_flight=in_flight(), offload=layout.activation_offload)
         return self._acts[key]
 
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
         first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
         the middle stages)."""
-        return self._worst_ranks(layout)[0]
+        _, worst, _ = self._worst_ranks(layout)
+        return with_activations(*worst, self.overheads)
 
-    def _worst_ranks(self, layout: Layout) -> tuple[RankMemory, int]:
-        """``memory_of``, and the most host bytes of those ranks (offloaded states and activations: activation
-        offload holds most on the first, whose micro-batches in flight are the most, not always the worst rank)."""
+    def _worst_ranks(self, layout: Layout) -> tuple[int, tuple[RankMemory, dict[str, int]], int]:
+        """The worst rank's device total and (states, activation terms) (``memory_of``), and the most host bytes of
+        those ranks (offloaded states and activations: activation offload holds most on the first, whose
+        micro-batches in flight are the most, not always the worst rank)."""
         host = 0
         worst: tuple[int, RankMemory, dict[str, int]] | None = None
         for r in self.worst_candidates(layout):
             acts = self.stage_acts(layout, r)
             states = self.states(layout, r)
             # with_activations' device total, without building the rank's whole report
-            held = states.model_states + sum(v for k, v in acts.items() if k != OFFLOADED) + states.step_buffers
+            offloaded = acts.get(OFFLOADED, 0)  # host bytes, not the device's
+            held = states.model_states + sum(acts.values()) - offloaded + states.step_buffers
             total = held + states.overheads + round(self.overheads.fragmentation * held)
-            host = max(host, states.host + acts.get(OFFLOADED, 0))
+            host = max(host, states.host + offloaded)
             if worst is None or total > worst[0]:
                 worst = (total, states, acts)
         assert worst is not None
-        return with_activations(worst[1], worst[2], self.overheads), host
+        return worst[0], (worst[1], worst[2]), host
 
     def measure(self, layout: Layout) -> Measured:
         """The worst rank's memory and whether the layout fits (GPU and, for offloaded states, host memory)."""
-        mem, most = self._worst_ranks(layout)
-        host = node_host_bytes(replace(mem, host=most), world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
-        return Measured(layout, mem, mem.device_total <= self.memory and host <= self.host_memory, host)
+        total, worst, most = self._worst_ranks(layout)
+        host = node_host_bytes(most, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
+        return Measured(layout, worst, total, total <= self.memory and host <= self.host_memory, host, self.overheads)
 
     def price(self, measured: Measured) -> PlannedLayout:
         """``measured`` with its step time (the search times only the layouts it reports)."""

@@ -167,7 +167,7 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
                            **{k: v for axis in AXES for k, v in axis.lightest(base).items()})
         states, considered = pl.memory_of(lightest), considered + 1  # model states alone: prune on overflow
         if states.device_total > gpu_memory_bytes or node_host_bytes(
-                states, world_size=n_gpus, gpus_per_node=gpus_per_node) > host_memory:
+                states.host, world_size=n_gpus, gpus_per_node=gpus_per_node) > host_memory:
             found.add(pl.measure(lightest))  # no micro-batch can help (the states' host bytes depend on none)
             continue
         for shape in _shapes(space, base, per_rank):
@@ -231,7 +231,7 @@ class _Found:
     def add(self, measured: Measured) -> None:
         if measured.fits:
             self.fitting.append(self.pl.price(measured))
-        elif measured.memory.device_total <= self.memory:
+        elif measured.device_total <= self.memory:
             self.host_short.append(measured)
         else:
             self.closest = _closer(self.closest, measured)
@@ -239,7 +239,7 @@ class _Found:
 
 def _closer(closest: Measured | None, cand: Measured) -> Measured:
     """The one of the two with the fewest device bytes (the first on a tie)."""
-    return cand if closest is None or cand.memory.device_total < closest.memory.device_total else closest
+    return cand if closest is None or cand.device_total < closest.device_total else closest
 
 
 class _Refused:
