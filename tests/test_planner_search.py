@@ -335,16 +335,20 @@ def test_derived_layouts_are_checked_as_built_ones() -> None:
 
 def test_a_stage_of_uniform_layers_sums_as_layer_by_layer() -> None:
     """stage_activations sums uniform layers at once, with activation offload too: the same bytes as the per-layer
-    loop fine-tuning plans take."""
+    loop fine-tuning plans take (packed documents' selective inputs too: the at-once sum dropped them once)."""
     from dist_trainer.layout_rules import Layout
     from dist_trainer.planner.activation_costs import layer_costs, stage_activations
     from dist_trainer.planner.memory import activation_spec
 
     cfg = model_config("llama2-7b")
-    for layout, precision in ((Layout(tp_size=2, dp_size=1, micro_batch_size=2, sequence_parallel=True), "fp32"),
-                              (Layout(dp_size=1), "amp_bf16")):  # amp: autocast's weight casts, offloaded too
-        costs = layer_costs(cfg, activation_spec(layout, 4096, TrainingOptions(precision=precision)))
+    for layout, precision, packed in ((Layout(tp_size=2, dp_size=1, micro_batch_size=2, sequence_parallel=True),
+                                       "fp32", False),
+                                      (Layout(dp_size=1), "amp_bf16", False),  # autocast's weight casts, offloaded
+                                      (Layout(dp_size=1), "fp32", True)):  # the segment ids selective cores read
+        options = TrainingOptions(precision=precision, document_masking=packed)
+        costs = layer_costs(cfg, activation_spec(layout, 4096, options))
         assert (costs.layer.amp_weights > 0) == (precision == "amp_bf16")
+        assert (costs.selective_inputs > 0) == packed
         each = replace(costs, per_layer=(costs.layer,) * cfg.n_layers, per_layer_staged=(costs.layer,) * cfg.n_layers)
         for mode, every in (("none", 1), ("selective", 1), ("every_k", 2), ("full", 1), ("op", 1)):
             for ids, first, last in ((range(32), True, True), (range(5, 13), False, False), (range(0, 3), True, False)):
