@@ -144,9 +144,13 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
+        """Close the progress bar, metrics.jsonl and wandb; a second call does nothing."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._file is not None:
             self._file.close()
+            self._file = None
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None

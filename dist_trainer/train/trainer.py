@@ -255,7 +255,10 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Release out_dir (rank 0's lock); train() does it at its end."""
+        """Release out_dir (rank 0's lock, and metrics.jsonl: a trainer built and closed without training holds no
+        file there); train() does it at its end."""
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
         if self.run_lock is not None:
             self.run_lock.release()
 
