@@ -91,12 +91,18 @@ class Pricer:
 
     def model(self, layout: Layout) -> ModelConfig:
         """The model ``layout`` is priced with: the loss chunk chosen for its spec and tokens, or ``cfg``."""
+        return self._spec(layout)[2]
+
+    def _spec(self, layout: Layout) -> tuple[tuple[object, ...], int, ModelConfig]:
+        """``layout``'s activation spec fields, a micro-batch's tokens on one rank and ``model(layout)``."""
+        spec, tokens = spec_fields(layout), layout.rank_tokens(self.seq_len)
         if not self.choose_loss_chunk:
-            return self.cfg
-        key = (spec_fields(layout), layout.rank_tokens(self.seq_len))
-        if key not in self._models:
-            self._models[key] = with_loss_chunk(self.cfg, layout, seq_len=self.seq_len, options=self.options)
-        return self._models[key]
+            return spec, tokens, self.cfg
+        model = self._models.get((spec, tokens))
+        if model is None:
+            model = self._models[spec, tokens] = with_loss_chunk(self.cfg, layout, seq_len=self.seq_len,
+                                                                 options=self.options)
+        return spec, tokens, model
 
     def params(self, layout: Layout, rank: int) -> RankParams:
         key = (layout.tp_size, layout.pp_size, layout.pp_virtual_stages, rank, layout.ep_size)
@@ -131,8 +137,8 @@ class Pricer:
 
     def costs(self, layout: Layout) -> LayerCosts:
         """Per-token activation costs, once per activation spec (every Layout field it declares)."""
-        model = self.model(layout)
-        key = (spec_fields(layout), model.loss_chunk_tokens)
+        spec, _, model = self._spec(layout)
+        key = (spec, model.loss_chunk_tokens)
         if key not in self._costs:
             self._costs[key] = layer_costs(model, activation_spec(layout, self.seq_len, self.options),
                                            grad_plan(self.cfg, self.options.freeze))
@@ -160,8 +166,8 @@ class Pricer:
                                             self.options, r, in_flight())
         # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...); the micro-batches
         # in flight follow from the schedule and the count, computed on a miss
-        tokens = layout.rank_tokens(self.seq_len)
-        key = (spec_fields(layout), self.model(layout).loss_chunk_tokens, layout.activation_checkpointing,
+        spec, tokens, model = self._spec(layout)
+        key = (spec, model.loss_chunk_tokens, layout.activation_checkpointing,
                layout.checkpoint_every, layout.activation_offload, p, layout.pp_virtual_stages, r, tokens,
                layout.pp_schedule if p > 1 else None, layout.n_microbatches if p > 1 else None)
         if key not in self._acts:
