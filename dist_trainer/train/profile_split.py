@@ -13,9 +13,10 @@ training thread. Every instant of such a step is given to one part, the first th
     comm/<axis>        inside another event of a library's communication (``c10d::``, ``gloo:``, ``nccl:``: the
                        pipeline's sends, DeepSpeed's collectives) within an ``exchange/<axis>/...`` range, or the
                        thread idle while such an event runs on the backend's thread in that range (DDP's bucket
-                       all-reduces, waited for at the end of the backward)
-    comm/unattributed  the same outside any ``exchange`` range: the trace does not say the event's process group,
-                       so no axis is guessed
+                       all-reduces, waited for at the end of the backward) or after a range it began in (the
+                       backend's event closes after the training thread's wait returns: its tail)
+    comm/unattributed  the same begun outside any ``comm`` or ``exchange`` range: the trace does not say the
+                       event's process group, so no axis is guessed
     host               none of these: Python, the data loader, the loop's own work
 
 That is the host thread, where a CPU run computes. On CUDA the operators only launch kernels, so a trace with
@@ -73,7 +74,9 @@ def split_trace(trace: dict[str, Any]) -> dict[str, Any]:
         intervals = _device_intervals(kernels, events, on_main, exchanges)
     else:
         intervals = _host_intervals(on_main, exchanges)
-        intervals += [(e["ts"], e["ts"] + e["dur"], "backend", "") for e in events
+        collectives = [e for e in on_main if e["name"].startswith(COMM_RANGE)]
+        intervals += [(e["ts"], e["ts"] + e["dur"], "backend", _started_in(e["ts"], collectives, exchanges))
+                      for e in events
                       if (e["pid"], e["tid"]) != main and _LIBRARY_COMM.match(e["name"])]
     parts: dict[str, float] = defaultdict(float)
     for step in steps:
@@ -103,6 +106,17 @@ def _library_part(name: str, t: float, exchanges: list[dict[str, Any]]) -> str:
     x = _covering(exchanges, t)
     axis = "unattributed" if x is None else _axis(x["name"])
     return "bubble" if axis == "pp" and _RECV.match(name) else f"comm/{axis}"
+
+
+def _started_in(t: float, labels: list[dict[str, Any]], exchanges: list[dict[str, Any]]) -> str:
+    """The part of a backend thread's event that began at ``t``: the training thread's collective or exchange range
+    running then (the device timeline's rule for a kernel and its launch); its tail after that range ends stays
+    there (the training thread's wait returns before the backend's event closes)."""
+    label = _covering(labels, t)
+    if label is not None:
+        return f"comm/{_axis(label['name'])}"
+    x = _covering(exchanges, t)
+    return "comm/unattributed" if x is None else f"comm/{_axis(x['name'])}"
 
 
 def _host_intervals(on_main: list[dict[str, Any]], exchanges: list[dict[str, Any]]) -> list[Interval]:
@@ -180,8 +194,9 @@ def _part_now(active: dict[str, Counter[str]]) -> str:
     library = active["library"]
     if _first(library) is not None:  # the pipeline's wait first: a receive waited for is the bubble
         return "bubble" if library["bubble"] > 0 else str(_first(library))
-    if _first(active["backend"]) is not None:
-        return _first(active["exchange"]) or "comm/unattributed"
+    backend = _first(active["backend"])
+    if backend is not None:  # the thread idle while the backend communicates: the range it waits in, else the
+        return _first(active["exchange"]) or backend  # range the backend's event began in
     return "host"
 
 
