@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import yaml
 
 from dist_trainer.checkpoint import publish as ckpt
 from dist_trainer.cli import main
+from dist_trainer.config import Config
 from dist_trainer.testing import free_port
 from dist_trainer.train.run_dir import RunLock
 from dist_trainer.train.trainer import Trainer
@@ -147,21 +149,30 @@ def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
         assert err.splitlines()[-1] == "dist-trainer train: error: optim.lr=inf must be a finite number"
 
 
-def _writes_to_a_full_disk(real_save: object, step: int) -> object:
+def _writes_to_a_full_disk(real_save: object, step: int, delay_s: float = 0.0) -> object:
     """ckpt.atomic_save whose step-``step`` files go to /dev/full: torch.save meets ENOSPC as on a full disk
-    (it reports "unexpected pos N vs M", the OSError only in the chain)."""
+    (it reports "unexpected pos N vs M", the OSError only in the chain). An asynchronous save's staging still
+    stages them: they fail in its background write, ``delay_s`` after it begins."""
+    from dist_trainer.checkpoint.async_save import staging_active
+
     def save(obj: object, path: Path) -> None:
-        if path.parent.name != f"step_{step:08d}.tmp":
+        if path.parent.name != f"step_{step:08d}.tmp" or staging_active():
             return real_save(obj, path)  # type: ignore[operator]
+        time.sleep(delay_s)
         with open("/dev/full", "wb") as f:
             torch.save(obj, f)
     return save
 
 
+@pytest.mark.parametrize("delay_s", [0.0, 2.0], ids=["at-once", "found-by-the-next-save"])
 def test_disk_full_during_a_save_names_enospc_and_keeps_the_previous_checkpoint(
-        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        delay_s: float) -> None:
+    """The background write of step 2 fails: at once (said at the next step boundary) or after step 3 has run
+    (said when step 3's save waits for it; it was named as step 3's write)."""
+    assert Config().train.async_save  # the default: the files are written by the background writer
     config = _config_file(tmp_path, tiny_data, max_steps=3, save_every=1)
-    monkeypatch.setattr(ckpt, "atomic_save", _writes_to_a_full_disk(ckpt.atomic_save, 2))
+    monkeypatch.setattr(ckpt, "atomic_save", _writes_to_a_full_disk(ckpt.atomic_save, 2, delay_s))
     root = tmp_path / "run" / "checkpoints"
     assert one_line_error(capsys, ["train", "--config", str(config)]) == (
         f"no space left on the device (ENOSPC) while writing checkpoint {root / 'step_00000002'}; the previous "

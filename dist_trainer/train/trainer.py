@@ -364,7 +364,7 @@ class Trainer:
             self.profiler.on_oom()  # train.memory_snapshot: the allocator's history beside the planner's terms
             raise ValueError(self.plan_check.oom_report(exc)) from exc
         except (RuntimeError, dist.DistError) as exc:
-            if self.env.world_size == 1 or not _is_comm_failure(exc):
+            if self.env.world_size == 1 or isinstance(exc, PeersLost) or not _is_comm_failure(exc):
                 raise
             waited = time.monotonic() - start
             counter = self.state.counter
@@ -415,6 +415,8 @@ class Trainer:
         }
         if self.checkpoints is not None:  # staged now, written behind the next steps
             checkpoints = self.checkpoints
+            if (flight := checkpoints.writer.in_flight) is not None:  # a failed write is named by its own step
+                self._disk_full_guard(lambda: checkpoints.finish(f"before saving step {self.step}"), flight.step)
             return self._disk_full_guard(lambda: checkpoints.save(self.step, meta, self.engine.save_shards),
                                          self.step)
         return self._disk_full_guard(lambda: ckpt.save_checkpoint(
