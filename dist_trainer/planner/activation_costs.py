@@ -172,28 +172,30 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
     """
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {', '.join(RECOMPUTE)}")
-    chained = 0
-    while first and chained < len(layer_ids) and layer_ids[chained] == chained:
-        chained += 1
     per_token = weights = recompute = host = 0.0
     has_layers = bool(layer_ids)
-    redone = set(recomputed_layers(mode, every, layer_ids))
-    offloaded = set(layer_ids[:math.ceil(offload * len(layer_ids) - 1e-9)])
+    n_off = math.ceil(offload * len(layer_ids) - 1e-9)  # the first n_off of layer_ids
     if not (costs.per_layer or costs.moe_ids or costs.sliding_ids):  # every layer costs .layer: counted at once
-        c, n_off = costs.layer, len(offloaded)
+        c = costs.layer
         if mode == "op":  # the loop's op case: c.op - c.checkpointed stays, the hooks see c.checkpointed
             per_token = len(layer_ids) * (c.op - c.checkpointed) + (len(layer_ids) - n_off) * c.checkpointed
             host, recompute = n_off * c.checkpointed * tokens, c.full if layer_ids else 0.0
         else:  # (recomputed, kept) layers, on the device and offloaded
             kept = c.selective if mode == "selective" else c.full
-            r_off = len(redone & offloaded)
-            r_on, k_off = len(redone) - r_off, n_off - r_off
+            n_redone = len(recomputed_layers(mode, every, layer_ids))
+            r_off = len(recomputed_layers(mode, every, layer_ids[:n_off])) if n_off else 0
+            r_on, k_off = n_redone - r_off, n_off - r_off
             k_on = len(layer_ids) - n_off - r_on
             per_token, weights = r_on * c.checkpointed + k_on * kept, k_on * c.amp_weights
             host = (r_off * c.checkpointed + k_off * kept) * tokens + k_off * c.amp_weights
-            recompute = max(c.full if redone else 0.0,
-                            c.attention_core if mode == "selective" and len(layer_ids) > len(redone) else 0.0)
+            recompute = max(c.full if n_redone else 0.0,
+                            c.attention_core if mode == "selective" and len(layer_ids) > n_redone else 0.0)
         layer_ids = ()
+    chained = 0
+    while first and chained < len(layer_ids) and layer_ids[chained] == chained:
+        chained += 1
+    redone = set(recomputed_layers(mode, every, layer_ids))
+    offloaded = set(layer_ids[:n_off])
     for k, i in enumerate(layer_ids):
         c = costs.of(i, staged=k >= chained)
         if mode == "op":  # the hooks see its input; the policy's cache holds the rest, which stays
@@ -221,4 +223,4 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
         "amp_weight_copies": round(weights * in_flight),
         "backward_working_set": round(max(recompute * tokens, costs.loss_backward(tokens) if last else 0.0)),
     }
-    return terms | ({OFFLOADED: round(host * in_flight)} if offloaded else {})
+    return terms | ({OFFLOADED: round(host * in_flight)} if n_off else {})

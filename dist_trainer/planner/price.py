@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, fields
+from typing import cast
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
@@ -84,9 +85,9 @@ class Pricer:
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
         self._costs: dict[tuple[object, ...], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
-        self._states: dict[tuple[object, int], RankMemory] = {}
+        self._states: dict[tuple[tuple[object, ...], int], RankMemory] = {}
         self._worst: dict[tuple[int, int], list[int]] = {}
-        self._acts: dict[tuple[object, ...], dict[str, int]] = {}
+        self._acts: dict[tuple[tuple[object, ...], int], dict[str, int]] = {}
         self._flops: dict[tuple[int, str, int, int], tuple[float, float]] = {}
 
     def model(self, layout: Layout) -> ModelConfig:
@@ -146,14 +147,33 @@ class Pricer:
 
     def states(self, layout: Layout, rank: int) -> RankMemory:
         """``memory.rank_states`` of pipeline rank ``rank``: once for every recomputation mode of a layout."""
-        key = (_BUT_RECOMPUTATION(layout), rank)
-        if key not in self._states:
-            self._states[key] = rank_states(self.cfg, layout, self.params(layout, rank), seq_len=self.seq_len,
-                                            options=self.options, overheads=self.overheads, pp_rank=rank)
-        return self._states[key]
+        return self._rank_states(layout, rank, _BUT_RECOMPUTATION(layout))
+
+    def _rank_states(self, layout: Layout, rank: int, key: tuple[object, ...]) -> RankMemory:
+        states = self._states.get((key, rank))
+        if states is None:
+            states = self._states[key, rank] = rank_states(
+                self.cfg, layout, self.params(layout, rank), seq_len=self.seq_len, options=self.options,
+                overheads=self.overheads, pp_rank=rank)
+        return states
 
     def stage_acts(self, layout: Layout, r: int) -> dict[str, int]:
         """Pipeline rank ``r``'s activation terms (``memory.stage_activation_bytes``)."""
+        return self._stage_acts(layout, r, self._acts_key(layout))
+
+    def _acts_key(self, layout: Layout) -> tuple[object, ...] | None:
+        """What a layout's activation terms depend on but the pipeline rank (None: an encoder-decoder's, not cached):
+        the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...). It begins with
+        the costs' key (``costs``) and the tokens of a micro-batch on one rank."""
+        if self.cfg.encoder_decoder:
+            return None
+        spec, tokens, model = self._spec(layout)
+        p = layout.pp_size
+        return (spec, model.loss_chunk_tokens, tokens, layout.activation_checkpointing, layout.checkpoint_every,
+                layout.activation_offload, p, layout.pp_virtual_stages,
+                layout.pp_schedule if p > 1 else None, layout.n_microbatches if p > 1 else None)
+
+    def _stage_acts(self, layout: Layout, r: int, key: tuple[object, ...] | None) -> dict[str, int]:
         p = layout.pp_size
 
         def in_flight() -> float:
@@ -161,21 +181,19 @@ class Pricer:
                 layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
                 virtual_stages=layout.pp_virtual_stages)
 
-        if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+        if key is None:  # both stacks' tokens (planner/seq2seq.py)
             return seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
                                             self.options, r, in_flight())
-        # the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...); the micro-batches
-        # in flight follow from the schedule and the count, computed on a miss
-        spec, tokens, model = self._spec(layout)
-        key = (spec, model.loss_chunk_tokens, layout.activation_checkpointing,
-               layout.checkpoint_every, layout.activation_offload, p, layout.pp_virtual_stages, r, tokens,
-               layout.pp_schedule if p > 1 else None, layout.n_microbatches if p > 1 else None)
-        if key not in self._acts:
-            self._acts[key] = stage_activations(
-                self.costs(layout), mode=layout.activation_checkpointing, every=layout.checkpoint_every,
+        # the micro-batches in flight follow from the schedule and the count, computed on a miss
+        acts = self._acts.get((key, r))
+        if acts is None:
+            costs, tokens = self._costs.get(key[:2]), cast(int, key[2])  # as _acts_key begins
+            acts = self._acts[key, r] = stage_activations(
+                self.costs(layout) if costs is None else costs, mode=layout.activation_checkpointing,
+                every=layout.checkpoint_every,
                 layer_ids=self.layer_ids(layout)[r], tokens=tokens, first=r == 0, last=r == p - 1,
                 in_flight=in_flight(), offload=layout.activation_offload)
-        return self._acts[key]
+        return acts
 
     def memory_of(self, layout: Layout) -> RankMemory:
         """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
@@ -190,9 +208,10 @@ class Pricer:
         micro-batches in flight are the most, not always the worst rank)."""
         host = 0
         worst: tuple[int, RankMemory, dict[str, int]] | None = None
+        acts_key, states_key = self._acts_key(layout), _BUT_RECOMPUTATION(layout)
         for r in self.worst_candidates(layout):
-            acts = self.stage_acts(layout, r)
-            states = self.states(layout, r)
+            acts = self._stage_acts(layout, r, acts_key)
+            states = self._rank_states(layout, r, states_key)
             # with_activations' device total, without building the rank's whole report
             offloaded = acts.get(OFFLOADED, 0)  # host bytes, not the device's
             held = states.model_states + sum(acts.values()) - offloaded + states.step_buffers
