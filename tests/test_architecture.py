@@ -127,7 +127,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("health",),
     ("engines",),
     ("train", "experiments", "testing"),
-    ("cli", "torchrun", "forward_signals"),
+    ("cli", "torchrun", "accelerate_launch", "forward_signals"),
 )
 FLOOR_OF = {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
 

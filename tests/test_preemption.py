@@ -223,20 +223,27 @@ def test_a_signal_to_deepspeed_sh_reaches_the_ranks(tiny_data: Path, tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
-def test_a_signal_to_accelerate_launch_reaches_the_ranks(tiny_data: Path, tmp_path: Path,
+@pytest.mark.parametrize(("launcher", "sig"), [("accelerate", signal.SIGTERM), ("wrapper", signal.SIGUSR1),
+                                               ("wrapper", signal.SIGINT)], ids=lambda v: getattr(v, "name", v))
+def test_a_signal_to_accelerate_launch_reaches_the_ranks(tiny_data: Path, tmp_path: Path, launcher: str,
                                                          sig: signal.Signals) -> None:
-    """accelerate launch starts its ranks through torch.distributed.run, which forwards SIGTERM (and, with
-    PET_SIGNALS_TO_HANDLE naming it, as docs/launching.md says, SLURM's SIGUSR1): the ranks save and stop, nothing
-    is left running; accelerate's own status is 128 + the signal (it exits so on torch's SignalException)."""
+    """accelerate launch starts its ranks through torch.distributed.run, which forwards SIGTERM: the ranks save and
+    stop, nothing is left running, and accelerate's own status is 128 + the signal (it exits so on torch's
+    SignalException). dist-trainer-accelerate (dist_trainer/accelerate_launch.py), the README's line, forwards
+    SLURM's SIGUSR1 too (without PET_SIGNALS_TO_HANDLE naming it, accelerate died at once and its ranks trained on)
+    and Ctrl-C, and ends with one line and status 75."""
     out = tmp_path / "run"
     config = _config(tiny_data, out, tmp_path)
-    cmd = ["accelerate", "launch", "--config_file", str(ROOT / "launch" / "accelerate" / "multi_cpu.yaml"),
+    front = ["accelerate", "launch"] if launcher == "accelerate" else [sys.executable, "-m",
+                                                                        "dist_trainer.accelerate_launch"]
+    cmd = [*front, "--config_file", str(ROOT / "launch" / "accelerate" / "multi_cpu.yaml"),
            "--main_process_port", str(free_port()), "-m", "dist_trainer.cli", "train", "--config", str(config)]
-    code, output, _ = _signal_after_step(cmd, out, sig, tmp_path,
-                                         {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"})
-    assert code == 128 + sig, output[-3000:]
+    code, output, _ = _signal_after_step(cmd, out, sig, tmp_path)
+    assert code == (128 + sig if launcher == "accelerate" else EXIT_PREEMPTED), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+    if launcher == "wrapper":
+        assert f"dist_trainer.accelerate_launch: {sig.name} received and forwarded to the workers" in output, \
+            output[-3000:]
     assert not _left_behind(config)
     step = _check_stopped(out, output, sig)
     assert (ckpt.step_dir(out / "checkpoints", step) / ckpt.rng_file(1)).is_file()
