@@ -56,7 +56,8 @@ def _run(data: Path, out: Path, args: argparse.Namespace, asynchronous: bool) ->
         "parallel": {"micro_batch_size": 1, "global_batch_size": 2},
         "data": {"path": str(data), "seq_len": 64},
         "train": {"max_steps": args.steps, "out_dir": str(out), "eval_every": 0, "save_every": args.save_every,
-                  "keep_checkpoints": 2, "progress": False, "seed": 0, "async_save": asynchronous},
+                  "keep_checkpoints": 2, "progress": False, "seed": 0, "async_save": asynchronous,
+                  "device": args.device},
         "wandb": {"mode": "disabled"},
     }).validate()
     trainer = Trainer(cfg, log=False)
@@ -100,26 +101,42 @@ def main() -> None:
     if args.save_every < 2 or args.steps < 2 * args.save_every + 1:
         raise ValueError(f"--save-every={args.save_every} must be >= 2 and --steps={args.steps} at least "
                          "2 x --save-every + 1: two saves and steps between them are timed")
+    args.device = "cpu"  # 2 ranks over gloo; benchmarks/gpu_check.py times one GPU (``stall``)
     with tempfile.TemporaryDirectory(prefix="checkpoint_stall_") as tmp:
         root = Path(tmp)
         data = benchmark_data(root / "data")
         ranks = run_distributed(_both, 2, (data, root, args), timeout=1800, env={"OMP_NUM_THREADS": "1"})
         newest = latest_checkpoint(root / "sync" / "checkpoints")
         size = sum(f.stat().st_size for f in newest.iterdir()) if newest else 0
-    out = ranks[0]
     print(f"2 ranks (gloo, CPU), d_model {args.d_model} x {args.layers} layers; a checkpoint of {size / 1e6:,.0f} MB "
           f"every {args.save_every} steps, {args.steps} steps")
+    summarize(ranks[0], args.save_every)
+
+
+def stall(data: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One process's two runs (``_both``) and their ``summarize``d figures; the size of a checkpoint (``args``:
+    ``d_model``, ``layers``, ``steps``, ``save_every`` and ``device``; benchmarks/gpu_check.py on one GPU)."""
+    out = _both(0, 1, data, root, args)
+    newest = latest_checkpoint(root / "sync" / "checkpoints")
+    return {**summarize(out, args.save_every), "checkpoint_bytes": sum(f.stat().st_size for f in newest.iterdir())
+            if newest else 0}
+
+
+def summarize(out: dict[str, Any], save_every: int) -> dict[str, float]:
+    """Prints each mode's saving / next / other steps, the stalls and rank 0's copy and write; returns them."""
     print(f"{'':<14}{'saving step':>13}{'next step':>11}{'other steps':>13}{'saving/other':>14}{'stall':>9}")
-    stalls = {}
+    figures: dict[str, float] = {}
     for mode in ("sync", "async"):
-        saving, after, rest = (statistics.median(x) for x in _split(out[mode], args.save_every))
-        stalls[mode] = saving - rest
-        print(f"{mode:<14}{saving:>12.3f}s{after:>10.3f}s{rest:>12.3f}s{saving / rest:>14.2f}{stalls[mode]:>8.3f}s")
-    stage = statistics.median(out["stage"])
-    write = statistics.median(out["write"])
-    print(f"async stall / sync stall: {stalls['async'] / stalls['sync']:.3f}")
+        saving, after, rest = (statistics.median(x) for x in _split(out[mode], save_every))
+        figures[f"{mode}_stall_s"] = saving - rest
+        figures[f"{mode}_step_s"] = rest
+        print(f"{mode:<14}{saving:>12.3f}s{after:>10.3f}s{rest:>12.3f}s{saving / rest:>14.2f}{saving - rest:>8.3f}s")
+    stage, write = statistics.median(out["stage"]), statistics.median(out["write"])
+    stalls = figures["async_stall_s"], figures["sync_stall_s"]
+    print(f"async stall / sync stall: {stalls[0] / stalls[1]:.3f}")
     print(f"rank 0's host copy per save {stage:.3f}s (median), its background write {write:.3f}s: the async stall is "
-          f"{stalls['async'] / stage:.2f} x the copy, {stalls['async'] / write:.2f} x the write")
+          f"{stalls[0] / stage:.2f} x the copy, {stalls[0] / write:.2f} x the write")
+    return {**figures, "host_copy_s": stage, "write_s": write}
 
 
 if __name__ == "__main__":

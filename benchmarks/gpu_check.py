@@ -14,6 +14,15 @@
    saved tensors; a compiled block saves what inductor's partitioner keeps). Each row prints predicted, measured
    and their ratio; everything lands in ``--out``.
 
+3. Issue 39's three (each a whole ``Trainer`` run on ``benchmarks.common.benchmark_data``, a vocabulary of 1,024):
+   the stall of a checkpoint per save, synchronous and asynchronous (``benchmarks/checkpoint_stall.py``'s two runs
+   of one process: d_model 1024 x 12 layers, ~1.8 GB a checkpoint, a save every 4 of 16 steps), with the host copy
+   and the background write it should be made of; the profiled step of the ~1B model (``train.profile_steps``:
+   ``out_dir/profile/rank0.summary.json``, the measured split beside the planner's); and a forced out-of-memory
+   error (the ~1B model at micro-batch 64 x 4,096 tokens, no recomputation) under ``train.memory_snapshot``: the
+   snapshot and the planner's terms written beside it, and the error's first line. On the CPU (``--smoke``) the
+   first two run on the tiny model; the snapshot is CUDA's allocator and is reported as not run.
+
 Synthetic batches go straight to the engine (``engines.build_engine``), as ``dist-trainer memory-experiment``
 does, so no data set is needed on the GPU machine. CI never runs this on a GPU; the suite runs ``--smoke``.
 """
@@ -25,6 +34,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,16 +43,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import synthetic_batches, synthetic_engine, train_steps  # noqa: E402
+from benchmarks import checkpoint_stall  # noqa: E402
+from benchmarks.common import benchmark_data, synthetic_batches, synthetic_engine, train_steps  # noqa: E402
+from dist_trainer.config_load import config_from_dict  # noqa: E402
 from dist_trainer.layout_rules import layout_of  # noqa: E402
 from dist_trainer.planner.memory import GiB, Overheads, predict_rank_memory  # noqa: E402
 from dist_trainer.train.metrics import device_hardware, model_flops_per_step  # noqa: E402
 from dist_trainer.train.plan_check import planner_options  # noqa: E402
+from dist_trainer.train.trainer import Trainer  # noqa: E402
 
 GPT2 = {"preset": "gpt2", "dropout": 0.0}
 ONE_B = {"vocab_size": 50304, "d_model": 2048, "n_layers": 18, "n_heads": 16, "max_seq_len": 4096,
          "activation": "gelu_tanh", "dropout": 0.0}  # ~0.99B parameters
 TINY = {"preset": "tiny", "dropout": 0.0}
+DATA_VOCAB = 1024  # benchmark_data's vocabulary: the ~1B model's runs of part 3 have ~0.89B parameters
 
 
 def _config(model: dict, *, micro: int, seq: int, ckpt: str = "none", zero: int = 0, precision: str = "bf16",
@@ -89,6 +103,67 @@ def memory_row(model: dict, device: torch.device, **kw: Any) -> dict[str, Any]:
             "ratio": measured / mem.device_total if measured else None}
 
 
+def _trainer(data: Path, out: Path, model: dict, device: torch.device, *, micro: int, seq: int, steps: int,
+             **train: Any) -> Trainer:
+    """A one-process run of ``model`` (its vocabulary the data's: ``DATA_VOCAB``) on ``data`` (no evaluation, no
+    checkpoint unless ``train`` asks)."""
+    return Trainer(config_from_dict({
+        "model": {**model, "vocab_size": DATA_VOCAB, "max_seq_len": max(seq, model.get("max_seq_len", 0) or 0)},
+        "parallel": {"micro_batch_size": micro, "global_batch_size": micro},
+        "data": {"path": str(data), "seq_len": seq},
+        "train": {"max_steps": steps, "out_dir": str(out), "eval_every": 0, "save_every": 0, "progress": False,
+                  "device": device.type, "precision": "bf16" if device.type == "cuda" else "fp32", **train},
+        "optim": {"warmup_steps": 0}, "wandb": {"mode": "disabled"}}).validate(), log=False)
+
+
+def checkpoint_stall_row(data: Path, root: Path, device: torch.device, smoke: bool) -> dict[str, Any]:
+    """Time per step of saving and other steps, synchronous and asynchronous, on this one device."""
+    args = argparse.Namespace(d_model=64 if smoke else 1024, layers=2 if smoke else 12, steps=9 if smoke else 16,
+                              save_every=4, device=device.type)
+    print(f"\ncheckpoint stall (d_model {args.d_model} x {args.layers} layers, a save every {args.save_every} of "
+          f"{args.steps} steps):", flush=True)
+    row = checkpoint_stall.stall(data, root / "stall", args)
+    print(f"a checkpoint of {row['checkpoint_bytes'] / 1e9:.2f} GB", flush=True)
+    return row
+
+
+def profiled_step(data: Path, root: Path, model: dict, device: torch.device, smoke: bool) -> dict[str, Any]:
+    """``train.profile_steps`` over two steps: the measured split of the last one beside the planner's."""
+    micro, seq = (2, 64) if smoke else (4, 1024)
+    out = root / "profiled"
+    _trainer(data, out, model, device, micro=micro, seq=seq, steps=5, profile_steps="4-5").train()
+    summary = json.loads((out / "profile" / "rank0.summary.json").read_text())
+    measured, predicted = summary["measured"], summary["predicted"]
+    print(f"\nprofiled steps {measured['steps']} (micro-batch {micro} x {seq} tokens, the {measured['timeline']} "
+          "timeline), seconds measured | predicted:", flush=True)
+    rows = [("step", measured["step"], predicted["total"]), ("compute", measured["compute"], predicted["compute"]),
+            ("host", measured["host"], None), ("bubble", measured["bubble"], predicted["bubble"])]
+    for part, got, want in rows:
+        print(f"  {part:<8}{got:>10.4f} | {'-' if want is None else f'{want:.4f}'}")
+    return summary
+
+
+def oom_snapshot(data: Path, root: Path, model: dict, device: torch.device) -> dict[str, Any]:
+    """A run that cannot fit, under ``train.memory_snapshot``: what it wrote, and the error's first line."""
+    if device.type != "cuda":
+        print("\nout-of-memory snapshot: not run (train.memory_snapshot records CUDA's allocator)", flush=True)
+        return {"run": False}
+    out = root / "oom"
+    try:
+        _trainer(data, out, model, device, micro=64, seq=4096, steps=2, memory_snapshot=True).train()
+    except ValueError as exc:
+        if not isinstance(exc.__cause__, torch.cuda.OutOfMemoryError):
+            raise
+        snapshot = out / "memory_snapshot_rank0.pickle"
+        planned = json.loads(snapshot.with_suffix(".planned.json").read_text())
+        row = {"run": True, "error": str(exc).splitlines()[0], "snapshot_bytes": snapshot.stat().st_size,
+               "planned": planned}
+        print(f"\nout-of-memory snapshot: {row['snapshot_bytes'] / 1e6:.1f} MB beside the planner's terms "
+              f"({len(planned)} keys); {row['error']}", flush=True)
+        return row
+    raise SystemExit("gpu_check.py: the out-of-memory run fitted; raise its micro-batch")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -128,6 +203,13 @@ def main() -> None:
         print(f"{kw['micro']:>5}{kw['seq']:>6}{kw.get('ckpt', 'none'):>10}{kw.get('zero', 0):>5}"
               f"{'yes' if kw.get('compiled') else 'no':>9}{row['predicted'] / GiB:>15.3f}"
               f"{row['measured'] / GiB:>14.3f}{ratio:>7}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_", dir=os.environ.get("TMPDIR")) as tmp:
+        root = Path(tmp)
+        data = benchmark_data(root / "data", vocab_size=DATA_VOCAB)
+        result["checkpoint_stall"] = checkpoint_stall_row(data, root, device, args.smoke)
+        big = TINY if args.smoke else ONE_B
+        result["profile"] = profiled_step(data, root, big, device, args.smoke)
+        result["oom_snapshot"] = oom_snapshot(data, root, big, device)
     result["seconds"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{result['seconds']:.0f} s; wrote {args.out}")
