@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,17 +73,25 @@ def test_torchrun_sh_two_processes(tiny_data: Path, tmp_path: Path, reference_lo
 
 
 @pytest.mark.slow
-def test_a_bad_config_under_torchrun_is_one_line_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_a_bad_config_under_torchrun_is_one_line_once(tmp_path: Path, launcher: str) -> None:
     """Issue 40: each rank printed the same error line and torchrun added its ChildFailedError traceback and a
-    30-line report. Now the ranks' shared line is printed once and the wrapper adds one line: the failed rank and
-    its status, which is the job's."""
-    proc = _run([str(LAUNCH / "torchrun.sh"), "--optim.lr=-1"], subprocess_env(tmp_path, NPROC_PER_NODE="2"))
+    30-line report (accelerate re-raised it). Now the ranks' shared line is printed once and the wrapper adds one
+    line: the failed rank and its status, which is the job's."""
+    if launcher == "torchrun":
+        cmd, name = [str(LAUNCH / "torchrun.sh"), "--optim.lr=-1"], "dist_trainer.torchrun"
+    else:
+        cmd = [sys.executable, "-m", "dist_trainer.accelerate_launch", "--config_file",
+               str(LAUNCH / "accelerate" / "multi_cpu.yaml"), "--main_process_port", str(free_port()), "-m",
+               "dist_trainer.cli", "train", "--optim.lr=-1"]
+        name = "dist_trainer.accelerate_launch"
+    proc = _run(cmd, subprocess_env(tmp_path, NPROC_PER_NODE="2"))
     lines = [x for x in (proc.stdout + proc.stderr).strip().splitlines() if not x.startswith("launch/torchrun.sh: ")]
     assert proc.returncode == 2, lines
     assert lines[0] == "dist-trainer train: error: optim.lr=-1.0 must be >= 0", lines
-    assert len(lines) == 2 and lines[1].startswith("dist_trainer.torchrun: rank ") and \
-        lines[1].endswith("exited with status 2 (its error is above); torchrun stopped the other workers (1 of them "
-                          "failed too)"), lines
+    assert len(lines) == 2 and lines[1].startswith(f"{name}: rank ") and \
+        lines[1].endswith(f"exited with status 2 (its error is above); {launcher} stopped the other workers (1 of "
+                          "them failed too)"), lines
 
 
 @pytest.mark.slow
