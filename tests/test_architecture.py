@@ -358,7 +358,7 @@ CP_FILES = {
     "planner/axes/cp.py", "planner/axes/__init__.py",  # its planner entry (issue 34) and its line in AXES
     "layout_rules/early.py",  # the world's rule on tp x pp x cp, asked as the search chooses
     "planner/axes/base.py", "planner/search.py", "planner/cli.py",  # the user's max_cp_size
-    "planner/activations.py",  # its saved tensors
+    "planner/activation_spec.py", "planner/activations.py",  # its saved tensors: the spec's fields, the layers'
 }
 CP_NAMED = re.compile(r"\bcp\b|cp_size|cp_mode|dp_cp|context.parallel|parallel[/.]cp", re.IGNORECASE)
 

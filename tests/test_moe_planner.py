@@ -14,7 +14,8 @@ from dist_trainer.model import build_model, count_parameters
 from dist_trainer.parallel.comm import AxisGroup
 from dist_trainer.parallel.ep.apply import apply_expert_parallel, is_expert_param
 from dist_trainer.parallel.state import ParallelState
-from dist_trainer.planner.activations import ActivationSpec, moe_saved_tensors
+from dist_trainer.planner.activation_spec import ActivationSpec
+from dist_trainer.planner.activations import moe_saved_tensors
 from dist_trainer.planner.cost import estimate_step_time
 from dist_trainer.planner.flops import step_flops
 from dist_trainer.planner.hardware import get_hardware

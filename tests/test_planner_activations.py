@@ -10,6 +10,12 @@ import pytest
 from dist_trainer.config import ModelConfig
 from dist_trainer.planner import activation_costs, op_recompute
 from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_spec import ActivationSpec, per_token
+from dist_trainer.planner.activations_ends import (
+    head_saved_tensors,
+    head_vocab_saved_tensors,
+    loss_backward_bytes_per_token,
+)
 from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.memory import Layout, TrainingOptions, stage_activation_bytes
 from dist_trainer.testing import run_distributed
@@ -105,7 +111,7 @@ def test_family_features_match_saved_tensor_measurement(name: str, ckpt: str, pr
 def test_family_tensors_are_where_the_features_put_them() -> None:
     # the tensors each feature adds, named: a window's mask only in sliding layers on a flash kernel, the
     # soft-capped core's bool mask and fp32 probabilities, QK-norms per head, the sandwich's post-branch norms
-    spec = act.ActivationSpec(seq_len=S, precision="amp_bf16", device="cpu", micro_batch_size=B)
+    spec = ActivationSpec(seq_len=S, precision="amp_bf16", device="cpu", micro_batch_size=B)
 
     def names(cfg: ModelConfig, **kw: object) -> set[str]:
         return {x.name for x in act.layer_saved_tensors(cfg, spec, **kw)}  # type: ignore[arg-type]
@@ -121,14 +127,14 @@ def test_family_tensors_are_where_the_features_put_them() -> None:
     qwen3 = dataclasses.replace(LLAMA, **FAMILIES["qwen3"])
     q_rsqrt = next(x for x in act.layer_saved_tensors(qwen3, spec) if x.name == "attn.q_norm.rsqrt")
     assert q_rsqrt.per_token == qwen3.n_heads  # one per head and token
-    heads = {x.name for x in act.head_saved_tensors(gemma2, spec)}
+    heads = {x.name for x in head_saved_tensors(gemma2, spec)}
     assert "head.softcap_tanh" in heads and "final_norm.input" in heads
 
 
 def test_flash_kernel_keeps_no_score_matrix() -> None:
     # Doubling s doubles the flash figure (linear in s); the math kernel grows faster (a*s^2 probabilities).
     def layer_bytes(kernel: str, s: int) -> float:
-        spec = act.ActivationSpec(seq_len=s, attention_kernel=kernel, device="cpu")
+        spec = ActivationSpec(seq_len=s, attention_kernel=kernel, device="cpu")
         return s * sum(x.bytes_per_token for x in act.layer_saved_tensors(GPT2, spec))
 
     assert layer_bytes("flash", 32) == pytest.approx(2 * layer_bytes("flash", 16))
@@ -146,7 +152,7 @@ def test_megatron_layout_reproduces_korthikanti_up_to_fp32_norm_inputs(t: int, s
     s, b, h, a = 128, 2, 256, 8
     cfg = ModelConfig(vocab_size=1000, d_model=h, n_layers=1, n_heads=a, max_seq_len=s, activation="gelu",
                       dropout=0.1)
-    spec = act.ActivationSpec(seq_len=s, tp_size=t, sequence_parallel=sp, precision="bf16", attention_kernel="math",
+    spec = ActivationSpec(seq_len=s, tp_size=t, sequence_parallel=sp, precision="bf16", attention_kernel="math",
                               device="cuda", sp_saves_gathered_input=False)
     ours = s * b * sum(x.bytes_per_token for x in act.layer_saved_tensors(cfg, spec))
     paper = act.korthikanti_layer_bytes(s=s, b=b, h=h, a=a, t=t, sp=sp)
@@ -189,8 +195,8 @@ def test_loss_backward_working_set_matches_measurement(kind: str, precision: str
                                                             n, vocab))[0]
     print(f"{kind} {precision}: {per_logit:.3f} bytes per logit at the peak of the loss's backward")
     cfg = ModelConfig(vocab_size=vocab * t, d_model=64, n_layers=1, n_heads=4, max_seq_len=32)
-    spec = act.ActivationSpec(seq_len=32, tp_size=t, precision=precision, device="cpu")
-    planned = act.loss_backward_bytes_per_token(cfg, spec) / vocab  # per logit of this rank's shard
+    spec = ActivationSpec(seq_len=32, tp_size=t, precision=precision, device="cpu")
+    planned = loss_backward_bytes_per_token(cfg, spec) / vocab  # per logit of this rank's shard
     assert planned == expected
     assert per_logit == pytest.approx(planned, rel=0.02)
 
@@ -206,7 +212,7 @@ def test_backward_working_set_is_the_larger_transient_on_the_last_stage_only() -
 
     assert terms("none", 1)["backward_working_set"] == 8 * 50_000 * tokens  # the loss's, 8V per token
     assert terms("none", 0)["backward_working_set"] == 0  # no loss on the first stage
-    spec = act.ActivationSpec(seq_len=256, precision="amp_bf16")
+    spec = ActivationSpec(seq_len=256, precision="amp_bf16")
     layer = activation_costs.layer_costs(cfg, spec).full * tokens
     assert terms("full", 0)["backward_working_set"] == round(layer)  # one recomputed layer
     assert terms("full", 1)["backward_working_set"] == max(round(layer), 8 * 50_000 * tokens)  # never both
@@ -235,7 +241,7 @@ def test_op_level_recomputation_matches_measurement(name: str, precision: str) -
 
 def test_op_level_keeps_torchtitans_matmuls() -> None:
     # Llama's layer: q, k, v, o, up, gate, down; the 1st, 3rd, 5th and 7th kept, with the kernel's output and lse
-    spec = act.ActivationSpec(seq_len=S, precision="amp_bf16", device="cpu")
+    spec = ActivationSpec(seq_len=S, precision="amp_bf16", device="cpu")
     names = [x.name for x in op_recompute.op_saved_tensors(LLAMA, spec)]
     assert names == ["checkpoint.input", "q_proj.output", "v_proj.output", "up_proj.output", "down_proj.output",
                      "attn.kernel_out", "attn.kernel_logsumexp"]
@@ -269,7 +275,7 @@ def test_op_level_recomputed_flops_match_flop_counter(cfg: ModelConfig) -> None:
         return counter.get_total_flops()
 
     measured = backward_flops("op") - backward_flops("none")
-    fused = op_recompute.fused_attention_kernel(cfg, act.ActivationSpec(seq_len=S, device="cpu"))
+    fused = op_recompute.fused_attention_kernel(cfg, ActivationSpec(seq_len=S, device="cpu"))
     planned = sum(op_recompute.op_recomputed_matmul_flops(cfg, S, i) +
                   (0.0 if fused else attention_flops_per_token(cfg, S, i)) for i in range(cfg.n_layers)) * B * S
     assert measured == pytest.approx(planned, rel=1e-9)
@@ -285,9 +291,9 @@ def test_chunked_loss_working_set_matches_measurement(precision: str) -> None:
     planner's vocabulary-wide saved tensors plus its backward working set (planner/loss_costs.py)."""
     n, vocab, width, chunk = 2048, 8192, 256, 256
     cfg = ModelConfig(vocab_size=vocab, d_model=width, n_layers=1, n_heads=4, max_seq_len=32)
-    spec = act.ActivationSpec(seq_len=32, precision=precision, device="cpu")
+    spec = ActivationSpec(seq_len=32, precision=precision, device="cpu")
     dtype = "float32" if precision == "fp32" else "bfloat16"
-    whole = act.per_token(act.head_vocab_saved_tensors(cfg, spec)) * n + loss_working_set(cfg, spec, n)
+    whole = per_token(head_vocab_saved_tensors(cfg, spec)) * n + loss_working_set(cfg, spec, n)
     chunked_cfg = dataclasses.replace(cfg, loss_chunk_tokens=chunk)
     chunked = loss_working_set(chunked_cfg, spec, n)  # a chunk's vocabulary-wide tensors are in it, none saved
     measured = {c: run_distributed(loss_peak_bytes, 1, (dtype, n, vocab, width, c))[0] for c in (0, chunk)}

@@ -18,19 +18,15 @@ from functools import partial
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.model_shape import padded_vocab
 from dist_trainer.planner import documents
+from dist_trainer.planner.activation_spec import RECOMPUTE, ActivationSpec, per_token, recomputed_layers
 from dist_trainer.planner.activations import (
-    RECOMPUTE,
-    ActivationSpec,
     amp_weight_copies,
     attention_core_saved_tensors,
     checkpointed_layer_saved_tensors,
-    embedding_saved_tensors,
-    head_saved_tensors,
     layer_flow,
     layer_saved_tensors,
-    per_token,
-    recomputed_layers,
 )
+from dist_trainer.planner.activations_ends import embedding_saved_tensors, head_saved_tensors
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
 from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.op_recompute import op_saved_tensors

@@ -17,7 +17,7 @@ from dist_trainer.config_model import BASE_WEIGHT_DTYPES
 from dist_trainer.facts.finetune import frozen_modules
 from dist_trainer.facts.quant_sizes import check_int8_base, int8_weights
 from dist_trainer.files import output_dir, refuse_nonempty
-from dist_trainer.planner.activations import PRECISIONS, RECOMPUTE
+from dist_trainer.planner.activation_spec import PRECISIONS, RECOMPUTE
 from dist_trainer.planner.axes.cp import MIN_CP_TOKENS
 from dist_trainer.planner.emit import write_plan
 from dist_trainer.planner.finetune import module_rows

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.layout_rules import Layout
-from dist_trainer.planner.activations import recomputed_layers
+from dist_trainer.planner.activation_spec import recomputed_layers
 from dist_trainer.planner.moe import moe_layer_ids
 
 COUNT_BYTES = 8  # the loss's token count: one int64 all-reduce per micro-batch

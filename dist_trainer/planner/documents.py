@@ -22,27 +22,27 @@ save about the share of cross-document pairs; none is wired in, so none is price
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_spec import ActivationSpec, SavedTensor
 
 
-def document_layer_tensors(cfg: ModelConfig, spec: act.ActivationSpec, *, rotated: bool) -> list[act.SavedTensor]:
+def document_layer_tensors(cfg: ModelConfig, spec: ActivationSpec, *, rotated: bool) -> list[SavedTensor]:
     """A layer's RoPE tables at per-document positions, when its attention core runs (``rotated``: q or k needs
     its gradient) and is not recomputed."""
     if not spec.documents or cfg.pos_embedding != "rope" or not rotated:
         return []
-    return [act.SavedTensor(f"attn.rope_{n}_by_document", cfg.rotary_dim / 2, 4) for n in ("cos", "sin")]
+    return [SavedTensor(f"attn.rope_{n}_by_document", cfg.rotary_dim / 2, 4) for n in ("cos", "sin")]
 
 
-def document_embedding_tensors(cfg: ModelConfig, spec: act.ActivationSpec,
-                               trains: frozenset[str] | None = None) -> list[act.SavedTensor]:
+def document_embedding_tensors(cfg: ModelConfig, spec: ActivationSpec,
+                               trains: frozenset[str] | None = None) -> list[SavedTensor]:
     """The first stage's position ids of a learned table (sinusoidal tables are buffers: nothing kept); ``trains``:
     the first-stage modules that train (None: all)."""
     if not spec.documents or cfg.pos_embedding != "learned" or (trains is not None and "pos_emb" not in trains):
         return []
-    return [act.SavedTensor("embedding.position_ids", 1, 8)]
+    return [SavedTensor("embedding.position_ids", 1, 8)]
 
 
-def document_stage_tensors(spec: act.ActivationSpec, selective: bool) -> list[act.SavedTensor]:
+def document_stage_tensors(spec: ActivationSpec, selective: bool) -> list[SavedTensor]:
     """The stage's segment ids (whole sequences, int64) that selective recomputation keeps for its cores."""
     if not spec.documents or not selective:
         return []

@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.planner.activations import recomputed_layers
+from dist_trainer.planner.activation_spec import recomputed_layers
 from dist_trainer.planner.moe import dense_mlp_flops_per_token, moe_flops_per_token, moe_layer_ids
 from dist_trainer.planner.op_recompute import op_recomputed_matmul_flops
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights, matmul_params

@@ -24,12 +24,11 @@ import dataclasses
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.model_shape import padded_vocab
-from dist_trainer.planner.activations import (
-    ActivationSpec,
+from dist_trainer.planner.activation_spec import ActivationSpec, per_token
+from dist_trainer.planner.activations_ends import (
     head_input_bytes,
     head_vocab_saved_tensors,
     loss_backward_bytes_per_token,
-    per_token,
 )
 
 LOSS_CHUNK_LOGITS_BYTES = 2**30  # a default chunk's fp32 logits on one rank at most (module docstring)

@@ -31,6 +31,7 @@ from dist_trainer.facts.quant_sizes import INT8_QMAPS_BYTES, adam_moment_bytes, 
 from dist_trainer.layout_rules import Layout, check_low_bit, check_shape
 from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import OFFLOADED, layer_costs, stage_activations
+from dist_trainer.planner.activation_spec import ActivationSpec
 from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
 from dist_trainer.planner.loss_costs import default_loss_chunk
@@ -194,16 +195,16 @@ def op_kept_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, options: Tr
             - stage_activation_bytes(cfg, full, seq_len=seq_len, options=options, pp_rank=pp_rank)["saved"])
 
 
-def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> act.ActivationSpec:
+def activation_spec(layout: Layout, seq_len: int, options: TrainingOptions) -> ActivationSpec:
     """What decides one rank's saved tensors under ``layout``: every layout field the spec declares (its TP shard,
     SP, how the sequence is split, ...), the precision and the kernel."""
-    return act.ActivationSpec(seq_len=seq_len, precision=options.precision, attention_kernel=options.attention_kernel,
+    return ActivationSpec(seq_len=seq_len, precision=options.precision, attention_kernel=options.attention_kernel,
                               device=options.device, sp_saves_gathered_input=options.sp_saves_gathered_input,
                               documents=options.document_masking,
                               **{name: getattr(layout, name) for name in _SPEC_LAYOUT_FIELDS})
 
 
-_SPEC_LAYOUT_FIELDS = sorted({f.name for f in fields(act.ActivationSpec)} & {f.name for f in fields(Layout)})
+_SPEC_LAYOUT_FIELDS = sorted({f.name for f in fields(ActivationSpec)} & {f.name for f in fields(Layout)})
 _spec_fields = operator.attrgetter(*_SPEC_LAYOUT_FIELDS)
 
 
@@ -214,7 +215,7 @@ def spec_fields(layout: Layout) -> tuple[object, ...]:
     return got if isinstance(got, tuple) else (got,)
 
 
-def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: act.ActivationSpec, options: TrainingOptions,
+def seq2seq_activation_bytes(cfg: ModelConfig, layout: Layout, spec: ActivationSpec, options: TrainingOptions,
                              pp_rank: int, in_flight: float) -> dict[str, int]:
     """``stage_activation_bytes`` of an encoder-decoder (``planner/seq2seq.py``): the source's and the target's
     tokens, the rank's stages of either stack."""

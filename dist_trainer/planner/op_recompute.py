@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.finetune import lora_target_leaves
 from dist_trainer.facts.model_shape import kv_sharded
-from dist_trainer.planner.activations import ActivationSpec, SavedTensor, checkpointed_layer_saved_tensors
+from dist_trainer.planner.activation_spec import ActivationSpec, SavedTensor
+from dist_trainer.planner.activations import checkpointed_layer_saved_tensors
 from dist_trainer.planner.activations_mla import mla_attention_kernel, mla_weight_sizes
 from dist_trainer.planner.finetune import ALL_TRAIN, LayerGrads
 from dist_trainer.planner.params import lora_shapes

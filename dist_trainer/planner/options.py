@@ -10,7 +10,7 @@ from dist_trainer.config import OPTIM_STATE_DTYPES
 from dist_trainer.optim_entries import MOMENT_BYTES as MOMENT_BYTES  # re-exported (memory.py)
 from dist_trainer.optim_entries import OPTIMIZERS as ENTRIES
 from dist_trainer.optim_entries import OptimizerEntry, optimizer_entry, split_bytes
-from dist_trainer.planner import activations as act
+from dist_trainer.planner.activation_spec import PRECISIONS
 
 OPTIMIZERS = ("adam", *ENTRIES)  # the trainer's optim.name entries, and Adam without weight decay (AdamW's bytes)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -52,8 +52,8 @@ class TrainingOptions:
     async_save: bool = False
 
     def validate(self) -> None:
-        if self.precision not in act.PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(act.PRECISIONS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
             raise ValueError(f"grad_dtype={self.grad_dtype!r} is not one of fp32, bf16, fp16")
         if self.optimizer not in OPTIMIZERS:

@@ -31,7 +31,14 @@ import functools
 from dist_trainer.config import DataConfig, ModelConfig
 from dist_trainer.facts.model_shape import kv_sharded
 from dist_trainer.planner import activations as act
-from dist_trainer.planner.activations import ActivationSpec, SavedTensor, per_token
+from dist_trainer.planner.activation_spec import (
+    ActivationSpec,
+    SavedTensor,
+    norm_saved_tensors,
+    per_token,
+    recomputed_layers,
+)
+from dist_trainer.planner.activations_ends import head_saved_tensors
 from dist_trainer.planner.loss_costs import loss_working_set
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights
 
@@ -52,7 +59,7 @@ def _mask(spec: ActivationSpec) -> int:
 def cross_attention_per_target(cfg: ModelConfig, spec: ActivationSpec, selective: bool) -> float:
     """Bytes per target token of one decoder layer's cross-attention, the k/v side excluded (``per_source``)."""
     h, t = cfg.d_model, spec.tp_size
-    out = [*act.norm_saved_tensors(cfg, spec, "cross_norm"), SavedTensor("cross.q_input", h * spec.lin_in, spec.act)]
+    out = [*norm_saved_tensors(cfg, spec, "cross_norm"), SavedTensor("cross.q_input", h * spec.lin_in, spec.act)]
     if selective:
         out += [SavedTensor("cross.q_proj_out", h / t, spec.act), SavedTensor("cross.o_input", h / t, spec.act)]
     elif spec.attention_kernel == "flash":
@@ -97,7 +104,7 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
     dec = dataclasses.replace(spec, seq_len=T, attention_kernel=self_kernel)
     cross = dataclasses.replace(spec, seq_len=S)  # the cross-attention's probabilities are T x S
     selective = mode == "selective"
-    redone = set(act.recomputed_layers(mode, every, layer_ids))
+    redone = set(recomputed_layers(mode, every, layer_ids))
     n_enc = cfg.n_layers
 
     def enc_layer(sel: bool) -> float:
@@ -152,8 +159,8 @@ def seq2seq_stage_activations(cfg: ModelConfig, spec: ActivationSpec, *, mode: s
     if relative and padded and any(i < n_enc for i in layer_ids):
         saved += B * S  # the source's padding folded into the encoder's bias
     if encoder_last:
-        saved += per_token(act.norm_saved_tensors(cfg, enc, "enc_norm")) * B * S if cfg.norm_placement == "pre" else 0
-    head = per_token(act.head_saved_tensors(cfg, dec)) * B * T if last else 0.0
+        saved += per_token(norm_saved_tensors(cfg, enc, "enc_norm")) * B * S if cfg.norm_placement == "pre" else 0
+    head = per_token(head_saved_tensors(cfg, dec)) * B * T if last else 0.0
     saved += head
     weights += _amp_head(cfg, spec) if last else 0
     loss = loss_working_set(cfg, spec, B * T) if last else 0.0
@@ -211,7 +218,7 @@ def seq2seq_step_flops(cfg: ModelConfig, *, seq_len: int, target_len: int, globa
     model = 3.0 * forward * global_batch
     extra = 0.0
     if recompute in ("full", "every_k"):
-        redone = act.recomputed_layers(recompute, checkpoint_every, range(cfg.n_layers + cfg.n_decoder_layers))
+        redone = recomputed_layers(recompute, checkpoint_every, range(cfg.n_layers + cfg.n_decoder_layers))
         extra = sum(encoder * S if i < cfg.n_layers else decoder * T + cross_kv * S for i in redone)
     elif recompute == "selective":
         extra = cfg.n_layers * 4.0 * S * q * S + cfg.n_decoder_layers * (4.0 * T * q + 4.0 * S * q) * T

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import CP_MODES, ModelConfig
 from dist_trainer.layout_rules import Layout, divisors
-from dist_trainer.planner.activations import recomputed_layers
+from dist_trainer.planner.activation_spec import recomputed_layers
 from dist_trainer.planner.axes.base import AxisEntry, AxisTime, Fields, SearchSpace, StepContext
 from dist_trainer.planner.cp import cp_counted_bytes, cp_exposed_seconds
 from dist_trainer.planner.flops import layer_forward_flops_per_token

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout, divisors
-from dist_trainer.planner.activations import recomputed_layers
+from dist_trainer.planner.activation_spec import recomputed_layers
 from dist_trainer.planner.axes.base import AxisEntry, AxisTime, Fields, SearchSpace, StepContext, ring_time
 from dist_trainer.planner.axes.dp import DataParallel, replica_time
 from dist_trainer.planner.moe import all_to_all_bytes, dispatch_elements, ep_link_is_intra, moe_layer_ids

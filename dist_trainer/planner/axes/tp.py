@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dist_trainer.layout_rules import Layout, divisors
-from dist_trainer.planner.activations import recomputed_layers
+from dist_trainer.planner.activation_spec import recomputed_layers
 from dist_trainer.planner.axes.base import AxisEntry, AxisTime, Fields, SearchSpace, StepContext, ring_time
 
 
