@@ -106,8 +106,7 @@ def main() -> None:
         root = Path(tmp)
         data = benchmark_data(root / "data")
         ranks = run_distributed(_both, 2, (data, root, args), timeout=1800, env={"OMP_NUM_THREADS": "1"})
-        newest = latest_checkpoint(root / "sync" / "checkpoints")
-        size = sum(f.stat().st_size for f in newest.iterdir()) if newest else 0
+        size = _checkpoint_bytes(root)
     print(f"2 ranks (gloo, CPU), d_model {args.d_model} x {args.layers} layers; a checkpoint of {size / 1e6:,.0f} MB "
           f"every {args.save_every} steps, {args.steps} steps")
     summarize(ranks[0], args.save_every)
@@ -117,9 +116,13 @@ def stall(data: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One process's two runs (``_both``) and their ``summarize``d figures; the size of a checkpoint (``args``:
     ``d_model``, ``layers``, ``steps``, ``save_every`` and ``device``; benchmarks/gpu_check.py on one GPU)."""
     out = _both(0, 1, data, root, args)
+    return {**summarize(out, args.save_every), "checkpoint_bytes": _checkpoint_bytes(root)}
+
+
+def _checkpoint_bytes(root: Path) -> int:
+    """The bytes of the synchronous run's newest checkpoint (both runs write the same files)."""
     newest = latest_checkpoint(root / "sync" / "checkpoints")
-    return {**summarize(out, args.save_every), "checkpoint_bytes": sum(f.stat().st_size for f in newest.iterdir())
-            if newest else 0}
+    return sum(f.stat().st_size for f in newest.iterdir()) if newest else 0
 
 
 def summarize(out: dict[str, Any], save_every: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dist_trainer.config import ModelConfig  # noqa: E402
-from dist_trainer.planner.activation_spec import ActivationSpec
+from dist_trainer.planner.activation_spec import ActivationSpec  # noqa: E402
 from dist_trainer.planner.activations_ends import loss_backward_bytes_per_token  # noqa: E402
 from dist_trainer.planner.memory import GiB, Layout, TrainingOptions, stage_activation_bytes  # noqa: E402
 from dist_trainer.planner.search import plan_layouts  # noqa: E402
