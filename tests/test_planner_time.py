@@ -167,10 +167,12 @@ def test_measured_non_gemm_terms_are_priced_only_with_a_calibrated_profile() -> 
     layout = Layout(dp_size=4, micro_batch_size=4, n_microbatches=2)
     plain = get_hardware("cpu")
     calibrated = replace(plain, memory_bw=1e10, op_overhead=5e-6)
-    base = estimate_step_time(tiny, layout, seq_len=128, hardware=plain, gpus_per_node=4,
-                              options=TrainingOptions(precision="fp32", device="cpu"))
-    more = estimate_step_time(tiny, layout, seq_len=128, hardware=calibrated, gpus_per_node=4,
-                              options=TrainingOptions(precision="fp32", device="cpu"))
+    fused = TrainingOptions(precision="fp32", device="cpu", fused_elementwise=True)  # compute.PASSES_*
+    base = estimate_step_time(tiny, layout, seq_len=128, hardware=plain, gpus_per_node=4, options=fused)
+    more = estimate_step_time(tiny, layout, seq_len=128, hardware=calibrated, gpus_per_node=4, options=fused)
+    eager = estimate_step_time(tiny, layout, seq_len=128, hardware=calibrated, gpus_per_node=4,
+                               options=replace(fused, fused_elementwise=False))  # compute.EAGER_LAYER
+    assert eager.compute > more.compute  # each eager op reads and writes its tensors
     tokens, h, f, v, L = 4 * 128, tiny.d_model, tiny.ffn_dim, tiny.vocab_size, tiny.n_layers
     passes = 2 * tokens * (L * (cost.PASSES_REPLICATED * h + cost.PASSES_SPLIT * h + cost.PASSES_MLP * f) * 4
                            + cost.PASSES_LOSS * v * 4)

@@ -163,6 +163,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--compile", action="store_true",
+                   help="train.compile: the elementwise work priced in inductor's fused kernels (default: eager "
+                        "PyTorch, each op its own kernel); plan --out writes train.compile: true")
     p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"))
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="optim.name's entry (optim_entries.py): its state bytes; muon adds its Newton-Schulz and tp "
@@ -220,7 +223,7 @@ def _options(args: argparse.Namespace) -> tuple[TrainingOptions, Overheads]:
                            fp32_grad_copy={"auto": None, "on": True, "off": False}[args.fp32_grad_copy],
                            freeze=tuple(_freeze(args)), optim_state_dtype=args.optim_state_dtype,
                            target_len=args.target_len, source_mask=args.pairs,
-                           async_save=getattr(args, "async_save", False))
+                           async_save=getattr(args, "async_save", False), fused_elementwise=args.compile)
     over = Overheads(cuda_context=round(args.cuda_context_gb * GiB), fragmentation=args.fragmentation)
     return opts, over
 
@@ -355,6 +358,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(f"{res.n_considered} layouts considered, {len(res.layouts)} fit in {memory / GiB:.1f} GiB per GPU "
               f"and {res.host_memory_bytes / GiB:,.0f} GiB of host memory per node ({res.seconds:.2f} s)")
+        print("elementwise work priced " + ("fused (train.compile)" if args.compile else
+                                            "eager, each op its own kernel (--compile: train.compile's fused kernels)"))
         for i, p in enumerate(top, 1):
             host = f"; host {p.host_per_node / GiB:,.1f} GiB per node" if p.host_per_node else ""
             print(f"{i}. {p.layout.describe()}\n   step {p.time.total:.3f} s  MFU {p.time.mfu:.1%}  "

@@ -33,6 +33,26 @@ PASSES_LOSS = 5  # x vocab / t: log-softmax (2 forward), its gradient (3 backwar
 # dropout (read, write, mask) forward, their gradients backward (read 2, write 1 each): 2 + 3 + 6, in the
 # activation dtype (Megatron's fused scale-mask-softmax and dropout; a flash kernel keeps all of it on chip)
 PASSES_SCORES = 11
+# Eager PyTorch (``train.compile`` off, the trainer's default; ``TrainingOptions.fused_elementwise`` False): each
+# elementwise op is its own kernel reading and writing whole tensors, so the passes above (a fused layer's) are
+# too few. Counted on our Llama-class layer (fp32 RMSNorm and RoPE, SwiGLU, grouped KV heads, flash SDPA): every
+# non-matmul op's input and output bytes in one forward and backward (a dispatch-mode count, fitted over nine
+# shapes that vary each width, residuals under 0.3%; ``tests/test_planner_eager.py`` counts again at another
+# shape), by the activations' kind: a 16-bit model, fp32 weights under autocast, fp32. (forward, backward) bytes
+# per token and layer, per element of: d_model (norms, residual adds: replicated), the query width, the key/value
+# width and the FFN width (each split by t), and the query width again when key/value heads are grouped (the
+# repeat to the query heads and its gradient's sum). The forward's share (about a third) is what recomputation
+# runs again.
+EAGER_LAYER = {"16bit": ((92.5, 246), (60.5, 79), (48, 82), (10, 18), (8, 12.5)),
+               "amp": ((107, 294.5), (61, 79.5), (48, 82), (10.5, 18.5), (7.5, 12.5)),
+               "fp32": ((81, 252), (61, 78), (36, 84), (20.5, 36.5), (15.5, 25))}
+# the loss: (forward, backward) bytes per vocabulary element / t per token (logits to fp32, log-softmax, NLL)
+EAGER_LOSS = {"16bit": (18, 26), "amp": (18, 26), "fp32": (12, 20)}
+# per micro-batch, (forward, backward) bytes per weight element: the embedding and head tables (vocab x d_model / t:
+# the embedding's dense gradient; under autocast the head's copy to 16 bits and its gradient back) and under
+# autocast each layer's linear weights (fp32 read, 16-bit written; the gradient cast back)
+EAGER_TABLES = {"16bit": (2, 2), "amp": (10, 10), "fp32": (4, 4)}
+EAGER_AMP_CAST = (6, 6)
 OPS_PER_LAYER = 55  # ops (kernels) of one layer's forward and backward on one micro-batch
 OPS_PER_MICRO = 15  # embedding, final norm, head and loss, forward and backward
 ADAM_BYTES = 28  # fp32 AdamW reads p, g, m, v and writes p, m, v
@@ -85,19 +105,54 @@ def memory_and_overhead(cfg: ModelConfig, layout: Layout, options: TrainingOptio
     optimizer updates the ``trainable`` parameters only."""
     if hardware.memory_bw is None:
         return 0.0
-    t, m, h = layout.tp_size, layout.n_microbatches, cfg.d_model
+    t, m = layout.tp_size, layout.n_microbatches
     act = 4 if options.precision == "fp32" else 2
-    replicated = h / t if layout.sequence_parallel else h
-    scores = PASSES_SCORES * cfg.n_heads / t * seq_len if options.attention_kernel == "math" else 0.0
-    per_token = layers * (PASSES_REPLICATED * replicated + PASSES_SPLIT * h / t + PASSES_MLP * cfg.ffn_dim / t
-                          + scores)
-    # a recomputed forward: about a third of the passes again; op-level recomputes every elementwise pass
+    replicated = cfg.d_model / t if layout.sequence_parallel else cfg.d_model
+    scores = PASSES_SCORES * cfg.n_heads / t * seq_len * act if options.attention_kernel == "math" else 0.0
+    # a recomputed forward: its passes again; op-level recomputes every elementwise pass
     recomputed = {"full": 1.0, "op": 1.0, "every_k": 1.0 / layout.checkpoint_every, "selective": 0.2}.get(
         layout.activation_checkpointing, 0.0)
-    per_token *= 1 + recomputed / 3
-    passes = m * tokens * (per_token * act + PASSES_LOSS * cfg.vocab_size / t * 4)
+    if options.fused_elementwise:  # the forward about a third of the passes
+        per_token = layers * ((PASSES_REPLICATED * replicated + PASSES_SPLIT * cfg.d_model / t
+                               + PASSES_MLP * cfg.ffn_dim / t) * act + scores) * (1 + recomputed / 3)
+        passes = m * tokens * (per_token + PASSES_LOSS * cfg.vocab_size / t * 4)
+    else:
+        passes = m * (tokens * eager_bytes_per_token(cfg, options.precision, t, replicated, layers, recomputed,
+                                                     scores)
+                      + eager_weight_bytes(cfg, options.precision, t, layers, recomputed))
     optimizer_bytes = ADAM_BYTES * trainable / (layout.replicas if layout.zero_stage else 1)
     tensors = 16 * layers + 4  # a rank's parameter tensors (a GPT layer's 16 with biases; embeddings, norms)
     optimizer_ops = ADAM_OPS * (tensors if layout.zero_stage == 0 else 2)
     ops = m * (OPS_PER_LAYER * layers + OPS_PER_MICRO) + optimizer_ops
     return (passes + optimizer_bytes) / hardware.memory_bw + ops * (hardware.op_overhead or 0.0)
+
+
+def _kind(precision: str) -> str:
+    return "fp32" if precision == "fp32" else "amp" if precision.startswith("amp") else "16bit"
+
+
+def eager_bytes_per_token(cfg: ModelConfig, precision: str, t: int, replicated: float, layers: int,
+                          recomputed: float, scores: float = 0.0) -> float:
+    """Bytes the eager elementwise kernels of ``layers`` layers and the loss move per token of a micro-batch on a rank
+    (``EAGER_LAYER``, ``EAGER_LOSS``): ``replicated`` d_model's elements (d_model / t under SP), the rest split by
+    t; ``recomputed`` of the forward's run again; ``scores``: the math kernel's s x s bytes per token and layer."""
+    q, kv = cfg.q_dim / t, cfg.kv_heads * cfg.head_dim / t
+    widths = (replicated, q, kv, cfg.ffn_dim / t, q if cfg.kv_heads < cfg.n_heads else 0.0)
+    layer = sum(w * (fwd * (1 + recomputed) + bwd) for w, (fwd, bwd) in zip(widths, EAGER_LAYER[_kind(precision)]))
+    return layers * (layer + scores * (1 + recomputed / 3)) + sum(EAGER_LOSS[_kind(precision)]) * cfg.vocab_size / t
+
+
+def eager_weight_bytes(cfg: ModelConfig, precision: str, t: int, layers: int, recomputed: float,
+                       tables: bool = True) -> float:
+    """Bytes of the eager step's passes over weights in one micro-batch on a rank (``EAGER_TABLES``,
+    ``EAGER_AMP_CAST``): the vocabulary tables' (``tables``: this rank holds them) and, under autocast, each of
+    ``layers`` layers' linear weights (its share under TP) cast to 16 bits in every forward, recomputed ones
+    included, and their gradients cast back."""
+    kind = _kind(precision)
+    out = sum(EAGER_TABLES[kind]) * cfg.vocab_size * cfg.d_model / t if tables else 0.0
+    if kind == "amp":
+        weights = cfg.d_model * (2 * cfg.q_dim + 2 * cfg.kv_heads * cfg.head_dim
+                                 + (3 if cfg.gated else 2) * cfg.ffn_dim)
+        fwd, bwd = EAGER_AMP_CAST
+        out += layers * weights / t * (fwd * (1 + recomputed) + bwd)
+    return out

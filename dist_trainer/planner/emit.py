@@ -46,6 +46,7 @@ def run_config_dict(model: ModelConfig, layout: Layout, *, seq_len: int,
         "data": {"seq_len": seq_len, **_seq2seq_data(model, options)},
         **({"optim": optim} if optim else {}),
         "train": {"precision": TRAIN_PRECISION[options.precision],
+                  **({"compile": True} if options.fused_elementwise else {}),
                   **({"freeze": list(options.freeze)} if options.freeze else {})},
     }
 

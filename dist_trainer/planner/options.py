@@ -29,6 +29,9 @@ class TrainingOptions:
     # distributed optimizer, K + 4); False: none charged
     fp32_grad_copy: bool | None = None
     attention_kernel: str = "flash"  # flash (no s x s saved) | math
+    # the step's elementwise work in fused kernels (train.compile's inductor; Megatron-LM's fused kernels): the
+    # passes of planner/compute.py's PASSES_*; False: eager PyTorch, each op its own kernel (compute.EAGER_LAYER)
+    fused_elementwise: bool = False
     device: str = "cuda"  # cuda | cpu: decides dropout-mask bytes and the CUDA context
     sp_saves_gathered_input: bool = True  # see activations.ActivationSpec
     zero_fp32_master: bool = True  # ZeRO 1-3 keep an fp32 master partition for fp32 models too (DeepSpeed)

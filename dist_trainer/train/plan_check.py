@@ -144,6 +144,7 @@ def planner_options(cfg: Config, device: torch.device) -> TrainingOptions:
 
         overlap = run_overlap_comm(cfg, device.type)[0]
     return TrainingOptions(precision=precision, device=device.type, attention_kernel=kernel, zero_overlap_comm=overlap,
+                           fused_elementwise=cfg.train.compile,
                            freeze=tuple(cfg.train.freeze), optim_state_dtype=cfg.optim.state_dtype,
                            optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum > 0,
                            target_len=cfg.data.decoder_len() if seq2seq else None,
