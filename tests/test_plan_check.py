@@ -59,8 +59,12 @@ def test_every_run_writes_the_plan_check(tiny_data: Path, tmp_path: Path,
         assert len(check["ranks"]) == world, name
         for row in check["ranks"]:
             figures = row["figures"]
-            assert set(figures) == {"model_states", "activations", "peak_memory", "step_time"}, name
+            head = name != "pp2" or row["pp_rank"] == 1  # the rank that holds the head measures the loss
+            assert set(figures) == {"model_states", "activations", "peak_memory", "step_time",
+                                    *(["loss_working_set"] if head else [])}, name
             assert abs(figures["model_states"]["ratio"] - 1) <= 0.01, (name, row)
+            if head:  # pp2: the logits the schedule keeps are in it (loss_costs.pipeline_logits)
+                assert abs(figures["loss_working_set"]["ratio"] - 1) <= 0.02, (name, row)
             assert abs(figures["activations"]["ratio"] - 1) <= 0.10, (name, row)
             assert figures["step_time"]["measured"] > 0 and figures["step_time"]["predicted"] > 0
         logged = [r for r in records if "plan_check/model_states/ratio" in r]
@@ -187,3 +191,63 @@ def test_plan_check_compares_offloaded_and_op_kept_bytes(tiny_data: Path, tmp_pa
     assert abs(figures["activations"]["ratio"] - 1) <= 0.10, figures["activations"]
     logged = next(r for r in records if "plan_check/offloaded_activations/ratio" in r)
     assert logged["plan_check/op_kept_outputs/measured"] == figures["op_kept_outputs"]["measured"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [0, 16, 4])
+def test_plan_check_measures_the_loss_working_set(tiny_data: Path, tmp_path: Path, precision: str, chunk: int) -> None:
+    """Issue 37 item 4: the peak bytes the head's projection and the loss allocate for one micro-batch, measured in
+    the run (train/loss_peak.py) against ``loss_costs.loss_peak``, within 2%: the whole logits, and chunks of 16 and
+    of 4 tokens (the second peaks where autograd sums a chunk's weight gradient into the others': three
+    weight-sized tensors), fp32 and under autocast (bf16)."""
+    cfg = tiny_config(tiny_data, tmp_path, **{**SECTIONS, "model": {**SECTIONS["model"], "loss_chunk_tokens": chunk},
+                                              "train": {**SECTIONS["train"], "precision": precision}})
+    Trainer(cfg).train()
+    figure = json.loads((tmp_path / "plan_check.json").read_text())["ranks"][0]["figures"]["loss_working_set"]
+    assert abs(figure["ratio"] - 1) <= 0.02 and figure["ok"], figure
+    assert figure["measured"] > (64 * 512 * 4 if not chunk else 3 * 512 * 32 * 2)  # the logits, the weight-sized sums
+
+
+def _kept_logits(rank: int, world: int, data: Path, root: Path) -> dict[str, list[int]]:
+    """The bytes of loss inputs still alive when each micro-batch's loss backward starts, on the rank holding the
+    head: a pipeline of 2 (1F1B), then the same model with no pipeline (dp=2)."""
+    import weakref
+
+    out: dict[str, list[int]] = {}
+    for name, parallel in (("pp2", {"pp_size": 2}), ("dp2", {})):
+        trainer = Trainer(tiny_config(data, root / name, **{**SECTIONS, "train": {**SECTIONS["train"], "max_steps": 2},
+                                                            "parallel": {**SECTIONS["parallel"], **parallel}}))
+        engine = trainer.engine
+        model = engine.stages[-1].model if name == "pp2" else engine.model  # type: ignore[attr-defined]
+        alive: dict[int, int] = {}
+        seen: list[int] = out.setdefault(name, [])
+
+        def on_loss(module: torch.nn.Module, args: tuple, loss: torch.Tensor) -> None:
+            if not loss.requires_grad:  # evaluation
+                return
+            storage = args[0].untyped_storage()
+            alive[storage.data_ptr()] = storage.nbytes()
+            weakref.finalize(storage, alive.pop, storage.data_ptr())
+            loss.register_hook(lambda grad: seen.append(sum(alive.values())))
+
+        if name == "dp2" or rank == 1:
+            model.loss.register_forward_hook(on_loss)
+        trainer.train()
+    return out
+
+
+def test_a_pipeline_keeps_the_last_stages_logits_until_their_backward(tiny_data: Path, tmp_path: Path) -> None:
+    """loss_costs.pipeline_logits: torch.distributed.pipelining keeps the last stage's output, the whole loss's
+    logits, until that micro-batch's backward (the planner charges them to the last stage's activations, which no
+    saved-tensor hook sees); one process frees them once the log-softmax has read them."""
+    from dist_trainer.layout_rules import Layout
+    from dist_trainer.planner.loss_costs import pipeline_logits
+    from dist_trainer.planner.memory import activation_spec
+
+    kept = run_distributed(_kept_logits, 2, (tiny_data, tmp_path))
+    cfg = tiny_config(tiny_data, tmp_path, **SECTIONS)
+    layout = Layout(pp_size=2, micro_batch_size=2)
+    spec = activation_spec(layout, cfg.data.seq_len, plan_check.planner_options(cfg, torch.device("cpu")))
+    per_micro_batch = pipeline_logits(cfg.model, spec) * layout.rank_tokens(cfg.data.seq_len)
+    assert kept[1]["pp2"] and set(kept[1]["pp2"]) == {per_micro_batch}, (str(kept[1]["pp2"]), per_micro_batch)
+    assert kept[0]["dp2"] and set(kept[0]["dp2"]) == {0}

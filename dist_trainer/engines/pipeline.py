@@ -32,7 +32,7 @@ from dist_trainer.facts.model_names import (
     FIRST_STAGE_MODULES,
     LAST_STAGE_MODULES,
 )
-from dist_trainer.model import seq2seq_inputs
+from dist_trainer.model import Transformer, seq2seq_inputs
 from dist_trainer.model_moe import aux_loss_sum
 from dist_trainer.optim import build_optimizer
 from dist_trainer.parallel.loss import TokenWeightedLoss
@@ -53,6 +53,8 @@ class PipelineRankModule(nn.Module):
 
     def __init__(self, stages: list[StageModule]) -> None:
         super().__init__()
+        # the stages' models (a plain list: not submodules, so no name changes): what a plan check watches
+        self.chunks: list[Transformer] = [stage.model for stage in stages]
         self.layers = nn.ModuleDict()
         for stage in stages:
             for name in FIRST_STAGE_MODULES + LAST_STAGE_MODULES + ENCODER_LAST_MODULES + DECODER_FIRST_MODULES:

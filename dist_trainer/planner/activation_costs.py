@@ -28,7 +28,7 @@ from dist_trainer.planner.activations import (
 )
 from dist_trainer.planner.activations_ends import embedding_saved_tensors, head_saved_tensors
 from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
-from dist_trainer.planner.loss_costs import loss_working_set
+from dist_trainer.planner.loss_costs import PIPELINE_LOGITS, loss_working_set, pipeline_logits
 from dist_trainer.planner.op_recompute import op_saved_tensors
 
 OFFLOADED = "offloaded_to_host"  # stage_activations' term of host memory, apart from the device's
@@ -84,6 +84,9 @@ class LayerCosts:
     sliding_ids: frozenset[int] = frozenset()
     kinds: dict[tuple[bool, bool], LayerCost] | None = None
     selective_inputs: float = 0.0  # per stage under selective recomputation: the segment ids every core reads
+    # a pipeline's last stage: the logits it outputs (the whole loss's input), which torch.distributed.pipelining
+    # keeps until that micro-batch's backward (loss_costs.pipeline_logits)
+    pipeline_logits: float = 0.0
 
     @property
     def full(self) -> float:
@@ -113,6 +116,7 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
     loss_backward = partial(loss_working_set, cfg, spec)
+    kept_logits = pipeline_logits(cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     selective_inputs = per_token(documents.document_stage_tensors(spec, selective=True))
     if plan is None:
@@ -120,7 +124,8 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
                                                      + documents.document_embedding_tensors(cfg, spec)),
                           head=per_token(head_saved_tensors(cfg, spec)), loss_backward=loss_backward,
                           amp_head_weights=amp_head + amp_dense, moe_layer=moe_layer, moe_ids=moe_ids,
-                          sliding_ids=sliding_ids, kinds=by_kind, selective_inputs=selective_inputs)
+                          sliding_ids=sliding_ids, kinds=by_kind, selective_inputs=selective_inputs,
+                          pipeline_logits=kept_logits)
     cache: dict[tuple[LayerGrads, bool, bool], LayerCost] = {}
 
     def cost(i: int, g: LayerGrads) -> LayerCost:
@@ -143,7 +148,7 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
         per_layer=tuple(cost(i, plan.layer(i, False)) for i in range(cfg.n_layers)),
         per_layer_staged=tuple(cost(i, plan.layer(i, True)) for i in range(cfg.n_layers)),
         moe_layer=moe_layer, moe_ids=moe_ids, sliding_ids=sliding_ids, kinds=by_kind,
-        selective_inputs=selective_inputs)
+        selective_inputs=selective_inputs, pipeline_logits=kept_logits)
 
 
 def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Sequence[int], tokens: int,
@@ -219,4 +224,6 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
         "amp_weight_copies": round(weights * in_flight),
         "backward_working_set": round(max(recompute * tokens, costs.loss_backward(tokens) if last else 0.0)),
     }
+    if last and not first and costs.pipeline_logits:  # a pipeline's last stage (with one stage: none kept)
+        terms[PIPELINE_LOGITS] = round(costs.pipeline_logits * tokens * in_flight)
     return terms | ({OFFLOADED: round(host * in_flight)} if n_off else {})

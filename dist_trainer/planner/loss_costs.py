@@ -9,7 +9,12 @@ targets, so no vocabulary-wide tensor outlives a chunk. The peak is one chunk's 
 vocabulary-wide tensors and their gradients (what the whole loss holds per token, for n tokens), beside two buffers
 autograd fills chunk by chunk: the output weight's gradient (V/t x d_model, the parameters' dtype: each chunk's is
 summed into it before it reaches ``.grad``) and the head input's gradient from the chunks already done ((N - n) x
-d_model, the head input's dtype). Measured on CPU in tests/test_planner_activations.py.
+d_model, the head input's dtype); under autocast the weight's 16-bit copy (cast again in each chunk's recompute,
+the gradient summed in its dtype) and the chunk's cast input. Where chunks are small against d_model a second moment
+is higher: autograd sums a chunk's weight gradient into the others' out of place, so three weight-sized tensors
+live at once (the sum so far, the chunk's and the new sum; under autocast the copy in place of the new sum, beside
+the chunk's logits' gradient; and at the end the sum cast to the weight's dtype beside the copy). Measured on CPU
+in tests/test_planner_activations.py and in every run's plan check (``train/loss_peak.py``).
 
 The planner's default (``default_loss_chunk``, when the model leaves ``loss_chunk_tokens`` at 0): chunks whose fp32
 logits on the rank (n x V/t x 4 bytes) are at most 1 GiB, the largest power of two of tokens that keeps them there
@@ -32,6 +37,15 @@ from dist_trainer.planner.activations_ends import (
 )
 
 LOSS_CHUNK_LOGITS_BYTES = 2**30  # a default chunk's fp32 logits on one rank at most (module docstring)
+PIPELINE_LOGITS = "pipeline_logits"  # the stage activation term of ``pipeline_logits`` (no saved-tensor hook sees it)
+
+
+def pipeline_logits(cfg: ModelConfig, spec: ActivationSpec) -> float:
+    """Bytes per token of the logits a pipeline's last stage outputs when the loss takes them whole: the schedule
+    keeps a stage's output until that micro-batch's backward (torch.distributed.pipelining's forward cache), where
+    one process frees them once the log-softmax has read them. Chunked, the stage outputs the head's input, which
+    the chunks' checkpoints keep anyway."""
+    return 0.0 if cfg.loss_chunk_tokens else rank_vocab(cfg, spec) * spec.act
 
 
 def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> float:
@@ -43,10 +57,37 @@ def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> flo
         return per_logit_row * tokens
     n = min(n, tokens)
     chunk = (per_logit_row + per_token(head_vocab_saved_tensors(cfg, spec))) * n
-    vocab = rank_vocab(cfg, spec)
-    weight_grad = vocab * cfg.d_model * spec.residual  # the parameters' dtype: fp32 unless the model is 16-bit
-    input_grad = (tokens - n) * cfg.d_model * head_input_bytes(cfg, spec)  # whole under SP, as the head reads it
-    return chunk + weight_grad + input_grad
+    weight = rank_vocab(cfg, spec) * cfg.d_model  # the head weight's elements on this rank
+    done = (tokens - n) * cfg.d_model * head_input_bytes(cfg, spec)  # whole under SP, as the head reads it
+    if spec.precision.startswith("amp"):
+        # autocast: the gradient sums into the weight's 16-bit copy, which each chunk's recompute casts again; the
+        # chunk's input is cast too
+        during = chunk + 2 * weight * spec.act + done + n * cfg.d_model * spec.act
+        # summing a chunk's weight gradient in: the sum so far, the copy, the chunk's, beside its logits' gradient;
+        # then the sum cast to the weight's dtype beside it and the copy, every chunk's input gradient made
+        every_input = tokens * cfg.d_model * head_input_bytes(cfg, spec)
+        summing = max(3 * weight * spec.act + n * rank_vocab(cfg, spec) * spec.act + 2 * n * cfg.d_model * spec.act
+                      + done, weight * (2 * spec.act + spec.residual) + every_input)
+    else:
+        during = chunk + weight * spec.residual + done  # the parameters' dtype: fp32 unless the model is 16-bit
+        # autograd adds the chunk's weight gradient out of place (the sum so far, the chunk's, the new sum), every
+        # chunk's input gradient made
+        summing = 3 * weight * spec.residual + tokens * cfg.d_model * head_input_bytes(cfg, spec)
+    return max(during, summing) if n < tokens else during
+
+
+def loss_peak(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> float:
+    """Bytes the head's projection and the loss allocate for one micro-batch of ``tokens`` tokens at their peak,
+    over the head's input and weights (what ``train/loss_peak.LossPeak`` measures in a run, the plan check's
+    ``loss_working_set``): whole, the vocabulary-wide saved tensors, autocast's copies of the head's weight and
+    input and the backward's working set; in chunks, the working set alone (a chunk's are in it)."""
+    if cfg.loss_chunk_tokens:
+        return loss_working_set(cfg, spec, tokens)
+    amp = 0
+    if spec.precision.startswith("amp"):  # autocast's 16-bit copies of the head's weight and of its input
+        amp = spec.act * cfg.d_model * (rank_vocab(cfg, spec) + (tokens if head_input_bytes(cfg, spec) != spec.act
+                                                                 else 0))
+    return per_token(head_vocab_saved_tensors(cfg, spec)) * tokens + amp + loss_working_set(cfg, spec, tokens)
 
 
 def rank_vocab(cfg: ModelConfig, spec: ActivationSpec) -> int:

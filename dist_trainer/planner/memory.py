@@ -34,7 +34,7 @@ from dist_trainer.planner.activation_costs import OFFLOADED, layer_costs, stage_
 from dist_trainer.planner.activation_spec import ActivationSpec
 from dist_trainer.planner.axes import AXES
 from dist_trainer.planner.finetune import grad_plan, trainable_params
-from dist_trainer.planner.loss_costs import default_loss_chunk
+from dist_trainer.planner.loss_costs import PIPELINE_LOGITS, default_loss_chunk
 from dist_trainer.planner.moe import moe_layer_ids
 from dist_trainer.planner.optimizer import state_saving
 from dist_trainer.planner.options import (  # re-exported: the planner's callers import them from here
@@ -74,8 +74,10 @@ class RankMemory:
 
     @property
     def saved_activations(self) -> int:
-        """What the autograd graph holds (the saved-tensor-hook figure): activations less the backward working set."""
-        return self.activations - self.detail.get("activations.backward_working_set", 0)
+        """What the autograd graph holds (the saved-tensor-hook figure): activations less the backward working set and
+        the logits a pipeline's schedule keeps (``loss_costs.pipeline_logits``)."""
+        return (self.activations - self.detail.get("activations.backward_working_set", 0)
+                - self.detail.get(f"activations.{PIPELINE_LOGITS}", 0))
 
     @property
     def device_total(self) -> int:

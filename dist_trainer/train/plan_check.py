@@ -9,6 +9,10 @@ Measured on every rank at step ``CHECK_STEP`` (the second: AdamW's states exist,
                    (``model_offload.ActivationOffload.held``), against the planner's ``offloaded_to_host``
     op_kept_outputs         with ``activation_checkpointing=op``: the peak bytes of the outputs its policy's caches
                    keep (``Transformer.kept``), against ``memory.op_kept_bytes``
+    loss_working_set        on the rank that holds the head: the peak bytes its projection and the loss allocate
+                   for the step's first micro-batch, forward and backward, run again on its input
+                   (``train/loss_peak.py``; not with ``train.compile``), against ``loss_costs.loss_peak``: whole or
+                   in chunks (``model.loss_chunk_tokens``)
     peak_memory    CUDA's max allocated; on CPU the peak resident-set growth since the trainer started (recorded, not
                    judged: it also holds the allocator's free lists and the libraries' first-use pages, 2.6x the
                    prediction in the demo's 1.4M-parameter run)
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.config import Config
+from dist_trainer.engines.base import autocast_for
 from dist_trainer.files import atomic_write_text
 from dist_trainer.layout_rules import Layout
 from dist_trainer.model import Transformer
@@ -47,7 +52,17 @@ from dist_trainer.model_offload import LiveBytes
 from dist_trainer.parallel.comm import CommCounter
 from dist_trainer.planner.axes.base import StepTime
 from dist_trainer.planner.cost import counted_traffic, estimate_step_time
-from dist_trainer.planner.memory import GiB, Overheads, RankMemory, TrainingOptions, op_kept_bytes, predict_rank_memory
+from dist_trainer.planner.loss_costs import loss_peak
+from dist_trainer.planner.memory import (
+    GiB,
+    Overheads,
+    RankMemory,
+    TrainingOptions,
+    activation_spec,
+    op_kept_bytes,
+    predict_rank_memory,
+)
+from dist_trainer.train.loss_peak import LossPeak
 from dist_trainer.train.metrics import device_hardware
 
 CHECK_STEP = 1  # 0-based: the second step
@@ -57,7 +72,7 @@ TIMED_STEPS = 3
 # axis's traffic (every "<axis>_traffic" figure) is counted exactly; the offloaded and op-kept bytes within 2%
 # (tests/test_planner_activations.py: a buffer the hooks copy, RoPE's table rows, 0.6%).
 ACCURACY = {"model_states": 0.01, "activations": 0.10, "peak_memory": 0.25, "step_time": 0.5, "traffic": 0.01,
-            "offloaded_activations": 0.02, "op_kept_outputs": 0.02}
+            "offloaded_activations": 0.02, "op_kept_outputs": 0.02, "loss_working_set": 0.02}
 
 
 def accuracy(figure: str) -> float:
@@ -184,7 +199,12 @@ class PlanCheck:
             yield
             return
         offloaded, kept = LiveBytes(), LiveBytes()
-        chunks = [m for m in model.modules() if isinstance(m, Transformer)]  # a pipeline rank's stages
+        loss = LossPeak(lambda: autocast_for(self.cfg.train.precision, self.device))
+        # this rank's model, or a pipeline rank's stages (engines/pipeline.PipelineRankModule.chunks)
+        chunks = getattr(model, "chunks", None) or [m for m in model.modules() if isinstance(m, Transformer)]
+        if not self.cfg.train.compile:  # a dispatch mode does not enter compiled code
+            for m in chunks:
+                loss.attach(m)
         with SavedPeak([*model.parameters(), *model.buffers()]) as tracker:
             counters = [*((m.offload.held, offloaded.add) for m in chunks), *((m.kept, kept.add) for m in chunks),
                         *((m.kept, tracker.add) for m in chunks)]  # the cache holds saved bytes too
@@ -195,7 +215,11 @@ class PlanCheck:
             finally:
                 for counter, listener in counters:
                     counter.listeners.remove(listener)
+                loss.detach()
         self.measured["activations"] = tracker.peak
+        loss.replay()
+        if loss.peak is not None:
+            self.measured["loss_working_set"] = loss.peak
         if self.layout.activation_offload:
             self.measured["offloaded_activations"] = offloaded.peak
         if self.layout.activation_checkpointing == "op":
@@ -269,9 +293,13 @@ class PlanCheck:
         device_peak = mem.device_total - mem.detail.get("overheads.cuda_context", 0)  # not in CUDA's allocated
         kept = op_kept_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
                              pp_rank=self.pp_rank)
+        seq_len = self.cfg.data.seq_len
+        loss = loss_peak(self.cfg.model, activation_spec(self.layout, seq_len, self.options),
+                         self.layout.rank_tokens(seq_len))
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
                 "step_time": t.total, **{figure: b for figure, (_, _, b) in self._traffic().items()},
-                "offloaded_activations": mem.detail.get("activations.offloaded_to_host", 0), "op_kept_outputs": kept}
+                "offloaded_activations": mem.detail.get("activations.offloaded_to_host", 0), "op_kept_outputs": kept,
+                "loss_working_set": loss}
 
     def _row(self, predicted: dict[str, float]) -> dict[str, Any]:
         figures = {}
