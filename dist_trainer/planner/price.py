@@ -57,19 +57,20 @@ class PlannedLayout:
 class Measured:
     """A candidate's memory before its step time: the search times only those it reports. ``device_total`` is
     known at once; ``memory``, the worst rank's whole report, is assembled when asked for (most candidates are
-    judged on their total alone), and so is ``layout``: ``shape`` with its recomputation and activation offload
-    (``changes``), built for the few the search keeps."""
+    judged on their total alone), and so is ``layout``: ``shape`` with its ``recomputation`` (mode, every and
+    activation offload share), built for the few the search keeps."""
 
-    def __init__(self, shape: Layout, changes: dict[str, object], worst: tuple[RankMemory, dict[str, int]],
+    def __init__(self, shape: Layout, recomputation: tuple[str, int, float], worst: tuple[RankMemory, dict[str, int]],
                  device_total: int, fits: bool, host_per_node: int, first_offloaded: int,
                  overheads: Overheads) -> None:
         self.fits, self.host_per_node, self.device_total = fits, host_per_node, device_total
         self.first_offloaded = first_offloaded  # pipeline rank 0's activation bytes in host memory
-        self._shape, self._changes, self._worst, self._overheads = shape, changes, worst, overheads
+        self._shape, self._recomputation, self._worst, self._overheads = shape, recomputation, worst, overheads
 
     @functools.cached_property
     def layout(self) -> Layout:
-        return self._shape.derive(**self._changes) if self._changes else self._shape
+        changes = _recomputation(self._shape, *self._recomputation)
+        return self._shape.derive(**changes) if changes else self._shape
 
     @functools.cached_property
     def memory(self) -> RankMemory:
@@ -223,7 +224,7 @@ class Pricer:
         most, not always the worst rank)."""
         ranks = self.worst_candidates(shape)
         states_of, acts_of = self._states_of(shape, ranks), self._acts_of(shape, ranks)
-        frag, overheads = self.overheads.fragmentation, self.overheads
+        frag, overheads, world = self.overheads.fragmentation, self.overheads, shape.world_size
 
         def measure(mode: str, every: int, offload: float) -> Measured:
             host = 0
@@ -238,8 +239,8 @@ class Pricer:
                 if worst is None or total > worst[0]:
                     worst = (total, states, acts)
             assert worst is not None
-            most = node_host_bytes(host, world_size=shape.world_size, gpus_per_node=self.gpus_per_node)
-            return Measured(shape, _recomputation(shape, mode, every, offload), (worst[1], worst[2]), worst[0],
+            most = node_host_bytes(host, world_size=world, gpus_per_node=self.gpus_per_node)
+            return Measured(shape, (mode, every, offload), (worst[1], worst[2]), worst[0],
                             worst[0] <= self.memory and most <= self.host_memory, most, per_rank[0][2], overheads)
         return measure
 

@@ -251,11 +251,12 @@ class _Refused:
         self.seen: dict[Layout, str | None] = {}
 
     def __call__(self, key: Layout) -> str | None:
-        if key not in self.seen:
-            self.seen[key] = why = self.check(key)
-            if why is not None:
-                self.skipped.add("refused by the trainer's pre-launch check (layout_rules)", why)
-        return self.seen[key]
+        if key in self.seen:
+            return self.seen[key]
+        self.seen[key] = why = self.check(key)
+        if why is not None:
+            self.skipped.add("refused by the trainer's pre-launch check (layout_rules)", why)
+        return why
 
 
 def _check_inputs(model: ModelConfig, options: TrainingOptions, seq_len: int, *, tp_size: int | None,
