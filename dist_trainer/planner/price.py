@@ -4,7 +4,6 @@ computed once per model and batch shape."""
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -58,24 +57,34 @@ class Measured:
     """A candidate's memory before its step time: the search times only those it reports. ``device_total`` is
     known at once; ``memory``, the worst rank's whole report, is assembled when asked for (most candidates are
     judged on their total alone), and so is ``layout``: ``shape`` with its ``recomputation`` (mode, every and
-    activation offload share), built for the few the search keeps."""
+    activation offload share), built for the few the search keeps. Slotted: the search makes one per candidate."""
 
-    def __init__(self, shape: Layout, recomputation: tuple[str, int, float], worst: tuple[RankMemory, dict[str, int]],
-                 device_total: int, fits: bool, host_per_node: int, first_offloaded: int,
+    __slots__ = ("fits", "host_per_node", "device_total", "first_offloaded", "_shape", "_recomputation", "_states",
+                 "_acts", "_overheads", "_layout", "_memory")
+
+    def __init__(self, shape: Layout, recomputation: tuple[str, int, float], states: RankMemory,
+                 acts: dict[str, int], device_total: int, fits: bool, host_per_node: int, first_offloaded: int,
                  overheads: Overheads) -> None:
         self.fits, self.host_per_node, self.device_total = fits, host_per_node, device_total
         self.first_offloaded = first_offloaded  # pipeline rank 0's activation bytes in host memory
-        self._shape, self._recomputation, self._worst, self._overheads = shape, recomputation, worst, overheads
+        self._shape, self._recomputation, self._overheads = shape, recomputation, overheads
+        self._states, self._acts = states, acts  # the worst rank's
+        self._layout: Layout | None = None
+        self._memory: RankMemory | None = None
 
-    @functools.cached_property
+    @property
     def layout(self) -> Layout:
-        changes = _recomputation(self._shape, *self._recomputation)
-        return self._shape.derive(**changes) if changes else self._shape
+        if self._layout is None:
+            changes = _recomputation(self._shape, *self._recomputation)
+            self._layout = self._shape.derive(**changes) if changes else self._shape
+        return self._layout
 
-    @functools.cached_property
+    @property
     def memory(self) -> RankMemory:
         """The rank with the most device bytes (``memory.with_activations``)."""
-        return with_activations(*self._worst, self._overheads)
+        if self._memory is None:
+            self._memory = with_activations(self._states, self._acts, self._overheads)
+        return self._memory
 
 
 # a candidate rank's model states (memory.rank_states) with the sums measuring adds its activations to: (states,
@@ -227,8 +236,7 @@ class Pricer:
         frag, overheads, world = self.overheads.fragmentation, self.overheads, shape.world_size
 
         def measure(mode: str, every: int, offload: float) -> Measured:
-            host = 0
-            worst: tuple[int, RankMemory, dict[str, int]] | None = None
+            host, device = 0, -1
             per_rank = acts_of(mode, every, offload)
             for (states, states_held, states_over, states_host), (acts, acts_held, offloaded) in zip(states_of,
                                                                                                  per_rank):
@@ -236,12 +244,11 @@ class Pricer:
                 held = states_held + acts_held
                 total = held + states_over + round(frag * held)
                 host = max(host, states_host + offloaded)
-                if worst is None or total > worst[0]:
-                    worst = (total, states, acts)
-            assert worst is not None
+                if total > device:  # the first of the most
+                    device, worst_states, worst_acts = total, states, acts
             most = node_host_bytes(host, world_size=world, gpus_per_node=self.gpus_per_node)
-            return Measured(shape, (mode, every, offload), (worst[1], worst[2]), worst[0],
-                            worst[0] <= self.memory and most <= self.host_memory, most, per_rank[0][2], overheads)
+            return Measured(shape, (mode, every, offload), worst_states, worst_acts, device,
+                            device <= self.memory and most <= self.host_memory, most, per_rank[0][2], overheads)
         return measure
 
     def measure(self, layout: Layout) -> Measured:
