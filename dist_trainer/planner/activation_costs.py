@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.facts.model_shape import padded_vocab
@@ -115,7 +115,8 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     kinds = {(i in moe_ids, i in sliding_ids) for i in range(cfg.n_layers)}
     by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
-    loss_backward = partial(loss_working_set, cfg, spec)
+    # asked once per stage and mode of every layout the search measures, of a few micro-batch sizes
+    loss_backward = lru_cache(maxsize=None)(partial(loss_working_set, cfg, spec))
     kept_logits = pipeline_logits(cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     selective_inputs = per_token(documents.document_stage_tensors(spec, selective=True))
@@ -192,28 +193,29 @@ def stage_activations(costs: LayerCosts, *, mode: str, every: int, layer_ids: Se
             recompute = max(c.full if n_redone else 0.0,
                             c.attention_core if mode == "selective" and len(layer_ids) > n_redone else 0.0)
         layer_ids = ()
-    chained = 0
-    while first and chained < len(layer_ids) and layer_ids[chained] == chained:
-        chained += 1
-    redone = set(recomputed_layers(mode, every, layer_ids))
-    offloaded = set(layer_ids[:n_off])
-    for k, i in enumerate(layer_ids):
-        c = costs.of(i, staged=k >= chained)
-        if mode == "op":  # the hooks see its input; the policy's cache holds the rest, which stays
-            stays, moves, cast = c.op - c.checkpointed, c.checkpointed, 0
-            recompute = max(recompute, c.full)
-        elif i in redone:
-            stays, moves, cast = 0.0, c.checkpointed, 0
-            recompute = max(recompute, c.full)
-        else:
-            stays, moves, cast = 0.0, (c.selective if mode == "selective" else c.full), c.amp_weights
-            recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
-        per_token += stays
-        if i in offloaded:  # the hooks move what they see of the layer, autocast's weight casts too
-            host += moves * tokens + cast
-        else:
-            per_token += moves
-            weights += cast
+    if layer_ids:  # each with its own cost (fine-tuning, MoE or sliding-window layers)
+        chained = 0
+        while first and chained < len(layer_ids) and layer_ids[chained] == chained:
+            chained += 1
+        redone = set(recomputed_layers(mode, every, layer_ids))
+        offloaded = set(layer_ids[:n_off])
+        for k, i in enumerate(layer_ids):
+            c = costs.of(i, staged=k >= chained)
+            if mode == "op":  # the hooks see its input; the policy's cache holds the rest, which stays
+                stays, moves, cast = c.op - c.checkpointed, c.checkpointed, 0
+                recompute = max(recompute, c.full)
+            elif i in redone:
+                stays, moves, cast = 0.0, c.checkpointed, 0
+                recompute = max(recompute, c.full)
+            else:
+                stays, moves, cast = 0.0, (c.selective if mode == "selective" else c.full), c.amp_weights
+                recompute = max(recompute, c.attention_core if mode == "selective" else 0.0)
+            per_token += stays
+            if i in offloaded:  # the hooks move what they see of the layer, autocast's weight casts too
+                host += moves * tokens + cast
+            else:
+                per_token += moves
+                weights += cast
     if mode == "selective" and has_layers:
         per_token += costs.selective_inputs
     head = costs.head_staged if costs.head_staged is not None and not first else costs.head

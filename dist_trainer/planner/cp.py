@@ -37,12 +37,15 @@ def _widths(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def recomputed_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes: int,
-                     layer_ids: Sequence[int]) -> int:
+                     layer_ids: Sequence[int], layer_bytes: tuple[int, int] | None = None) -> int:
     """Bytes the recomputed forwards send again, per micro-batch: every layer's attention core under selective
     recomputation, the recomputed layers whole otherwise. torch.utils.checkpoint stops a recomputation once the
     last tensor backward needs is rebuilt, so a selectively recomputed core under all-to-all attention sends q, k
-    and v again but not the output (nothing after it saves a tensor inside the core); a whole layer does."""
-    fwd, _ = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act_bytes)
+    and v again but not the output (nothing after it saves a tensor inside the core); a whole layer does.
+    ``layer_bytes``: ``cp_layer_bytes`` at ``act_bytes``, when the caller has them."""
+    if layer_bytes is None:
+        layer_bytes = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act_bytes)
+    fwd = layer_bytes[0]
     if layout.activation_checkpointing == "selective":
         if layout.cp_mode == "all_to_all":
             hq, hkv = _heads(cfg, layout.tp_size)
@@ -66,16 +69,19 @@ def cp_layer_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes:
 
 
 def cp_counted_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, precision: str, layer_ids: Sequence[int],
-                     last_stage: bool = True) -> int:
+                     last_stage: bool = True, layer_bytes: tuple[int, int] | None = None) -> int:
     """Bytes this rank (holding ``layer_ids``; the loss when ``last_stage``) hands to the cp axis in one step's
-    forward and backward, as ``AxisGroup`` counts them; 0 without context parallelism."""
+    forward and backward, as ``AxisGroup`` counts them; 0 without context parallelism. ``layer_bytes``:
+    ``cp_layer_bytes`` at ``precision``'s activation bytes, when the caller has them."""
     if layout.cp_size == 1:
         return 0
     m, cp = layout.n_microbatches, layout.cp_size
     act = 4 if precision == "fp32" else 2
-    fwd, bwd = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act)
+    if layer_bytes is None:
+        layer_bytes = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act)
+    fwd, bwd = layer_bytes
     total = len(layer_ids) * (fwd + bwd) + recomputed_bytes(cfg, layout, seq_len=seq_len, act_bytes=act,
-                                                            layer_ids=layer_ids)
+                                                            layer_ids=layer_ids, layer_bytes=layer_bytes)
     moe = moe_layer_ids(cfg, layer_ids)
     if moe:  # all-gather (its local shard counted) forward, reduce-scatter (the whole input) backward
         resid = 2 if precision in ("bf16", "fp16") else 4
@@ -86,14 +92,18 @@ def cp_counted_bytes(cfg: ModelConfig, layout: Layout, *, seq_len: int, precisio
 
 
 def cp_exposed_seconds(cfg: ModelConfig, layout: Layout, *, seq_len: int, act_bytes: int, layers: int,
-                       recomputed: int, attention_fwd_s: float, link: tuple[float, float]) -> tuple[float, float]:
+                       recomputed: int, attention_fwd_s: float, link: tuple[float, float],
+                       layer_bytes: tuple[int, int] | None = None) -> tuple[float, float]:
     """(seconds on the link, seconds exposed) of the cp axis in one step: ``attention_fwd_s`` is one layer's
-    attention core forward on this rank for one micro-batch (its backward taken as twice that)."""
+    attention core forward on this rank for one micro-batch (its backward taken as twice that); ``layer_bytes``:
+    ``cp_layer_bytes`` at ``act_bytes``, when the caller has them."""
     if layout.cp_size == 1:
         return 0.0, 0.0
     cp, m = layout.cp_size, layout.n_microbatches
     bw, latency = link
-    fwd, bwd = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act_bytes)
+    if layer_bytes is None:
+        layer_bytes = cp_layer_bytes(cfg, layout, seq_len=seq_len, act_bytes=act_bytes)
+    fwd, bwd = layer_bytes
     if layout.cp_mode == "ring":
         shift_f, shift_b = fwd / (cp - 1) / bw + latency, (bwd - fwd) / cp / bw + latency  # one shift's message
         block_f, block_b = attention_fwd_s / cp, 2 * attention_fwd_s / cp  # one block of the core

@@ -4,14 +4,12 @@ computed once per model and batch shape."""
 
 from __future__ import annotations
 
-import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import cast
 
 from dist_trainer.config import ModelConfig
 from dist_trainer.layout_rules import Layout
-from dist_trainer.planner import activations as act
 from dist_trainer.planner.activation_costs import OFFLOADED, LayerCosts, layer_costs, stage_activations
 from dist_trainer.planner.compute import step_model_flops
 from dist_trainer.planner.cost import StepTime, estimate_step_time
@@ -22,6 +20,7 @@ from dist_trainer.planner.memory import (
     RankMemory,
     TrainingOptions,
     activation_spec,
+    in_flight_of,
     layout_rank_params,
     node_host_bytes,
     rank_expert_trainable,
@@ -57,17 +56,51 @@ class PlannedLayout:
 class Measured:
     """A candidate's memory before its step time: the search times only those it reports. ``device_total`` is
     known at once; ``memory``, the worst rank's whole report, is assembled when asked for (most candidates are
-    judged on their total alone)."""
+    judged on their total alone), and so is ``layout``: ``shape`` with its ``recomputation`` (mode, every and
+    activation offload share), built for the few the search keeps. Slotted: the search makes one per candidate."""
 
-    def __init__(self, layout: Layout, worst: tuple[RankMemory, dict[str, int]], device_total: int, fits: bool,
-                 host_per_node: int, overheads: Overheads) -> None:
-        self.layout, self.fits, self.host_per_node, self.device_total = layout, fits, host_per_node, device_total
-        self._worst, self._overheads = worst, overheads
+    __slots__ = ("fits", "host_per_node", "device_total", "first_offloaded", "_shape", "_recomputation", "_states",
+                 "_acts", "_overheads", "_layout", "_memory")
 
-    @functools.cached_property
+    def __init__(self, shape: Layout, recomputation: tuple[str, int, float], states: RankMemory,
+                 acts: dict[str, int], device_total: int, fits: bool, host_per_node: int, first_offloaded: int,
+                 overheads: Overheads) -> None:
+        self.fits, self.host_per_node, self.device_total = fits, host_per_node, device_total
+        self.first_offloaded = first_offloaded  # pipeline rank 0's activation bytes in host memory
+        self._shape, self._recomputation, self._overheads = shape, recomputation, overheads
+        self._states, self._acts = states, acts  # the worst rank's
+        self._layout: Layout | None = None
+        self._memory: RankMemory | None = None
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            changes = _recomputation(self._shape, *self._recomputation)
+            self._layout = self._shape.derive(**changes) if changes else self._shape
+        return self._layout
+
+    @property
     def memory(self) -> RankMemory:
         """The rank with the most device bytes (``memory.with_activations``)."""
-        return with_activations(*self._worst, self._overheads)
+        if self._memory is None:
+            self._memory = with_activations(self._states, self._acts, self._overheads)
+        return self._memory
+
+
+# a candidate rank's model states (memory.rank_states) with the sums measuring adds its activations to: (states,
+# model states + step buffers, overheads, host bytes); and its activation terms with (terms, device bytes, host
+# bytes)
+_States = tuple[RankMemory, int, int, int]
+_Acts = tuple[dict[str, int], int, int]
+
+
+def _states_sums(states: RankMemory) -> _States:
+    return states, states.model_states + states.step_buffers, states.overheads, states.host
+
+
+def _acts_sums(acts: dict[str, int]) -> _Acts:
+    offloaded = acts.get(OFFLOADED, 0)  # host bytes, not the device's
+    return acts, sum(acts.values()) - offloaded, offloaded
 
 
 class Pricer:
@@ -85,9 +118,9 @@ class Pricer:
         self._params: dict[tuple[int, int, int, int, int], RankParams] = {}
         self._costs: dict[tuple[object, ...], LayerCosts] = {}
         self._layers: dict[tuple[int, int], list[list[int]]] = {}
-        self._states: dict[tuple[tuple[object, ...], int], RankMemory] = {}
+        self._states: dict[tuple[object, ...], tuple[_States, ...]] = {}
         self._worst: dict[tuple[int, int], list[int]] = {}
-        self._acts: dict[tuple[tuple[object, ...], int], dict[str, int]] = {}
+        self._acts: dict[tuple[object, ...], dict[tuple[str, int, float], tuple[_Acts, ...]]] = {}
         self._flops: dict[tuple[int, str, int, int], tuple[float, float]] = {}
 
     def model(self, layout: Layout) -> ModelConfig:
@@ -145,88 +178,87 @@ class Pricer:
                                            grad_plan(self.cfg, self.options.freeze))
         return self._costs[key]
 
-    def states(self, layout: Layout, rank: int) -> RankMemory:
-        """``memory.rank_states`` of pipeline rank ``rank``: once for every recomputation mode of a layout."""
-        return self._rank_states(layout, rank, _BUT_RECOMPUTATION(layout))
+    def _states_of(self, shape: Layout, ranks: list[int]) -> tuple[_States, ...]:
+        """``memory.rank_states`` of each of ``ranks``: once for every recomputation mode and offload share."""
+        key = _BUT_RECOMPUTATION(shape)
+        got = self._states.get(key)
+        if got is None:
+            got = self._states[key] = tuple(_states_sums(rank_states(
+                self.cfg, shape, self.params(shape, r), seq_len=self.seq_len, options=self.options,
+                overheads=self.overheads, pp_rank=r)) for r in ranks)
+        return got
 
-    def _rank_states(self, layout: Layout, rank: int, key: tuple[object, ...]) -> RankMemory:
-        states = self._states.get((key, rank))
-        if states is None:
-            states = self._states[key, rank] = rank_states(
-                self.cfg, layout, self.params(layout, rank), seq_len=self.seq_len, options=self.options,
-                overheads=self.overheads, pp_rank=rank)
-        return states
+    def _acts_of(self, shape: Layout, ranks: list[int]) -> Callable[[str, int, float], tuple[_Acts, ...]]:
+        """Each of ``ranks``' activation terms (``memory.stage_activation_bytes``) under a recomputation mode, its
+        every and an offload share, cached (but an encoder-decoder's) for every layout of this spec, tokens, split
+        and micro-batches in flight (ZeRO's stages, ep, ... alike)."""
+        if self.cfg.encoder_decoder:  # both stacks' tokens (planner/seq2seq.py)
+            def seq2seq(mode: str, every: int, offload: float) -> tuple[_Acts, ...]:
+                layout = shape.derive(**_recomputation(shape, mode, every, offload))
+                spec = activation_spec(layout, self.seq_len, self.options)
+                return tuple(_acts_sums(seq2seq_activation_bytes(self.cfg, layout, spec, self.options, r,
+                                                                 in_flight_of(layout, r))) for r in ranks)
+            return seq2seq
+        spec, tokens, model = self._spec(shape)
+        p = shape.pp_size
+        key = (spec, model.loss_chunk_tokens, tokens, p, shape.pp_virtual_stages,
+               shape.pp_schedule if p > 1 else None, shape.n_microbatches if p > 1 else None)
+        by_mode = self._acts.get(key)
+        if by_mode is None:
+            by_mode = self._acts[key] = {}
+        # what a miss needs of the shape: its costs, each rank's layers, first, last and micro-batches in flight
+        stages: list[tuple[LayerCosts, list[tuple[list[int], bool, bool, float]]]] = []
 
-    def stage_acts(self, layout: Layout, r: int) -> dict[str, int]:
-        """Pipeline rank ``r``'s activation terms (``memory.stage_activation_bytes``)."""
-        return self._stage_acts(layout, r, self._acts_key(layout))
+        def stage_terms(mode: str, every: int, offload: float) -> tuple[_Acts, ...]:
+            got = by_mode.get((mode, every, offload))
+            if got is None:
+                if not stages:
+                    layers = self.layer_ids(shape)
+                    stages.append((self.costs(shape), [(layers[r], r == 0, r == p - 1, in_flight_of(shape, r))
+                                                       for r in ranks]))
+                costs, ranks_of = stages[0]
+                got = by_mode[mode, every, offload] = tuple(_acts_sums(stage_activations(
+                    costs, mode=mode, every=every, layer_ids=ids, tokens=tokens, first=first, last=last,
+                    in_flight=in_flight, offload=offload)) for ids, first, last, in_flight in ranks_of)
+            return got
+        return stage_terms
 
-    def _acts_key(self, layout: Layout) -> tuple[object, ...] | None:
-        """What a layout's activation terms depend on but the pipeline rank (None: an encoder-decoder's, not cached):
-        the same for every layout of this spec, split and recomputation (ZeRO's stages, ep, ...). It begins with
-        the costs' key (``costs``) and the tokens of a micro-batch on one rank."""
-        if self.cfg.encoder_decoder:
-            return None
-        spec, tokens, model = self._spec(layout)
-        p = layout.pp_size
-        return (spec, model.loss_chunk_tokens, tokens, layout.activation_checkpointing, layout.checkpoint_every,
-                layout.activation_offload, p, layout.pp_virtual_stages,
-                layout.pp_schedule if p > 1 else None, layout.n_microbatches if p > 1 else None)
+    def measurer(self, shape: Layout) -> Callable[[str, int, float], Measured]:
+        """``measure`` of ``shape`` under a recomputation mode, its every and an activation offload share (its own
+        three ignored): what those layouts share (the candidate ranks' model states, where their activation terms
+        are kept) found once. The worst rank: the first (most micro-batches in flight, embeddings), the last (head
+        and logits), or the first of those holding the most layers when the split is uneven (layout_rules puts
+        the extra layers on the middle stages); a layout's host bytes are the most of those ranks' (offloaded
+        states and activations: activation offload holds most on the first, whose micro-batches in flight are the
+        most, not always the worst rank)."""
+        ranks = self.worst_candidates(shape)
+        states_of, acts_of = self._states_of(shape, ranks), self._acts_of(shape, ranks)
+        frag, overheads, world = self.overheads.fragmentation, self.overheads, shape.world_size
 
-    def _stage_acts(self, layout: Layout, r: int, key: tuple[object, ...] | None) -> dict[str, int]:
-        p = layout.pp_size
-
-        def in_flight() -> float:
-            return 1.0 if p == 1 else act.in_flight_microbatches(
-                layout.pp_schedule, pp_size=p, pp_rank=r, n_microbatches=layout.n_microbatches,
-                virtual_stages=layout.pp_virtual_stages)
-
-        if key is None:  # both stacks' tokens (planner/seq2seq.py)
-            return seq2seq_activation_bytes(self.cfg, layout, activation_spec(layout, self.seq_len, self.options),
-                                            self.options, r, in_flight())
-        # the micro-batches in flight follow from the schedule and the count, computed on a miss
-        acts = self._acts.get((key, r))
-        if acts is None:
-            costs, tokens = self._costs.get(key[:2]), cast(int, key[2])  # as _acts_key begins
-            acts = self._acts[key, r] = stage_activations(
-                self.costs(layout) if costs is None else costs, mode=layout.activation_checkpointing,
-                every=layout.checkpoint_every,
-                layer_ids=self.layer_ids(layout)[r], tokens=tokens, first=r == 0, last=r == p - 1,
-                in_flight=in_flight(), offload=layout.activation_offload)
-        return acts
-
-    def memory_of(self, layout: Layout) -> RankMemory:
-        """The worst rank: the first (most micro-batches in flight, embeddings), the last (head and logits), or the
-        first of those holding the most layers when the split is uneven (layout_rules puts the extra layers on
-        the middle stages)."""
-        _, worst, _ = self._worst_ranks(layout)
-        return with_activations(*worst, self.overheads)
-
-    def _worst_ranks(self, layout: Layout) -> tuple[int, tuple[RankMemory, dict[str, int]], int]:
-        """The worst rank's device total and (states, activation terms) (``memory_of``), and the most host bytes of
-        those ranks (offloaded states and activations: activation offload holds most on the first, whose
-        micro-batches in flight are the most, not always the worst rank)."""
-        host = 0
-        worst: tuple[int, RankMemory, dict[str, int]] | None = None
-        acts_key, states_key = self._acts_key(layout), _BUT_RECOMPUTATION(layout)
-        for r in self.worst_candidates(layout):
-            acts = self._stage_acts(layout, r, acts_key)
-            states = self._rank_states(layout, r, states_key)
-            # with_activations' device total, without building the rank's whole report
-            offloaded = acts.get(OFFLOADED, 0)  # host bytes, not the device's
-            held = states.model_states + sum(acts.values()) - offloaded + states.step_buffers
-            total = held + states.overheads + round(self.overheads.fragmentation * held)
-            host = max(host, states.host + offloaded)
-            if worst is None or total > worst[0]:
-                worst = (total, states, acts)
-        assert worst is not None
-        return worst[0], (worst[1], worst[2]), host
+        def measure(mode: str, every: int, offload: float) -> Measured:
+            host, device = 0, -1
+            per_rank = acts_of(mode, every, offload)
+            for (states, states_held, states_over, states_host), (acts, acts_held, offloaded) in zip(states_of,
+                                                                                                 per_rank):
+                # with_activations' device total, without building the rank's whole report
+                held = states_held + acts_held
+                total = held + states_over + round(frag * held)
+                host = max(host, states_host + offloaded)
+                if total > device:  # the first of the most
+                    device, worst_states, worst_acts = total, states, acts
+            most = node_host_bytes(host, world_size=world, gpus_per_node=self.gpus_per_node)
+            return Measured(shape, (mode, every, offload), worst_states, worst_acts, device,
+                            device <= self.memory and most <= self.host_memory, most, per_rank[0][2], overheads)
+        return measure
 
     def measure(self, layout: Layout) -> Measured:
         """The worst rank's memory and whether the layout fits (GPU and, for offloaded states, host memory)."""
-        total, worst, most = self._worst_ranks(layout)
-        host = node_host_bytes(most, world_size=layout.world_size, gpus_per_node=self.gpus_per_node)
-        return Measured(layout, worst, total, total <= self.memory and host <= self.host_memory, host, self.overheads)
+        return self.measurer(layout)(layout.activation_checkpointing, layout.checkpoint_every,
+                                     layout.activation_offload)
+
+    def memory_of(self, layout: Layout) -> RankMemory:
+        """The worst rank's memory (``measurer``)."""
+        return self.measure(layout).memory
 
     def price(self, measured: Measured) -> PlannedLayout:
         """``measured`` with its step time (the search times only the layouts it reports)."""
@@ -240,6 +272,13 @@ class Pricer:
                                n_expert_rank=rp.expert,
                                n_expert_trainable_rank=rank_expert_trainable(self.cfg, layout, rp, self.options, 0),
                                layers_by_rank=self.layer_ids(layout), flops=self.flops(layout),
-                               offloaded=self.stage_acts(layout, 0).get(OFFLOADED, 0))
+                               offloaded=measured.first_offloaded)
         return PlannedLayout(layout, measured.memory, t, measured.fits, measured.host_per_node,
                              model.loss_chunk_tokens)
+
+
+def _recomputation(shape: Layout, mode: str, every: int, offload: float) -> dict[str, object]:
+    """The changes that make ``shape`` the layout of this recomputation and offload share (none where it is)."""
+    if (mode, every, offload) == (shape.activation_checkpointing, shape.checkpoint_every, shape.activation_offload):
+        return {}
+    return {"activation_checkpointing": mode, "checkpoint_every": every, "activation_offload": offload}

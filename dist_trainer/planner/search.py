@@ -173,8 +173,9 @@ def plan_layouts(model: ModelConfig, *, n_gpus: int, gpus_per_node: int, gpu_mem
         for shape in _shapes(space, base, per_rank):
             if refused(shape) is not None:
                 continue  # the trainer refuses it (whatever the recomputation): never ranked
+            measure = pl.measurer(shape)
             for ck in checkpointing:
-                tried = _recomputed(pl, shape, ck)
+                tried = _recomputed(measure, ck)
                 considered += len(tried)
                 for measured in tried:
                     found.add(measured)
@@ -250,11 +251,12 @@ class _Refused:
         self.seen: dict[Layout, str | None] = {}
 
     def __call__(self, key: Layout) -> str | None:
-        if key not in self.seen:
-            self.seen[key] = why = self.check(key)
-            if why is not None:
-                self.skipped.add("refused by the trainer's pre-launch check (layout_rules)", why)
-        return self.seen[key]
+        if key in self.seen:
+            return self.seen[key]
+        self.seen[key] = why = self.check(key)
+        if why is not None:
+            self.skipped.add("refused by the trainer's pre-launch check (layout_rules)", why)
+        return why
 
 
 def _check_inputs(model: ModelConfig, options: TrainingOptions, seq_len: int, *, tp_size: int | None,
@@ -311,15 +313,14 @@ def _priced_choices(model: ModelConfig, options: TrainingOptions, zero_stages: t
     return stages, tuple(ck for ck in checkpointing if not (model.encoder_decoder and ck == "op"))
 
 
-def _recomputed(pl: Pricer, shape: Layout, ck: str) -> list[Measured]:
-    """``shape`` with recomputation ``ck`` measured; a layout that keeps its layers' activations and does not fit
-    measured again offloading them (half, then all of its layers, model_offload.py) until one fits (one that fits
-    only loses time by it). The last measured may fit; the others do not."""
+def _recomputed(measure: Callable[[str, int, float], Measured], ck: str) -> list[Measured]:
+    """A shape with recomputation ``ck`` measured (``Pricer.measurer``); a layout that keeps its layers'
+    activations and does not fit measured again offloading them (half, then all of its layers, model_offload.py)
+    until one fits (one that fits only loses time by it). The last measured may fit; the others do not."""
     every = 2 if ck == "every_k" else 1
-    lay = shape if ck == "none" else shape.derive(activation_checkpointing=ck, checkpoint_every=every)
     tried: list[Measured] = []
     for share in (0.0, *OFFLOAD_SHARES) if ck in ("none", "selective") else (0.0,):
-        tried.append(pl.measure(lay.derive(activation_offload=share) if share else lay))
+        tried.append(measure(ck, every, share))
         if tried[-1].fits:
             break
     return tried

@@ -12,7 +12,7 @@ from dist_trainer.config import CP_MODES, ModelConfig
 from dist_trainer.layout_rules import Layout, divisors
 from dist_trainer.planner.activation_spec import recomputed_layers
 from dist_trainer.planner.axes.base import AxisEntry, AxisTime, Fields, SearchSpace, StepContext
-from dist_trainer.planner.cp import cp_counted_bytes, cp_exposed_seconds
+from dist_trainer.planner.cp import cp_counted_bytes, cp_exposed_seconds, cp_layer_bytes
 from dist_trainer.planner.flops import layer_forward_flops_per_token
 
 if TYPE_CHECKING:
@@ -46,10 +46,13 @@ class ContextParallel(AxisEntry):
         attention_fwd = attn * tokens / t / hardware.matmul_flops(ctx.options.precision, tokens, cfg.d_model / t)
         recomputed = len(ids) if layout.activation_checkpointing == "selective" else len(
             recomputed_layers(layout.activation_checkpointing, layout.checkpoint_every, ids))
+        # one layer's bytes, at the compute dtype's activation bytes (as cp_counted_bytes takes them)
+        layer = cp_layer_bytes(cfg, layout, seq_len=ctx.seq_len, act_bytes=ctx.act_bytes)
         total, exposed = cp_exposed_seconds(cfg, layout, seq_len=ctx.seq_len, act_bytes=ctx.act_bytes,
                                             layers=len(ids), recomputed=recomputed, attention_fwd_s=attention_fwd,
-                                            link=ctx.link(t * layout.cp_size))
-        volume = cp_counted_bytes(cfg, layout, seq_len=ctx.seq_len, precision=ctx.options.precision, layer_ids=ids)
+                                            link=ctx.link(t * layout.cp_size), layer_bytes=layer)
+        volume = cp_counted_bytes(cfg, layout, seq_len=ctx.seq_len, precision=ctx.options.precision, layer_ids=ids,
+                                  layer_bytes=layer)
         note = ("K/V around the ring, each shift behind one block of the attention core" if layout.cp_mode == "ring"
                 else "q, k, v and the output across the group around the attention core: all exposed")
         return {"cp": AxisTime(volume, total, exposed, note)}
