@@ -208,30 +208,34 @@ def test_plan_check_measures_the_loss_working_set(tiny_data: Path, tmp_path: Pat
     assert figure["measured"] > (64 * 512 * 4 if not chunk else 3 * 512 * 32 * 2)  # the logits, the weight-sized sums
 
 
+def _watch_loss_inputs(model: torch.nn.Module, seen: list[int]) -> None:
+    """On each training micro-batch, the bytes of the loss inputs still alive when its backward starts, to ``seen``."""
+    import weakref
+
+    alive: dict[int, int] = {}
+
+    def on_loss(module: torch.nn.Module, args: tuple, loss: torch.Tensor) -> None:
+        if not loss.requires_grad:  # evaluation
+            return
+        storage = args[0].untyped_storage()
+        alive[storage.data_ptr()] = storage.nbytes()
+        weakref.finalize(storage, alive.pop, storage.data_ptr())
+        loss.register_hook(lambda grad: seen.append(sum(alive.values())))
+
+    model.loss.register_forward_hook(on_loss)
+
+
 def _kept_logits(rank: int, world: int, data: Path, root: Path) -> dict[str, list[int]]:
     """The bytes of loss inputs still alive when each micro-batch's loss backward starts, on the rank holding the
     head: a pipeline of 2 (1F1B), then the same model with no pipeline (dp=2)."""
-    import weakref
-
     out: dict[str, list[int]] = {}
     for name, parallel in (("pp2", {"pp_size": 2}), ("dp2", {})):
         trainer = Trainer(tiny_config(data, root / name, **{**SECTIONS, "train": {**SECTIONS["train"], "max_steps": 2},
                                                             "parallel": {**SECTIONS["parallel"], **parallel}}))
         engine = trainer.engine
         model = engine.stages[-1].model if name == "pp2" else engine.model  # type: ignore[attr-defined]
-        alive: dict[int, int] = {}
-        seen: list[int] = out.setdefault(name, [])
-
-        def on_loss(module: torch.nn.Module, args: tuple, loss: torch.Tensor) -> None:
-            if not loss.requires_grad:  # evaluation
-                return
-            storage = args[0].untyped_storage()
-            alive[storage.data_ptr()] = storage.nbytes()
-            weakref.finalize(storage, alive.pop, storage.data_ptr())
-            loss.register_hook(lambda grad: seen.append(sum(alive.values())))
-
         if name == "dp2" or rank == 1:
-            model.loss.register_forward_hook(on_loss)
+            _watch_loss_inputs(model, out.setdefault(name, []))
         trainer.train()
     return out
 
