@@ -32,7 +32,7 @@ venv:
 
 demo: venv
 	$(BIN)/dist-trainer prepare --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12000000 $(PREPARE_ARGS)
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m dist_trainer.cli train --config $(DEMO_RUN) \
+	$(BIN)/dist-trainer-torchrun --standalone --nproc_per_node $(NPROC) -m dist_trainer.cli train --config $(DEMO_RUN) \
 		--data.path=$(DEMO_DATA) --train.out_dir=$(DEMO_OUT) $(DEMO_ARGS)
 	$(BIN)/dist-trainer generate --checkpoint $(DEMO_OUT) --prompt "def main(" --max-new-tokens 80
 
