@@ -15,6 +15,7 @@ CAP_NET_ADMIN for `ip netns`; the module is skipped, with the reason, where that
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,9 +24,12 @@ import psutil
 import pytest
 import yaml
 
+from dist_trainer.checkpoint import publish as ckpt
+from dist_trainer.train.preempt import EXIT_PREEMPTED
 from dist_trainer.train.trainer import Trainer
 from tests import netns
 from tests.helpers import LAUNCH, ROOT, relative_diff, subprocess_env, tiny_config
+from tests.test_preemption import _left_behind, _steps
 
 _REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -53,10 +57,10 @@ def reference_losses(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) 
     return [result.losses[s] for s in sorted(result.losses)]
 
 
-def _write_config(tiny_data: Path, tmp_path: Path, **parallel: int) -> tuple[Path, Path]:
+def _write_config(tiny_data: Path, tmp_path: Path, steps: int = STEPS, **parallel: int) -> tuple[Path, Path]:
     out = tmp_path / "run"
     cfg = tiny_config(tiny_data, out, parallel=parallel,
-                      train={"max_steps": STEPS, "log_every": 1})
+                      train={"max_steps": steps, "log_every": 1})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     return path, out
@@ -67,14 +71,24 @@ def _rx_bytes(host: netns.Host) -> int:
                               capture_output=True, text=True, check=True).stdout)
 
 
-def _run_nodes(commands: list[tuple[netns.Host, list[str], dict[str, str]]]) -> list[tuple[int, str]]:
-    """Start one launcher per host (inside its namespace), wait for all; kill every process on a timeout."""
+def _run_nodes(commands: list[tuple[netns.Host, list[str], dict[str, str]]],
+               signalled: tuple[signal.Signals, Path] | None = None) -> list[tuple[int, str]]:
+    """Start one launcher per host (inside its namespace), wait for all; kill every process on a timeout.
+    ``signalled``: (a signal, the run folder): once the run has logged step 3, the signal goes to every host's
+    launcher, as SLURM signals each node of a job."""
     procs = [subprocess.Popen([*host.exec_prefix(), *cmd], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for host, cmd, env in commands]
     deadline = time.monotonic() + TIMEOUT_S
     results = []
     try:
+        if signalled is not None:
+            sig, run_dir = signalled
+            while len(_steps(run_dir / "metrics.jsonl")) < 3 and all(p.poll() is None for p in procs):
+                assert time.monotonic() < deadline, f"step 3 was not logged within {TIMEOUT_S}s"
+                time.sleep(0.05)
+            for p in procs:
+                p.send_signal(sig)
         for p in procs:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append((p.returncode, out))
@@ -127,3 +141,31 @@ def test_deepspeed_two_nodes_per_node_no_ssh_zero2(hosts: tuple[netns.Host, netn
         for rank, host in enumerate(hosts)])
     _check(results, out, reference_losses, "world 4 (deepspeed), tp 1 x pp 1 x dp 4", "zero2")
     assert "nnodes=2, num_local_procs=2, node_rank=1" in results[1][1]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_signal_to_every_node_saves_once_and_ends_each_launcher_with_75(
+        hosts: tuple[netns.Host, netns.Host], tiny_data: Path, tmp_path: Path, launcher: str) -> None:
+    """SLURM's SIGUSR1 to each node's launcher of a two-node job (launch/torchrun.sh; launch/deepspeed.sh in the
+    per-node form docs/launching.md gives preemptible jobs): every rank finishes its step and the world saves one
+    checkpoint, each launcher exits 75 with no traceback, rank 0's one line names the checkpoint, and no process
+    of the run is left on either host."""
+    steps = 400
+    config, out = _write_config(tiny_data, tmp_path, steps=steps, **({"tp_size": 2} if launcher == "torchrun" else
+                                                                      {"zero_stage": 2, "micro_batch_size": 2}))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{h.addr} slots=2\n" for h in hosts))
+    node_env = {"torchrun": lambda rank: {"NNODES": "2", "NODE_RANK": str(rank), "NPROC_PER_NODE": "2"},
+                "deepspeed": lambda rank: {"HOSTFILE": str(hostfile), "NO_SSH": "1", "NODE_RANK": str(rank)}}[launcher]
+    results = _run_nodes([(host, [str(LAUNCH / f"{launcher}.sh"), "--config", str(config)],
+                           _env(tmp_path, host, MASTER_ADDR=hosts[0].addr, MASTER_PORT=PORT, **node_env(rank)))
+                          for rank, host in enumerate(hosts)], signalled=(signal.SIGUSR1, out))
+    for node, (rc, output) in enumerate(results):
+        assert rc == EXIT_PREEMPTED and "Traceback" not in output, f"node {node} exited {rc}:\n{output[-4000:]}"
+    lines = [line for line in results[0][1].splitlines() if line.startswith("dist-trainer train: SIGUSR1 received")]
+    step = _steps(out / "metrics.jsonl")[-1]
+    written = ckpt.step_dir(out / "checkpoints", step)
+    assert len(lines) == 1 and f"stopped after step {step} of {steps} with checkpoint {written}" in lines[0], \
+        results[0][1][-3000:]
+    assert 3 <= step < steps and ckpt.latest_checkpoint(out / "checkpoints") == written
+    assert not _left_behind(config)

@@ -105,6 +105,19 @@ class CommCounter:
     def axis_bytes(self, axis: str) -> int:
         return sum(b for (_, a), b in self.bytes.items() if a == axis)
 
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Collectives run inside are not the step's: its bytes, calls and time are as before them (sequence
+        numbers go on: every rank runs the same ones)."""
+        saved_bytes, saved_calls, saved_s = Counter(self.bytes), Counter(self.calls), self.comm_s
+        try:
+            yield
+        finally:
+            for counter, saved in ((self.bytes, saved_bytes), (self.calls, saved_calls)):
+                counter.clear()
+                counter.update(saved)
+            self.comm_s = saved_s
+
     def reset(self) -> None:
         """Start a step: bytes, calls and time in collectives from zero (sequence numbers go on)."""
         self.bytes.clear()

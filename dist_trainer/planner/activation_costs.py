@@ -116,7 +116,8 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
     # asked once per stage and mode of every layout the search measures, of a few micro-batch sizes
-    loss_backward = lru_cache(maxsize=None)(partial(loss_working_set, cfg, spec))
+    loss_backward = lru_cache(maxsize=None)(partial(loss_working_set, cfg, spec,
+                                                    head_trains=plan is None or "head" in plan.tail))
     kept_logits = pipeline_logits(cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     selective_inputs = per_token(documents.document_stage_tensors(spec, selective=True))

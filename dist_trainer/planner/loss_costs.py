@@ -48,9 +48,10 @@ def pipeline_logits(cfg: ModelConfig, spec: ActivationSpec) -> float:
     return 0.0 if cfg.loss_chunk_tokens else rank_vocab(cfg, spec) * spec.act
 
 
-def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> float:
+def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int, head_trains: bool = True) -> float:
     """Bytes the loss's backward holds beyond the saved tensors at its peak, for ``tokens`` tokens of a micro-batch
-    on the last stage (module docstring)."""
+    on the last stage (module docstring); ``head_trains``: the output weight has a gradient (not under LoRA or a
+    frozen head)."""
     per_logit_row = loss_backward_bytes_per_token(cfg, spec)
     n = cfg.loss_chunk_tokens
     if not n:
@@ -59,30 +60,31 @@ def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> flo
     chunk = (per_logit_row + per_token(head_vocab_saved_tensors(cfg, spec))) * n
     weight = rank_vocab(cfg, spec) * cfg.d_model  # the head weight's elements on this rank
     done = (tokens - n) * cfg.d_model * head_input_bytes(cfg, spec)  # whole under SP, as the head reads it
+    every_input = tokens * cfg.d_model * head_input_bytes(cfg, spec)
     if spec.precision.startswith("amp"):
-        # autocast: the gradient sums into the weight's 16-bit copy, which each chunk's recompute casts again; the
-        # chunk's input is cast too
-        during = chunk + 2 * weight * spec.act + done + n * cfg.d_model * spec.act
+        # autocast: each chunk's recompute casts the weight to 16 bits again (trained or not) and the chunk's input;
+        # the gradient sums into the copy
+        during = chunk + (2 if head_trains else 1) * weight * spec.act + done + n * cfg.d_model * spec.act
         # summing a chunk's weight gradient in: the sum so far, the copy, the chunk's, beside its logits' gradient;
         # then the sum cast to the weight's dtype beside it and the copy, every chunk's input gradient made
-        every_input = tokens * cfg.d_model * head_input_bytes(cfg, spec)
         summing = max(3 * weight * spec.act + n * rank_vocab(cfg, spec) * spec.act + 2 * n * cfg.d_model * spec.act
                       + done, weight * (2 * spec.act + spec.residual) + every_input)
     else:
-        during = chunk + weight * spec.residual + done  # the parameters' dtype: fp32 unless the model is 16-bit
+        # the parameters' dtype: fp32 unless the model is 16-bit
+        during = chunk + (weight * spec.residual if head_trains else 0) + done
         # autograd adds the chunk's weight gradient out of place (the sum so far, the chunk's, the new sum), every
         # chunk's input gradient made
-        summing = 3 * weight * spec.residual + tokens * cfg.d_model * head_input_bytes(cfg, spec)
-    return max(during, summing) if n < tokens else during
+        summing = 3 * weight * spec.residual + every_input
+    return max(during, summing) if head_trains and n < tokens else during
 
 
-def loss_peak(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> float:
+def loss_peak(cfg: ModelConfig, spec: ActivationSpec, tokens: int, head_trains: bool = True) -> float:
     """Bytes the head's projection and the loss allocate for one micro-batch of ``tokens`` tokens at their peak,
     over the head's input and weights (what ``train/loss_peak.LossPeak`` measures in a run, the plan check's
     ``loss_working_set``): whole, the vocabulary-wide saved tensors, autocast's copies of the head's weight and
     input and the backward's working set; in chunks, the working set alone (a chunk's are in it)."""
     if cfg.loss_chunk_tokens:
-        return loss_working_set(cfg, spec, tokens)
+        return loss_working_set(cfg, spec, tokens, head_trains)
     amp = 0
     if spec.precision.startswith("amp"):  # autocast's 16-bit copies of the head's weight and of its input
         amp = spec.act * cfg.d_model * (rank_vocab(cfg, spec) + (tokens if head_input_bytes(cfg, spec) != spec.act

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -51,8 +51,8 @@ class _NewStorages(TorchDispatchMode):
 
 class LossPeak:
     """The peak bytes the head's projection and the loss allocate for one micro-batch (module docstring): the hooks
-    keep the first micro-batch's head input and loss arguments, ``replay`` measures after the step; ``peak`` is
-    None until it ran."""
+    keep the first micro-batch's head input and loss arguments; ``replay`` measures after the step
+    (``PlanCheck.after_backward``, with its collectives kept out of the step's counts); ``peak`` is None until then."""
 
     def __init__(self, autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
         self.autocast = autocast  # the step's autocast (engines/base.autocast_for)
@@ -102,8 +102,9 @@ class LossPeak:
             return
         (model, module, rest), head_in = self.call, self.head_in.requires_grad_()
         self.call = self.head_in = None
-        weights = [w for w in (model.output_weight(), model.output_bias) if w is not None and w.requires_grad]
-        with _gathered(weights), self.autocast(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        params = [w for w in (model.output_weight(), model.output_bias) if w is not None]
+        with _gathered(params), _head_aliases(model) as weights, self.autocast(), \
+                torch.autograd.graph.saved_tensors_hooks(_same, _same):
             self.counting = True
             try:
                 with _NewStorages(self):
@@ -114,6 +115,25 @@ class LossPeak:
             finally:
                 self.counting = False
         self.peak = self.most
+
+
+@contextlib.contextmanager
+def _head_aliases(model: Transformer) -> Iterator[list[torch.Tensor]]:
+    """The head's weight and bias, for the replay, as new leaves over the same storage (no copy): their gradients
+    reach no hook that a regime, the health monitor or a user put on the parameters. Yields those that train (a
+    frozen head, under LoRA or train.freeze, has no gradient)."""
+    weight, bias = model.output_weight(), model.output_bias
+    alias = weight.detach().requires_grad_(weight.requires_grad)
+    bias_alias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=bias.requires_grad)
+    model.output_weight = lambda: alias  # type: ignore[method-assign]  # an instance attribute, removed below
+    if bias is not None:
+        model._parameters["output_bias"] = bias_alias
+    try:
+        yield [t for t in (alias, bias_alias) if t is not None and t.requires_grad]
+    finally:
+        del model.output_weight
+        if bias is not None:
+            model._parameters["output_bias"] = bias
 
 
 def _gathered(params: list[torch.Tensor]) -> contextlib.AbstractContextManager:

@@ -52,6 +52,7 @@ from dist_trainer.model_offload import LiveBytes
 from dist_trainer.parallel.comm import CommCounter
 from dist_trainer.planner.axes.base import StepTime
 from dist_trainer.planner.cost import counted_traffic, estimate_step_time
+from dist_trainer.planner.finetune import grad_plan
 from dist_trainer.planner.loss_costs import loss_peak
 from dist_trainer.planner.memory import (
     GiB,
@@ -189,6 +190,7 @@ class PlanCheck:
         self.baseline = baseline_bytes
         self.measured: dict[str, float] = {}
         self.times: list[float] = []
+        self.loss_peak: LossPeak | None = None  # the check step's head and loss, kept for their replay
         self.done = cfg.train.max_steps <= CHECK_STEP
 
     @contextlib.contextmanager
@@ -217,9 +219,7 @@ class PlanCheck:
                     counter.listeners.remove(listener)
                 loss.detach()
         self.measured["activations"] = tracker.peak
-        loss.replay()
-        if loss.peak is not None:
-            self.measured["loss_working_set"] = loss.peak
+        self.loss_peak = loss  # replayed once the step's traffic is read (after_backward)
         if self.layout.activation_offload:
             self.measured["offloaded_activations"] = offloaded.peak
         if self.layout.activation_checkpointing == "op":
@@ -232,6 +232,12 @@ class PlanCheck:
             self.measured["model_states"] = sum(owned.values())
             for figure, (axis, op, _) in self._traffic().items():
                 self.measured[figure] = counter.bytes[(op, axis)] if op else counter.axis_bytes(axis)
+            if self.loss_peak is not None:
+                with counter.excluded():  # the replay's collectives are not the step's (metrics' comm_bytes)
+                    self.loss_peak.replay()
+                if self.loss_peak.peak is not None:
+                    self.measured["loss_working_set"] = self.loss_peak.peak
+                self.loss_peak = None
 
     def _traffic(self) -> dict[str, tuple[str, str | None, int]]:
         return counted_traffic(self.cfg.model, self.layout, self.options, seq_len=self.cfg.data.seq_len,
@@ -294,8 +300,9 @@ class PlanCheck:
         kept = op_kept_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
                              pp_rank=self.pp_rank)
         seq_len = self.cfg.data.seq_len
+        plan = grad_plan(self.cfg.model, self.options.freeze)
         loss = loss_peak(self.cfg.model, activation_spec(self.layout, seq_len, self.options),
-                         self.layout.rank_tokens(seq_len))
+                         self.layout.rank_tokens(seq_len), head_trains=plan is None or "head" in plan.tail)
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
                 "step_time": t.total, **{figure: b for figure, (_, _, b) in self._traffic().items()},
                 "offloaded_activations": mem.detail.get("activations.offloaded_to_host", 0), "op_kept_outputs": kept,
