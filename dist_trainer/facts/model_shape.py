@@ -112,9 +112,14 @@ def kv_local_dim(cfg: ModelShape, tp_size: int = 1) -> int:
     return kv_dim // tp_size if kv_sharded(cfg, tp_size) else kv_dim
 
 
+def vocab_rows(cfg: ModelShape, tp_size: int = 1) -> int:
+    """The vocabulary rows of the token table, the head and the logits on one TP rank (padded to a multiple of tp)."""
+    return padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
+
+
 def token_embedding_params(cfg: ModelShape, tp_size: int = 1) -> int:
     """The token table on one TP rank: vocabulary rows split (padded to a multiple of tp)."""
-    return (padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size) * cfg.d_model
+    return vocab_rows(cfg, tp_size) * cfg.d_model
 
 
 def relative_bias_params(cfg: ModelShape, tp_size: int = 1) -> int:
@@ -268,7 +273,7 @@ def tail_params(cfg: ModelShape, tp_size: int = 1, *, pp_size: int = 1) -> dict[
     Every placement but post-norm ends with a final norm; an untied head is ``Linear(h, V, bias=False)``; BERT's
     masked-LM head (``model.mlm_head``) adds ``mlm_transform.dense`` ``Linear(h, h, bias)``, its norm and
     ``output_bias``."""
-    head_rows = padded_vocab(cfg.vocab_size, tp_size) // tp_size if tp_size > 1 else cfg.vocab_size
+    head_rows = vocab_rows(cfg, tp_size)
     has_head = not cfg.tie_embeddings or pp_size > 1
     dense = cfg.d_model * cfg.d_model + cfg.bias * cfg.d_model  # a Linear(h, h, bias=model.bias)
     return {

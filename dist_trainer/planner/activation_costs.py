@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.facts.model_shape import padded_vocab
 from dist_trainer.planner import documents
 from dist_trainer.planner.activation_spec import RECOMPUTE, ActivationSpec, per_token, recomputed_layers
 from dist_trainer.planner.activations import (
@@ -27,8 +26,8 @@ from dist_trainer.planner.activations import (
     layer_saved_tensors,
 )
 from dist_trainer.planner.activations_ends import embedding_saved_tensors, head_saved_tensors
-from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads
-from dist_trainer.planner.loss_costs import PIPELINE_LOGITS, loss_working_set, pipeline_logits
+from dist_trainer.planner.finetune import ALL_TRAIN, GradPlan, LayerGrads, head_trains
+from dist_trainer.planner.loss_costs import PIPELINE_LOGITS, amp_head_copy, loss_working_set, pipeline_logits
 from dist_trainer.planner.op_recompute import op_saved_tensors
 
 OFFLOADED = "offloaded_to_host"  # stage_activations' term of host memory, apart from the device's
@@ -105,10 +104,8 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     gradients (``planner/finetune.grad_plan``; None when everything trains)."""
     amp_head = amp_dense = 0
     if spec.precision.startswith("amp"):
-        t = spec.tp_size
         # the head's cast weight; a chunked loss casts it inside each chunk's checkpoint (kept by none)
-        amp_head = 0 if cfg.loss_chunk_tokens else 2 * cfg.d_model * (
-            padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+        amp_head = 0 if cfg.loss_chunk_tokens else amp_head_copy(cfg, spec)
         amp_dense = 2 * cfg.d_model * cfg.d_model if cfg.mlm_head else 0  # the MLM transform's dense, whole
     moe_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
     sliding_ids = frozenset(i for i in range(cfg.n_layers) if cfg.is_sliding_layer(i))
@@ -116,8 +113,7 @@ def layer_costs(cfg: ModelConfig, spec: ActivationSpec, plan: GradPlan | None = 
     by_kind = {kind: _layer_cost(cfg, spec, ALL_TRAIN, *kind) for kind in sorted(kinds)}
     layer = by_kind.get((False, False)) or _layer_cost(cfg, spec, ALL_TRAIN)  # a dense, global layer
     # asked once per stage and mode of every layout the search measures, of a few micro-batch sizes
-    loss_backward = lru_cache(maxsize=None)(partial(loss_working_set, cfg, spec,
-                                                    head_trains=plan is None or "head" in plan.tail))
+    loss_backward = lru_cache(maxsize=None)(partial(loss_working_set, cfg, spec, head_trains=head_trains(plan)))
     kept_logits = pipeline_logits(cfg, spec)
     moe_layer = _layer_cost(cfg, spec, ALL_TRAIN, moe=True) if moe_ids else None
     selective_inputs = per_token(documents.document_stage_tensors(spec, selective=True))

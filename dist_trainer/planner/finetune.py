@@ -99,6 +99,11 @@ class GradPlan:
         return staged or self.layers[-1].output
 
 
+def head_trains(plan: GradPlan | None) -> bool:
+    """Whether the output weight has a gradient (a tied head trains with ``tok_emb``); ``plan`` from ``grad_plan``."""
+    return plan is None or "head" in plan.tail
+
+
 def grad_plan(cfg: ModelConfig, freeze: Sequence[str] = ()) -> GradPlan | None:
     """Each layer's ``LayerGrads`` in one process, chained from the embeddings; None when everything trains."""
     if not cfg.lora_rank and not freeze:

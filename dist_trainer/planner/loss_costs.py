@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from dist_trainer.config import ModelConfig
-from dist_trainer.facts.model_shape import padded_vocab
+from dist_trainer.facts.model_shape import vocab_rows
 from dist_trainer.planner.activation_spec import ActivationSpec, per_token
 from dist_trainer.planner.activations_ends import (
     head_input_bytes,
@@ -58,7 +58,8 @@ def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int, head_t
         return per_logit_row * tokens
     n = min(n, tokens)
     chunk = (per_logit_row + per_token(head_vocab_saved_tensors(cfg, spec))) * n
-    weight = rank_vocab(cfg, spec) * cfg.d_model  # the head weight's elements on this rank
+    vocab = rank_vocab(cfg, spec)
+    weight = vocab * cfg.d_model  # the head weight's elements on this rank
     done = (tokens - n) * cfg.d_model * head_input_bytes(cfg, spec)  # whole under SP, as the head reads it
     every_input = tokens * cfg.d_model * head_input_bytes(cfg, spec)
     if spec.precision.startswith("amp"):
@@ -67,7 +68,7 @@ def loss_working_set(cfg: ModelConfig, spec: ActivationSpec, tokens: int, head_t
         during = chunk + (2 if head_trains else 1) * weight * spec.act + done + n * cfg.d_model * spec.act
         # summing a chunk's weight gradient in: the sum so far, the copy, the chunk's, beside its logits' gradient;
         # then the sum cast to the weight's dtype beside it and the copy, every chunk's input gradient made
-        summing = max(3 * weight * spec.act + n * rank_vocab(cfg, spec) * spec.act + 2 * n * cfg.d_model * spec.act
+        summing = max(3 * weight * spec.act + n * vocab * spec.act + 2 * n * cfg.d_model * spec.act
                       + done, weight * (2 * spec.act + spec.residual) + every_input)
     else:
         # the parameters' dtype: fp32 unless the model is 16-bit
@@ -85,16 +86,20 @@ def loss_peak(cfg: ModelConfig, spec: ActivationSpec, tokens: int, head_trains: 
     input and the backward's working set; in chunks, the working set alone (a chunk's are in it)."""
     if cfg.loss_chunk_tokens:
         return loss_working_set(cfg, spec, tokens, head_trains)
-    amp = 0
-    if spec.precision.startswith("amp"):  # autocast's 16-bit copies of the head's weight and of its input
-        amp = spec.act * cfg.d_model * (rank_vocab(cfg, spec) + (tokens if head_input_bytes(cfg, spec) != spec.act
-                                                                 else 0))
+    amp = amp_head_copy(cfg, spec)  # autocast's 16-bit copies of the head's weight and of its input
+    if amp and head_input_bytes(cfg, spec) != spec.act:
+        amp += spec.act * cfg.d_model * tokens
     return per_token(head_vocab_saved_tensors(cfg, spec)) * tokens + amp + loss_working_set(cfg, spec, tokens)
 
 
 def rank_vocab(cfg: ModelConfig, spec: ActivationSpec) -> int:
     """The logits' width on one rank: the whole vocabulary, or its padded TP shard."""
-    return padded_vocab(cfg.vocab_size, spec.tp_size) // spec.tp_size if spec.tp_size > 1 else cfg.vocab_size
+    return vocab_rows(cfg, spec.tp_size)
+
+
+def amp_head_copy(cfg: ModelConfig, spec: ActivationSpec) -> int:
+    """Bytes of autocast's 16-bit copy of the head's weight on one rank (0 without autocast)."""
+    return spec.act * cfg.d_model * rank_vocab(cfg, spec) if spec.precision.startswith("amp") else 0
 
 
 def default_loss_chunk(cfg: ModelConfig, spec: ActivationSpec, tokens: int) -> int:

@@ -39,7 +39,7 @@ from dist_trainer.planner.activation_spec import (
     recomputed_layers,
 )
 from dist_trainer.planner.activations_ends import head_saved_tensors
-from dist_trainer.planner.loss_costs import loss_working_set
+from dist_trainer.planner.loss_costs import amp_head_copy, loss_working_set
 from dist_trainer.planner.params import head_matmul_weights, layer_matmul_weights
 
 
@@ -194,12 +194,7 @@ def _per_source(cfg: ModelConfig, spec: ActivationSpec, selective: bool, padded:
 
 
 def _amp_head(cfg: ModelConfig, spec: ActivationSpec) -> int:
-    if not spec.precision.startswith("amp") or cfg.loss_chunk_tokens:  # a chunked loss casts it in its checkpoints
-        return 0
-    from dist_trainer.facts.model_shape import padded_vocab
-
-    t = spec.tp_size
-    return 2 * cfg.d_model * (padded_vocab(cfg.vocab_size, t) // t if t > 1 else cfg.vocab_size)
+    return 0 if cfg.loss_chunk_tokens else amp_head_copy(cfg, spec)  # a chunked loss casts it in its checkpoints
 
 
 def seq2seq_step_flops(cfg: ModelConfig, *, seq_len: int, target_len: int, global_batch: int,

@@ -52,7 +52,7 @@ from dist_trainer.model_offload import LiveBytes
 from dist_trainer.parallel.comm import CommCounter
 from dist_trainer.planner.axes.base import StepTime
 from dist_trainer.planner.cost import counted_traffic, estimate_step_time
-from dist_trainer.planner.finetune import grad_plan
+from dist_trainer.planner.finetune import grad_plan, head_trains
 from dist_trainer.planner.loss_costs import loss_peak
 from dist_trainer.planner.memory import (
     GiB,
@@ -300,9 +300,9 @@ class PlanCheck:
         kept = op_kept_bytes(self.cfg.model, self.layout, seq_len=self.cfg.data.seq_len, options=self.options,
                              pp_rank=self.pp_rank)
         seq_len = self.cfg.data.seq_len
-        plan = grad_plan(self.cfg.model, self.options.freeze)
         loss = loss_peak(self.cfg.model, activation_spec(self.layout, seq_len, self.options),
-                         self.layout.rank_tokens(seq_len), head_trains=plan is None or "head" in plan.tail)
+                         self.layout.rank_tokens(seq_len),
+                         head_trains=head_trains(grad_plan(self.cfg.model, self.options.freeze)))
         return {"model_states": mem.model_states, "activations": mem.saved_activations, "peak_memory": device_peak,
                 "step_time": t.total, **{figure: b for figure, (_, _, b) in self._traffic().items()},
                 "offloaded_activations": mem.detail.get("activations.offloaded_to_host", 0), "op_kept_outputs": kept,
